@@ -1,0 +1,145 @@
+"""
+Checkpoints under $NANOCHAT_BASE_DIR/base_checkpoints/<model_tag>/, one set of files per step:
+
+  model_<step>.pt   full (unsharded) fp32 tensors, by parameter name
+  optim_<step>.pt   the optimizer's layout-free state (full tensors by parameter name)
+  meta_<step>.json  model config, step, loop state, the dataloader state of every DP rank, user flags
+
+With pipeline parallelism each stage writes its own parameters to model_<step>_stage<k>.pt (and
+optim_..._stage<k>.pt); the loader merges them. The tensors are always whole, so a checkpoint saved
+at one (DP, TP, PP) layout loads at any other.
+
+Every file is written to a temporary name and renamed, and meta_<step>.json is written last: a step
+counts as saved only when its meta exists, so a kill during a save never damages an earlier one.
+Loading uses torch.load(weights_only=True) and JSON: nothing arbitrary is unpickled.
+"""
+
+import os
+import re
+import glob
+import json
+
+import torch
+
+from nanochat.common import get_base_dir, atomic_write_bytes
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def checkpoint_dir(model_tag, base_dir=None):
+    return os.path.join(base_dir or get_base_dir(), "base_checkpoints", model_tag)
+
+
+def _suffix(stage, num_stages):
+    return "" if num_stages == 1 else f"_stage{stage}"
+
+
+def _torch_save_atomic(obj, path):
+    tmp = f"{path}.tmp.{os.getpid()}"
+    torch.save(obj, tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save_stage_files(ckpt_dir, step, model_state, optim_state, stage=0, num_stages=1):
+    """Write one pipeline stage's model and optimizer files (tensors must be full and on CPU)."""
+    os.makedirs(ckpt_dir, exist_ok=True)
+    sfx = _suffix(stage, num_stages)
+    _torch_save_atomic(model_state, os.path.join(ckpt_dir, f"model_{step:06d}{sfx}.pt"))
+    if optim_state is not None:
+        _torch_save_atomic(optim_state, os.path.join(ckpt_dir, f"optim_{step:06d}{sfx}.pt"))
+
+
+def save_meta(ckpt_dir, step, meta, num_stages=1):
+    """Write meta_<step>.json last: it marks the checkpoint as complete."""
+    meta = dict(meta, step=step, num_stages=num_stages)
+    atomic_write_bytes(os.path.join(ckpt_dir, f"meta_{step:06d}.json"), json.dumps(meta, indent=2).encode())
+
+
+def find_last_step(ckpt_dir):
+    steps = [int(m.group(1)) for f in glob.glob(os.path.join(ckpt_dir, "meta_*.json"))
+             if (m := re.search(r"meta_(\d+)\.json$", f))]
+    if not steps:
+        raise CheckpointError(f"no checkpoint in {ckpt_dir} (looked for meta_*.json)")
+    return max(steps)
+
+
+def load_meta(ckpt_dir, step):
+    path = os.path.join(ckpt_dir, f"meta_{step:06d}.json")
+    if not os.path.exists(path):
+        available = sorted(int(re.search(r"(\d+)", os.path.basename(f)).group(1)) for f in glob.glob(os.path.join(ckpt_dir, "meta_*.json")))
+        raise CheckpointError(f"no checkpoint for step {step} in {ckpt_dir}; saved steps: {available or 'none'}")
+    with open(path) as f:
+        return json.load(f)
+
+
+def _load_merged(ckpt_dir, step, kind, num_stages, device):
+    merged = {}
+    for stage in range(num_stages):
+        path = os.path.join(ckpt_dir, f"{kind}_{step:06d}{_suffix(stage, num_stages)}.pt")
+        if not os.path.exists(path):
+            raise CheckpointError(f"checkpoint step {step} is incomplete: {path} is missing")
+        part = torch.load(path, map_location=device, weights_only=True)
+        if kind == "optim":  # {'adamw_step': n, 'params': {...}}
+            merged.setdefault("params", {}).update(part["params"])
+            merged["adamw_step"] = part["adamw_step"]
+        else:
+            merged.update(part)
+    return merged
+
+
+def load_checkpoint(ckpt_dir, step=None, device="cpu", load_optimizer=True):
+    """(model_state, optim_state or None, meta) for a step (default: the latest)."""
+    step = find_last_step(ckpt_dir) if step is None else step
+    meta = load_meta(ckpt_dir, step)
+    n = meta.get("num_stages", 1)
+    model_state = _load_merged(ckpt_dir, step, "model", n, device)
+    optim_state = _load_merged(ckpt_dir, step, "optim", n, device) if load_optimizer else None
+    return model_state, optim_state, meta
+
+
+def load_model(model_tag, step=None, device="cpu", compute_dtype=torch.float32, base_dir=None):
+    """Build a GPT from a checkpoint for evaluation or sampling. Returns (model, meta)."""
+    from nanochat.gpt import GPTConfig, build_model
+    ckpt_dir = checkpoint_dir(model_tag, base_dir)
+    if not os.path.isdir(ckpt_dir):
+        root = os.path.dirname(ckpt_dir)
+        tags = sorted(os.listdir(root)) if os.path.isdir(root) else []
+        raise CheckpointError(f"no checkpoints for model tag {model_tag!r} in {root}; tags found: {tags or 'none'}")
+    model_state, _, meta = load_checkpoint(ckpt_dir, step, device="cpu", load_optimizer=False)
+    config = GPTConfig.from_dict(meta["model_config"])
+    model = build_model(config, device, compute_dtype)
+    load_model_state(model, model_state)
+    model.eval()
+    return model, meta
+
+
+def load_model_state(model, full_state):
+    """Copy full tensors into a (possibly sharded, possibly partial) model: each parameter or buffer
+    takes its own shard of the tensor with its name. Keys the model does not have are skipped (other
+    pipeline stages); keys it has must be present."""
+    from nanochat import tensor_parallel as tp
+    own = dict(model.named_parameters())
+    own.update(dict(model.named_buffers()))
+    missing = [k for k in model.state_dict().keys() if k not in full_state]
+    if missing:
+        raise CheckpointError(f"checkpoint lacks {len(missing)} tensors the model needs, e.g. {missing[:3]}")
+    with torch.no_grad():
+        for name in model.state_dict().keys():
+            target = own[name]
+            src = tp.local_shard(full_state[name], target)
+            if tuple(src.shape) != tuple(target.shape):
+                raise CheckpointError(f"{name}: checkpoint shape {tuple(full_state[name].shape)} does not fit "
+                                      f"the model's {tuple(target.shape)} (different --depth/--aspect-ratio/vocab?)")
+            target.copy_(src)
+
+
+def full_model_state(model):
+    """Full CPU tensors by name (a collective over the TP group when the model is sharded)."""
+    from nanochat import tensor_parallel as tp
+    own = dict(model.named_parameters())
+    own.update(dict(model.named_buffers()))
+    return {name: tp.gather_full(t.detach(), own[name]).cpu() for name, t in model.state_dict().items()}

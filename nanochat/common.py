@@ -1,0 +1,248 @@
+"""
+Things every script needs: where files live, which device and dtype to compute in, the torchrun
+process groups (DP x TP x PP), rank-aware printing, and the peak FLOP/s table for MFU.
+
+The compute dtype is decided once, here: bf16 on GPUs that have fast bf16 (SM80+), fp32 elsewhere,
+overridable with NANOCHAT_DTYPE=float32|bfloat16|float16. Weights stay fp32; modules cast to it.
+"""
+
+import os
+import sys
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger("nanochat")
+
+# -----------------------------------------------------------------------------
+# Files
+
+
+def get_base_dir():
+    """The root for tokenizer, checkpoints, data and reports: NANOCHAT_BASE_DIR or ~/.cache/nanochat."""
+    base = os.environ.get("NANOCHAT_BASE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "nanochat")
+    os.makedirs(base, exist_ok=True)
+    return base
+
+
+def atomic_write_bytes(path, data: bytes):
+    """Write to a temporary file beside `path`, fsync, then rename: a crash leaves the old file intact."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+# -----------------------------------------------------------------------------
+# Device and dtype
+
+
+def autodetect_device_type():
+    if torch.cuda.is_available():
+        return "cuda"
+    if torch.backends.mps.is_available():
+        return "mps"
+    return "cpu"
+
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def get_compute_dtype(device_type):
+    """bf16 where the hardware does it fast (CUDA SM80+), fp32 otherwise; NANOCHAT_DTYPE overrides."""
+    override = os.environ.get("NANOCHAT_DTYPE")
+    if override:
+        if override not in _DTYPES:
+            raise ValueError(f"NANOCHAT_DTYPE={override!r} is not one of {sorted(_DTYPES)}")
+        return _DTYPES[override]
+    if device_type == "cuda" and torch.cuda.get_device_capability()[0] >= 8:
+        return torch.bfloat16
+    return torch.float32
+
+
+# bf16 dense peak FLOP/s (no sparsity), for MFU. Matched against torch.cuda.get_device_name().
+PEAK_BF16_FLOPS = [
+    ("B200", 2.25e15),
+    ("H200", 989e12),
+    ("H100 NVL", 835e12),
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),
+    ("H800", 989e12),
+    ("GH200", 989e12),
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("L40S", 362e12),
+    ("A6000", 155e12),
+    ("RTX 4090", 165e12),
+    ("RTX 3090", 71e12),
+]
+
+
+def get_peak_flops(device_name):
+    """Peak bf16 FLOP/s of a device, or None when unknown (then MFU is not reported)."""
+    for key, flops in PEAK_BF16_FLOPS:
+        if key in device_name:
+            return flops
+    return None
+
+
+def device_name(device_type):
+    if device_type == "cuda":
+        return torch.cuda.get_device_name()
+    return device_type
+
+
+# -----------------------------------------------------------------------------
+# Processes: torchrun init, the DP x TP x PP layout, printing
+
+
+@dataclass
+class Layout:
+    """Where this process sits in the world = PP x DP x TP grid (TP varies fastest: TP peers are
+    neighbouring ranks, which on one node share the fastest links). Groups are None when a size is 1."""
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    dp_rank: int = 0
+    dp_size: int = 1
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    dp_group: object = None
+    tp_group: object = None
+    pp_group: object = None
+    pp_prev: int = -1  # global rank of the previous / next pipeline stage, -1 at the ends
+    pp_next: int = -1
+
+    @property
+    def is_first_stage(self):
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self):
+        return self.pp_rank == self.pp_size - 1
+
+    def tag(self):
+        parts = [f"dp={self.dp_rank}"]
+        if self.tp_size > 1:
+            parts.append(f"tp={self.tp_rank}")
+        if self.pp_size > 1:
+            parts.append(f"pp={self.pp_rank}")
+        return "[" + " ".join(parts) + "]"
+
+
+def grid_rank(layout, dp, tp, pp):
+    """Global rank of the process at (dp, tp, pp)."""
+    return (pp * layout.dp_size + dp) * layout.tp_size + tp
+
+
+def build_layout(rank, world_size, local_rank, tp=1, pp=1):
+    """Split the world into DP x TP x PP and create every process group explicitly. Every rank must
+    call new_group for every group, in the same order, even for groups it is not in."""
+    if tp < 1 or pp < 1 or world_size % (tp * pp) != 0:
+        raise ValueError(f"world size {world_size} is not divisible by tp={tp} x pp={pp}; "
+                         f"choose tp and pp whose product divides the number of processes")
+    dp = world_size // (tp * pp)
+    L = Layout(rank=rank, world_size=world_size, local_rank=local_rank, dp_size=dp, tp_size=tp, pp_size=pp)
+    L.tp_rank = rank % tp
+    L.dp_rank = (rank // tp) % dp
+    L.pp_rank = rank // (tp * dp)
+    if world_size == 1:
+        return L
+    for p in range(pp):  # TP groups: same (pp, dp), all tp
+        for d in range(dp):
+            ranks = [grid_rank(L, d, t, p) for t in range(tp)]
+            g = dist.new_group(ranks) if tp > 1 else None
+            if rank in ranks:
+                L.tp_group = g
+    for p in range(pp):  # DP groups: same (pp, tp), all dp
+        for t in range(tp):
+            ranks = [grid_rank(L, d, t, p) for d in range(dp)]
+            g = dist.new_group(ranks) if dp > 1 else None
+            if rank in ranks:
+                L.dp_group = g
+    for d in range(dp):  # PP groups: same (dp, tp), all pp
+        for t in range(tp):
+            ranks = [grid_rank(L, d, t, p) for p in range(pp)]
+            g = dist.new_group(ranks) if pp > 1 else None
+            if rank in ranks:
+                L.pp_group = g
+    if L.pp_rank > 0:
+        L.pp_prev = grid_rank(L, L.dp_rank, L.tp_rank, L.pp_rank - 1)
+    if L.pp_rank < pp - 1:
+        L.pp_next = grid_rank(L, L.dp_rank, L.tp_rank, L.pp_rank + 1)
+    return L
+
+
+def is_distributed():
+    return all(k in os.environ for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+
+
+def compute_init(device_type="", tp=1, pp=1, seed=42):
+    """Set up device, seeds and (under torchrun) the process groups. Returns (layout, device)."""
+    device_type = device_type or autodetect_device_type()
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device-type=cuda but no CUDA device is visible; use --device-type=cpu")
+    if device_type == "mps" and not torch.backends.mps.is_available():
+        raise RuntimeError("--device-type=mps but MPS is not available; use --device-type=cpu")
+    torch.manual_seed(seed)
+    if device_type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls (rare here) may use tf32
+        torch.backends.cudnn.allow_tf32 = True
+    if is_distributed():
+        rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+        if device_type == "cuda":
+            device = torch.device("cuda", local_rank)
+            torch.cuda.set_device(device)
+            dist.init_process_group(backend="nccl", device_id=device)
+        else:
+            device = torch.device(device_type)
+            dist.init_process_group(backend="gloo")
+        layout = build_layout(rank, world_size, local_rank, tp, pp)
+        dist.barrier()
+    else:
+        if tp * pp > 1:
+            raise ValueError(f"--tp={tp} --pp={pp} need {tp * pp} processes at least: launch with "
+                             f"torchrun --nproc_per_node={tp * pp} -m scripts.base_train ...")
+        device = torch.device(device_type)
+        layout = build_layout(0, 1, 0)
+    return layout, device
+
+
+def compute_cleanup():
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def get_rank():
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def print0(*args, **kwargs):
+    """print on global rank 0 only."""
+    if get_rank() == 0:
+        print(*args, **kwargs, flush=True)
+
+
+def print_rank(layout, *args):
+    """print on every rank, prefixed with its place in the grid, e.g. `[dp=0 tp=1] ...`."""
+    print(layout.tag(), *args, flush=True)
+
+
+def all_reduce_max(value: float, device) -> float:
+    """Largest value over all ranks (a flag, a NaN count); identity in one process."""
+    if not dist.is_initialized():
+        return value
+    t = torch.tensor([value], dtype=torch.float32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def setup_logging():
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)

@@ -1,0 +1,182 @@
+"""
+Pretraining text as parquet shards: one column `text`, one document per row, a few row groups each.
+
+- A data folder holds shards sorted by name; the LAST shard is validation, the rest are training.
+- The folder is `--data-dir`, else NANOCHAT_DATA_DIR, else $NANOCHAT_BASE_DIR/base_data. When that
+  folder has no shards, the small sample bundled with the package is used (with a notice), so a fresh
+  checkout trains end to end offline.
+- Readers stride over the global list of (shard, row group): DP rank r of n takes row groups
+  r, r+n, r+2n, ... (dataloader.py does this).
+- `python -m nanochat.dataset -n 8` downloads shards of the default remote dataset with huggingface_hub.
+"""
+
+import os
+import time
+import argparse
+from functools import lru_cache
+
+import pyarrow.parquet as pq
+
+from nanochat.common import get_base_dir
+
+# Default remote dataset: pre-shuffled FineWeb-Edu shards (~0.1 GB, ~250M chars each) on the HF hub.
+REMOTE_REPO = "karpathy/fineweb-edu-100b-shuffle"
+REMOTE_NUM_SHARDS = 1823
+SAMPLE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sample_data")
+
+
+class DataError(RuntimeError):
+    """Missing, unreadable or malformed data; the message says which file and what to do."""
+
+
+def default_data_dir():
+    return os.environ.get("NANOCHAT_DATA_DIR") or os.path.join(get_base_dir(), "base_data")
+
+
+def list_parquet_files(data_dir):
+    """All *.parquet files of a folder, sorted by name (the last is the validation shard)."""
+    if not os.path.isdir(data_dir):
+        return []
+    return sorted(os.path.join(data_dir, f) for f in os.listdir(data_dir) if f.endswith(".parquet"))
+
+
+def resolve_data_dir(data_dir=None, allow_sample=True, quiet=False):
+    """The folder to read shards from. A folder named explicitly (argument or NANOCHAT_DATA_DIR) must
+    hold shards; only the default folder falls back to the bundled sample when it is empty."""
+    explicit = data_dir or os.environ.get("NANOCHAT_DATA_DIR")
+    data_dir = explicit or default_data_dir()
+    if list_parquet_files(data_dir):
+        return data_dir
+    if explicit or not allow_sample:
+        raise DataError(f"no parquet shards in {data_dir}. Download some with `python -m nanochat.dataset -n 8`, "
+                        f"or point --data-dir / NANOCHAT_DATA_DIR at a folder of parquet files with a `text` column")
+    if not quiet:
+        print(f"NOTICE: no parquet shards in {data_dir}; using the small bundled sample in {SAMPLE_DIR} "
+              f"(Wikipedia, CC BY-SA). For real runs: `python -m nanochat.dataset -n 8` or --data-dir.", flush=True)
+    return SAMPLE_DIR
+
+
+@lru_cache(maxsize=None)
+def _open(path):
+    """Open a shard and check it is parquet with a `text` column; errors name the file."""
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as e:
+        raise DataError(f"{path} is not a readable parquet file ({type(e).__name__}: {e}). "
+                        f"Delete or re-download it; the data folder must hold only parquet shards.") from None
+    if "text" not in pf.schema_arrow.names:
+        raise DataError(f"{path} has no `text` column (columns: {pf.schema_arrow.names})")
+    return pf
+
+
+def split_files(data_dir, split):
+    """Training shards (all but the last) or the validation shard (the last one)."""
+    assert split in ("train", "val"), split
+    files = list_parquet_files(data_dir)
+    if len(files) < 2:
+        raise DataError(f"{data_dir} holds {len(files)} parquet shard(s); need at least 2 (the last is validation)")
+    return files[:-1] if split == "train" else files[-1:]
+
+
+def list_row_groups(files):
+    """The global list of (file, row_group) pairs, in order. Opening each file validates it."""
+    return [(f, i) for f in files for i in range(_open(f).num_row_groups)]
+
+
+def check_data(data_dir=None):
+    """Resolve the data folder and open every shard once, so a bad file fails the run at the start
+    (naming the file), not hours later at the first evaluation. Returns the folder."""
+    data_dir = resolve_data_dir(data_dir)
+    for split in ("train", "val"):
+        if not list_row_groups(split_files(data_dir, split)):
+            raise DataError(f"the {split} shards in {data_dir} hold no rows")
+    return data_dir
+
+
+def read_row_group(path, index):
+    """The documents (strings) of one row group."""
+    try:
+        table = _open(path).read_row_group(index, columns=["text"])
+    except DataError:
+        raise
+    except Exception as e:
+        raise DataError(f"cannot read row group {index} of {path} ({type(e).__name__}: {e}); the file may be corrupt") from None
+    return table.column("text").to_pylist()
+
+
+def iter_documents(files, start=0, step=1):
+    """Documents of row groups start, start+step, ... of the global list (one pass)."""
+    row_groups = list_row_groups(files)
+    for i in range(start, len(row_groups), step):
+        yield from read_row_group(*row_groups[i])
+
+
+# -----------------------------------------------------------------------------
+# Download
+
+
+def download_shards(num_shards, data_dir=None, repo_id=REMOTE_REPO, workers=8, retries=5):
+    """Fetch the first num_shards-1 training shards plus the dataset's last shard (validation) from the
+    Hugging Face hub into data_dir. Finished files are skipped; partial ones resume."""
+    try:
+        from huggingface_hub import hf_hub_download
+    except ImportError:
+        raise DataError("downloading needs huggingface_hub: pip install huggingface-hub") from None
+    from concurrent.futures import ThreadPoolExecutor
+
+    data_dir = data_dir or default_data_dir()
+    os.makedirs(data_dir, exist_ok=True)
+    num_shards = max(2, min(num_shards, REMOTE_NUM_SHARDS))
+    indices = list(range(num_shards - 1)) + [REMOTE_NUM_SHARDS - 1]
+    names = [f"shard_{i:05d}.parquet" for i in indices]
+    todo = [n for n in names if not os.path.exists(os.path.join(data_dir, n))]
+    print(f"{len(names) - len(todo)}/{len(names)} shards already in {data_dir}; downloading {len(todo)} from {repo_id}", flush=True)
+    if not todo:
+        return data_dir
+    _check_hub_reachable(repo_id, todo[0], data_dir)
+
+    def fetch(name):
+        for attempt in range(1, retries + 1):
+            try:
+                return hf_hub_download(repo_id, name, repo_type="dataset", local_dir=data_dir)
+            except Exception as e:  # network hiccups: back off and retry, resuming the partial file
+                if attempt == retries:
+                    raise DataError(f"failed to download {name} after {retries} attempts: {e}") from None
+                wait = 2 ** attempt
+                print(f"{name}: attempt {attempt} failed ({type(e).__name__}); retrying in {wait}s", flush=True)
+                time.sleep(wait)
+
+    t0 = time.time()
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        for i, path in enumerate(pool.map(fetch, todo), 1):
+            print(f"[{i}/{len(todo)}] {os.path.basename(path)} ({time.time() - t0:.0f}s)", flush=True)
+    return data_dir
+
+
+def _check_hub_reachable(repo_id, filename, data_dir):
+    """Fail in seconds, with directions, when the hub cannot be reached (offline machines)."""
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+    try:
+        get_hf_file_metadata(hf_hub_url(repo_id, filename, repo_type="dataset"), timeout=10)
+    except Exception as e:
+        raise DataError(
+            f"cannot reach the Hugging Face hub to download {repo_id} ({type(e).__name__}: {e}).\n"
+            f"Offline? Use local shards instead: copy parquet files (one `text` column; the last file is "
+            f"validation) into {data_dir}, or pass --data-dir DIR / set NANOCHAT_DATA_DIR=DIR.") from None
+
+
+def main():
+    parser = argparse.ArgumentParser(description="Download pretraining shards from the Hugging Face hub")
+    parser.add_argument("-n", "--num-shards", type=int, default=8, help="shards to fetch (the last one is validation)")
+    parser.add_argument("--data-dir", type=str, default=None, help="destination (default: NANOCHAT_DATA_DIR or $NANOCHAT_BASE_DIR/base_data)")
+    parser.add_argument("--repo", type=str, default=REMOTE_REPO, help="Hugging Face dataset repo")
+    parser.add_argument("-w", "--workers", type=int, default=8, help="parallel downloads")
+    args = parser.parse_args()
+    try:
+        download_shards(args.num_shards, args.data_dir, args.repo, args.workers)
+    except DataError as e:
+        raise SystemExit(f"ERROR: {e}")
+
+
+if __name__ == "__main__":
+    main()

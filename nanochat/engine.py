@@ -1,0 +1,125 @@
+"""
+Inference: a KV cache, and sampling with it.
+
+Prefill runs the prompt once (batch 1) and fills the cache; the cache is then copied for each of the
+num_samples rows and decoding feeds one token per row per step. The model's forward takes the cache
+and handles positions itself (rotary offset, causal/window mask over the cached keys, and the smear's
+previous embedding). At temperature 0 this equals naive generation that recomputes the whole sequence
+every step (tests/test_engine.py checks it).
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+class KVCache:
+    """Per layer, keys and values of shape (B, H_kv, max_len, D), filled up to `pos`."""
+
+    def __init__(self, batch_size, max_len):
+        self.batch_size, self.max_len = batch_size, max_len
+        self.k, self.v = {}, {}
+        self.pos = 0
+        self.last_embedding = None  # for the smear: the embedding of the last token seen
+
+    def update(self, layer_idx, k, v):
+        """Write this call's keys/values at pos.. and return everything cached so far."""
+        T = k.size(2)
+        if self.pos + T > self.max_len:
+            raise ValueError(f"KV cache full: {self.pos} + {T} > {self.max_len} tokens")
+        if layer_idx not in self.k:
+            B, H, _, D = k.shape
+            self.k[layer_idx] = torch.empty((B, H, self.max_len, D), dtype=k.dtype, device=k.device)
+            self.v[layer_idx] = torch.empty((B, H, self.max_len, D), dtype=v.dtype, device=v.device)
+        self.k[layer_idx][:, :, self.pos:self.pos + T] = k
+        self.v[layer_idx][:, :, self.pos:self.pos + T] = v
+        return self.k[layer_idx][:, :, :self.pos + T], self.v[layer_idx][:, :, :self.pos + T]
+
+    def prev_embedding(self, x):
+        """The embedding before each position of x: the cached last one (zeros at the start), then x's own."""
+        first = self.last_embedding if self.last_embedding is not None else torch.zeros_like(x[:, :1])
+        self.last_embedding = x[:, -1:]
+        return torch.cat([first, x[:, :-1]], dim=1)
+
+    def advance(self, T):
+        self.pos += T
+
+    def expand(self, batch_size):
+        """Copy a batch-1 cache (after prefill) to batch_size rows."""
+        assert self.batch_size == 1
+        out = KVCache(batch_size, self.max_len)
+        out.pos = self.pos
+        for i in self.k:
+            out.k[i] = self.k[i].expand(batch_size, -1, -1, -1).clone()
+            out.v[i] = self.v[i].expand(batch_size, -1, -1, -1).clone()
+        out.last_embedding = self.last_embedding.expand(batch_size, -1, -1).clone()
+        return out
+
+
+def sample_next(logits, temperature, top_k, generator):
+    """logits (B, V) -> next ids (B,). temperature 0 = greedy."""
+    if temperature == 0.0:
+        return logits.argmax(dim=-1)
+    logits = logits / temperature
+    if top_k is not None and top_k > 0:
+        k = min(top_k, logits.size(-1))
+        values, _ = torch.topk(logits, k, dim=-1)
+        logits = logits.masked_fill(logits < values[:, -1:], float("-inf"))
+    probs = F.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(model, prompt, max_tokens, num_samples=1, temperature=1.0, top_k=None, seed=42, stop_tokens=()):
+    """Complete a prompt (list of ids). Returns num_samples lists of new ids; a row stops at the first
+    stop token (kept in its output) or after max_tokens."""
+    device = model.cos.device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    cache = KVCache(1, len(prompt) + max_tokens)
+    logits = model(torch.tensor([prompt], dtype=torch.long, device=device), kv_cache=cache)[:, -1]
+    cache = cache.expand(num_samples)
+    logits = logits.expand(num_samples, -1)
+    out = [[] for _ in range(num_samples)]
+    done = [False] * num_samples
+    stop = set(stop_tokens)
+    for _ in range(max_tokens):
+        next_ids = sample_next(logits, temperature, top_k, generator)
+        for i, t in enumerate(next_ids.tolist()):
+            if not done[i]:
+                out[i].append(t)
+                done[i] = t in stop
+        if all(done):
+            break
+        logits = model(next_ids[:, None], kv_cache=cache)[:, -1]
+    return out
+
+
+@torch.no_grad()
+def generate_naive(model, prompt, max_tokens):
+    """Greedy generation that recomputes the whole sequence at each step (the reference)."""
+    device = model.cos.device
+    ids = list(prompt)
+    for _ in range(max_tokens):
+        logits = model(torch.tensor([ids], dtype=torch.long, device=device))[:, -1]
+        ids.append(int(logits.argmax(dim=-1)))
+    return ids[len(prompt):]
+
+
+SAMPLE_PROMPTS = [
+    "The capital of France is",
+    "The chemical symbol of gold is",
+    "If yesterday was Friday, then tomorrow will be",
+    "The opposite of hot is",
+    "The planets of the solar system are:",
+    "My favorite color is",
+]
+
+
+def sample_completions(model, tokenizer, prompts=SAMPLE_PROMPTS, max_tokens=16, temperature=0.0):
+    """Greedy completions of a few fixed prompts, as strings (what base_train prints)."""
+    bos = tokenizer.get_bos_token_id()
+    out = []
+    for prompt in prompts:
+        ids = tokenizer.encode(prompt, prepend=bos)
+        new = generate(model, ids, max_tokens, temperature=temperature, stop_tokens=(bos,))[0]
+        out.append(prompt + tokenizer.decode([t for t in new if t != bos]))
+    return out

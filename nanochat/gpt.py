@@ -1,0 +1,433 @@
+"""
+The GPT: a decoder-only transformer with no biases.
+
+- token embedding, then a parameter-free RMSNorm; smear: each position mixes in a gated share of the
+  previous token's embedding
+- blocks: x = resid_lambda * x + x0_lambda * x0 (x0 = the normed embedding), then pre-norm attention
+  and a ReLU^2 MLP (4x), each added residually
+- attention: rotary positions (base 1e5), QK-norm then q and k scaled by 1.2, GQA (n_kv_head), a
+  sliding window per layer from a pattern tiled over layers (S = a quarter of the context rounded to
+  128, L = full; the last layer is always L); on alternating layers (the last included) a per-token
+  value embedding is added to V through a small input-dependent gate
+- backout: before the final norm, subtract a learned share of the residual stream at mid-depth
+- untied lm_head; logits soft-capped 15*tanh(x/15) in fp32; cross-entropy with ignore_index=-1
+
+Weights are fp32 (the optimizer's precision); every matmul runs in the compute dtype: modules cast
+weights to the dtype of the activations, no autocast. The model is built on the meta device, moved
+with to_empty() and initialized by init_weights(), which says per parameter how.
+
+The forward is three pieces so that parallel helpers can wrap them: embed() -> run_blocks(start, end)
+-> head(). Everything a later block needs travels in a `Residual` (x, x0, x_mid). Linears are
+attributes of the blocks, so tensor parallelism swaps them for sharded ones in place.
+"""
+
+import math
+from dataclasses import dataclass, field, asdict
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class GPTConfig:
+    sequence_len: int = 2048
+    vocab_size: int = 32768
+    n_layer: int = 12
+    n_head: int = 6
+    n_kv_head: int = 6
+    n_embd: int = 768
+    window_pattern: str = "SSSL"
+    # Large Lookup Layers (l3.py): inserted after these block indices; empty = none
+    l3_after_layers: tuple = ()
+    l3_n_emb: int = 0
+    l3_d_up: int = 0
+    l3_k_max: int = 512
+    l3_tied: bool = False
+
+    @property
+    def head_dim(self):
+        return self.n_embd // self.n_head
+
+    def to_dict(self):
+        d = asdict(self)
+        d["l3_after_layers"] = list(self.l3_after_layers)
+        return d
+
+    @classmethod
+    def from_dict(cls, d):
+        d = dict(d)
+        d["l3_after_layers"] = tuple(d.get("l3_after_layers", ()))
+        return cls(**d)
+
+
+def config_for_depth(depth, aspect_ratio=64, head_dim=128, vocab_size=32768, sequence_len=2048,
+                     window_pattern="SSSL", n_kv_head=0, **kwargs):
+    """The one dial: model_dim = depth * aspect_ratio rounded up to a multiple of head_dim."""
+    model_dim = ((depth * aspect_ratio + head_dim - 1) // head_dim) * head_dim
+    n_head = model_dim // head_dim
+    n_kv_head = n_kv_head or n_head
+    if n_head % n_kv_head != 0:
+        raise ValueError(f"n_kv_head={n_kv_head} must divide n_head={n_head}")
+    return GPTConfig(sequence_len=sequence_len, vocab_size=vocab_size, n_layer=depth, n_head=n_head,
+                     n_kv_head=n_kv_head, n_embd=model_dim, window_pattern=window_pattern, **kwargs)
+
+
+def window_sizes(config):
+    """Per layer: the attention window in tokens (== sequence_len for full context)."""
+    pattern = config.window_pattern.upper()
+    if not pattern or set(pattern) - {"S", "L"}:
+        raise ValueError(f"--window-pattern {config.window_pattern!r} must be a string of S and L, e.g. SSSL or L")
+    short = min(config.sequence_len, max(128, 128 * round(config.sequence_len / 4 / 128)))
+    sizes = [short if pattern[i % len(pattern)] == "S" else config.sequence_len for i in range(config.n_layer)]
+    sizes[-1] = config.sequence_len
+    return sizes
+
+
+def has_value_embed(layer_idx, n_layer):
+    """Value embeddings on alternating layers, the last one included."""
+    return layer_idx % 2 == (n_layer - 1) % 2
+
+
+def norm(x):
+    return F.rms_norm(x, (x.size(-1),))
+
+
+# -----------------------------------------------------------------------------
+# Building blocks
+
+
+class Linear(nn.Linear):
+    """A bias-free linear whose fp32 weight is cast to the activations' dtype for the matmul."""
+
+    def __init__(self, in_features, out_features):
+        super().__init__(in_features, out_features, bias=False)
+
+    def forward(self, x):
+        return F.linear(x, self.weight.to(x.dtype))
+
+
+def apply_rotary(x, cos, sin):
+    """x: (B, T, H, D); cos/sin: (1, T, 1, D/2). Rotates pairs (x_i, x_{i+D/2})."""
+    d = x.shape[-1] // 2
+    x1, x2 = x[..., :d], x[..., d:]
+    return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1)
+
+
+def rotary_tables(seq_len, head_dim, base=100_000.0, device=None):
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+    t = torch.arange(seq_len, dtype=torch.float32, device=device)
+    freqs = torch.outer(t, inv_freq)
+    return freqs.cos()[None, :, None, :], freqs.sin()[None, :, None, :]
+
+
+# --- attention kernels ------------------------------------------------------------
+# q: (B, Hq, T, D), k/v: (B, Hkv, S, D). Training and prefill have S == T (causal from position 0);
+# decoding with a KV cache has S > T: the queries sit at positions S-T .. S-1.
+
+_mask_cache = {}
+
+
+def _dense_mask(T, S, window, device):
+    """Boolean (T, S) mask: causal and at most `window` tokens back (the token itself included)."""
+    key = (T, S, window, str(device))
+    if key not in _mask_cache:
+        q_pos = torch.arange(S - T, S, device=device)[:, None]
+        k_pos = torch.arange(S, device=device)[None, :]
+        _mask_cache[key] = (k_pos <= q_pos) & (q_pos - k_pos < window)
+    return _mask_cache[key]
+
+
+def _block_mask(T, window, device):
+    from torch.nn.attention.flex_attention import create_block_mask
+    key = ("flex", T, window, str(device))
+    if key not in _mask_cache:
+        def sliding_causal(b, h, q_idx, kv_idx):
+            return (kv_idx <= q_idx) & (q_idx - kv_idx < window)
+        _mask_cache[key] = create_block_mask(sliding_causal, B=None, H=None, Q_LEN=T, KV_LEN=T, device=device)
+    return _mask_cache[key]
+
+
+_flex_attention = None
+
+
+def attention(q, k, v, window):
+    """Causal attention with an optional sliding window, picking the fastest exact kernel:
+    CUDA full context -> SDPA (cuDNN first: measured 526 vs 287 TFLOP/s for flash on H200);
+    CUDA sliding window -> FlexAttention with a block mask (skips masked blocks);
+    CPU/MPS or a KV cache -> SDPA with an explicit mask (simple and exact)."""
+    global _flex_attention
+    T, S = q.size(2), k.size(2)
+    gqa = q.size(1) != k.size(1)
+    if q.is_cuda and T == S:
+        if window >= T:
+            from torch.nn.attention import sdpa_kernel, SDPBackend
+            backends = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+            if gqa:  # cuDNN/flash in SDPA want equal head counts: expand k/v
+                k, v = (t.repeat_interleave(q.size(1) // k.size(1), dim=1) for t in (k, v))
+            with sdpa_kernel(backends, set_priority=True):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if _flex_attention is None:
+            from torch.nn.attention.flex_attention import flex_attention
+            _flex_attention = torch.compile(flex_attention, dynamic=False)
+        return _flex_attention(q, k, v, block_mask=_block_mask(T, window, q.device), enable_gqa=gqa)
+    if window >= S and T == S:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=_dense_mask(T, S, window, q.device), enable_gqa=gqa)
+
+
+# --- modules ---------------------------------------------------------------------
+
+VE_GATE_CHANNELS = 32  # value-embedding gate reads the first channels of the block input
+SMEAR_GATE_CHANNELS = 24
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config, layer_idx):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        d, hd = config.n_embd, config.head_dim
+        self.c_q = Linear(d, config.n_head * hd)
+        self.c_k = Linear(d, config.n_kv_head * hd)
+        self.c_v = Linear(d, config.n_kv_head * hd)
+        self.c_proj = Linear(config.n_head * hd, d)
+        self.ve_gate = Linear(VE_GATE_CHANNELS, config.n_kv_head) if has_value_embed(layer_idx, config.n_layer) else None
+
+    def forward(self, x, ve, cos, sin, window, kv_cache=None):
+        B, T, _ = x.shape
+        hd = self.head_dim
+        # head counts come from the (possibly tensor-parallel) weights: local heads under TP
+        q = self.c_q(x).view(B, T, -1, hd)
+        k = self.c_k(x).view(B, T, -1, hd)
+        v = self.c_v(x).view(B, T, -1, hd)
+        if ve is not None:  # value embedding through an input-dependent gate in (0, 2), 1 at init
+            gate = 2 * torch.sigmoid(self.ve_gate(x[..., :VE_GATE_CHANNELS]))
+            v = v + gate.unsqueeze(-1) * ve.view(B, T, -1, hd)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = norm(q) * 1.2, norm(k) * 1.2  # QK-norm; rotation and RMSNorm commute
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if kv_cache is not None:
+            k, v = kv_cache.update(self.layer_idx, k, v)
+        y = attention(q, k, v, window)
+        y = y.transpose(1, 2).reshape(B, T, -1)
+        return self.c_proj(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.c_fc = Linear(config.n_embd, 4 * config.n_embd)
+        self.c_proj = Linear(4 * config.n_embd, config.n_embd)
+
+    def forward(self, x):
+        return self.c_proj(F.relu(self.c_fc(x)).square())
+
+
+class Block(nn.Module):
+    def __init__(self, config, layer_idx):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.attn = CausalSelfAttention(config, layer_idx)
+        self.mlp = MLP(config)
+        self.resid_lambda = nn.Parameter(torch.empty(()))
+        self.x0_lambda = nn.Parameter(torch.empty(()))
+        kv_dim = config.n_kv_head * config.head_dim
+        self.value_embed = nn.Embedding(config.vocab_size, kv_dim) if has_value_embed(layer_idx, config.n_layer) else None
+
+    def forward(self, x, x0, idx, cos, sin, window, kv_cache=None):
+        x = self.resid_lambda.to(x.dtype) * x + self.x0_lambda.to(x.dtype) * x0
+        ve = self.value_embed(idx).to(x.dtype) if self.value_embed is not None else None
+        x = x + self.attn(norm(x), ve, cos, sin, window, kv_cache)
+        x = x + self.mlp(norm(x))
+        return x
+
+
+@dataclass
+class Residual:
+    """What flows between blocks (and between pipeline stages): the residual stream x, the normed
+    embedding x0 that every block mixes back in, and x_mid, the residual at mid-depth for backout
+    (None until the stream has passed the middle)."""
+    x: torch.Tensor
+    x0: torch.Tensor
+    x_mid: torch.Tensor = None
+
+
+# -----------------------------------------------------------------------------
+# The model
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.window_sizes = window_sizes(config)
+        self.backout_layer = config.n_layer // 2  # x_mid = the input of this block
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.smear_gate = Linear(SMEAR_GATE_CHANNELS, 1)
+        self.smear_lambda = nn.Parameter(torch.empty(()))
+        self.blocks = nn.ModuleList([Block(config, i) for i in range(config.n_layer)])
+        self.backout_lambda = nn.Parameter(torch.empty(()))
+        self.lm_head = Linear(config.n_embd, config.vocab_size)
+        self.l3 = nn.ModuleDict()
+        if config.l3_after_layers:
+            from nanochat.l3 import L3Layer
+            for i in config.l3_after_layers:
+                self.l3[str(i)] = L3Layer.from_config(config)
+        # rotary tables for 10x the training context (generation may run past it); not saved
+        self.rotary_len = config.sequence_len * 10
+        cos, sin = rotary_tables(self.rotary_len, config.head_dim)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+        self.compute_dtype = torch.float32
+
+    @torch.no_grad()
+    def init_weights(self):
+        """Every parameter's initialization, explicitly."""
+        cfg = self.config
+        s = math.sqrt(3) / math.sqrt(cfg.n_embd)  # uniform(-s, s) has std 1/sqrt(fan_in)
+        nn.init.normal_(self.wte.weight, mean=0.0, std=1.0)  # followed by a norm, so scale is free
+        nn.init.zeros_(self.smear_gate.weight)
+        self.smear_lambda.fill_(0.0)  # smear starts off
+        for block in self.blocks:
+            attn, mlp = block.attn, block.mlp
+            for lin in (attn.c_q, attn.c_k, attn.c_v, mlp.c_fc):
+                nn.init.uniform_(lin.weight, -s, s)
+            nn.init.zeros_(attn.c_proj.weight)  # output projections at zero: blocks start as identity
+            nn.init.zeros_(mlp.c_proj.weight)
+            if attn.ve_gate is not None:
+                nn.init.zeros_(attn.ve_gate.weight)  # gate = 2*sigmoid(0) = 1
+            if block.value_embed is not None:
+                nn.init.uniform_(block.value_embed.weight, -s, s)
+            block.resid_lambda.fill_(1.0)
+            block.x0_lambda.fill_(0.1)
+        self.backout_lambda.fill_(0.0)
+        nn.init.normal_(self.lm_head.weight, mean=0.0, std=0.001)
+        for layer in self.l3.values():
+            layer.init_weights()
+        cos, sin = rotary_tables(self.rotary_len, cfg.head_dim, device=self.cos.device)
+        self.cos.copy_(cos)
+        self.sin.copy_(sin)
+
+    def set_compute_dtype(self, dtype):
+        self.compute_dtype = dtype
+
+    # --- the three pieces of the forward ------------------------------------------
+
+    def embed(self, idx, kv_cache=None):
+        """Token embedding, norm, smear. Returns the Residual that enters block 0."""
+        x = norm(self.wte(idx).to(self.compute_dtype))
+        # smear: x[t] += lambda * sigmoid(gate(x[t])) * x[t-1]
+        if kv_cache is not None:
+            prev = kv_cache.prev_embedding(x)  # the last embedding of the previous call, or zeros
+        else:
+            prev = F.pad(x[:, :-1], (0, 0, 1, 0))
+        gate = self.smear_lambda.to(x.dtype) * torch.sigmoid(self.smear_gate(x[..., :SMEAR_GATE_CHANNELS]))
+        x = x + gate * prev
+        return Residual(x=x, x0=x)
+
+    def rotary(self, T, start=0):
+        if start + T > self.rotary_len:
+            raise ValueError(f"sequence of {start + T} tokens is longer than the rotary table ({self.rotary_len})")
+        return (self.cos[:, start:start + T].to(self.compute_dtype), self.sin[:, start:start + T].to(self.compute_dtype))
+
+    def run_blocks(self, h: Residual, idx, start, end, kv_cache=None):
+        """Blocks start..end-1 (and the L3 layers placed after them)."""
+        pos = kv_cache.pos if kv_cache is not None else 0
+        cos, sin = self.rotary(idx.size(1), pos)
+        x = h.x
+        x_mid = h.x_mid
+        for i in range(start, end):
+            if i == self.backout_layer:
+                x_mid = x
+            x = self.blocks[i](x, h.x0, idx, cos, sin, self.window_sizes[i], kv_cache)
+            if str(i) in self.l3:
+                x = x + self.l3[str(i)](x, idx)
+        return Residual(x=x, x0=h.x0, x_mid=x_mid)
+
+    def head(self, h: Residual, targets=None, loss_reduction="mean"):
+        """Backout, final norm, lm_head, soft-cap (fp32), and the loss if targets are given."""
+        x = h.x
+        if h.x_mid is not None:
+            x = x - self.backout_lambda.to(x.dtype) * h.x_mid
+        x = norm(x)
+        logits = self.lm_head(x).float()
+        logits = 15.0 * torch.tanh(logits / 15.0)
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1,
+                               reduction=loss_reduction)
+
+    def forward(self, idx, targets=None, loss_reduction="mean", kv_cache=None):
+        h = self.embed(idx, kv_cache)
+        h = self.run_blocks(h, idx, 0, self.config.n_layer, kv_cache)
+        if kv_cache is not None:
+            kv_cache.advance(idx.size(1))
+        return self.head(h, targets, loss_reduction)
+
+    # --- accounting ---------------------------------------------------------------
+
+    def matmul_parameters(self):
+        """Parameters that take part in matmuls: the blocks' linears, L3's W_up/W_mix, the lm_head.
+        (Embedding tables, value embeddings and L3's tables are lookups, scalars are elementwise.)"""
+        return sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
+
+    def num_scaling_params(self):
+        """What the scaling laws count: transformer matrices + lm_head."""
+        return self.matmul_parameters() - sum(p.numel() for layer in self.l3.values() for p in layer.dense_parameters())
+
+    def estimate_flops(self):
+        """Training FLOPs per token: 6 * matmul params + 12 * heads * head_dim * context, summed over
+        layers with each layer's effective context (its window), plus L3's lookups (l3.py)."""
+        cfg = self.config
+        attn = sum(12 * cfg.n_head * cfg.head_dim * min(w, cfg.sequence_len) for w in self.window_sizes)
+        l3 = sum(layer.estimate_flops() for layer in self.l3.values())
+        return 6 * self.matmul_parameters() + attn + l3
+
+    def parameter_counts(self):
+        """Total, and split by kind, for the start-of-run printout."""
+        total = sum(p.numel() for p in self.parameters())
+        embed = self.wte.weight.numel() + sum(b.value_embed.weight.numel() for b in self.blocks if b.value_embed is not None)
+        sparse = sum(p.numel() for layer in self.l3.values() for p in layer.table_parameters())
+        return {"total": total, "embeddings": embed, "l3 tables (sparse)": sparse,
+                "matmul": self.matmul_parameters(), "scaling": self.num_scaling_params(),
+                "active": total - sparse}
+
+    # --- optimizer ----------------------------------------------------------------
+
+    def param_groups(self, embedding_lr, unembedding_lr, matrix_lr, scalar_lr, weight_decay):
+        """Which parameter goes to which update rule, with its learning rate. AdamW LRs for embeddings
+        and the lm_head scale with (model_dim/768)^-0.5 (tuned at d12)."""
+        dim_scale = (self.config.n_embd / 768) ** -0.5
+        table_ids = {id(p) for layer in self.l3.values() for p in layer.table_parameters()}
+        embeds, unembed, scalars, matrices, tables = [], [], [], [], []
+        for name, p in self.named_parameters():
+            if name == "lm_head.weight":
+                unembed.append(p)
+            elif name == "wte.weight" or name.endswith("value_embed.weight"):
+                embeds.append(p)
+            elif id(p) in table_ids:
+                tables.append(p)
+            elif p.ndim == 2 and (name.startswith("blocks.") or name.startswith("l3.")):
+                matrices.append(p)
+            else:  # lambdas, smear gate, L3 norms
+                scalars.append(p)
+        groups = [
+            dict(kind="adamw", params=embeds, lr=embedding_lr * dim_scale, betas=(0.8, 0.95), eps=1e-10, weight_decay=0.0),
+            dict(kind="adamw", params=unembed, lr=unembedding_lr * dim_scale, betas=(0.8, 0.95), eps=1e-10, weight_decay=0.0),
+            dict(kind="adamw", params=scalars, lr=scalar_lr, betas=(0.8, 0.95), eps=1e-10, weight_decay=0.0),
+            dict(kind="muon", params=matrices, lr=matrix_lr, momentum=0.95, weight_decay=weight_decay),
+        ]
+        if tables:
+            groups.append(dict(kind="adamw", params=tables, lr=embedding_lr * dim_scale, betas=(0.8, 0.95), eps=1e-10, weight_decay=0.0))
+        return [g for g in groups if g["params"]]
+
+
+def build_model(config, device, compute_dtype=torch.float32):
+    """Build on meta (no memory, no init cost), materialize on `device`, initialize explicitly."""
+    with torch.device("meta"):
+        model = GPT(config)
+    model.to_empty(device=device)
+    model.init_weights()
+    model.set_compute_dtype(compute_dtype)
+    return model

@@ -1,0 +1,45 @@
+"""
+Bits per byte: a tokenizer-independent loss.
+
+    bpb = sum of per-token cross-entropy (nats) over tokens that stand for bytes
+          / (ln 2 * total bytes of those tokens)
+
+Special tokens (<|bos|>, 0 bytes) and ignored targets (-1) count neither nats nor bytes. Every rank
+evaluates its own batches; the sums are reduced over the data-parallel group (and, with pipeline
+parallelism, sent from the last stage, which holds the losses, to the others).
+"""
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from nanochat.common import grid_rank
+
+
+@torch.no_grad()
+def evaluate_bpb(loss_fn, batches, steps, token_bytes, layout=None):
+    """loss_fn(x, y) -> per-token losses (any shape matching y), or None on a pipeline stage without
+    the head. batches yields (x, y, ...). token_bytes: int tensor, bytes per token id (0 = special)."""
+    device = token_bytes.device
+    total_nats = torch.zeros((), dtype=torch.float64, device=device)
+    total_bytes = torch.zeros((), dtype=torch.int64, device=device)
+    for _ in range(steps):
+        x, y = next(batches)[:2]
+        losses = loss_fn(x, y)
+        if losses is None:
+            continue
+        y = y.reshape(-1)
+        nbytes = torch.where(y >= 0, token_bytes[y.clamp(min=0)], 0)
+        total_nats += (losses.reshape(-1).double() * (nbytes > 0)).sum()
+        total_bytes += nbytes.sum()
+    sums = torch.stack([total_nats, total_bytes.double()])
+    if layout is not None and layout.dp_size > 1:
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=layout.dp_group)
+    if layout is not None and layout.pp_size > 1:
+        last = grid_rank(layout, layout.dp_rank, layout.tp_rank, layout.pp_size - 1)
+        dist.broadcast(sums, src=last, group=layout.pp_group)
+    nats, nbytes = sums.tolist()
+    if nbytes == 0:
+        return float("inf")
+    return nats / (math.log(2) * nbytes)

@@ -1,0 +1,229 @@
+"""
+The run report. Each stage appends its own section as a small markdown file under
+$NANOCHAT_BASE_DIR/report/ (so stages can run, fail and re-run independently); `generate()` stitches
+them into report.md with a header (environment, git commit, hardware, software), a summary table,
+a loss-curve figure (when matplotlib is installed) and the wall time and cost of the run.
+
+    python -m nanochat.report reset      # start a new report (writes the environment section)
+    python -m nanochat.report generate   # write report.md
+"""
+
+import os
+import re
+import csv
+import sys
+import json
+import time
+import socket
+import datetime
+import platform
+import subprocess
+
+from nanochat.common import get_base_dir, get_rank
+
+# Sections in the order the pipeline produces them; anything else is appended after.
+SECTION_ORDER = ["Environment", "Tokenizer training", "Tokenizer evaluation", "Base model training",
+                 "Base model evaluation", "Base model samples"]
+# What the summary table shows: (section, key as written by the stage, label)
+SUMMARY_KEYS = [
+    ("Tokenizer evaluation", "val ours bytes/token", "tokenizer bytes/token (val)"),
+    ("Base model training", "parameters", "parameters"),
+    ("Base model training", "tokens trained", "tokens trained"),
+    ("Base model training", "minimum validation bpb", "min val bpb (training)"),
+    ("Base model training", "training time (min)", "training time (min)"),
+    ("Base model training", "mfu (%)", "MFU (%)"),
+    ("Base model evaluation", "train bpb", "train bpb"),
+    ("Base model evaluation", "val bpb", "val bpb"),
+    ("Base model evaluation", "CORE", "CORE"),
+]
+GPU_HOUR_USD = float(os.environ.get("NANOCHAT_GPU_HOUR_USD", "3.0"))  # the stated price for the cost line
+
+
+def report_dir():
+    d = os.path.join(get_base_dir(), "report")
+    os.makedirs(d, exist_ok=True)
+    return d
+
+
+def slug(title):
+    return re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-")
+
+
+def _format_value(v):
+    if isinstance(v, float):
+        return f"{v:.6g}" if abs(v) < 1e-3 or abs(v) >= 1e6 else f"{v:.6f}".rstrip("0").rstrip(".")
+    if isinstance(v, int) and not isinstance(v, bool):
+        return f"{v:,}"
+    return str(v)
+
+
+def render_items(items):
+    """dicts become `- key: value` lines; strings are kept as they are (markdown)."""
+    lines = []
+    for item in items:
+        if isinstance(item, dict):
+            lines += [f"- {k}: {_format_value(v)}" for k, v in item.items()]
+        else:
+            lines.append(str(item))
+        lines.append("")
+    return "\n".join(lines)
+
+
+def log_section(title, items):
+    """Write (or overwrite) one stage's section. Only rank 0 writes."""
+    if get_rank() != 0:
+        return None
+    stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
+    path = os.path.join(report_dir(), f"{slug(title)}.md")
+    with open(path, "w") as f:
+        f.write(f"## {title}\n_timestamp: {stamp}_\n\n{render_items(items)}\n")
+    return path
+
+
+def parse_section(path):
+    """The `- key: value` pairs of a section file (values as strings, thousands separators removed)."""
+    pairs = {}
+    with open(path) as f:
+        for line in f:
+            m = re.match(r"^- ([^:]+): (.*)$", line.rstrip("\n"))
+            if m:
+                pairs[m.group(1)] = m.group(2)
+    return pairs
+
+
+# -----------------------------------------------------------------------------
+# Environment
+
+
+def git_info():
+    def run(*cmd):
+        try:
+            return subprocess.run(cmd, capture_output=True, text=True, timeout=5, cwd=os.path.dirname(__file__)).stdout.strip()
+        except Exception:
+            return ""
+    commit = run("git", "rev-parse", "--short", "HEAD") or "unknown"
+    dirty = bool(run("git", "status", "--porcelain"))
+    return {"git commit": commit + (" (dirty)" if dirty else ""), "git branch": run("git", "rev-parse", "--abbrev-ref", "HEAD") or "unknown"}
+
+
+def environment():
+    import torch
+    info = {"hostname": socket.gethostname(), "platform": platform.platform(), "python": platform.python_version(),
+            "torch": torch.__version__, "cpu cores": os.cpu_count()}
+    info.update(git_info())
+    if torch.cuda.is_available():
+        n = torch.cuda.device_count()
+        props = torch.cuda.get_device_properties(0)
+        info.update({"gpus": f"{n} x {props.name}", "gpu memory (GiB)": round(props.total_memory / 2**30, 1),
+                     "cuda": torch.version.cuda})
+    else:
+        info["gpus"] = "none (cpu)"
+    return info
+
+
+def reset():
+    """Start a fresh report: remove old sections, write the environment, remember the start time."""
+    if get_rank() != 0:
+        return
+    d = report_dir()
+    for f in os.listdir(d):
+        if f.endswith(".md") or f.endswith(".csv") or f.endswith(".png") or f == "run.json":
+            os.remove(os.path.join(d, f))
+    with open(os.path.join(d, "run.json"), "w") as f:
+        json.dump({"start_time": time.time()}, f)
+    log_section("Environment", [environment()])
+
+
+# -----------------------------------------------------------------------------
+# report.md
+
+
+def plot_loss_curve(csv_path, png_path):
+    """Training loss (and val bpb where measured) vs step. Returns a note when it cannot plot."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "(loss-curve figure skipped: matplotlib is not installed; `pip install -e .[plot]`)"
+    steps, losses, val_steps, vals = [], [], [], []
+    with open(csv_path) as f:
+        for row in csv.DictReader(f):
+            steps.append(int(row["step"]))
+            losses.append(float(row["loss"]))
+            if row.get("val_bpb"):
+                val_steps.append(int(row["step"]))
+                vals.append(float(row["val_bpb"]))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, losses, label="train loss (nats/token, EMA)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("train loss")
+    if vals:
+        ax2 = ax.twinx()
+        ax2.plot(val_steps, vals, "o-", color="tab:red", label="val bpb")
+        ax2.set_ylabel("val bpb")
+        ax2.legend(loc="upper center")
+    ax.legend(loc="upper right")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)
+    return None
+
+
+def generate():
+    """Stitch the sections into report.md; returns its path."""
+    d = report_dir()
+    files = {f[:-3]: os.path.join(d, f) for f in os.listdir(d) if f.endswith(".md") and f != "report.md"}
+    ordered = [slug(t) for t in SECTION_ORDER if slug(t) in files]
+    ordered += sorted(k for k in files if k not in ordered)
+    out = ["# nanochat run report", "", f"_generated: {datetime.datetime.now().strftime('%Y-%m-%d %H:%M:%S')}_", ""]
+
+    # summary table
+    rows = []
+    for section, key, label in SUMMARY_KEYS:
+        if slug(section) in files:
+            value = parse_section(files[slug(section)]).get(key)
+            if value is not None:
+                rows.append((label, value))
+    wall = None
+    run_json = os.path.join(d, "run.json")
+    if os.path.exists(run_json):
+        with open(run_json) as f:
+            wall = time.time() - json.load(f)["start_time"]
+    if wall is not None:
+        n_gpus = 0
+        env = files.get("environment")
+        if env:
+            m = re.match(r"(\d+) x", parse_section(env).get("gpus", ""))
+            n_gpus = int(m.group(1)) if m else 0
+        rows.append(("total wall time", f"{wall / 3600:.2f} h ({wall / 60:.1f} min)"))
+        if n_gpus:
+            rows.append((f"cost at ${GPU_HOUR_USD:.2f}/GPU-hour", f"${wall / 3600 * n_gpus * GPU_HOUR_USD:.2f} ({n_gpus} GPUs)"))
+    out += ["## Summary", "", "| metric | value |", "| --- | --- |"] + [f"| {k} | {v} |" for k, v in rows] + [""]
+
+    # figure
+    csv_path = os.path.join(d, "train_loss.csv")
+    if os.path.exists(csv_path):
+        png = os.path.join(d, "loss_curve.png")
+        note = plot_loss_curve(csv_path, png)
+        out += ["## Loss curve", "", note if note else "![loss curve](loss_curve.png)", ""]
+
+    for key in ordered:
+        with open(files[key]) as f:
+            out.append(f.read())
+    path = os.path.join(d, "report.md")
+    with open(path, "w") as f:
+        f.write("\n".join(out))
+    return path
+
+
+if __name__ == "__main__":
+    cmd = sys.argv[1] if len(sys.argv) > 1 else "generate"
+    if cmd == "reset":
+        reset()
+        print(f"new report started in {report_dir()}")
+    elif cmd == "generate":
+        print(f"wrote {generate()}")
+    else:
+        raise SystemExit("usage: python -m nanochat.report [reset|generate]")

@@ -1,0 +1,157 @@
+"""
+Byte-level BPE: trained with rustbpe (Rust, parallel), used through tiktoken (fast encode/decode).
+
+Saved under $NANOCHAT_BASE_DIR/tokenizer/ in plain, non-executable files:
+  tokenizer.tiktoken   one line per mergeable token: base64(bytes) rank   (tiktoken's own format)
+  tokenizer.json       the split pattern and the special tokens with their ids
+  token_bytes.pt       int32 tensor, token_bytes[id] = byte length of the token (0 for specials),
+                       used to turn a loss in nats/token into bits per byte
+"""
+
+import os
+import json
+import base64
+
+import torch
+
+from nanochat.common import get_base_dir, atomic_write_bytes
+
+# GPT-4 style split, except that numbers split in groups of 1-2 digits (not 1-3): with a small
+# vocabulary, fewer number tokens leave room for more words.
+SPLIT_PATTERN = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
+
+SPECIAL_TOKENS = [
+    "<|bos|>",  # begins every document
+    # reserved for chat fine-tuning
+    "<|user_start|>", "<|user_end|>",
+    "<|assistant_start|>", "<|assistant_end|>",
+    "<|python_start|>", "<|python_end|>",
+    "<|output_start|>", "<|output_end|>",
+]
+
+
+class TokenizerError(RuntimeError):
+    pass
+
+
+def default_tokenizer_dir():
+    return os.path.join(get_base_dir(), "tokenizer")
+
+
+class Tokenizer:
+    """A tiktoken Encoding plus the few conveniences training needs."""
+
+    def __init__(self, mergeable_ranks: dict, pattern: str, special_tokens: dict):
+        import tiktoken
+        self.mergeable_ranks = mergeable_ranks
+        self.pattern = pattern
+        self.special_tokens = special_tokens
+        self.enc = tiktoken.Encoding(name="nanochat", pat_str=pattern, mergeable_ranks=mergeable_ranks,
+                                     special_tokens=special_tokens)
+        self.bos_token_id = special_tokens["<|bos|>"]
+
+    # --- training and files ----------------------------------------------------
+
+    @classmethod
+    def train_from_iterator(cls, text_iterator, vocab_size, pattern=SPLIT_PATTERN):
+        import rustbpe
+        n_merged = vocab_size - len(SPECIAL_TOKENS)
+        if n_merged < 256:
+            raise TokenizerError(f"vocab_size {vocab_size} is too small: need at least {256 + len(SPECIAL_TOKENS)} "
+                                 f"(256 bytes + {len(SPECIAL_TOKENS)} special tokens)")
+        bpe = rustbpe.Tokenizer()
+        bpe.train_from_iterator(text_iterator, n_merged, pattern=pattern)
+        ranks = {bytes(k): v for k, v in bpe.get_mergeable_ranks()}
+        if len(ranks) != n_merged:  # the text ran out of pairs to merge before reaching the target size
+            raise TokenizerError(f"training produced only {len(ranks)} tokens of the {n_merged} asked for; "
+                                 f"give it more text (--max-chars) or ask for a smaller --vocab-size")
+        specials = {name: n_merged + i for i, name in enumerate(SPECIAL_TOKENS)}
+        return cls(ranks, pattern, specials)
+
+    def save(self, directory):
+        os.makedirs(directory, exist_ok=True)
+        lines = [f"{base64.b64encode(tok).decode('ascii')} {rank}" for tok, rank in
+                 sorted(self.mergeable_ranks.items(), key=lambda kv: kv[1])]
+        atomic_write_bytes(os.path.join(directory, "tokenizer.tiktoken"), ("\n".join(lines) + "\n").encode())
+        meta = {"pattern": self.pattern, "special_tokens": self.special_tokens}
+        atomic_write_bytes(os.path.join(directory, "tokenizer.json"), json.dumps(meta, indent=2).encode())
+        tmp = os.path.join(directory, f"token_bytes.pt.tmp.{os.getpid()}")
+        torch.save(self.token_bytes(), tmp)
+        os.replace(tmp, os.path.join(directory, "token_bytes.pt"))
+
+    @classmethod
+    def load(cls, directory):
+        ranks_path, meta_path = os.path.join(directory, "tokenizer.tiktoken"), os.path.join(directory, "tokenizer.json")
+        if not (os.path.exists(ranks_path) and os.path.exists(meta_path)):
+            raise TokenizerError(f"no tokenizer in {directory}: train one with "
+                                 f"`python -m scripts.tok_train` (or set NANOCHAT_BASE_DIR to where one was trained)")
+        ranks = {}
+        with open(ranks_path, "rb") as f:
+            for line in f:
+                if line.strip():
+                    tok, rank = line.split()
+                    ranks[base64.b64decode(tok)] = int(rank)
+        with open(meta_path) as f:
+            meta = json.load(f)
+        return cls(ranks, meta["pattern"], meta["special_tokens"])
+
+    # --- encode / decode -------------------------------------------------------
+
+    def get_vocab_size(self):
+        return self.enc.n_vocab
+
+    def get_bos_token_id(self):
+        return self.bos_token_id
+
+    def encode_special(self, name):
+        return self.special_tokens[name]
+
+    def encode(self, text, prepend=None, append=None, num_threads=8):
+        """Encode a string (-> list of ids) or a list of strings (-> list of lists). Special-token text in
+        the input is treated as plain text. prepend/append: an id or a special token's name."""
+        pre = self._as_id(prepend)
+        post = self._as_id(append)
+        if isinstance(text, str):
+            ids = self.enc.encode_ordinary(text)
+            return ([pre] if pre is not None else []) + ids + ([post] if post is not None else [])
+        batch = self.enc.encode_ordinary_batch(text, num_threads=num_threads)
+        if pre is not None:
+            batch = [[pre] + ids for ids in batch]
+        if post is not None:
+            for ids in batch:
+                ids.append(post)
+        return batch
+
+    def _as_id(self, token):
+        if token is None or isinstance(token, int):
+            return token
+        return self.special_tokens[token]
+
+    def decode(self, ids):
+        """Text of a sequence of ids. A sequence that cuts a UTF-8 character shows U+FFFD there; use
+        decode_bytes for the exact bytes."""
+        return self.enc.decode(list(ids), errors="replace")
+
+    def decode_bytes(self, ids):
+        return self.enc.decode_bytes(list(ids))
+
+    def id_to_token(self, token_id):
+        return self.enc.decode_single_token_bytes(token_id)
+
+    def token_bytes(self):
+        """int32 tensor: the UTF-8 byte length of each token, 0 for special tokens."""
+        special_ids = set(self.special_tokens.values())
+        lengths = [0 if i in special_ids else len(self.enc.decode_single_token_bytes(i)) for i in range(self.get_vocab_size())]
+        return torch.tensor(lengths, dtype=torch.int32)
+
+
+def get_tokenizer(directory=None):
+    return Tokenizer.load(directory or default_tokenizer_dir())
+
+
+def get_token_bytes(device="cpu", directory=None):
+    directory = directory or default_tokenizer_dir()
+    path = os.path.join(directory, "token_bytes.pt")
+    if not os.path.exists(path):
+        raise TokenizerError(f"no token_bytes.pt in {directory}: train a tokenizer with `python -m scripts.tok_train`")
+    return torch.load(path, map_location=device, weights_only=True)

@@ -1,0 +1,57 @@
+"""
+How well the tokenizer compresses: bytes per token on training and validation text, and against the
+GPT-2 and GPT-4 encodings when tiktoken can load them (it downloads them once; offline they are skipped).
+
+    python -m scripts.tok_eval --max-chars 10000000
+"""
+
+import argparse
+
+from nanochat.dataset import resolve_data_dir, split_files, iter_documents, DataError
+from nanochat.tokenizer import get_tokenizer, TokenizerError
+from nanochat import report
+
+parser = argparse.ArgumentParser(description="Evaluate tokenizer compression")
+parser.add_argument("--max-chars", type=int, default=10_000_000, help="characters of each split to encode")
+parser.add_argument("--data-dir", type=str, default=None)
+args = parser.parse_args()
+
+
+def take_text(files, max_chars):
+    docs, n = [], 0
+    for doc in iter_documents(files):
+        docs.append(doc[:max_chars - n])
+        n += len(docs[-1])
+        if n >= max_chars:
+            break
+    return docs
+
+
+try:
+    tokenizer = get_tokenizer()
+    data_dir = resolve_data_dir(args.data_dir)
+    texts = {split: take_text(split_files(data_dir, split), args.max_chars) for split in ("train", "val")}
+except (DataError, TokenizerError) as e:
+    raise SystemExit(f"ERROR: {e}")
+
+encoders = {"ours": lambda docs: tokenizer.encode(docs)}
+for name, tiktoken_name in [("gpt2", "gpt2"), ("gpt4", "cl100k_base")]:
+    try:
+        import tiktoken
+        enc = tiktoken.get_encoding(tiktoken_name)
+        encoders[name] = lambda docs, enc=enc: enc.encode_ordinary_batch(docs)
+    except Exception as e:
+        print(f"skipped {name} ({tiktoken_name}): tiktoken could not load it ({type(e).__name__}); offline?")
+
+rows, flat = ["| split | encoding | bytes | tokens | bytes/token |", "| --- | --- | --- | --- | --- |"], {}
+print(f"{'split':<6} {'encoding':<8} {'bytes':>12} {'tokens':>11} {'bytes/token':>12}")
+for split, docs in texts.items():
+    n_bytes = sum(len(d.encode("utf-8")) for d in docs)
+    for name, encode in encoders.items():
+        n_tokens = sum(len(ids) for ids in encode(docs))
+        ratio = n_bytes / n_tokens
+        print(f"{split:<6} {name:<8} {n_bytes:>12,} {n_tokens:>11,} {ratio:>12.3f}")
+        rows.append(f"| {split} | {name} | {n_bytes:,} | {n_tokens:,} | {ratio:.4f} |")
+        flat[f"{split} {name} bytes/token"] = round(ratio, 4)
+
+report.log_section("Tokenizer evaluation", [{"vocab size": tokenizer.get_vocab_size()}, flat, "\n".join(rows)])

@@ -1,0 +1,69 @@
+"""Shared fixtures: a tiny tokenizer trained on the bundled sample, in a temporary base dir that the
+scripts under test also use (NANOCHAT_BASE_DIR)."""
+
+import os
+import sys
+import subprocess
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHARED_WIKI = os.path.join(os.path.dirname(REPO), "shared", "data", "wiki")
+TINY_VOCAB = 1024
+
+
+@pytest.fixture(scope="session")
+def base_dir(tmp_path_factory):
+    """A base dir holding a tokenizer (vocab 1024) trained on the bundled sample."""
+    d = tmp_path_factory.mktemp("nanochat_base")
+    env = dict(os.environ, NANOCHAT_BASE_DIR=str(d))
+    env.pop("NANOCHAT_DATA_DIR", None)
+    subprocess.run([sys.executable, "-m", "scripts.tok_train", "--vocab-size", str(TINY_VOCAB), "--max-chars", "3000000"],
+                   cwd=REPO, env=env, check=True, capture_output=True)
+    return str(d)
+
+
+@pytest.fixture
+def env(base_dir, monkeypatch):
+    """Environment for subprocesses (and this process) pointing at the test base dir."""
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", base_dir)
+    monkeypatch.delenv("NANOCHAT_DATA_DIR", raising=False)
+    monkeypatch.setenv("NANOCHAT_DTYPE", "float32")
+    e = dict(os.environ)
+    e["PYTHONUNBUFFERED"] = "1"
+    e["OMP_NUM_THREADS"] = "1"
+    return e
+
+
+@pytest.fixture
+def tokenizer(base_dir):
+    from nanochat.tokenizer import get_tokenizer
+    return get_tokenizer(os.path.join(base_dir, "tokenizer"))
+
+
+def run_script(module, args, env, nproc=1, timeout=600, check=True):
+    """Run `python -m module args` (or torchrun with nproc processes); returns CompletedProcess."""
+    if nproc == 1:
+        cmd = [sys.executable, "-m", module] + list(args)
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", module] + list(args)
+    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    if check and p.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({p.returncode}):\nSTDOUT:\n{p.stdout[-6000:]}\nSTDERR:\n{p.stderr[-6000:]}")
+    return p
+
+
+def parse_losses(stdout):
+    """{step: loss} from base_train's per-step lines."""
+    import re
+    out = {}
+    for line in stdout.splitlines():
+        m = re.match(r"^step (\d+)/\d+ \([\d.]+%\) \| loss: ([\d.naninf]+)", line)
+        if m:
+            out[int(m.group(1))] = float(m.group(2))
+    return out
+
+
+# the smallest model the scripts can build: 2 layers, dim 64, 2 heads of 32, context 64
+TINY_MODEL = ["--depth", "2", "--aspect-ratio", "32", "--head-dim", "32", "--max-seq-len", "64",
+              "--core-metric-every", "-1", "--sample-every", "-1", "--eval-tokens", "2048"]

@@ -1,0 +1,90 @@
+import numpy as np
+import pytest
+import torch
+
+from nanochat.dataloader import BestFitPacker, DataLoader, reshard_states
+from nanochat.dataset import SAMPLE_DIR
+
+B, T = 4, 256
+
+
+def packer(tokenizer, **kw):
+    kw.setdefault("buffer_docs", 64)
+    return BestFitPacker(tokenizer, B, T, "train", SAMPLE_DIR, **kw)
+
+
+def test_rows_start_with_bos_and_are_full(tokenizer):
+    p = packer(tokenizer)
+    bos = tokenizer.get_bos_token_id()
+    for _ in range(5):
+        block = p.next_block()
+        assert block.shape == (B, T + 1)
+        assert (block[:, 0] == bos).all()
+        assert (block >= 0).all() and (block < tokenizer.get_vocab_size()).all()  # no padding
+    assert 0 < p.crop_fraction < 1
+
+
+def test_rows_are_whole_documents_best_fit(tokenizer):
+    # every BOS-delimited piece of a row, except the last, is a complete document
+    p = packer(tokenizer)
+    bos = tokenizer.get_bos_token_id()
+    from nanochat.dataset import iter_documents, split_files
+    docs = {tuple(ids) for ids in tokenizer.encode(list(iter_documents(split_files(SAMPLE_DIR, "train"))), prepend=bos)}
+    block = p.next_block()
+    assert any((row == bos).sum() > 1 for row in block)  # some rows hold several documents
+    for row in block:
+        starts = np.flatnonzero(row == bos).tolist() + [T + 1]
+        for a, b in zip(starts[:-2], starts[1:-1]):
+            assert tuple(row[a:b].tolist()) in docs
+
+
+def test_loader_yields_shifted_targets(tokenizer):
+    loader = DataLoader(tokenizer, B, T, "train", "cpu", data_dir=SAMPLE_DIR, buffer_docs=64)
+    x, y, state = next(loader)
+    assert x.shape == y.shape == (B, T) and x.dtype == torch.long
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    assert set(state) >= {"g", "buffer", "dp_rank", "dp_size"}
+
+
+@pytest.mark.parametrize("keep_remainder", [False, True])
+def test_exact_resume_from_state(tokenizer, keep_remainder):
+    p = packer(tokenizer, keep_remainder=keep_remainder)
+    for _ in range(3):
+        p.next_block()
+    state = p.state()
+    expected = [p.next_block() for _ in range(4)]
+    q = packer(tokenizer, keep_remainder=keep_remainder, state=state)
+    for e in expected:
+        assert np.array_equal(q.next_block(), e)
+
+
+def test_keep_remainder_crops_nothing(tokenizer):
+    p = packer(tokenizer, keep_remainder=True)
+    for _ in range(5):
+        p.next_block()
+    assert p.tokens_cropped == 0
+
+
+def test_dp_ranks_read_disjoint_row_groups(tokenizer):
+    a = packer(tokenizer, dp_rank=0, dp_size=2)
+    b = packer(tokenizer, dp_rank=1, dp_size=2)
+    a.next_block(), b.next_block()
+    ga = {ref[0] for ref in a.refs}
+    gb = {ref[0] for ref in b.refs}
+    assert ga and gb and all(g % 2 == 0 for g in ga) and all(g % 2 == 1 for g in gb)
+
+
+def test_reshard_keeps_position_and_buffer(tokenizer):
+    ranks = [packer(tokenizer, dp_rank=r, dp_size=2) for r in range(2)]
+    for p in ranks:
+        p.next_block()
+    states = [p.state() for p in ranks]
+    new = reshard_states(states, 1)
+    assert len(new) == 1
+    assert new[0]["g"] == max(s["g"] for s in states) - 1
+    assert sorted(map(tuple, new[0]["buffer"])) == sorted(tuple(r) for s in states for r in s["buffer"])
+    q = packer(tokenizer, state=new[0])  # resumes and keeps packing
+    assert q.next_block().shape == (B, T + 1)
+    three = reshard_states(states, 3)
+    assert sum(len(s["buffer"]) for s in three) == sum(len(s["buffer"]) for s in states)
+    assert [s["g"] for s in three] == [three[0]["g"] + r for r in range(3)]

@@ -1,0 +1,120 @@
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanochat.gpt import GPT, GPTConfig, config_for_depth, build_model, window_sizes, attention, has_value_embed
+
+
+@pytest.mark.parametrize("depth,expected", [(12, 286e6), (20, 897e6), (24, 1.38e9), (26, 1.68e9)])
+def test_parameter_counts_match_design(depth, expected):
+    with torch.device("meta"):
+        model = GPT(config_for_depth(depth))
+    total = sum(p.numel() for p in model.parameters())
+    assert abs(total - expected) / expected < 0.02
+
+
+def tiny_config(**kw):
+    base = dict(sequence_len=64, vocab_size=256, n_layer=4, n_head=4, n_kv_head=2, n_embd=64, window_pattern="SL")
+    base.update(kw)
+    return GPTConfig(**base)
+
+
+def test_forward_shapes_and_initial_loss():
+    torch.manual_seed(0)
+    model = build_model(tiny_config(), "cpu")
+    idx = torch.randint(0, 256, (2, 64))
+    logits = model(idx)
+    assert logits.shape == (2, 64, 256) and logits.dtype == torch.float32
+    assert logits.abs().max() <= 15.0  # soft cap
+    loss = model(idx, idx)
+    assert abs(loss.item() - math.log(256)) < 0.1  # tiny lm_head init: near-uniform predictions
+    per_token = model(idx, idx, loss_reduction="none")
+    assert per_token.shape == (2 * 64,)
+    targets = idx.clone()
+    targets[:, :10] = -1  # ignored
+    assert torch.isfinite(model(idx, targets))
+
+
+def test_blocks_start_as_identity():
+    model = build_model(tiny_config(), "cpu")
+    idx = torch.randint(0, 256, (1, 16))
+    h = model.embed(idx)
+    out = model.run_blocks(h, idx, 0, 4)
+    # zero output projections: each block only rescales/mixes x and x0 (resid 1.0, x0 0.1)
+    expected = h.x
+    for _ in range(4):
+        expected = expected + 0.1 * h.x0
+    assert torch.allclose(out.x, expected, atol=1e-6)
+
+
+def test_window_pattern_and_value_embeddings():
+    cfg = config_for_depth(12, window_pattern="SSSL")
+    sizes = window_sizes(cfg)
+    assert sizes == [512, 512, 512, 2048] * 2 + [512, 512, 512, 2048]
+    cfg = config_for_depth(5, window_pattern="S", sequence_len=1024)
+    assert window_sizes(cfg) == [256, 256, 256, 256, 1024]  # last layer always full
+    assert [has_value_embed(i, 5) for i in range(5)] == [True, False, True, False, True]
+    with pytest.raises(ValueError, match="window-pattern"):
+        window_sizes(config_for_depth(2, window_pattern="SXL"))
+
+
+def reference_attention(q, k, v, window):
+    """softmax(q k^T / sqrt(d) + mask) v with explicit loops over heads (GQA by repetition)."""
+    rep = q.size(1) // k.size(1)
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    T, S = q.size(2), k.size(2)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.size(-1))
+    qpos = torch.arange(S - T, S)[:, None]
+    kpos = torch.arange(S)[None, :]
+    allowed = (kpos <= qpos) & (qpos - kpos < window)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return F.softmax(scores, -1) @ v
+
+
+@pytest.mark.parametrize("window", [3, 16, 64])
+@pytest.mark.parametrize("S_minus_T", [0, 5])
+def test_attention_matches_reference(window, S_minus_T):
+    torch.manual_seed(0)
+    T = 16
+    q = torch.randn(2, 4, T, 8)
+    k = torch.randn(2, 2, T + S_minus_T, 8)
+    v = torch.randn(2, 2, T + S_minus_T, 8)
+    assert torch.allclose(attention(q, k, v, window), reference_attention(q, k, v, window), atol=1e-5)
+
+
+def test_sliding_window_limits_context():
+    # with window 128 at context 512, position 300 cannot see token 0: changing it changes nothing there
+    torch.manual_seed(0)
+    cfg = tiny_config(sequence_len=512, window_pattern="S", n_layer=1)
+    model = build_model(cfg, "cpu")
+    assert window_sizes(cfg) == [512]  # one layer = last layer = full
+    cfg = tiny_config(sequence_len=512, window_pattern="S", n_layer=2)
+    assert window_sizes(cfg) == [128, 512]
+
+
+def test_estimate_flops_formula():
+    cfg = config_for_depth(12, window_pattern="L")
+    with torch.device("meta"):
+        m = GPT(cfg)
+    matmul = m.matmul_parameters()
+    assert m.estimate_flops() == 6 * matmul + 12 * 6 * 128 * 2048 * 12
+    cfg = config_for_depth(12, window_pattern="SSSL")
+    with torch.device("meta"):
+        m2 = GPT(cfg)
+    assert m2.estimate_flops() == 6 * matmul + 12 * 6 * 128 * (512 * 9 + 2048 * 3)
+    assert m.num_scaling_params() == sum(p.numel() for n, p in m.named_parameters()
+                                         if (n.startswith("blocks.") and p.ndim == 2 and "value_embed" not in n)
+                                         or n in ("lm_head.weight", "smear_gate.weight"))
+
+
+def test_meta_build_then_init_is_deterministic():
+    torch.manual_seed(1)
+    a = build_model(tiny_config(), "cpu")
+    torch.manual_seed(1)
+    b = build_model(tiny_config(), "cpu")
+    for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(p, q), n
+    assert torch.count_nonzero(a.blocks[0].attn.c_proj.weight) == 0
+    assert torch.count_nonzero(a.blocks[0].mlp.c_proj.weight) == 0
