@@ -18,6 +18,7 @@ another DP size -> `reshard_states` continues from the same position with every 
 
 import bisect
 import queue
+import atexit
 import threading
 
 import numpy as np
@@ -101,17 +102,18 @@ class BestFitPacker:
                         self.tokens_in += 1  # the new bos
                     else:
                         self.tokens_cropped += rest
-                self.epoch = g // self.N + 1  # the epoch of the data being packed now
+                self.epoch = max(self.epoch, g // self.N + 1)  # the newest epoch whose data was packed
         return block
 
     # --- state ------------------------------------------------------------------
 
     def state(self):
         return {"g": self.g, "buffer": [list(r) for r in self.refs], "dp_rank": self.dp_rank, "dp_size": self.dp_size,
-                "tokens_in": self.tokens_in, "tokens_cropped": self.tokens_cropped}
+                "epoch": self.epoch, "tokens_in": self.tokens_in, "tokens_cropped": self.tokens_cropped}
 
     def _restore(self, state):
         self.g = state["g"]
+        self.epoch = state.get("epoch", 1)
         self.tokens_in, self.tokens_cropped = state.get("tokens_in", 0), state.get("tokens_cropped", 0)
         by_g = {}
         for g, row, _ in state["buffer"]:
@@ -140,6 +142,7 @@ def reshard_states(states, new_dp_size):
     for r in range(new_dp_size):
         mine = refs[r::new_dp_size]
         new_states.append({"g": start + r, "buffer": mine, "dp_rank": r, "dp_size": new_dp_size,
+                           "epoch": max(s.get("epoch", 1) for s in states),
                            "tokens_in": sum(s.get("tokens_in", 0) for s in states) // new_dp_size,
                            "tokens_cropped": sum(s.get("tokens_cropped", 0) for s in states) // new_dp_size})
     return new_states
@@ -147,7 +150,8 @@ def reshard_states(states, new_dp_size):
 
 class DataLoader:
     """Yields (inputs, targets, state) forever: (B, T) int64 tensors on `device` and the state after
-    this batch. A background thread packs the next batches while the model computes."""
+    this batch. A background thread packs the next batches while the model computes; close() stops it
+    (also at interpreter exit) so no native call is cut off mid-way."""
 
     def __init__(self, tokenizer, B, T, split, device, data_dir=None, dp_rank=0, dp_size=1, state=None,
                  keep_remainder=False, prefetch=2, buffer_docs=512):
@@ -156,20 +160,33 @@ class DataLoader:
         self.device = torch.device(device) if isinstance(device, str) else device
         self.pin = self.device.type == "cuda"
         self.queue = queue.Queue(maxsize=prefetch)
-        self.error = None
+        self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._produce, daemon=True)
         self.thread.start()
+        atexit.register(self.close)
 
     def _produce(self):
         try:
-            while True:
+            while not self.stopping.is_set():
                 block = torch.from_numpy(self.packer.next_block()).long()
                 if self.pin:
                     block = block.pin_memory()
                 stats = {"epoch": self.packer.epoch, "crop_fraction": self.packer.crop_fraction}
-                self.queue.put((block, self.packer.state(), stats))
+                self._put((block, self.packer.state(), stats))
         except BaseException as e:  # hand the error to the consumer instead of dying silently
-            self.queue.put(e)
+            self._put(e)
+
+    def _put(self, item):
+        while not self.stopping.is_set():
+            try:
+                self.queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def close(self):
+        self.stopping.set()
+        self.thread.join()
 
     def __iter__(self):
         return self

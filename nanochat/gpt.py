@@ -193,8 +193,10 @@ class CausalSelfAttention(nn.Module):
         self.c_v = Linear(d, config.n_kv_head * hd)
         self.c_proj = Linear(config.n_head * hd, d)
         self.ve_gate = Linear(VE_GATE_CHANNELS, config.n_kv_head) if has_value_embed(layer_idx, config.n_layer) else None
+        self.tp_enter = nn.Identity()  # tensor parallelism swaps in its region-entry collective
 
     def forward(self, x, ve, cos, sin, window, kv_cache=None):
+        x = self.tp_enter(x)
         B, T, _ = x.shape
         hd = self.head_dim
         # head counts come from the (possibly tensor-parallel) weights: local heads under TP
@@ -219,8 +221,10 @@ class MLP(nn.Module):
         super().__init__()
         self.c_fc = Linear(config.n_embd, 4 * config.n_embd)
         self.c_proj = Linear(4 * config.n_embd, config.n_embd)
+        self.tp_enter = nn.Identity()  # tensor parallelism swaps in its region-entry collective
 
     def forward(self, x):
+        x = self.tp_enter(x)
         return self.c_proj(F.relu(self.c_fc(x)).square())
 
 
@@ -241,6 +245,19 @@ class Block(nn.Module):
         x = x + self.attn(norm(x), ve, cos, sin, window, kv_cache)
         x = x + self.mlp(norm(x))
         return x
+
+
+class SoftcapCrossEntropy(nn.Module):
+    """Logits in fp32, soft-capped to (-15, 15), then cross-entropy (ignore_index=-1). Tensor
+    parallelism swaps in a vocab-parallel version with the same interface."""
+
+    def logits(self, raw):
+        raw = raw.float()
+        return 15.0 * torch.tanh(raw / 15.0)
+
+    def forward(self, raw, targets, reduction="mean"):
+        logits = self.logits(raw)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1, reduction=reduction)
 
 
 @dataclass
@@ -269,6 +286,8 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList([Block(config, i) for i in range(config.n_layer)])
         self.backout_lambda = nn.Parameter(torch.empty(()))
         self.lm_head = Linear(config.n_embd, config.vocab_size)
+        self.criterion = SoftcapCrossEntropy()
+        self.embed_exit = nn.Identity()  # sequence parallelism swaps in a split along the sequence
         self.l3 = nn.ModuleDict()
         if config.l3_after_layers:
             from nanochat.l3 import L3Layer
@@ -323,7 +342,7 @@ class GPT(nn.Module):
         else:
             prev = F.pad(x[:, :-1], (0, 0, 1, 0))
         gate = self.smear_lambda.to(x.dtype) * torch.sigmoid(self.smear_gate(x[..., :SMEAR_GATE_CHANNELS]))
-        x = x + gate * prev
+        x = self.embed_exit(x + gate * prev)
         return Residual(x=x, x0=x)
 
     def rotary(self, T, start=0):
@@ -350,13 +369,10 @@ class GPT(nn.Module):
         x = h.x
         if h.x_mid is not None:
             x = x - self.backout_lambda.to(x.dtype) * h.x_mid
-        x = norm(x)
-        logits = self.lm_head(x).float()
-        logits = 15.0 * torch.tanh(logits / 15.0)
+        raw = self.lm_head(norm(x))
         if targets is None:
-            return logits
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1,
-                               reduction=loss_reduction)
+            return self.criterion.logits(raw)
+        return self.criterion(raw, targets, loss_reduction)
 
     def forward(self, idx, targets=None, loss_reduction="mean", kv_cache=None):
         h = self.embed(idx, kv_cache)

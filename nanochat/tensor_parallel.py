@@ -52,3 +52,324 @@ def reduce_partial_grad(p):
     gets only part of its gradient: sum the parts over the TP group."""
     if getattr(p, "tp_partial_grad", False):
         dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=p.tp_group)
+
+
+# -----------------------------------------------------------------------------
+# The conjugate collectives, as autograd functions. `funcol` (functional collectives) return new
+# tensors, which torch.compile can trace; they work on gloo (CPU) and NCCL alike.
+#
+#   f  copy_to_tp          forward: identity         backward: all-reduce    (enter a TP region)
+#   g  reduce_from_tp      forward: all-reduce       backward: identity      (leave a TP region)
+#      gather_sequence     forward: all-gather T     backward: reduce-scatter T   (enter, with SP)
+#      scatter_sequence    forward: reduce-scatter T backward: all-gather T       (leave, with SP)
+#      split_sequence      forward: keep my T chunk  backward: all-gather T       (after the embedding, SP)
+#      gather_vocab        forward: all-gather V     backward: keep my V chunk    (full logits, inference)
+
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.distributed._functional_collectives as funcol
+
+
+def _all_gather(x, dim, group):
+    """Concatenate every rank's x along dim (all_gather works on dim 0: move dim to the front)."""
+    y = funcol.all_gather_tensor(x.movedim(dim, 0).contiguous(), 0, group)
+    return torch.as_tensor(y).movedim(0, dim)
+
+
+def _reduce_scatter(x, dim, group):
+    """Sum x over ranks and keep this rank's chunk along dim."""
+    y = funcol.reduce_scatter_tensor(x.movedim(dim, 0).contiguous(), "sum", 0, group)
+    return torch.as_tensor(y).movedim(0, dim)
+
+
+def _all_reduce(x, group):
+    return torch.as_tensor(funcol.all_reduce(x, "sum", group))
+
+
+def _my_chunk(x, dim, group):
+    return x.chunk(dist.get_world_size(group), dim=dim)[dist.get_rank(group)].contiguous()
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather(x, 1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, 1, ctx.group), None
+
+
+class _ScatterSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter(x, 1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, 1, ctx.group), None
+
+
+class _SplitSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _my_chunk(x, 1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, 1, ctx.group), None
+
+
+class _GatherVocab(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather(x, x.dim() - 1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _my_chunk(grad, grad.dim() - 1, ctx.group), None
+
+
+class RegionEnter(nn.Module):
+    """Where a TP region starts (attention, MLP, lm_head input): f, or the sequence all-gather."""
+
+    def __init__(self, group, sequence_parallel):
+        super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
+
+    def forward(self, x):
+        if self.sequence_parallel:
+            return _GatherSequence.apply(x, self.group)
+        return _CopyToTP.apply(x, self.group)
+
+
+class SplitSequence(nn.Module):
+    """After the embedding, with sequence parallelism: each rank keeps its chunk of the sequence."""
+
+    def __init__(self, group):
+        super().__init__()
+        self.group = group
+
+    def forward(self, x):
+        return _SplitSequence.apply(x, self.group)
+
+
+# -----------------------------------------------------------------------------
+# Sharded layers. Each holds only its shard; `tp_dim` says along which dim the full weight was cut.
+
+
+def _shard_parameter(full, dim, layout):
+    """This rank's slice of a full tensor, as a new Parameter tagged with its sharding."""
+    p = nn.Parameter(full.detach().chunk(layout.tp_size, dim=dim)[layout.tp_rank].clone())
+    p.tp_dim, p.tp_size, p.tp_group = dim, layout.tp_size, layout.tp_group
+    return p
+
+
+class ColumnParallelLinear(nn.Module):
+    """y_local = x W_local^T with W cut along its outputs (rows). The input must already be inside
+    the TP region (RegionEnter); the output stays sharded (local heads / hidden units)."""
+
+    def __init__(self, linear, layout):
+        super().__init__()
+        self.weight = _shard_parameter(linear.weight, 0, layout)
+
+    def forward(self, x):
+        return F.linear(x, self.weight.to(x.dtype))
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum over ranks of x_local W_local^T with W cut along its inputs (columns): leaves the TP
+    region with g (all-reduce) or, with sequence parallelism, a reduce-scatter along the sequence."""
+
+    def __init__(self, linear, layout, sequence_parallel):
+        super().__init__()
+        self.weight = _shard_parameter(linear.weight, 1, layout)
+        self.group, self.sequence_parallel = layout.tp_group, sequence_parallel
+
+    def forward(self, x):
+        partial = F.linear(x, self.weight.to(x.dtype))
+        if self.sequence_parallel:
+            return _ScatterSequence.apply(partial, self.group)
+        return _ReduceFromTP.apply(partial, self.group)
+
+
+class ColumnParallelEmbedding(nn.Module):
+    """An embedding whose table is cut along the embedding dim (value embeddings: one slice per
+    local kv head); lookups need no communication since every rank has all token ids."""
+
+    def __init__(self, embedding, layout):
+        super().__init__()
+        self.weight = _shard_parameter(embedding.weight, 1, layout)
+
+    def forward(self, idx):
+        return F.embedding(idx, self.weight)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """The token table cut along the vocabulary: each rank looks up the ids it owns (zeros for the
+    rest) and g sums the parts."""
+
+    def __init__(self, embedding, layout):
+        super().__init__()
+        self.weight = _shard_parameter(embedding.weight, 0, layout)
+        self.group = layout.tp_group
+        self.vocab_start = layout.tp_rank * self.weight.size(0)
+
+    def forward(self, idx):
+        local = idx - self.vocab_start
+        mine = (local >= 0) & (local < self.weight.size(0))
+        out = F.embedding(local.clamp(0, self.weight.size(0) - 1), self.weight) * mine.unsqueeze(-1)
+        return _ReduceFromTP.apply(out, self.group)
+
+
+class VocabParallelLMHead(nn.Module):
+    """The lm_head cut along the vocabulary: enters the TP region (f, or the sequence all-gather) and
+    returns this rank's slice of the logits for every token."""
+
+    def __init__(self, linear, layout, sequence_parallel):
+        super().__init__()
+        self.weight = _shard_parameter(linear.weight, 0, layout)
+        self.enter = RegionEnter(layout.tp_group, sequence_parallel)
+
+    def forward(self, x):
+        return F.linear(self.enter(x), self.weight.to(x.dtype))
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy of logits split over the vocabulary, without gathering them: the max,
+    the sum of exponentials and the target's logit are each one all-reduce over the TP group."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, vocab_start, group):
+        n_local = logits.size(-1)
+        logits_max = logits.max(dim=-1).values
+        logits_max = torch.as_tensor(funcol.all_reduce(logits_max, "max", group))
+        shifted = logits - logits_max.unsqueeze(-1)
+        exp = shifted.exp()
+        sum_exp = _all_reduce(exp.sum(dim=-1), group)
+        local_t = targets - vocab_start
+        mine = (local_t >= 0) & (local_t < n_local)
+        local_t = local_t.clamp(0, n_local - 1)
+        target_logit = shifted.gather(-1, local_t.unsqueeze(-1)).squeeze(-1) * mine
+        target_logit = _all_reduce(target_logit, group)
+        valid = targets >= 0
+        loss = (sum_exp.log() - target_logit) * valid
+        ctx.save_for_backward(exp / sum_exp.unsqueeze(-1), local_t, mine, valid)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, local_t, mine, valid = ctx.saved_tensors
+        grad = softmax.clone()
+        grad.scatter_add_(-1, local_t.unsqueeze(-1), -mine.unsqueeze(-1).to(grad.dtype))
+        grad *= (grad_loss * valid).unsqueeze(-1)
+        return grad, None, None, None
+
+
+class VocabParallelSoftcapCrossEntropy(nn.Module):
+    """The vocab-parallel twin of gpt.SoftcapCrossEntropy (same interface)."""
+
+    def __init__(self, vocab_size, layout):
+        super().__init__()
+        self.group = layout.tp_group
+        self.vocab_start = layout.tp_rank * (vocab_size // layout.tp_size)
+
+    def logits(self, raw):
+        """Full soft-capped logits (every rank gets all of them): for evaluation and sampling."""
+        raw = _GatherVocab.apply(raw.float(), self.group)
+        return 15.0 * torch.tanh(raw / 15.0)
+
+    def forward(self, raw, targets, reduction="mean"):
+        logits = 15.0 * torch.tanh(raw.float() / 15.0)
+        flat = logits.view(-1, logits.size(-1))
+        targets = targets.reshape(-1)
+        loss = _VocabParallelCrossEntropy.apply(flat, targets, self.vocab_start, self.group)
+        if reduction == "none":
+            return loss
+        if reduction == "sum":
+            return loss.sum()
+        return loss.sum() / (targets >= 0).sum().clamp(min=1)
+
+
+# -----------------------------------------------------------------------------
+# Applying TP to the model
+
+
+def _divisors(n, limit=64):
+    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
+
+
+def check_tp_size(config, tp):
+    """Clear errors when TP cannot split the model evenly."""
+    checks = [("query heads (n_head)", config.n_head), ("key/value heads (n_kv_head)", config.n_kv_head),
+              ("MLP width (4 x n_embd)", 4 * config.n_embd), ("vocabulary (vocab_size)", config.vocab_size)]
+    for what, n in checks:
+        if n % tp != 0:
+            valid = [d for d in _divisors(config.n_head) if config.n_kv_head % d == 0 and config.vocab_size % d == 0
+                     and (4 * config.n_embd) % d == 0]
+            raise ValueError(f"--tp {tp} does not divide the {what} = {n}; valid --tp values for this model: {valid}. "
+                             f"(head count = model_dim / head_dim: pick --depth/--aspect-ratio/--head-dim so it divides)")
+    if config.l3_after_layers:
+        raise ValueError("L3 layers do not support tensor parallelism yet; use --tp 1 with --l3-after-layers")
+
+
+def parallelize(model, layout, sequence_parallel=False):
+    """Shard an initialized GPT in place for this rank: attention and MLP Megatron-style, value
+    embeddings along their kv-head columns, token embedding and lm_head along the vocabulary with a
+    vocab-parallel soft-capped cross-entropy. Every rank must hold the same full weights before."""
+    config = model.config
+    tp = layout.tp_size
+    check_tp_size(config, tp)
+    if sequence_parallel and config.sequence_len % tp != 0:
+        raise ValueError(f"--sequence-parallel needs --max-seq-len ({config.sequence_len}) divisible by --tp {tp}")
+    group = layout.tp_group
+    for block in model.blocks:
+        attn, mlp = block.attn, block.mlp
+        attn.tp_enter = RegionEnter(group, sequence_parallel)
+        attn.c_q = ColumnParallelLinear(attn.c_q, layout)
+        attn.c_k = ColumnParallelLinear(attn.c_k, layout)
+        attn.c_v = ColumnParallelLinear(attn.c_v, layout)
+        attn.c_proj = RowParallelLinear(attn.c_proj, layout, sequence_parallel)
+        if attn.ve_gate is not None:  # one gate per kv head: keep the local heads' rows
+            attn.ve_gate = ColumnParallelLinear(attn.ve_gate, layout)
+            block.value_embed = ColumnParallelEmbedding(block.value_embed, layout)
+        mlp.tp_enter = RegionEnter(group, sequence_parallel)
+        mlp.c_fc = ColumnParallelLinear(mlp.c_fc, layout)
+        mlp.c_proj = RowParallelLinear(mlp.c_proj, layout, sequence_parallel)
+        if sequence_parallel:  # the lambdas act on this rank's part of the sequence only
+            block.resid_lambda.tp_partial_grad = True
+            block.x0_lambda.tp_partial_grad = True
+            block.resid_lambda.tp_group = block.x0_lambda.tp_group = group
+    model.wte = VocabParallelEmbedding(model.wte, layout)
+    model.lm_head = VocabParallelLMHead(model.lm_head, layout, sequence_parallel)
+    model.criterion = VocabParallelSoftcapCrossEntropy(config.vocab_size, layout)
+    if sequence_parallel:
+        model.embed_exit = SplitSequence(group)
+        model.backout_lambda.tp_partial_grad = True
+        model.backout_lambda.tp_group = group
+    return model

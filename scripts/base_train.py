@@ -228,7 +228,7 @@ pipeline = None
 if args.pp > 1:
     from nanochat.pipeline_parallel import Pipeline
     try:
-        pipeline = Pipeline(model, layout, grad_accum, args.pp_schedule)
+        pipeline = Pipeline(model, layout, grad_accum, args.device_batch_size, args.pp_schedule)
     except ValueError as e:
         fail(str(e))
     if args.pp_print_schedule:
@@ -343,6 +343,8 @@ def evaluate_val_bpb():
     model.eval()
     bpb = evaluate_bpb(eval_loss_fn, batches, steps, token_bytes, layout)
     model.train()
+    if loader is not None:
+        loader.close()
     return bpb
 
 
@@ -524,6 +526,8 @@ if master and step == num_iterations:
     }])
 if wandb_run:
     wandb_run.finish()
+if train_loader is not None:
+    train_loader.close()
 compute_cleanup()
 if stop_requested:
     sys.exit(0)

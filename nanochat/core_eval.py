@@ -1,0 +1,440 @@
+"""
+The DCLM CORE metric: in-context learning on the 22 tasks of the DCLM "core" set, scored the way
+llm-foundry's ICL evaluators score them, with few-shot prompts built here.
+
+The bundle (a folder): core.yaml lists the tasks (label, dataset_uri, num_fewshot, icl_task_type,
+continuation_delimiter, " " when absent); eval_meta_data.csv gives each task's random-guess accuracy
+in percent; eval_data/<dataset_uri> holds one JSON record per line:
+  multiple_choice    {"query", "choices", "gold"}        options: query + delimiter -> each choice
+  schema             {"context_options", "continuation", "gold"}
+                                                         options: each context + delimiter -> continuation
+  language_modeling  {"context", "continuation"}         one option: context + delimiter -> continuation
+
+Per item:
+- few-shot: num_fewshot other items of the same task, drawn with random.Random(1234 + item index),
+  each rendered as its correct option, joined by blank lines ("\n\n") in front of the item
+- tokens: <|bos|> + the whole prompt of each option. The scored continuation is, for multiple choice,
+  what follows the tokens all options share at the start; for schema, the tokens all options share at
+  the end; for language modeling, what follows the tokens of the prompt without its continuation.
+  (Tokenizing the whole text keeps the tokens the model would see, e.g. " Paris" rather than " " "Paris".)
+- a prompt longer than the model's context loses its start (left truncation); the continuation stays
+- multiple choice and schema: the option with the lowest mean cross-entropy over its continuation wins;
+  language modeling: correct iff the argmax at every continuation position is the target token
+- all options of an item (and, up to a token budget, of consecutive items) run as one right-padded batch;
+  only real positions are read, and attention is causal, so padding changes nothing
+
+Per task: accuracy over its first `max_per_task` items (all with -1), items strided over DP ranks;
+centered = (accuracy - b) / (1 - b) with the random baseline b. CORE = the mean centered accuracy over
+the tasks whose data file exists (the bundle may lack some: they are listed and left out).
+"""
+
+import os
+import csv
+import json
+import time
+import random
+import shutil
+import zipfile
+import urllib.request
+from dataclasses import dataclass
+from collections import namedtuple
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import torch.distributed as dist
+
+from nanochat.common import get_base_dir, print0
+
+# The public DCLM eval bundle (the CORE tasks in this layout); NANOCHAT_EVAL_BUNDLE_URL overrides it.
+EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
+DOWNLOAD_TIMEOUT_S = 30
+FEWSHOT_SEED = 1234
+# Rows x longest row per forward pass: bounds the fp32 logits (8192 x 32768 vocab = 1 GiB) while still
+# packing dozens of short items into one pass.
+DEFAULT_BATCH_TOKENS = 8192
+TASK_KEYS = {
+    "multiple_choice": ("query", "choices", "gold"),
+    "schema": ("context_options", "continuation", "gold"),
+    "language_modeling": ("context", "continuation"),
+}
+
+
+class EvalBundleError(RuntimeError):
+    """No bundle, or a malformed one; the message says what to do."""
+
+
+# -----------------------------------------------------------------------------
+# The bundle: find (or download) it, read the task list and the task files
+
+
+def is_bundle(path):
+    return os.path.isfile(os.path.join(path, "core.yaml")) and os.path.isfile(os.path.join(path, "eval_meta_data.csv"))
+
+
+def bundle_url():
+    return os.environ.get("NANOCHAT_EVAL_BUNDLE_URL") or EVAL_BUNDLE_URL
+
+
+def download_bundle(url, dest, timeout=DOWNLOAD_TIMEOUT_S):
+    """Download the zip and unpack it to a temporary folder beside `dest`, then rename it into place:
+    `dest` either holds a whole bundle or does not exist."""
+    tmp_zip, tmp_dir = f"{dest}.zip.tmp.{os.getpid()}", f"{dest}.tmp.{os.getpid()}"
+    print(f"downloading the CORE eval bundle from {url} to {dest}", flush=True)
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response, open(tmp_zip, "wb") as f:
+            total = int(response.headers.get("Content-Length") or 0)
+            done, next_report = 0, 0.1
+            while chunk := response.read(1 << 20):
+                f.write(chunk)
+                done += len(chunk)
+                if total and done >= next_report * total:
+                    print(f"  {done / 2**20:.1f} / {total / 2**20:.1f} MiB", flush=True)
+                    next_report += 0.1
+        with zipfile.ZipFile(tmp_zip) as z:  # extractall drops absolute paths and '..' in member names
+            z.extractall(tmp_dir)
+    except (OSError, ValueError, zipfile.BadZipFile) as e:  # URLError, HTTPError and timeouts are OSErrors
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise EvalBundleError(f"could not download the CORE eval bundle from {url} ({type(e).__name__}: {e}). "
+                              f"Offline? Pass --eval-bundle DIR with a local copy of the bundle (a folder holding "
+                              f"core.yaml, eval_meta_data.csv and eval_data/), or put one at {dest}") from None
+    finally:
+        if os.path.exists(tmp_zip):
+            os.remove(tmp_zip)
+    # the zip holds the bundle at its top level or inside one folder
+    candidates = [tmp_dir] + [os.path.join(tmp_dir, d) for d in sorted(os.listdir(tmp_dir))]
+    root = next((c for c in candidates if is_bundle(c)), None)
+    if root is None:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise EvalBundleError(f"{url} does not hold a CORE eval bundle (no core.yaml and eval_meta_data.csv); "
+                              f"pass --eval-bundle DIR with a local copy")
+    try:
+        os.replace(root, dest)
+    except OSError:
+        if not is_bundle(dest):  # not a concurrent download that finished first
+            raise
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    print(f"CORE eval bundle ready in {dest}", flush=True)
+
+
+def _find_or_download(path):
+    if path:
+        if not is_bundle(path):
+            raise EvalBundleError(f"--eval-bundle {path} is not a CORE eval bundle: expected core.yaml, "
+                                  f"eval_meta_data.csv and eval_data/ inside it")
+        return os.path.abspath(path)
+    default = os.path.join(get_base_dir(), "eval_bundle")
+    if not is_bundle(default):
+        download_bundle(bundle_url(), default)
+    return default
+
+
+def find_eval_bundle(path=None, layout=None):
+    """The bundle folder: `path` when given, else $NANOCHAT_BASE_DIR/eval_bundle, downloaded there when
+    absent. Under torchrun rank 0 looks (and downloads) first and tells the others if it failed."""
+    if layout is None or layout.world_size == 1:
+        return _find_or_download(path)
+    error = [None]
+    if layout.rank == 0:
+        try:
+            _find_or_download(path)
+        except EvalBundleError as e:
+            error[0] = str(e)
+    dist.broadcast_object_list(error, src=0)
+    if error[0] is not None:
+        raise EvalBundleError(error[0])
+    return _find_or_download(path)
+
+
+@dataclass(frozen=True)
+class Task:
+    label: str
+    task_type: str  # multiple_choice | schema | language_modeling
+    num_fewshot: int
+    delimiter: str  # between context and continuation
+    baseline: float  # accuracy of random guessing, as a fraction
+    path: str  # the jsonl file
+
+
+def load_bundle(bundle_dir):
+    """(tasks whose data file exists, labels of those whose file is missing), in core.yaml's order."""
+    import yaml
+    try:
+        with open(os.path.join(bundle_dir, "core.yaml")) as f:
+            entries = yaml.safe_load(f)["icl_tasks"]
+        with open(os.path.join(bundle_dir, "eval_meta_data.csv")) as f:
+            baselines = {row["Eval Task"]: float(row["Random baseline"]) / 100 for row in csv.DictReader(f)}
+    except (OSError, KeyError, TypeError, ValueError, yaml.YAMLError) as e:
+        raise EvalBundleError(f"{bundle_dir} is not a readable CORE eval bundle ({type(e).__name__}: {e})") from None
+    tasks, missing = [], []
+    for entry in entries:
+        label = entry.get("label")
+        if entry.get("icl_task_type") not in TASK_KEYS:
+            raise EvalBundleError(f"core.yaml: task {label!r} has icl_task_type {entry.get('icl_task_type')!r}; "
+                                  f"expected one of {sorted(TASK_KEYS)}")
+        if label not in baselines:
+            raise EvalBundleError(f"eval_meta_data.csv has no random baseline for task {label!r}")
+        path = os.path.join(bundle_dir, "eval_data", entry["dataset_uri"])
+        if not os.path.isfile(path):
+            missing.append(label)
+            continue
+        # DCLM lists one few-shot count per task in CORE
+        tasks.append(Task(label, entry["icl_task_type"], int(entry["num_fewshot"][0]),
+                          entry.get("continuation_delimiter", " "), baselines[label], path))
+    return tasks, missing
+
+
+def load_records(task):
+    """The task's records, checked for the keys its type needs."""
+    keys = TASK_KEYS[task.task_type]
+    records = []
+    with open(task.path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise EvalBundleError(f"{task.path} line {line_no} is not JSON ({e})") from None
+            if any(k not in record for k in keys):
+                raise EvalBundleError(f"{task.path} line {line_no}: a {task.task_type} record needs keys {keys}, "
+                                      f"found {sorted(record)}")
+            records.append(record)
+    if not records:
+        raise EvalBundleError(f"{task.path} holds no records")
+    return records
+
+
+# -----------------------------------------------------------------------------
+# Prompts
+
+
+def fewshot_indices(idx, n, k):
+    """k distinct indices of [0, n) other than idx, the same on every call for the same item."""
+    k = min(k, n - 1)
+    if k <= 0:
+        return []
+    rng = random.Random(FEWSHOT_SEED + idx)
+    # sample from the n-1 other items without building their list (tasks have up to 20k items)
+    return [j + (j >= idx) for j in rng.sample(range(n - 1), k)]
+
+
+def item_options(task_type, record, delimiter):
+    """([(context, continuation) per option], index of the correct option)."""
+    if task_type == "multiple_choice":
+        return [(record["query"] + delimiter, choice) for choice in record["choices"]], record["gold"]
+    if task_type == "schema":
+        return [(option + delimiter, record["continuation"]) for option in record["context_options"]], record["gold"]
+    return [(record["context"] + delimiter, record["continuation"])], 0
+
+
+def render_item(task, records, idx):
+    """(full prompt per option, the first option's prompt without its continuation, gold)."""
+    demos = []
+    for j in fewshot_indices(idx, len(records), task.num_fewshot):
+        options, gold = item_options(task.task_type, records[j], task.delimiter)
+        demos.append("".join(options[gold]))
+    prefix = "".join(demo + "\n\n" for demo in demos)
+    options, gold = item_options(task.task_type, records[idx], task.delimiter)
+    if not 0 <= gold < len(options):
+        raise EvalBundleError(f"{task.path} item {idx}: gold {gold} is not the index of one of its {len(options)} options")
+    return [prefix + context + continuation for context, continuation in options], prefix + options[0][0], gold
+
+
+def common_prefix_len(seqs):
+    """Length of the longest prefix all the int arrays share."""
+    m = min(len(s) for s in seqs)
+    same = np.ones(m, dtype=bool)
+    for s in seqs[1:]:
+        same &= seqs[0][:m] == s[:m]
+    return m if same.all() else int(np.argmin(same))
+
+
+def continuation_starts(task_type, rows, context=None):
+    """Per row, the index of its first continuation token (the continuation runs to the row's end).
+    `context`: the tokens of the prompt without its continuation (language modeling only)."""
+    if task_type == "multiple_choice":
+        starts = [common_prefix_len(rows)] * len(rows)
+    elif task_type == "schema":
+        shared = common_prefix_len([r[::-1] for r in rows])
+        starts = [len(r) - shared for r in rows]
+    else:
+        starts = [common_prefix_len([rows[0], context])]
+    # every row scores at least its last token, and never position 0 (nothing predicts it)
+    return [min(max(s, 1), len(r) - 1) for s, r in zip(starts, rows)]
+
+
+def truncate_left(row, start, max_len):
+    """Keep the last max_len tokens. A continuation longer than the window loses its first tokens."""
+    cut = len(row) - max_len
+    if cut <= 0:
+        return row, start
+    return row[cut:], max(1, start - cut)
+
+
+PreparedItem = namedtuple("PreparedItem", ["rows", "starts", "gold"])  # int32 arrays, ints, int
+
+
+def prepare_items(task, records, indices, tokenizer, max_len):
+    """Render and tokenize the items (one batched tokenizer call for the task)."""
+    rendered = [render_item(task, records, i) for i in indices]
+    texts = [t for option_texts, _, _ in rendered for t in option_texts]
+    lm = task.task_type == "language_modeling"
+    if lm:
+        texts += [context for _, context, _ in rendered]
+    ids = [np.asarray(x, dtype=np.int32) for x in tokenizer.encode(texts, prepend=tokenizer.get_bos_token_id())]
+    items, pos = [], 0
+    for i, (option_texts, _, gold) in enumerate(rendered):
+        rows = ids[pos:pos + len(option_texts)]
+        pos += len(option_texts)
+        context = ids[len(indices) + i] if lm else None  # LM items have one option: contexts follow all rows
+        starts = continuation_starts(task.task_type, rows, context)
+        rows, starts = zip(*(truncate_left(r, s, max_len) for r, s in zip(rows, starts)))
+        items.append(PreparedItem(list(rows), list(starts), gold))
+    return items
+
+
+# -----------------------------------------------------------------------------
+# Scoring
+
+
+@torch.no_grad()
+def score_rows(model, rows, starts, device):
+    """One forward pass over right-padded rows. Returns per row (as lists) the mean cross-entropy over
+    its continuation rows[i][starts[i]:] and whether the argmax matched every continuation token."""
+    lengths = np.array([len(r) for r in rows])
+    ids = np.zeros((len(rows), lengths.max()), dtype=np.int64)  # the pad id is irrelevant: never read
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = r
+    # logits at position p predict token p+1: continuation tokens start..len-1 are read at start-1..len-2
+    pos = np.arange(ids.shape[1])
+    mask = (pos >= np.array(starts)[:, None] - 1) & (pos < lengths[:, None] - 1)
+    row_idx, col_idx = (torch.from_numpy(a).to(device) for a in np.nonzero(mask))
+    ids = torch.from_numpy(ids).to(device)
+    logits = model(ids)[row_idx, col_idx]  # (continuation tokens, V), fp32
+    targets = ids[row_idx, col_idx + 1]
+    losses = F.cross_entropy(logits, targets, reduction="none")
+    wrong = (logits.argmax(dim=-1) != targets).float()
+    sums = torch.zeros((2, len(rows)), dtype=torch.float32, device=device)
+    sums[0].index_add_(0, row_idx, losses)
+    sums[1].index_add_(0, row_idx, wrong)
+    counts = torch.from_numpy(lengths - np.array(starts)).to(device)
+    return (sums[0] / counts).tolist(), (sums[1] == 0).tolist()
+
+
+def item_batches(items, batch_tokens):
+    """Consecutive items grouped so that rows x longest row stays within batch_tokens (an item alone
+    may exceed it: its options always share one pass)."""
+    batch, n_rows, longest = [], 0, 0
+    for item in items:
+        rows, length = n_rows + len(item.rows), max(longest, max(len(r) for r in item.rows))
+        if batch and rows * length > batch_tokens:
+            yield batch
+            batch, rows, length = [], len(item.rows), max(len(r) for r in item.rows)
+        batch.append(item)
+        n_rows, longest = rows, length
+    if batch:
+        yield batch
+
+
+def is_correct(task_type, item, mean_losses, exact):
+    if task_type == "language_modeling":
+        return exact[0]
+    return mean_losses.index(min(mean_losses)) == item.gold  # ties go to the first option
+
+
+def evaluate_task(model, tokenizer, task, records, device, max_per_task=-1, layout=None,
+                  batch_tokens=DEFAULT_BATCH_TOKENS, cache=None):
+    """(accuracy, number of items) over the first max_per_task items (all with -1). Each DP rank scores
+    items rank, rank + dp, ...; the counts are summed over the DP group. `cache` (a dict) keeps the
+    tokenized items between calls (training evaluates the same items again and again)."""
+    n = len(records) if max_per_task is None or max_per_task < 0 else min(max_per_task, len(records))
+    dp_rank, dp_size = (layout.dp_rank, layout.dp_size) if layout is not None else (0, 1)
+    max_len = model.config.sequence_len
+    key = (tokenizer, task, n, dp_rank, dp_size, max_len)  # the tokenizer by identity
+    items = cache.get(key) if cache is not None else None
+    if items is None:
+        items = prepare_items(task, records, range(dp_rank, n, dp_size), tokenizer, max_len)
+        if cache is not None:
+            cache[key] = items
+    correct = 0
+    for batch in item_batches(items, batch_tokens):
+        mean_losses, exact = score_rows(model, [r for it in batch for r in it.rows],
+                                        [s for it in batch for s in it.starts], device)
+        offset = 0
+        for item in batch:
+            k = len(item.rows)
+            correct += is_correct(task.task_type, item, mean_losses[offset:offset + k], exact[offset:offset + k])
+            offset += k
+    counts = torch.tensor([correct, len(items)], dtype=torch.int64, device=device)
+    if dp_size > 1:  # SUM: gloo has no AVG
+        dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=layout.dp_group)
+    correct, total = counts.tolist()
+    return correct / total, total
+
+
+def centered_accuracy(accuracy, baseline):
+    """0 at random guessing, 1 at perfect."""
+    return (accuracy - baseline) / (1.0 - baseline)
+
+
+def core_score(results):
+    """The mean centered accuracy over the tasks that ran."""
+    return sum(r["centered"] for r in results.values()) / len(results)
+
+
+def evaluate_core(model, tokenizer, device, bundle_dir, max_per_task=-1, layout=None,
+                  batch_tokens=DEFAULT_BATCH_TOKENS, cache=None):
+    """Every task of the bundle whose data file exists. Returns {"core", "tasks_run", "tasks_total",
+    "results": {label: {"accuracy", "centered", "items", "seconds"}}, "missing": [labels]}."""
+    tasks, missing = load_bundle(bundle_dir)
+    if not tasks:
+        raise EvalBundleError(f"none of the tasks in {bundle_dir}/core.yaml has its data file under eval_data/")
+    subset = "all items" if max_per_task is None or max_per_task < 0 else f"the first {max_per_task} items"
+    print0(f"CORE: {len(tasks)} tasks from {bundle_dir}, {subset} of each"
+           + (f"; no data file for {len(missing)}: {', '.join(missing)}" if missing else ""))
+    records_by_path = cache.setdefault("records", {}) if cache is not None else {}
+    results = {}
+    for task in tasks:
+        t0 = time.time()
+        if task.path not in records_by_path:
+            records_by_path[task.path] = load_records(task)
+        accuracy, n = evaluate_task(model, tokenizer, task, records_by_path[task.path], device, max_per_task, layout,
+                                    batch_tokens, cache)
+        results[task.label] = {"accuracy": accuracy, "centered": centered_accuracy(accuracy, task.baseline),
+                               "items": n, "seconds": time.time() - t0}
+        r = results[task.label]
+        print0(f"  {task.label:<34} {n:>6} items | accuracy {accuracy:.4f} | centered {r['centered']:+.4f} | {r['seconds']:.1f}s")
+    return {"core": core_score(results), "tasks_run": len(results), "tasks_total": len(tasks) + len(missing),
+            "results": results, "missing": missing}
+
+
+# -----------------------------------------------------------------------------
+# During training
+
+_TRAINING_CACHE = {}  # tokenized items and the bundle's location, kept across a run's CORE evaluations
+
+
+def evaluate_core_for_training(model, tokenizer, device, layout, eval_bundle, max_per_task, pipeline):
+    """CORE from inside base_train, or None (with a one-line note) when it cannot run: under pipeline
+    parallelism, or without a bundle. Never stops the training run for a missing bundle."""
+    if pipeline is not None:
+        print0("CORE: skipped (not supported with pipeline parallelism during training yet; "
+               "run scripts.base_eval on the checkpoint)")
+        return None
+    bundle_key = ("bundle", eval_bundle)
+    if bundle_key not in _TRAINING_CACHE:  # look (and maybe download) once per run
+        try:
+            _TRAINING_CACHE[bundle_key] = find_eval_bundle(eval_bundle, layout)
+        except EvalBundleError as e:
+            _TRAINING_CACHE[bundle_key] = EvalBundleError(str(e))
+    bundle = _TRAINING_CACHE[bundle_key]
+    if isinstance(bundle, EvalBundleError):
+        print0(f"CORE: skipped ({bundle})")
+        return None
+    was_training = model.training
+    model.eval()
+    try:
+        return evaluate_core(model, tokenizer, device, bundle, max_per_task, layout, cache=_TRAINING_CACHE)
+    finally:
+        model.train(was_training)

@@ -1,0 +1,440 @@
+"""
+Large Lookup Layers (L3; Tseng & De Sa, arXiv 2601.21461): a per-token bank of learned key/value rows,
+read with attention by the hidden state, inserted residually between blocks (gpt.py: x = x + l3(x, idx)).
+
+The layer. For hidden x in R^d at a position holding token t, token t owns the rows [start_t, end_t)
+(d_t = end_t - start_t of them) of two big tables, keys (n_emb x d) and values (n_emb x d_emb):
+
+    a   = softmax(K_t x)                  (d_t,)   no 1/sqrt(d) scale, as in the paper
+    u   = LayerNorm(W_up (V_t^T a))       (d_up,)  W_up: d_emb -> d_up; no affine (W_mix absorbs a gain)
+    out = W_mix [u ; x]                   (d,)     W_mix: d_up + d -> d, zero-initialized: a no-op at start
+
+Tied (K = V): one table serves as both keys and values (needs d_emb == d). The tables are sparse
+parameters (each token touches its own rows only) and go to AdamW; W_up and W_mix are matrices for Muon.
+
+The allocation (the part that matters: a uniform split loses nearly all of the gain). Run LZW over a
+fixed sample of L3_LZW_SAMPLE_TOKENS training token ids; every new dictionary entry (an n-gram) credits
+its LAST token, and each token starts with one credit for its single-token entry in LZW's initial
+dictionary (so every credit is >= 1). Tokens that end many distinct contexts earn many rows. Rows:
+    r_t = clamp(lambda * credit_t, 1, k_max), lambda found by bisection so that sum_t r_t = n_emb;
+    d_t = floor(r_t), and the n_emb - sum floor(r_t) rows left go one each to the tokens with the
+    largest fractional parts (ties: lower token id first).
+That gives 1 <= d_t <= k_max, sum d_t = n_emb exactly, more credit -> at least as many rows, and a
+deterministic result. The allocation is stored as cumulative bounds (vocab + 1,) in a persistent int64
+buffer, so it is saved and restored with the model's state_dict. LZW's dictionary is capped at
+L3_LZW_MAX_ENTRIES entries and cleared when full (as compress(1) does), which bounds its memory at
+~0.5 GB whatever the sample size. Measured on this project's 2-core CPU box (Wikipedia, vocab 32768):
+LZW over 1M tokens ~1 s, over 10M tokens ~9 s (about 5.2M dictionary entries, one reset).
+
+The forward, without a Python loop over tokens. Let P = sum over the N positions of a batch of d_t (the
+(position, row) pairs; on Wikipedia with d12 defaults the mean d_t per training token is ~270, so a
+32 x 2048 micro-batch has P ~ 18M).
+- padded (CPU reference): gather (N, max d_t, d) rows, mask the padding, softmax, weighted sum. Simple,
+  autograd does the backward, but it materializes N * max d_t * d: 65K tokens x 512 x 768 x 2 B = 51 GB.
+- segment (the GPU path, and CPU when the padded gather would be big): sort positions by token id, so
+  each token's positions and rows form one block of a block-diagonal score matrix; list the P
+  (position, row) pairs; per pair, score = <K[row], x[pos]> (index_select + multiply + sum); segment
+  softmax per position (scatter_reduce amax, exp, index_add for the denominator); h[pos] += a * V[row]
+  (index_add). Pairs are processed in chunks of whole positions so that one gathered (pairs, d) tensor
+  stays under L3_CHUNK_BYTES; a hand-written backward (an autograd.Function) recomputes each chunk
+  instead of storing it, and accumulates the table gradients in fp32 into one (n_emb, d) buffer.
+  Memory: O(N * (d + d_emb)) for inputs/outputs, a few chunk temporaries of <= L3_CHUNK_BYTES each
+  (~4 live in the forward, ~8 in the backward, fp32 ones counted double), a compute-dtype copy of the
+  tables for the duration of the call, and the fp32 table gradients (which become .grad). Nothing of
+  size P * d is kept between forward and backward.
+  Cost: forward 2 P d (scores) + 2 P d_emb (mix), backward twice that: 6 P (d + d_emb) FLOPs; it is
+  bound by memory traffic (every pair re-reads its K and V row, ~10 bytes per pair per channel), not
+  by FLOPs. The lookup itself runs eagerly (torch.compiler.disable): P is data-dependent, which would
+  break or recompile a graph anyway, and its gathers/scatters gain nothing from fusion; W_up, the
+  LayerNorm and W_mix around it still compile.
+
+Dtypes follow gpt.py: parameters fp32, activations in the compute dtype; the tables are cast to x.dtype
+for the lookup, scores, softmax and all accumulations are fp32, and the output is in x.dtype.
+"""
+
+import math
+import time
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.distributed as dist
+
+from nanochat.gpt import Linear
+from nanochat.common import print0
+
+# LZW runs over this many training tokens: ~9 s of pure Python; enough that the credit of every token
+# that matters for the table (the top few thousand own most rows) is well estimated.
+L3_LZW_SAMPLE_TOKENS = 10_000_000
+# LZW dictionary cap; cleared when full. 2^22 entries ~ 0.5 GB of Python dict.
+L3_LZW_MAX_ENTRIES = 1 << 22
+# n_emb == 0: this many table rows per vocabulary entry on average. d12 (vocab 32768): 2^19 rows, i.e.
+# 2 tables x 2^19 x 768 = 805M sparse parameters, 3 GiB fp32 (12 GiB with grads and AdamW moments) per layer.
+L3_ROWS_PER_TOKEN = 16
+# segment path: most bytes of one gathered (pairs, d) tensor in the compute dtype
+L3_CHUNK_BYTES = 512 << 20
+# padded path (CPU only): used while its (N, max d_t, d) gather stays this small and pads little
+L3_PADDED_MAX_BYTES = 64 << 20
+
+
+def default_n_emb(vocab_size, k_max):
+    """Table rows when config.l3_n_emb == 0: L3_ROWS_PER_TOKEN per vocabulary entry, at most vocab * k_max."""
+    return vocab_size * min(L3_ROWS_PER_TOKEN, k_max)
+
+
+# -----------------------------------------------------------------------------
+# Allocation: LZW credits -> rows per token
+
+
+def lzw_credits(tokens, vocab_size, max_entries=L3_LZW_MAX_ENTRIES):
+    """Per token: 1 (its entry in LZW's initial dictionary) + the number of new dictionary entries
+    (n-grams) that end with it. `tokens` is a 1-D sequence of ids (list, numpy array or tensor).
+    The dictionary maps (prefix code, token) -> code, keyed by the int prefix * vocab + token (faster
+    than tuples); it is cleared when it holds max_entries entries. Returns an int64 numpy array."""
+    tokens = np.asarray(tokens.cpu() if torch.is_tensor(tokens) else tokens, dtype=np.int64).reshape(-1)
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
+        raise ValueError(f"token ids must lie in [0, {vocab_size}); got [{tokens.min()}, {tokens.max()}]")
+    credits = [1] * vocab_size
+    if tokens.size == 0:
+        return np.asarray(credits, dtype=np.int64)
+    table = {}
+    next_code, limit = vocab_size, vocab_size + max_entries
+    w = int(tokens[0])  # code of the current prefix; single tokens are their own codes
+    step = 1 << 20  # tolist() a slice at a time: a list of 10M Python ints alone would take ~400 MB
+    for lo in range(1, tokens.size, step):
+        for c in tokens[lo:lo + step].tolist():
+            key = w * vocab_size + c
+            code = table.get(key)
+            if code is None:  # prefix + c is new: add it, credit its last token, restart from c
+                table[key] = next_code
+                next_code += 1
+                credits[c] += 1
+                w = c
+                if next_code == limit:
+                    table.clear()
+                    next_code = vocab_size
+            else:
+                w = code
+    return np.asarray(credits, dtype=np.int64)
+
+
+def allocate_rows(credits, n_emb, k_max):
+    """Rows per token d_t, proportional to credit with 1 <= d_t <= k_max and sum d_t == n_emb exactly
+    (the rule is in the module docstring). Returns an int64 numpy array."""
+    c = np.asarray(credits, dtype=np.float64)
+    V = c.size
+    if not V <= n_emb <= V * k_max:
+        raise ValueError(f"L3 n_emb={n_emb:,} must lie in [vocab, vocab * k_max] = [{V:,}, {V * k_max:,}] "
+                         f"(every token owns 1 to k_max={k_max} rows); change --l3-n-emb or --l3-k-max")
+    if not (c > 0).all():
+        raise ValueError("LZW credits must be positive (lzw_credits starts every token at 1)")
+    # sum_t clamp(lam * c_t, 1, k_max) grows continuously from V (lam = 0) to V * k_max (lam = hi)
+    lo, hi = 0.0, k_max / c.min()
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        if np.clip(mid * c, 1, k_max).sum() >= n_emb:
+            hi = mid
+        else:
+            lo = mid
+    r = np.clip(hi * c, 1, k_max)  # sum(r) >= n_emb by a hair, so the leftover below is <= sum(frac)
+    d = np.floor(r).astype(np.int64)
+    frac = r - d
+    left = n_emb - int(d.sum())
+    order = np.lexsort((np.arange(V), -frac))  # largest fractional part first, then lower token id
+    d[order[:left]] += 1
+    if d.sum() != n_emb or d.min() < 1 or d.max() > k_max:
+        raise RuntimeError(f"L3 allocation broke its invariants (sum {d.sum()}, min {d.min()}, max {d.max()})")
+    return d
+
+
+def uniform_rows(vocab_size, n_emb):
+    """n_emb rows split as evenly as possible (lower ids get the extra rows): the allocation a layer has
+    after init_weights, before allocate_for_model."""
+    d = np.full(vocab_size, n_emb // vocab_size, dtype=np.int64)
+    d[:n_emb % vocab_size] += 1
+    return d
+
+
+def sample_training_tokens(tokenizer, data_dir, n_tokens):
+    """The first n_tokens of the training shards, read in order as documents each prefixed with <|bos|>
+    (what the dataloader feeds the model). Fewer if the shards hold fewer. int32 numpy array."""
+    from nanochat.dataset import iter_documents, split_files, resolve_data_dir
+    bos = tokenizer.get_bos_token_id()
+    parts, total, batch = [], 0, []
+
+    def flush():
+        nonlocal total
+        for ids in tokenizer.encode(batch, prepend=bos):
+            parts.append(np.asarray(ids, dtype=np.int32))
+            total += len(ids)
+        batch.clear()
+
+    for doc in iter_documents(split_files(resolve_data_dir(data_dir, quiet=True), "train")):
+        batch.append(doc)
+        if len(batch) == 64:
+            flush()
+            if total >= n_tokens:
+                break
+    if batch and total < n_tokens:
+        flush()
+    return np.concatenate(parts)[:n_tokens] if parts else np.zeros(0, dtype=np.int32)
+
+
+def allocate_for_model(model, tokenizer, data_dir, layout, sample_tokens=L3_LZW_SAMPLE_TOKENS):
+    """Compute the LZW allocation once (global rank 0, from the training shards), broadcast it to every
+    rank, write it into every L3 layer of `model` (model.l3), and print its statistics."""
+    layers = list(model.l3.values())
+    if not layers:
+        return
+    V, n_emb, k_max = layers[0].vocab_size, layers[0].n_emb, layers[0].k_max
+    if any((l.vocab_size, l.n_emb, l.k_max) != (V, n_emb, k_max) for l in layers):
+        raise ValueError("all L3 layers of a model must share vocab_size, n_emb and k_max (one allocation)")
+    device = layers[0].bounds.device
+    counts = torch.zeros(V, dtype=torch.int64, device=device)
+    mean_rows = torch.zeros(1, dtype=torch.float64, device=device)
+    if layout.rank == 0:
+        t0 = time.time()
+        tokens = sample_training_tokens(tokenizer, data_dir, sample_tokens)
+        t1 = time.time()
+        if tokens.size < sample_tokens:
+            print0(f"NOTICE: the training shards hold only {tokens.size:,} tokens; L3's LZW ran on all of them "
+                   f"(L3_LZW_SAMPLE_TOKENS = {sample_tokens:,})")
+        credits = lzw_credits(tokens, V)
+        t2 = time.time()
+        d = allocate_rows(credits, n_emb, k_max)
+        freq = np.bincount(tokens, minlength=V)
+        counts.copy_(torch.from_numpy(d))
+        mean_rows.fill_(float((freq * d).sum() / max(1, freq.sum())))
+        top100 = np.sort(d)[::-1][:100].sum() / n_emb
+        print0(f"L3 allocation: {tokens.size:,} training tokens (tokenized in {t1 - t0:.1f}s), LZW {t2 - t1:.1f}s, "
+               f"{int(credits.sum()) - V:,} dictionary entries; {n_emb:,} rows over {V:,} tokens, k_max {k_max}")
+        print0(f"L3 rows per token: min {d.min()}, median {np.median(d):g}, max {d.max()}; "
+               f"top-100 tokens hold {100 * top100:.1f}% of the table; {(d == k_max).sum()} tokens at k_max; "
+               f"a training token reads {mean_rows.item():.1f} rows on average")
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast(counts, src=0)
+        dist.broadcast(mean_rows, src=0)
+    for layer in layers:
+        layer.set_allocation(counts, mean_rows.item())
+
+
+# -----------------------------------------------------------------------------
+# The lookup h = V_t^T softmax(K_t x), two ways
+
+
+def _acc_dtype(dtype):
+    """Accumulation dtype: fp32 for half-precision activations, else the activations' own (fp32/fp64)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def lookup_padded(x, ids, keys, values, bounds):
+    """Reference path: x (N, d), ids (N,) -> h (N, d_emb), by a padded (N, max d_t, d) gather. Padding
+    slots read row 0 and get exactly zero weight, so they add exactly zero gradient to it."""
+    start = bounds[ids]
+    count = bounds[ids + 1] - start
+    slot = torch.arange(int(count.max()), device=x.device)
+    valid = slot < count[:, None]
+    rows = torch.where(valid, start[:, None] + slot, 0)
+    k = keys.to(x.dtype)[rows]
+    v = k if values is None else values.to(x.dtype)[rows]
+    scores = (k @ x.unsqueeze(-1)).squeeze(-1).to(_acc_dtype(x.dtype))
+    a = torch.softmax(scores.masked_fill(~valid, float("-inf")), dim=-1)
+    return (a.to(x.dtype).unsqueeze(1) @ v).squeeze(1)
+
+
+def _chunks(count, max_pairs):
+    """Split sorted positions (with `count` rows each) into [lo, hi) ranges of whole positions holding at
+    most max_pairs (position, row) pairs each (one position may exceed it alone). One host sync."""
+    ends = torch.cumsum(count, 0).cpu()
+    out, lo, base = [], 0, 0
+    while lo < ends.numel():
+        hi = max(lo + 1, int(torch.searchsorted(ends, base + max_pairs, right=True)))
+        out.append((lo, hi, int(ends[hi - 1]) - base))
+        lo, base = hi, int(ends[hi - 1])
+    return out
+
+
+def _pairs(start, count, n_pairs):
+    """(position, row) pairs of positions with rows [start, start + count): position-major."""
+    n = count.numel()
+    pos = torch.repeat_interleave(torch.arange(n, device=count.device), count, output_size=n_pairs)
+    first = torch.cumsum(count, 0) - count
+    rows = start[pos] + torch.arange(n_pairs, device=count.device) - first[pos]
+    return pos, rows
+
+
+def _segment_softmax(scores, pos, n):
+    """Softmax of scores over the pairs of each position (every position has at least one pair)."""
+    m = scores.new_full((n,), float("-inf")).scatter_reduce(0, pos, scores, "amax")
+    e = (scores - m[pos]).exp()
+    return e / scores.new_zeros(n).index_add_(0, pos, e)[pos]
+
+
+class _SegmentLookup(torch.autograd.Function):
+    """h = V_t^T softmax(K_t x) over (position, row) pairs, chunked; backward recomputes each chunk.
+    values=None means tied (keys serve as values)."""
+
+    @staticmethod
+    def forward(ctx, x, keys, values, ids, bounds, max_pairs):
+        acc = _acc_dtype(x.dtype)
+        order = torch.argsort(ids, stable=True)  # group positions by token: block-diagonal scores
+        sid = ids[order]
+        start = bounds[sid]
+        count = bounds[sid + 1] - start
+        chunks = _chunks(count, max_pairs)
+        kc = keys.to(x.dtype)
+        vc = kc if values is None else values.to(x.dtype)
+        xs = x.index_select(0, order)
+        hs = x.new_empty(x.size(0), vc.size(1))
+        for lo, hi, n_pairs in chunks:
+            pos, rows = _pairs(start[lo:hi], count[lo:hi], n_pairs)
+            scores = (kc.index_select(0, rows) * xs[lo:hi].index_select(0, pos)).sum(-1, dtype=acc)
+            a = _segment_softmax(scores, pos, hi - lo)
+            mixed = a[:, None] * vc.index_select(0, rows).to(acc)
+            hs[lo:hi] = torch.zeros(hi - lo, vc.size(1), dtype=acc, device=x.device).index_add_(0, pos, mixed)
+        ctx.save_for_backward(x, keys, values, order, start, count)
+        ctx.chunks = chunks
+        return torch.empty_like(hs).index_copy_(0, order, hs)
+
+    @staticmethod
+    def backward(ctx, grad_h):
+        x, keys, values, order, start, count = ctx.saved_tensors
+        acc = _acc_dtype(x.dtype)
+        kc = keys.to(x.dtype)
+        vc = kc if values is None else values.to(x.dtype)
+        xs = x.index_select(0, order)
+        gs = grad_h.to(x.dtype).index_select(0, order)
+        dxs = torch.empty_like(xs)
+        # table gradients accumulate in fp32 (bf16 atomics would lose the many small updates a frequent
+        # token's rows get); tied: keys and values share one buffer
+        dk = torch.zeros(keys.shape, dtype=acc, device=keys.device)
+        dv = dk if values is None else torch.zeros(values.shape, dtype=acc, device=values.device)
+        for lo, hi, n_pairs in ctx.chunks:
+            n = hi - lo
+            pos, rows = _pairs(start[lo:hi], count[lo:hi], n_pairs)
+            kg, xg = kc.index_select(0, rows), xs[lo:hi].index_select(0, pos)
+            a = _segment_softmax((kg * xg).sum(-1, dtype=acc), pos, n)
+            gg = gs[lo:hi].index_select(0, pos)
+            da = (vc.index_select(0, rows) * gg).sum(-1, dtype=acc)  # dL/da = <dL/dh, V[row]>
+            dv.index_add_(0, rows, a[:, None] * gg.to(acc))
+            ds = a * (da - torch.zeros(n, dtype=acc, device=x.device).index_add_(0, pos, a * da)[pos])  # softmax'
+            dxs[lo:hi] = torch.zeros(n, xs.size(1), dtype=acc, device=x.device).index_add_(0, pos, ds[:, None] * kg.to(acc))
+            dk.index_add_(0, rows, ds[:, None] * xg.to(acc))
+        dx = torch.empty_like(dxs).index_copy_(0, order, dxs)
+        return dx, dk.to(keys.dtype), None if values is None else dv.to(values.dtype), None, None, None
+
+
+def lookup_segment(x, ids, keys, values, bounds, chunk_bytes=L3_CHUNK_BYTES):
+    """The GPU path: x (N, d), ids (N,) -> h (N, d_emb) over (position, row) pairs, in chunks whose
+    gathered (pairs, d) tensors stay under chunk_bytes."""
+    max_pairs = max(1, chunk_bytes // (x.size(1) * x.element_size()))
+    return _SegmentLookup.apply(x, keys, values, ids, bounds, max_pairs)
+
+
+def choose_path(x, ids, bounds):
+    """"segment" on CUDA, and on CPU whenever the padded gather would be big or mostly padding (then the
+    segment path is also the faster one on CPU); "padded" for small CPU batches. One host sync."""
+    if x.is_cuda:
+        return "segment"
+    count = bounds[ids + 1] - bounds[ids]
+    padded_slots = ids.numel() * int(count.max())
+    small = padded_slots * x.size(1) * x.element_size() <= L3_PADDED_MAX_BYTES
+    return "padded" if small and padded_slots <= 2 * int(count.sum()) else "segment"
+
+
+# -----------------------------------------------------------------------------
+# The layer
+
+
+class L3Layer(nn.Module):
+    def __init__(self, vocab_size, d_model, n_emb, d_emb=None, d_up=None, k_max=512, tied=False):
+        super().__init__()
+        d_emb = d_emb or d_model
+        d_up = d_up or 4 * d_model
+        if k_max < 1:
+            raise ValueError(f"L3 k_max={k_max} must be >= 1")
+        if not vocab_size <= n_emb <= vocab_size * k_max:
+            raise ValueError(f"L3 n_emb={n_emb:,} must lie in [vocab, vocab * k_max] = [{vocab_size:,}, "
+                             f"{vocab_size * k_max:,}]; change --l3-n-emb or --l3-k-max")
+        if tied and d_emb != d_model:
+            raise ValueError(f"tied L3 (K = V) needs d_emb == d_model, got {d_emb} != {d_model}")
+        self.vocab_size, self.d_model, self.n_emb, self.d_emb, self.d_up = vocab_size, d_model, n_emb, d_emb, d_up
+        self.k_max, self.tied = k_max, tied
+        self.key_table = nn.Parameter(torch.empty(n_emb, d_model))
+        self.value_table = None if tied else nn.Parameter(torch.empty(n_emb, d_emb))
+        self.w_up = Linear(d_emb, d_up)
+        self.w_mix = Linear(d_up + d_model, d_model)
+        # token t owns rows bounds[t]:bounds[t+1]; saved in checkpoints (the allocation is data-derived)
+        self.register_buffer("bounds", torch.zeros(vocab_size + 1, dtype=torch.int64))
+        # mean rows a training token reads (token-frequency-weighted): what estimate_flops charges
+        self.register_buffer("rows_per_token", torch.zeros((), dtype=torch.float32))
+        self.path = "auto"  # or "segment" / "padded", to force one (tests, benchmarks)
+
+    @classmethod
+    def from_config(cls, config):
+        n_emb = config.l3_n_emb or default_n_emb(config.vocab_size, config.l3_k_max)
+        return cls(config.vocab_size, config.n_embd, n_emb, d_emb=config.n_embd, d_up=config.l3_d_up or 4 * config.n_embd,
+                   k_max=config.l3_k_max, tied=config.l3_tied)
+
+    @torch.no_grad()
+    def init_weights(self):
+        """Keys uniform with std 1/sqrt(d): scores K_t x start with std ~ rms(x), a soft but not flat
+        attention. Values the same (their scale is free: a LayerNorm follows W_up). W_up uniform like
+        every matrix (std 1/sqrt(fan_in)); W_mix zero, so the layer starts as a no-op. The allocation is
+        reset to a uniform split; allocate_for_model replaces it."""
+        s = math.sqrt(3) / math.sqrt(self.d_model)
+        nn.init.uniform_(self.key_table, -s, s)
+        if self.value_table is not None:
+            s_emb = math.sqrt(3) / math.sqrt(self.d_emb)
+            nn.init.uniform_(self.value_table, -s_emb, s_emb)
+        s_up = math.sqrt(3) / math.sqrt(self.d_emb)
+        nn.init.uniform_(self.w_up.weight, -s_up, s_up)
+        nn.init.zeros_(self.w_mix.weight)
+        rows = uniform_rows(self.vocab_size, self.n_emb)
+        self.set_allocation(torch.from_numpy(rows), float((rows * rows).sum() / self.n_emb))
+
+    @torch.no_grad()
+    def set_allocation(self, rows, rows_per_token):
+        """Install rows per token (vocab,) and the mean rows a training token reads."""
+        rows = torch.as_tensor(rows, dtype=torch.int64).cpu()
+        if rows.shape != (self.vocab_size,) or rows.sum() != self.n_emb or rows.min() < 1 or rows.max() > self.k_max:
+            raise ValueError(f"an L3 allocation needs {self.vocab_size} entries in [1, {self.k_max}] summing to "
+                             f"{self.n_emb}; got shape {tuple(rows.shape)}, sum {int(rows.sum())}, "
+                             f"range [{int(rows.min())}, {int(rows.max())}]")
+        self.bounds.copy_(F.pad(torch.cumsum(rows, 0), (1, 0)))
+        self.rows_per_token.fill_(rows_per_token)
+
+    def rows_per_token_table(self):
+        """Rows per token, (vocab,) int64, from the bounds."""
+        return self.bounds[1:] - self.bounds[:-1]
+
+    def table_parameters(self):
+        return [self.key_table] if self.value_table is None else [self.key_table, self.value_table]
+
+    def dense_parameters(self):
+        return [self.w_up.weight, self.w_mix.weight]
+
+    def estimate_flops(self):
+        """Training FLOPs per token: 6 * (W_up + W_mix params) + 6 * r * (d + d_emb), where r is the mean
+        rows a training token reads (scores 2 r d and mix 2 r d_emb forward, twice that backward). r comes
+        from the allocation sample; on the meta device (before any allocation exists) r = k_max, an upper
+        bound. d12 defaults: 6 * 5.3M dense + 6 * ~270 * 1536 = 32M + 2.5M per token."""
+        r = self.k_max if self.rows_per_token.is_meta else float(self.rows_per_token)
+        dense = sum(p.numel() for p in self.dense_parameters())
+        return 6 * dense + 6 * r * (self.d_model + self.d_emb)
+
+    @torch.compiler.disable  # data-dependent sizes; see the module docstring
+    def lookup(self, x, ids):
+        """h = V_t^T softmax(K_t x) for x (N, d), ids (N,) -> (N, d_emb) in x.dtype."""
+        path = choose_path(x, ids, self.bounds) if self.path == "auto" else self.path
+        if path == "padded":
+            return lookup_padded(x, ids, self.key_table, self.value_table, self.bounds)
+        return lookup_segment(x, ids, self.key_table, self.value_table, self.bounds)
+
+    def forward(self, x, idx):
+        """x (B, T, d) hidden states, idx (B, T) token ids -> (B, T, d) to add to the residual stream."""
+        B, T, d = x.shape
+        h = self.lookup(x.reshape(B * T, d), idx.reshape(B * T).long()).view(B, T, self.d_emb)
+        u = F.layer_norm(self.w_up(h), (self.d_up,))
+        return self.w_mix(torch.cat([u, x], dim=-1))

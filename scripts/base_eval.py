@@ -1,0 +1,145 @@
+"""
+Evaluate a base-model checkpoint: the CORE metric (nanochat/core_eval.py) and bits per byte on the
+training and validation data. Prints a table of tasks and `CORE (n/22 tasks): x.xxxx`, writes
+$NANOCHAT_BASE_DIR/base_eval/<tag>_<step>.csv and the "Base model evaluation" report section.
+
+    python -m scripts.base_eval                                  # latest checkpoint of the latest tag
+    python -m scripts.base_eval --model-tag d20 --max-per-task 500
+    python -m scripts.base_eval --eval-bundle ~/eval_bundle      # a local copy of the bundle (offline)
+    torchrun --nproc_per_node=8 -m scripts.base_eval             # items and batches split over ranks
+
+The model runs eagerly (no torch.compile): CORE's batches change shape from item to item.
+"""
+
+import os
+import csv
+import sys
+import argparse
+
+from nanochat.common import compute_init, compute_cleanup, print0, get_base_dir, get_compute_dtype
+from nanochat.checkpoint_manager import load_model, CheckpointError
+from nanochat.tokenizer import get_tokenizer, get_token_bytes, TokenizerError
+from nanochat.dataloader import DataLoader
+from nanochat.dataset import check_data, DataError
+from nanochat.loss_eval import evaluate_bpb
+from nanochat.core_eval import find_eval_bundle, evaluate_core, EvalBundleError
+from nanochat import report
+
+
+def latest_model_tag(base_dir=None):
+    """The most recently written tag folder under base_checkpoints/."""
+    root = os.path.join(base_dir or get_base_dir(), "base_checkpoints")
+    tags = [d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d))] if os.path.isdir(root) else []
+    if not tags:
+        raise CheckpointError(f"no checkpoints in {root}: train a model with `python -m scripts.base_train` first")
+    return max(tags, key=lambda d: os.path.getmtime(os.path.join(root, d)))
+
+
+def load_eval_model(model_tag, step, device, dtype):
+    """(model, meta, tag) for evaluation: the latest tag and step unless given. Loading lives here alone
+    so that a tensor-parallel load can be added in one place."""
+    model_tag = model_tag or latest_model_tag()
+    model, meta = load_model(model_tag, step, device, dtype)
+    return model, meta, model_tag
+
+
+def core_table(core):
+    """The per-task results as a markdown table."""
+    lines = ["| task | items | accuracy | centered |", "| --- | --- | --- | --- |"]
+    lines += [f"| {label} | {r['items']} | {r['accuracy']:.4f} | {r['centered']:.4f} |" for label, r in core["results"].items()]
+    return "\n".join(lines)
+
+
+def write_csv(path, core):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["task", "accuracy", "centered"])
+        for label, r in core["results"].items():
+            w.writerow([label, f"{r['accuracy']:.6f}", f"{r['centered']:.6f}"])
+        w.writerow(["CORE", "", f"{core['core']:.6f}"])
+
+
+def main():
+    parser = argparse.ArgumentParser(description="Evaluate a base model: CORE and bits per byte")
+    parser.add_argument("--model-tag", type=str, default=None, help="checkpoint folder (default: the most recent one)")
+    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+    parser.add_argument("--device-type", type=str, default="", help="cuda|cpu|mps (default: autodetect)")
+    parser.add_argument("--eval-bundle", type=str, default=None,
+                        help="CORE bundle folder (default: $NANOCHAT_BASE_DIR/eval_bundle, downloaded when absent)")
+    parser.add_argument("--max-per-task", type=int, default=-1, help="CORE: the first N items of each task (-1 = all)")
+    parser.add_argument("--eval-tokens", type=int, default=20 * 524288, help="bpb: tokens of each split")
+    parser.add_argument("--device-batch-size", type=int, default=32, help="bpb: sequences per forward pass per process")
+    parser.add_argument("--data-dir", type=str, default=None, help="bpb: folder of parquet shards (default as in base_train)")
+    parser.add_argument("--skip-core", action="store_true", help="do not evaluate CORE")
+    parser.add_argument("--skip-bpb", action="store_true", help="do not evaluate bits per byte")
+    args = parser.parse_args()
+
+    layout, device = compute_init(args.device_type)
+
+    def fail(msg):
+        print0(f"ERROR: {msg}")
+        compute_cleanup()
+        sys.exit(1)
+
+    if args.max_per_task == 0:
+        fail("--max-per-task 0 evaluates nothing; give a positive count, or -1 for all items")
+    # everything that can be missing is looked for before the long parts: the bundle first (offline
+    # that fails fast), then the data (check_data opens every shard), the tokenizer and the checkpoint
+    bundle, data_dir = None, None
+    try:
+        if not args.skip_core:
+            bundle = find_eval_bundle(args.eval_bundle, layout)
+        if not args.skip_bpb:
+            data_dir = check_data(args.data_dir)
+        tokenizer = get_tokenizer()
+        token_bytes = get_token_bytes(device)
+        model, meta, model_tag = load_eval_model(args.model_tag, args.step, device, get_compute_dtype(device.type))
+    except (EvalBundleError, DataError, TokenizerError, CheckpointError) as e:
+        fail(str(e))
+    step = meta["step"]
+    print0(f"evaluating {model_tag} step {step} (sequence length {model.config.sequence_len}, "
+           f"compute dtype {model.compute_dtype}) on dp {layout.dp_size}")
+
+    items = {"model tag": model_tag, "step": step}
+    sections = []
+    if not args.skip_core:
+        try:
+            core = evaluate_core(model, tokenizer, device, bundle, args.max_per_task, layout)
+        except EvalBundleError as e:
+            fail(str(e))
+        table = core_table(core)
+        print0(table)
+        if core["missing"]:
+            print0(f"missing (no data file in the bundle, left out of CORE): {', '.join(core['missing'])}")
+        print0(f"CORE ({core['tasks_run']}/{core['tasks_total']} tasks): {core['core']:.4f}")
+        csv_path = os.path.join(get_base_dir(), "base_eval", f"{model_tag}_{step:06d}.csv")
+        if layout.rank == 0:
+            write_csv(csv_path, core)
+        print0(f"wrote {csv_path}")
+        items.update({"CORE": round(core["core"], 6), "CORE tasks": f"{core['tasks_run']}/{core['tasks_total']}",
+                      "missing tasks": ", ".join(core["missing"]) or "none",
+                      "items per task": "all" if args.max_per_task < 0 else f"first {args.max_per_task}"})
+        sections.append(table)
+
+    if not args.skip_bpb:
+        T = model.config.sequence_len
+        steps = max(1, args.eval_tokens // (args.device_batch_size * T * layout.dp_size))
+        for split in ("train", "val"):
+            try:
+                loader = DataLoader(tokenizer, args.device_batch_size, T, split, device, data_dir=data_dir,
+                                    dp_rank=layout.dp_rank, dp_size=layout.dp_size)
+                bpb = evaluate_bpb(lambda x, y: model(x, y, loss_reduction="none"), loader, steps, token_bytes, layout)
+            except DataError as e:
+                fail(str(e))
+            loader.close()
+            print0(f"{split} bpb: {bpb:.6f}")
+            items[f"{split} bpb"] = bpb
+        items["bpb tokens per split"] = steps * args.device_batch_size * T * layout.dp_size
+
+    report.log_section("Base model evaluation", [items] + sections)
+    compute_cleanup()
+
+
+if __name__ == "__main__":
+    main()

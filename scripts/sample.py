@@ -1,0 +1,74 @@
+"""
+Complete prompts with a base-model checkpoint (KV-cache sampling, nanochat/engine.py).
+
+    python -m scripts.sample --prompt "The capital of France is" --num-samples 3
+    python -m scripts.sample                       # prompts from stdin, one per line (interactive)
+    python -m scripts.sample --prompt "Hello" --temperature 0 --report
+
+A completion stops at <|bos|> (the start of another document) or after --max-tokens tokens.
+--report writes the prompts and completions to the "Base model samples" report section.
+"""
+
+import sys
+import argparse
+
+from nanochat.common import compute_init, get_compute_dtype
+from nanochat.checkpoint_manager import CheckpointError
+from nanochat.tokenizer import get_tokenizer, TokenizerError
+from nanochat.engine import generate
+from nanochat import report
+from scripts.base_eval import load_eval_model
+
+parser = argparse.ArgumentParser(description="Sample completions from a base model")
+parser.add_argument("--model-tag", type=str, default=None, help="checkpoint folder (default: the most recent one)")
+parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+parser.add_argument("--prompt", type=str, action="append", default=[], help="a prompt (repeatable); none = read stdin")
+parser.add_argument("--num-samples", type=int, default=1, help="completions per prompt")
+parser.add_argument("--max-tokens", type=int, default=64, help="most new tokens per completion")
+parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+parser.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens (0 = all)")
+parser.add_argument("--seed", type=int, default=42, help="sampling seed (same seed, same completions)")
+parser.add_argument("--device-type", type=str, default="", help="cuda|cpu|mps (default: autodetect)")
+parser.add_argument("--report", action="store_true", help="write the samples to the report")
+args = parser.parse_args()
+
+if args.num_samples < 1 or args.max_tokens < 1 or args.temperature < 0:
+    sys.exit("ERROR: --num-samples and --max-tokens must be positive and --temperature at least 0")
+_, device = compute_init(args.device_type)
+try:
+    tokenizer = get_tokenizer()
+    model, meta, model_tag = load_eval_model(args.model_tag, args.step, device, get_compute_dtype(device.type))
+except (TokenizerError, CheckpointError) as e:
+    sys.exit(f"ERROR: {e}")
+bos = tokenizer.get_bos_token_id()
+print(f"sampling from {model_tag} step {meta['step']} (temperature {args.temperature}, top-k {args.top_k}, seed {args.seed})")
+
+
+def stdin_prompts():
+    """One prompt per non-empty line until end of input."""
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            print("prompt> ", end="", flush=True)
+        line = sys.stdin.readline()
+        if not line:
+            return
+        if line.strip():
+            yield line.rstrip("\n")
+
+
+done = []  # (prompt, completions) for the report
+for prompt in args.prompt or stdin_prompts():
+    ids = tokenizer.encode(prompt, prepend=bos)
+    samples = generate(model, ids, args.max_tokens, num_samples=args.num_samples, temperature=args.temperature,
+                       top_k=args.top_k or None, seed=args.seed, stop_tokens=(bos,))
+    completions = [tokenizer.decode([t for t in s if t != bos]) for s in samples]
+    for i, text in enumerate(completions):
+        print(f"--- [{i + 1}/{args.num_samples}] {prompt}{text}", flush=True)
+    done.append((prompt, completions))
+
+if args.report:
+    texts = [p + c for p, cs in done for c in cs]
+    lines = [f"{i}. `{t!r}`" for i, t in enumerate(texts, 1)]
+    report.log_section("Base model samples", [{"model tag": model_tag, "step": meta["step"], "temperature": args.temperature,
+                                               "top-k": args.top_k, "seed": args.seed}, "\n".join(lines)])

@@ -1,0 +1,136 @@
+"""Train a tiny GPT for a few steps at a given (DP, TP, PP) layout on fixed batches, in processes
+started with torch.multiprocessing (gloo, CPU, fp32), and return the losses and the full parameters.
+The equivalence tests compare each layout against one process."""
+
+import os
+import socket
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+CONFIG = dict(sequence_len=32, vocab_size=64, n_layer=4, n_head=4, n_kv_head=2, n_embd=64, window_pattern="SL")
+GLOBAL_BATCH = 8   # sequences per step
+MICRO_BATCH = 2    # sequences per micro-batch per process
+# Modest LRs and decay: Adam (eps 1e-10) and the cautious-decay mask turn float-order noise in near-zero
+# gradients into steps of up to lr (and lr*wd*|w|), so the tolerance is only meaningful when those are small.
+LRS = dict(embedding_lr=0.01, unembedding_lr=0.004, matrix_lr=0.02, scalar_lr=0.02, weight_decay=0.01)
+
+
+def fixed_batches(steps, seed=1234):
+    """Learnable sequences: arithmetic progressions mod the vocabulary, random start and stride."""
+    g = torch.Generator().manual_seed(seed)
+    t = torch.arange(CONFIG["sequence_len"] + 1)
+    out = []
+    for _ in range(steps):
+        start = torch.randint(0, CONFIG["vocab_size"], (GLOBAL_BATCH, 1), generator=g)
+        stride = torch.randint(1, 4, (GLOBAL_BATCH, 1), generator=g)
+        out.append((start + stride * t) % CONFIG["vocab_size"])
+    return out
+
+
+def leave_identity_init(model):
+    """At init the blocks are identities (zero output projections), so some gradients are exactly zero
+    in exact arithmetic (e.g. block 0's lambdas only rescale x before a scale-invariant norm) and float
+    noise of order 1e-9 there gets a full Adam step in one layout and not in another. Start from a
+    generic point instead: the same small random output projections and lambda offsets everywhere."""
+    g = torch.Generator().manual_seed(99)
+    with torch.no_grad():
+        for block in model.blocks:
+            for lin in (block.attn.c_proj, block.mlp.c_proj):
+                lin.weight.copy_(torch.randn(lin.weight.shape, generator=g) * 0.02)
+            block.x0_lambda.add_(torch.rand((), generator=g) * 0.1)
+        model.backout_lambda.fill_(0.1)
+        model.smear_lambda.fill_(0.1)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, tp, pp, sequence_parallel, schedule, steps, port, out_dir, config_overrides, resume_from):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    if world > 1:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    from nanochat.common import build_layout
+    from nanochat.gpt import GPTConfig, build_model
+    from nanochat.optim import MuonAdamW
+    from nanochat import checkpoint_manager as ckpt
+    layout = build_layout(rank, world, rank, tp, pp)
+    torch.manual_seed(0)
+    model = build_model(GPTConfig(**{**CONFIG, **config_overrides}), "cpu", torch.float32)
+    leave_identity_init(model)
+    if tp > 1:
+        from nanochat.tensor_parallel import parallelize
+        parallelize(model, layout, sequence_parallel)
+    per_rank = GLOBAL_BATCH // layout.dp_size
+    n_micro = per_rank // MICRO_BATCH
+    pipeline = None
+    if pp > 1:
+        from nanochat.pipeline_parallel import Pipeline
+        pipeline = Pipeline(model, layout, n_micro, MICRO_BATCH, schedule)
+    names = {p: n for n, p in model.named_parameters()}
+    optimizer = MuonAdamW(model.param_groups(**LRS), names, dp_group=layout.dp_group, compute_dtype=torch.float32)
+    first_step = 0
+    if resume_from is not None:
+        model_state, optim_state, meta = ckpt.load_checkpoint(resume_from, device="cpu")
+        ckpt.load_model_state(model, model_state)
+        optimizer.load_full_state_dict(optim_state)
+        first_step = meta["step"]
+    batches = fixed_batches(steps)
+    losses = []
+    for step in range(first_step, steps):
+        rows = batches[step][layout.dp_rank * per_rank:(layout.dp_rank + 1) * per_rank]
+        micro = [(rows[i:i + MICRO_BATCH, :-1], rows[i:i + MICRO_BATCH, 1:]) for i in range(0, per_rank, MICRO_BATCH)]
+        if pipeline is not None:
+            loss = pipeline.train_step(micro)
+        else:
+            loss = torch.zeros(())
+            for x, y in micro:
+                l = model(x, y)
+                (l / n_micro).backward()
+                loss += l.detach() / n_micro
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if layout.dp_size > 1:
+            dist.all_reduce(loss, group=layout.dp_group)
+            loss /= layout.dp_size
+        losses.append(loss.item())
+        if step + 1 == steps // 2 and out_dir is not None:  # a mid-run checkpoint, saved like base_train does
+            model_state = ckpt.full_model_state(model)
+            optim_state = optimizer.full_state_dict()
+            if layout.dp_rank == 0 and layout.tp_rank == 0:
+                ckpt.save_stage_files(os.path.join(out_dir, "ckpt"), step + 1, model_state, optim_state, layout.pp_rank, pp)
+            if world > 1:
+                dist.barrier()
+            if rank == 0:
+                ckpt.save_meta(os.path.join(out_dir, "ckpt"), step + 1, {}, pp)
+    model_state = ckpt.full_model_state(model)
+    if layout.dp_rank == 0 and layout.tp_rank == 0:
+        torch.save({"losses": losses, "params": model_state}, os.path.join(out_dir, f"stage{layout.pp_rank}.pt"))
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def run_layout(dp=1, tp=1, pp=1, sequence_parallel=False, schedule="1f1b", steps=5, config_overrides=None,
+               resume_from=None, out_dir=None):
+    """Returns {"losses": [...], "params": {name: full tensor}, "dir": out_dir}."""
+    world = dp * tp * pp
+    out_dir = out_dir or tempfile.mkdtemp(prefix="nanochat_layout_")
+    args = (world, tp, pp, sequence_parallel, schedule, steps, _free_port(), out_dir, config_overrides or {}, resume_from)
+    if world == 1:
+        _worker(0, *args)
+    else:
+        mp.spawn(_worker, args=args, nprocs=world, join=True)
+    params, losses = {}, None
+    for s in range(pp):
+        part = torch.load(os.path.join(out_dir, f"stage{s}.pt"), weights_only=True)
+        params.update(part["params"])
+        if s == pp - 1:
+            losses = part["losses"]
+    return {"losses": losses, "params": params, "dir": out_dir}

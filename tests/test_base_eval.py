@@ -1,0 +1,109 @@
+"""scripts/base_eval.py and scripts/sample.py end to end on a tiny checkpoint: the CORE table and
+line, the CSV, the report section, bpb, data parallel under torchrun, and clear errors."""
+
+import os
+import re
+import csv
+import sys
+import subprocess
+
+import pytest
+
+from conftest import run_script, TINY_MODEL, REPO
+
+BUNDLE = os.path.join(os.path.dirname(REPO), "shared", "eval_bundle")
+needs_bundle = pytest.mark.skipif(not os.path.isdir(BUNDLE), reason=f"no local CORE bundle at {BUNDLE} (../shared/eval_bundle)")
+TAG = "evaltest"
+EVAL = ["--model-tag", TAG, "--eval-bundle", BUNDLE, "--max-per-task", "4", "--eval-tokens", "512",
+        "--device-batch-size", "4"]
+CORE_LINE = re.compile(r"^CORE \((\d+)/(\d+) tasks\): (-?\d+\.\d{4})$", re.M)
+
+
+def script_env(base_dir):
+    env = dict(os.environ, NANOCHAT_BASE_DIR=base_dir, NANOCHAT_DTYPE="float32", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    env.pop("NANOCHAT_DATA_DIR", None)
+    return env
+
+
+@pytest.fixture(scope="module")
+def checkpoint(base_dir):
+    """A 2-step tiny model saved under the tag `evaltest`."""
+    run_script("scripts.base_train", TINY_MODEL + ["--device-batch-size", "4", "--total-batch-size", "512",
+                                                   "--num-iterations", "2", "--model-tag", TAG], script_env(base_dir))
+    return TAG
+
+
+@pytest.fixture(scope="module")
+def single_run(base_dir, checkpoint):
+    """base_eval in one process: (stdout, CSV rows, report section text)."""
+    p = run_script("scripts.base_eval", EVAL, script_env(base_dir))
+    with open(os.path.join(base_dir, "base_eval", f"{TAG}_000002.csv")) as f:
+        rows = list(csv.reader(f))
+    with open(os.path.join(base_dir, "report", "base-model-evaluation.md")) as f:
+        section = f.read()
+    return p.stdout, rows, section
+
+
+@needs_bundle
+def test_base_eval_table_core_csv_and_report(single_run):
+    from nanochat.core_eval import load_bundle
+    stdout, rows, section = single_run
+    tasks, missing = load_bundle(BUNDLE)
+    assert len(tasks) == 20 and sorted(missing) == ["coqa", "squad"]
+    for t in tasks:  # the table: every task that ran, 4 items each
+        assert re.search(rf"^\| {t.label} \| 4 \| \d\.\d{{4}} \| -?\d\.\d{{4}} \|$", stdout, re.M), t.label
+    assert "missing (no data file in the bundle, left out of CORE): squad, coqa" in stdout
+    m = CORE_LINE.search(stdout)
+    assert m and m.group(1, 2) == ("20", "22")
+    assert re.search(r"^train bpb: \d+\.\d{6}$", stdout, re.M) and re.search(r"^val bpb: \d+\.\d{6}$", stdout, re.M)
+    # the CSV: one row per task, then CORE = the mean of the centered accuracies
+    assert rows[0] == ["task", "accuracy", "centered"]
+    assert [r[0] for r in rows[1:-1]] == [t.label for t in tasks] and rows[-1][:2] == ["CORE", ""]
+    centered = [float(r[2]) for r in rows[1:-1]]
+    assert float(rows[-1][2]) == pytest.approx(sum(centered) / 20, abs=1e-5)
+    assert f"{float(rows[-1][2]):.4f}" == m.group(3)
+    # the report section carries the keys the summary reads, and the table
+    for key in ("train bpb", "val bpb", "CORE"):
+        assert re.search(rf"^- {key}: -?\d", section, re.M), key
+    assert "| task | items | accuracy | centered |" in section and "| hellaswag | 4 |" in section
+
+
+@needs_bundle
+def test_base_eval_data_parallel_matches_one_process(base_dir, checkpoint, single_run):
+    p = run_script("scripts.base_eval", EVAL + ["--skip-bpb"], script_env(base_dir), nproc=2)
+    assert CORE_LINE.search(p.stdout).group(0) == CORE_LINE.search(single_run[0]).group(0)
+    table = [l for l in p.stdout.splitlines() if l.startswith("| ")]
+    assert table == [l for l in single_run[0].splitlines() if l.startswith("| ")]
+
+
+def test_base_eval_offline_without_bundle_says_what_to_do(tmp_path):
+    env = dict(script_env(str(tmp_path)), NANOCHAT_EVAL_BUNDLE_URL="http://127.0.0.1:9/x.zip")
+    p = run_script("scripts.base_eval", ["--max-per-task", "4"], env, check=False)
+    assert p.returncode == 1
+    assert "could not download the CORE eval bundle" in p.stdout and "--eval-bundle DIR" in p.stdout
+    assert "Traceback" not in p.stderr
+
+
+def test_base_eval_unknown_tag(base_dir, checkpoint):
+    p = run_script("scripts.base_eval", ["--model-tag", "nope", "--skip-core", "--skip-bpb"], script_env(base_dir), check=False)
+    assert p.returncode == 1 and "no checkpoints for model tag 'nope'" in p.stdout and "Traceback" not in p.stderr
+
+
+def test_sample_prompts_seed_and_report(base_dir, checkpoint):
+    env = script_env(base_dir)
+    args = ["--model-tag", TAG, "--prompt", "The", "--prompt", "A city", "--num-samples", "2", "--max-tokens", "8",
+            "--temperature", "0.8", "--seed", "1"]
+    first = run_script("scripts.sample", args + ["--report"], env)
+    lines = [l for l in first.stdout.splitlines() if l.startswith("--- [")]
+    assert len(lines) == 4 and lines[0].startswith("--- [1/2] The") and lines[2].startswith("--- [1/2] A city")
+    assert run_script("scripts.sample", args, env).stdout == first.stdout  # same seed, same completions
+    with open(os.path.join(base_dir, "report", "base-model-samples.md")) as f:
+        assert f.read().count("\n1. `") == 1
+
+
+def test_sample_reads_prompts_from_stdin(base_dir, checkpoint):
+    p = subprocess.run([sys.executable, "-m", "scripts.sample", "--model-tag", TAG, "--max-tokens", "4", "--temperature", "0"],
+                       cwd=REPO, env=script_env(base_dir), input="Hello\n\nWorld\n", capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    lines = [l for l in p.stdout.splitlines() if l.startswith("--- [")]
+    assert len(lines) == 2 and lines[0].startswith("--- [1/1] Hello") and lines[1].startswith("--- [1/1] World")

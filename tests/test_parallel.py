@@ -1,0 +1,120 @@
+"""DP, TP and PP against one process: same losses (rel 1e-4, fp32) and parameters (atol 1e-4) after
+5 steps on the same batches (CPU, gloo). Also: checkpoints move between layouts."""
+
+import os
+
+import pytest
+import torch
+
+from parallel_harness import run_layout
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return run_layout()
+
+
+def assert_same_run(run, ref, steps=5):
+    assert len(run["losses"]) == len(ref["losses"]) == steps
+    for a, b in zip(run["losses"], ref["losses"]):
+        assert abs(a - b) / abs(b) <= 1e-4, (run["losses"], ref["losses"])
+    assert run["params"].keys() == ref["params"].keys()
+    for name, p in ref["params"].items():
+        assert torch.allclose(run["params"][name], p, atol=1e-4), (name, (run["params"][name] - p).abs().max())
+
+
+def test_reference_learns(reference):
+    assert reference["losses"][-1] < reference["losses"][0]
+
+
+def test_dp2(reference):
+    assert_same_run(run_layout(dp=2), reference)
+
+
+def test_tp2(reference):
+    assert_same_run(run_layout(tp=2), reference)
+
+
+def test_tp2_sequence_parallel(reference):
+    assert_same_run(run_layout(tp=2, sequence_parallel=True), reference)
+
+
+def test_dp2_tp2(reference):
+    assert_same_run(run_layout(dp=2, tp=2), reference)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pp2(reference, schedule):
+    assert_same_run(run_layout(pp=2, schedule=schedule), reference)
+
+
+def test_dp2_pp2(reference):
+    assert_same_run(run_layout(dp=2, pp=2), reference)
+
+
+def test_tp2_pp2(reference):
+    assert_same_run(run_layout(tp=2, pp=2), reference)
+
+
+def _resume_matches(saved_run, **layout):
+    """Resume the checkpoint saved half-way through `saved_run` at another layout: the second half of
+    the loss curve and the final parameters must match."""
+    resumed = run_layout(steps=6, resume_from=os.path.join(saved_run["dir"], "ckpt"), **layout)
+    assert len(resumed["losses"]) == 3
+    for a, b in zip(resumed["losses"], saved_run["losses"][3:]):
+        assert abs(a - b) / abs(b) <= 1e-4, (resumed["losses"], saved_run["losses"])
+    for name, p in saved_run["params"].items():
+        assert torch.allclose(resumed["params"][name], p, atol=1e-4), name
+
+
+def test_checkpoint_tp2_resumes_at_tp1_and_tp4():
+    kv4 = {"n_kv_head": 4}  # TP=4 needs 4 kv heads
+    saved = run_layout(tp=2, steps=6, config_overrides=kv4)
+    _resume_matches(saved, tp=1, config_overrides=kv4)
+    _resume_matches(saved, tp=4, config_overrides=kv4)
+
+
+def test_checkpoint_pp2_resumes_at_pp1_and_back():
+    saved = run_layout(pp=2, steps=6)
+    _resume_matches(saved, pp=1)
+    saved1 = run_layout(pp=1, steps=6)
+    _resume_matches(saved1, pp=2, schedule="gpipe")
+
+
+def test_checkpoint_dp2_resumes_at_dp1():
+    saved = run_layout(dp=2, steps=6)
+    _resume_matches(saved, dp=1)
+
+
+def test_tp_that_does_not_divide_heads_is_a_clear_error():
+    from nanochat.gpt import GPTConfig
+    from nanochat.tensor_parallel import check_tp_size
+    with pytest.raises(ValueError, match=r"--tp 3 does not divide the query heads \(n_head\) = 4; valid --tp values for this model: \[1, 2\]"):
+        check_tp_size(GPTConfig(n_head=4, n_kv_head=2, n_embd=64, vocab_size=64), 3)
+    with pytest.raises(ValueError, match=r"key/value heads \(n_kv_head\) = 2"):
+        check_tp_size(GPTConfig(n_head=4, n_kv_head=2, n_embd=64, vocab_size=64), 4)
+    with pytest.raises(ValueError, match=r"vocabulary \(vocab_size\) = 65"):
+        check_tp_size(GPTConfig(n_head=4, n_kv_head=4, n_embd=64, vocab_size=65), 2)
+
+
+def test_pipeline_stage_split_and_schedule_table():
+    import torch
+    from nanochat.gpt import GPT, config_for_depth
+    from nanochat.pipeline_parallel import split_stages, block_costs, Pipeline
+    assert split_stages([1, 1, 1, 1], 0, 2) == [(0, 2), (2, 4)]
+    assert split_stages([1, 1, 1, 1], 2, 2) == [(0, 3), (3, 4)]  # the head weighs on the last stage
+    assert split_stages([5, 1, 1, 1, 1, 1], 0, 2) == [(0, 1), (1, 6)]
+    with pytest.raises(ValueError, match="more stages than blocks"):
+        split_stages([1, 1], 0, 3)
+    with torch.device("meta"):
+        model = GPT(config_for_depth(12))
+    costs, head = block_costs(model)
+    assert len(costs) == 12 and head > costs[0]  # d12's lm_head costs more than a block
+    from nanochat.common import Layout
+    pipe = Pipeline(model, Layout(pp_size=4, pp_rank=0), num_microbatches=8, micro_batch_size=1, schedule="1f1b")
+    table = pipe.schedule_table()
+    assert "stage 3:" in table and "formula (p-1)/(m+p-1) = 0.273" in table
+    first_row = table.splitlines()[1].split()[2:]
+    assert first_row[:4] == ["F0", "F1", "F2", "F3"]  # stage 0 warms up with p-1 = 3 forwards, then 1F1B
+    with pytest.raises(ValueError, match="at least pp=4 micro-batches"):
+        Pipeline(model, Layout(pp_size=4, pp_rank=0), num_microbatches=2, micro_batch_size=1)
