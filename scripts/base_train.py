@@ -16,6 +16,7 @@ The recipe (printed at start):
 
 import os
 import gc
+import contextlib
 import sys
 import math
 import time
@@ -28,7 +29,7 @@ import torch.distributed as dist
 
 from nanochat.common import (compute_init, compute_cleanup, print0, print_rank, get_base_dir, get_compute_dtype,
                              get_peak_flops, device_name, all_reduce_max)
-from nanochat.gpt import GPTConfig, config_for_depth, build_model, window_sizes, GPT
+from nanochat.gpt import GPTConfig, config_for_depth, build_model, window_sizes, prepare_attention, GPT
 from nanochat.optim import MuonAdamW
 from nanochat.dataloader import DataLoader, reshard_states
 from nanochat.dataset import DataError, check_data
@@ -72,12 +73,12 @@ parser.add_argument("--warmdown-ratio", type=float, default=0.65, help="fraction
 parser.add_argument("--final-lr-frac", type=float, default=0.05, help="LR multiplier at the end of warmdown")
 # evaluation, sampling, checkpoints
 parser.add_argument("--eval-every", type=int, default=250, help="val bpb every N steps (-1 = only at the end)")
-parser.add_argument("--eval-tokens", type=int, default=20 * 524288, help="tokens of validation data per evaluation")
+parser.add_argument("--eval-tokens", type=int, default=20 * 524288, help="tokens of validation data per evaluation (0 = no evaluation)")
 parser.add_argument("--core-metric-every", type=int, default=2000, help="CORE every N steps (-1 = never)")
 parser.add_argument("--core-metric-max-per-task", type=int, default=500, help="items per CORE task during training")
 parser.add_argument("--eval-bundle", type=str, default=None, help="CORE bundle folder (default: download)")
 parser.add_argument("--sample-every", type=int, default=2000, help="print completions every N steps (-1 = never)")
-parser.add_argument("--save-every", type=int, default=-1, help="checkpoint every N steps (-1 = only at the end)")
+parser.add_argument("--save-every", type=int, default=-1, help="checkpoint every N steps (-1 = only at the end, 0 = never)")
 parser.add_argument("--resume-from-step", type=int, default=-1, help="resume from this checkpoint step (-1 = start fresh)")
 parser.add_argument("--model-tag", type=str, default=None, help="checkpoint folder name (default: d<depth>)")
 parser.add_argument("--compile", type=int, default=-1, help="torch.compile the model and optimizer (-1 = on CUDA only)")
@@ -213,9 +214,12 @@ model = build_model(config, device, dtype)
 if config.l3_after_layers and resume_meta is None:
     from nanochat.l3 import allocate_for_model
     allocate_for_model(model, tokenizer, data_dir, layout)
+fp8_active = False
 if args.fp8:
+    if args.tp > 1:
+        fail("--fp8 with --tp > 1 is not supported yet (torchao's Float8Linear would replace the sharded linears)")
     from nanochat.fp8 import convert_to_fp8
-    convert_to_fp8(model, args.fp8_recipe, device)
+    fp8_active = convert_to_fp8(model, args.fp8_recipe, device) > 0
 if args.tp > 1:
     from nanochat import tensor_parallel
     try:
@@ -260,6 +264,7 @@ if resume_meta is not None:
     loader_state = states[layout.dp_rank]
 
 orig_model = model  # the uncompiled module: checkpoints, sampling, CORE
+prepare_attention(config, device)
 if use_compile and pipeline is None:
     model = torch.compile(model, dynamic=False)
 
@@ -330,10 +335,19 @@ def forward_backward(batches):
     return total / grad_accum
 
 
+def bf16_eval():
+    """Evaluation and sampling run in bf16: with fp8, on the uncompiled model with the fp8 linears
+    swapped out (same weights)."""
+    if not fp8_active:
+        return contextlib.nullcontext()
+    from nanochat.fp8 import bf16_linears
+    return bf16_linears(orig_model)
+
+
 def eval_loss_fn(x, y):
     if pipeline is not None:
         return pipeline.forward_loss(x, y)
-    return model(x, y, loss_reduction="none")
+    return (orig_model if fp8_active else model)(x, y, loss_reduction="none")
 
 
 def evaluate_val_bpb():
@@ -341,7 +355,8 @@ def evaluate_val_bpb():
     loader = make_loader("val") if reads_data else None
     batches = loader if loader is not None else iter(lambda: (None, None), 0)
     model.eval()
-    bpb = evaluate_bpb(eval_loss_fn, batches, steps, token_bytes, layout)
+    with bf16_eval():
+        bpb = evaluate_bpb(eval_loss_fn, batches, steps, token_bytes, layout)
     model.train()
     if loader is not None:
         loader.close()
@@ -422,7 +437,7 @@ while True:
     last_step = step == num_iterations
     # --- evaluation, samples, checkpoints (before the step, so step 0 is the untrained model) ---
     val_bpb = None
-    if last_step or (args.eval_every > 0 and step % args.eval_every == 0 and step > 0):
+    if args.eval_tokens > 0 and (last_step or (args.eval_every > 0 and step % args.eval_every == 0 and step > 0)):
         val_bpb = evaluate_val_bpb()
         min_val_bpb = min(min_val_bpb, val_bpb)
         print0(f"step {step:05d} | val bpb: {val_bpb:.6f}")
@@ -430,8 +445,9 @@ while True:
             wandb_run.log({"step": step, "val/bpb": val_bpb})
     if args.core_metric_every > 0 and (last_step or (step > 0 and step % args.core_metric_every == 0)):
         from nanochat.core_eval import evaluate_core_for_training
-        core = evaluate_core_for_training(orig_model, tokenizer, device, layout, args.eval_bundle,
-                                          args.core_metric_max_per_task, pipeline)
+        with bf16_eval():
+            core = evaluate_core_for_training(orig_model, tokenizer, device, layout, args.eval_bundle,
+                                              args.core_metric_max_per_task, pipeline)
         if core is not None:
             print0(f"step {step:05d} | CORE ({core['tasks_run']}/{core['tasks_total']} tasks): {core['core']:.4f}")
             if wandb_run:
@@ -439,15 +455,16 @@ while True:
     if args.sample_every > 0 and (last_step or (step > 0 and step % args.sample_every == 0)) and pipeline is None and master:
         from nanochat.engine import sample_completions
         orig_model.eval()
-        for text in sample_completions(orig_model, tokenizer):
-            print0(f"  sample: {text!r}")
+        with bf16_eval():
+            for text in sample_completions(orig_model, tokenizer):
+                print0(f"  sample: {text!r}")
         orig_model.train()
     if master and val_bpb is not None:
         with open(history_path, "a") as f:
             f.write(f"{step},{smooth_loss / (1 - 0.9 ** max(1, step)):.6f},{val_bpb:.6f}\n")
     stop_now = all_reduce_max(float(stop_requested), device) > 0
-    if last_step or stop_now or (args.save_every > 0 and step > 0 and step % args.save_every == 0
-                                 and step != args.resume_from_step):
+    if args.save_every != 0 and (last_step or stop_now or (args.save_every > 0 and step > 0 and step % args.save_every == 0
+                                                           and step != args.resume_from_step)):
         save_checkpoint(step)
     if last_step or stop_now:
         break
