@@ -1,3 +1,144 @@
 #!/usr/bin/env bash
-echo "speedrun.sh: not written yet (issue 6: speedrun end to end). Use runs/runcpu.sh for now." >&2
-exit 1
+# The whole pipeline, end to end: data -> tokenizer -> pretraining -> evaluation -> samples -> report.
+#
+#   bash speedrun.sh                         # d20 on every visible GPU (or the CPU)
+#   DEPTH=12 RATIO=4 bash speedrun.sh        # a smaller, shorter run
+#   NANOCHAT_DATA_DIR=/data/shards bash speedrun.sh   # your own parquet shards, no download
+#
+# Settings (environment variables):
+#   DEPTH=20              model depth: the one dial
+#   RATIO=12              tokens per scaling parameter (the horizon)
+#   NPROC=<all GPUs>      processes for torchrun; 1 runs without torchrun (one GPU, or the CPU)
+#   RUN=dummy             wandb run name (dummy = no wandb)
+#   FP8=0                 1 = fp8 linears (torchao, H100-class GPUs)
+#   MODEL_TAG=d$DEPTH     checkpoint folder name
+#   DEVICE_BATCH_SIZE=32  sequences per GPU per micro-batch (lower it if memory runs out)
+#   NANOCHAT_BASE_DIR     where everything goes (default ~/.cache/nanochat)
+#   NANOCHAT_DATA_DIR     a folder of parquet shards to use instead of downloading
+#   EVAL_BUNDLE           a local CORE bundle folder (default: download it)
+#   TOK_ARGS, TRAIN_ARGS, EVAL_ARGS   extra flags for tok_train / base_train / base_eval
+#   PYTHON=python3        the interpreter (runs/runcpu.sh points it at its .venv)
+#   FRESH=1               forget finished stages and start over (checkpoints are kept)
+#
+# Re-running skips the stages that finished (markers in $NANOCHAT_BASE_DIR/speedrun/) and resumes
+# training from the last checkpoint. Everything printed also goes to $NANOCHAT_BASE_DIR/speedrun.log.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+export NANOCHAT_BASE_DIR="${NANOCHAT_BASE_DIR:-$HOME/.cache/nanochat}"
+export NCCL_NVLS_ENABLE="${NCCL_NVLS_ENABLE:-0}"
+export PYTHONUNBUFFERED=1
+DEPTH="${DEPTH:-20}"
+RATIO="${RATIO:-12}"
+RUN="${RUN:-dummy}"
+FP8="${FP8:-0}"
+MODEL_TAG="${MODEL_TAG:-d$DEPTH}"
+DEVICE_BATCH_SIZE="${DEVICE_BATCH_SIZE:-32}"
+PYTHON="${PYTHON:-python3}"
+TOK_ARGS="${TOK_ARGS:-}"
+TRAIN_ARGS="${TRAIN_ARGS:-}"
+EVAL_ARGS="${EVAL_ARGS:-}"
+if [ -z "${NPROC:-}" ]; then
+    NPROC=$(nvidia-smi -L 2>/dev/null | wc -l || true)
+    [ "$NPROC" -ge 1 ] 2>/dev/null || NPROC=1
+fi
+
+MARKS="$NANOCHAT_BASE_DIR/speedrun"
+mkdir -p "$MARKS"
+[ "${FRESH:-0}" = "1" ] && rm -f "$MARKS"/*.done
+LOG="$NANOCHAT_BASE_DIR/speedrun.log"
+exec > >(tee -a "$LOG") 2>&1
+echo "=== speedrun $(date '+%Y-%m-%d %H:%M:%S'): depth $DEPTH, ratio $RATIO, $NPROC process(es), base dir $NANOCHAT_BASE_DIR"
+
+# stage NAME COMMAND...: run unless NAME finished before; record its wall time in the report
+stage() {
+    local name="$1"; shift
+    if [ -f "$MARKS/$name.done" ]; then
+        echo "--- $name: done before, skipping (FRESH=1 to redo)"
+        return 0
+    fi
+    echo "--- $name"
+    local t0; t0=$(date +%s)
+    "$@"
+    local dt=$(( $(date +%s) - t0 ))
+    "$PYTHON" -m nanochat.report stage "$name" "$dt"
+    touch "$MARKS/$name.done"
+}
+
+launch() {  # a training/eval script on every process
+    if [ "$NPROC" -gt 1 ]; then
+        "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" -m "$@"
+    else
+        "$PYTHON" -m "$@"
+    fi
+}
+
+if [ ! -f "$MARKS/data.done" ]; then  # a new run: a new report
+    "$PYTHON" -m nanochat.report reset
+fi
+
+# --- data: local shards, or download what this depth needs ---
+get_data() {
+    if [ -n "${NANOCHAT_DATA_DIR:-}" ]; then
+        echo "using the shards in NANOCHAT_DATA_DIR=$NANOCHAT_DATA_DIR"
+        "$PYTHON" -c "from nanochat.dataset import check_data; check_data()"
+        return
+    fi
+    # shards for the horizon (~4.8 chars/token, ~250M chars/shard, 1.5x for cropping) + 1 validation,
+    # and at least 8 so the tokenizer sees ~2B characters
+    local n
+    n=$("$PYTHON" - <<EOF
+import math, torch
+from nanochat.gpt import GPT, config_for_depth
+with torch.device("meta"):
+    m = GPT(config_for_depth($DEPTH))
+tokens = $RATIO * m.num_scaling_params()
+print(max(8, math.ceil(tokens * 4.8 * 1.5 / 250e6) + 1))
+EOF
+)
+    echo "depth $DEPTH at ratio $RATIO needs about $n shards"
+    "$PYTHON" -m nanochat.dataset -n "$n"
+}
+stage data get_data
+
+# --- tokenizer ---
+stage tokenizer "$PYTHON" -m scripts.tok_train $TOK_ARGS
+stage tok_eval "$PYTHON" -m scripts.tok_eval
+
+# --- pretraining (resumes from the last checkpoint of $MODEL_TAG) ---
+train() {
+    local resume=()
+    local ckpt="$NANOCHAT_BASE_DIR/base_checkpoints/$MODEL_TAG"
+    if ls "$ckpt"/meta_*.json >/dev/null 2>&1; then
+        local last
+        last=$(ls "$ckpt"/meta_*.json | sed -E 's/.*meta_0*([0-9]+)\.json/\1/' | sort -n | tail -1)
+        echo "resuming $MODEL_TAG from step $last"
+        resume=(--resume-from-step "$last")
+    fi
+    local fp8=()
+    [ "$FP8" = "1" ] && fp8=(--fp8)
+    local bundle=()
+    [ -n "${EVAL_BUNDLE:-}" ] && bundle=(--eval-bundle "$EVAL_BUNDLE")
+    launch scripts.base_train --depth="$DEPTH" --target-param-data-ratio="$RATIO" --device-batch-size="$DEVICE_BATCH_SIZE" \
+        --model-tag="$MODEL_TAG" --run="$RUN" ${fp8[@]+"${fp8[@]}"} ${bundle[@]+"${bundle[@]}"} \
+        ${resume[@]+"${resume[@]}"} $TRAIN_ARGS
+}
+stage train train
+
+# --- evaluation: CORE and bits per byte ---
+evaluate() {
+    local bundle=()
+    [ -n "${EVAL_BUNDLE:-}" ] && bundle=(--eval-bundle "$EVAL_BUNDLE")
+    launch scripts.base_eval --model-tag="$MODEL_TAG" --device-batch-size="$DEVICE_BATCH_SIZE" ${bundle[@]+"${bundle[@]}"} $EVAL_ARGS
+}
+stage eval evaluate
+
+# --- samples ---
+stage sample "$PYTHON" -m scripts.sample --model-tag="$MODEL_TAG" --temperature 0 --max-tokens 32 --report \
+    --prompt "The capital of France is" --prompt "The chemical symbol of gold is" \
+    --prompt "If yesterday was Friday, then tomorrow will be" --prompt "The opposite of hot is" \
+    --prompt "The planets of the solar system are:"
+
+# --- report (always regenerated) ---
+"$PYTHON" -m nanochat.report generate
+echo "=== speedrun finished $(date '+%Y-%m-%d %H:%M:%S'); report: $NANOCHAT_BASE_DIR/report/report.md"

@@ -101,9 +101,21 @@ def load_checkpoint(ckpt_dir, step=None, device="cpu", load_optimizer=True):
     return model_state, optim_state, meta
 
 
-def load_model(model_tag, step=None, device="cpu", compute_dtype=torch.float32, base_dir=None):
-    """Build a GPT from a checkpoint for evaluation or sampling. Returns (model, meta)."""
+def latest_model_tag(base_dir=None):
+    """The most recently written tag folder under base_checkpoints/."""
+    root = os.path.join(base_dir or get_base_dir(), "base_checkpoints")
+    tags = [d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d))] if os.path.isdir(root) else []
+    if not tags:
+        raise CheckpointError(f"no checkpoints in {root}: train a model with `python -m scripts.base_train` first")
+    return max(tags, key=lambda d: os.path.getmtime(os.path.join(root, d)))
+
+
+def load_model(model_tag=None, step=None, device="cpu", compute_dtype=torch.float32, base_dir=None, layout=None):
+    """Build a GPT from a checkpoint for evaluation or sampling (the latest tag and step unless given).
+    With a layout of TP > 1 the full weights are loaded, then sharded for this rank, so a checkpoint
+    from any training layout evaluates at any TP. Returns (model, meta); meta["model_tag"] is the tag."""
     from nanochat.gpt import GPTConfig, build_model
+    model_tag = model_tag or latest_model_tag(base_dir)
     ckpt_dir = checkpoint_dir(model_tag, base_dir)
     if not os.path.isdir(ckpt_dir):
         root = os.path.dirname(ckpt_dir)
@@ -113,7 +125,11 @@ def load_model(model_tag, step=None, device="cpu", compute_dtype=torch.float32, 
     config = GPTConfig.from_dict(meta["model_config"])
     model = build_model(config, device, compute_dtype)
     load_model_state(model, model_state)
+    if layout is not None and layout.tp_size > 1:
+        from nanochat.tensor_parallel import parallelize
+        parallelize(model, layout)
     model.eval()
+    meta["model_tag"] = model_tag
     return model, meta
 
 

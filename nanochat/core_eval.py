@@ -1,6 +1,6 @@
 """
-The DCLM CORE metric: in-context learning on the 22 tasks of the DCLM "core" set, scored the way
-llm-foundry's ICL evaluators score them, with few-shot prompts built here.
+The DCLM CORE metric: in-context learning on the 22 tasks of the DCLM "core" set, following the
+DCLM / llm-foundry ICL protocol.
 
 The bundle (a folder): core.yaml lists the tasks (label, dataset_uri, num_fewshot, icl_task_type,
 continuation_delimiter, " " when absent); eval_meta_data.csv gives each task's random-guess accuracy
@@ -112,7 +112,8 @@ def download_bundle(url, dest, timeout=DOWNLOAD_TIMEOUT_S):
         os.replace(root, dest)
     except OSError:
         if not is_bundle(dest):  # not a concurrent download that finished first
-            raise
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+            raise EvalBundleError(f"{dest} exists but is not a CORE eval bundle: remove it, or pass --eval-bundle DIR") from None
     shutil.rmtree(tmp_dir, ignore_errors=True)
     print(f"CORE eval bundle ready in {dest}", flush=True)
 
@@ -168,19 +169,22 @@ def load_bundle(bundle_dir):
         raise EvalBundleError(f"{bundle_dir} is not a readable CORE eval bundle ({type(e).__name__}: {e})") from None
     tasks, missing = [], []
     for entry in entries:
-        label = entry.get("label")
-        if entry.get("icl_task_type") not in TASK_KEYS:
-            raise EvalBundleError(f"core.yaml: task {label!r} has icl_task_type {entry.get('icl_task_type')!r}; "
+        try:
+            label, uri, task_type = entry["label"], entry["dataset_uri"], entry["icl_task_type"]
+            num_fewshot = int(entry["num_fewshot"][0])  # DCLM lists one few-shot count per task in CORE
+        except (KeyError, TypeError, ValueError, IndexError):
+            raise EvalBundleError(f"core.yaml: the task entry {entry!r} needs label, dataset_uri, icl_task_type "
+                                  f"and num_fewshot: [k]") from None
+        if task_type not in TASK_KEYS:
+            raise EvalBundleError(f"core.yaml: task {label!r} has icl_task_type {task_type!r}; "
                                   f"expected one of {sorted(TASK_KEYS)}")
         if label not in baselines:
             raise EvalBundleError(f"eval_meta_data.csv has no random baseline for task {label!r}")
-        path = os.path.join(bundle_dir, "eval_data", entry["dataset_uri"])
+        path = os.path.join(bundle_dir, "eval_data", uri)
         if not os.path.isfile(path):
             missing.append(label)
             continue
-        # DCLM lists one few-shot count per task in CORE
-        tasks.append(Task(label, entry["icl_task_type"], int(entry["num_fewshot"][0]),
-                          entry.get("continuation_delimiter", " "), baselines[label], path))
+        tasks.append(Task(label, task_type, num_fewshot, entry.get("continuation_delimiter", " "), baselines[label], path))
     return tasks, missing
 
 
@@ -299,11 +303,13 @@ def prepare_items(task, records, indices, tokenizer, max_len):
 
 
 @torch.no_grad()
-def score_rows(model, rows, starts, device):
+def score_rows(model, rows, starts, device, length_multiple=1):
     """One forward pass over right-padded rows. Returns per row (as lists) the mean cross-entropy over
-    its continuation rows[i][starts[i]:] and whether the argmax matched every continuation token."""
+    its continuation rows[i][starts[i]:] and whether the argmax matched every continuation token.
+    The padded length is a multiple of length_multiple (sequence parallelism splits it evenly)."""
     lengths = np.array([len(r) for r in rows])
-    ids = np.zeros((len(rows), lengths.max()), dtype=np.int64)  # the pad id is irrelevant: never read
+    T = -(-lengths.max() // length_multiple) * length_multiple
+    ids = np.zeros((len(rows), T), dtype=np.int64)  # the pad id is irrelevant: never read
     for i, r in enumerate(rows):
         ids[i, :len(r)] = r
     # logits at position p predict token p+1: continuation tokens start..len-1 are read at start-1..len-2
@@ -327,12 +333,12 @@ def item_batches(items, batch_tokens):
     may exceed it: its options always share one pass)."""
     batch, n_rows, longest = [], 0, 0
     for item in items:
-        rows, length = n_rows + len(item.rows), max(longest, max(len(r) for r in item.rows))
-        if batch and rows * length > batch_tokens:
+        item_longest = max(len(r) for r in item.rows)
+        if batch and (n_rows + len(item.rows)) * max(longest, item_longest) > batch_tokens:
             yield batch
-            batch, rows, length = [], len(item.rows), max(len(r) for r in item.rows)
+            batch, n_rows, longest = [], 0, 0
         batch.append(item)
-        n_rows, longest = rows, length
+        n_rows, longest = n_rows + len(item.rows), max(longest, item_longest)
     if batch:
         yield batch
 
@@ -349,7 +355,7 @@ def evaluate_task(model, tokenizer, task, records, device, max_per_task=-1, layo
     items rank, rank + dp, ...; the counts are summed over the DP group. `cache` (a dict) keeps the
     tokenized items between calls (training evaluates the same items again and again)."""
     n = len(records) if max_per_task is None or max_per_task < 0 else min(max_per_task, len(records))
-    dp_rank, dp_size = (layout.dp_rank, layout.dp_size) if layout is not None else (0, 1)
+    dp_rank, dp_size, tp_size = (layout.dp_rank, layout.dp_size, layout.tp_size) if layout is not None else (0, 1, 1)
     max_len = model.config.sequence_len
     key = (tokenizer, task, n, dp_rank, dp_size, max_len)  # the tokenizer by identity
     items = cache.get(key) if cache is not None else None
@@ -360,7 +366,7 @@ def evaluate_task(model, tokenizer, task, records, device, max_per_task=-1, layo
     correct = 0
     for batch in item_batches(items, batch_tokens):
         mean_losses, exact = score_rows(model, [r for it in batch for r in it.rows],
-                                        [s for it in batch for s in it.starts], device)
+                                        [s for it in batch for s in it.starts], device, tp_size)
         offset = 0
         for item in batch:
             k = len(item.rows)

@@ -127,26 +127,23 @@ def rotary_tables(seq_len, head_dim, base=100_000.0, device=None):
 # q: (B, Hq, T, D), k/v: (B, Hkv, S, D). Training and prefill have S == T (causal from position 0);
 # decoding with a KV cache has S > T: the queries sit at positions S-T .. S-1.
 
-_mask_cache = {}
-
-
 def _dense_mask(T, S, window, device):
     """Boolean (T, S) mask: causal and at most `window` tokens back (the token itself included)."""
-    key = (T, S, window, str(device))
-    if key not in _mask_cache:
-        q_pos = torch.arange(S - T, S, device=device)[:, None]
-        k_pos = torch.arange(S, device=device)[None, :]
-        _mask_cache[key] = (k_pos <= q_pos) & (q_pos - k_pos < window)
-    return _mask_cache[key]
+    q_pos = torch.arange(S - T, S, device=device)[:, None]
+    k_pos = torch.arange(S, device=device)[None, :]
+    return (k_pos <= q_pos) & (q_pos - k_pos < window)
+
+
+_block_masks = {}  # (T, window, device) -> BlockMask, built by prepare_attention for the training length
 
 
 def _block_mask(T, window, device):
-    key = ("flex", T, window, str(device))
-    if key not in _mask_cache:
+    key = (T, window, str(device))
+    if key not in _block_masks:
         def sliding_causal(b, h, q_idx, kv_idx):
             return (kv_idx <= q_idx) & (q_idx - kv_idx < window)
-        _mask_cache[key] = create_block_mask(sliding_causal, B=None, H=None, Q_LEN=T, KV_LEN=T, device=device)
-    return _mask_cache[key]
+        _block_masks[key] = create_block_mask(sliding_causal, B=None, H=None, Q_LEN=T, KV_LEN=T, device=device)
+    return _block_masks[key]
 
 
 # FlexAttention only runs fast compiled; compiled once here, it is also fast inside an eager model
@@ -166,8 +163,9 @@ def prepare_attention(config, device):
 def attention(q, k, v, window):
     """Causal attention with an optional sliding window, picking the fastest exact kernel:
     CUDA full context -> SDPA (cuDNN first: measured 526 vs 287 TFLOP/s for flash on H200);
-    CUDA sliding window -> FlexAttention with a block mask (skips masked blocks);
-    CPU/MPS or a KV cache -> SDPA with an explicit mask (simple and exact)."""
+    CUDA sliding window at the training length -> FlexAttention with a block mask (skips masked
+    blocks; compiled for that one shape, so other lengths, e.g. CORE's, do not trigger recompiles);
+    CPU/MPS, other lengths, or a KV cache -> SDPA with an explicit mask (simple and exact)."""
     T, S = q.size(2), k.size(2)
     gqa = q.size(1) != k.size(1)
     if q.is_cuda and T == S:
@@ -176,7 +174,8 @@ def attention(q, k, v, window):
                 k, v = (t.repeat_interleave(q.size(1) // k.size(1), dim=1) for t in (k, v))
             with sdpa_kernel(_CUDA_BACKENDS, set_priority=True):
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return _flex_attention(q, k, v, block_mask=_block_mask(T, window, q.device), enable_gqa=gqa)
+        if (T, window, str(q.device)) in _block_masks:
+            return _flex_attention(q, k, v, block_mask=_block_masks[(T, window, str(q.device))], enable_gqa=gqa)
     if window >= S and T == S:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=_dense_mask(T, S, window, q.device), enable_gqa=gqa)
@@ -403,8 +402,8 @@ class GPT(nn.Module):
         layers with each layer's effective context (its window), plus L3's lookups (l3.py)."""
         cfg = self.config
         attn = sum(12 * cfg.n_head * cfg.head_dim * min(w, cfg.sequence_len) for w in self.window_sizes)
-        l3 = sum(layer.estimate_flops() for layer in self.l3.values())
-        return 6 * self.matmul_parameters() + attn + l3
+        l3 = sum(layer.estimate_flops() for layer in self.l3.values())  # includes L3's W_up / W_mix
+        return 6 * self.num_scaling_params() + attn + l3
 
     def parameter_counts(self):
         """Total, and split by kind, for the start-of-run printout."""

@@ -12,46 +12,56 @@ The layer. For hidden x in R^d at a position holding token t, token t owns the r
 Tied (K = V): one table serves as both keys and values (needs d_emb == d). The tables are sparse
 parameters (each token touches its own rows only) and go to AdamW; W_up and W_mix are matrices for Muon.
 
-The allocation (the part that matters: a uniform split loses nearly all of the gain). Run LZW over a
-fixed sample of L3_LZW_SAMPLE_TOKENS training token ids; every new dictionary entry (an n-gram) credits
-its LAST token, and each token starts with one credit for its single-token entry in LZW's initial
-dictionary (so every credit is >= 1). Tokens that end many distinct contexts earn many rows. Rows:
+The allocation (the part that matters: per the paper, a uniform split loses nearly all of the gain).
+Run LZW over a fixed sample of L3_LZW_SAMPLE_TOKENS training token ids; every new dictionary entry (an
+n-gram) credits its LAST token, and each token starts with one credit for its single-token entry in
+LZW's initial dictionary (so every credit is >= 1). Tokens that end many distinct contexts earn rows:
     r_t = clamp(lambda * credit_t, 1, k_max), lambda found by bisection so that sum_t r_t = n_emb;
     d_t = floor(r_t), and the n_emb - sum floor(r_t) rows left go one each to the tokens with the
     largest fractional parts (ties: lower token id first).
 That gives 1 <= d_t <= k_max, sum d_t = n_emb exactly, more credit -> at least as many rows, and a
-deterministic result. The allocation is stored as cumulative bounds (vocab + 1,) in a persistent int64
-buffer, so it is saved and restored with the model's state_dict. LZW's dictionary is capped at
-L3_LZW_MAX_ENTRIES entries and cleared when full (as compress(1) does), which bounds its memory at
-~0.5 GB whatever the sample size. Measured on this project's 2-core CPU box (Wikipedia, vocab 32768):
-LZW over 1M tokens ~1 s, over 10M tokens ~9 s (about 5.2M dictionary entries, one reset).
+deterministic result. It is stored as cumulative bounds (vocab + 1,) in a persistent int64 buffer, so
+checkpoints carry it. LZW's dictionary is capped at L3_LZW_MAX_ENTRIES entries and cleared when full
+(as compress(1) does), which bounds its memory at ~0.5 GB whatever the sample size. Measured on this
+project's 2-core CPU box (Wikipedia, vocab 32768): LZW over 1M tokens 0.4 s, over 10M tokens 6 s
+(5.2M dictionary entries, one reset); tokenizing the 10M-token sample takes another ~6 s.
 
-The forward, without a Python loop over tokens. Let P = sum over the N positions of a batch of d_t (the
-(position, row) pairs; on Wikipedia with d12 defaults the mean d_t per training token is ~270, so a
-32 x 2048 micro-batch has P ~ 18M).
-- padded (CPU reference): gather (N, max d_t, d) rows, mask the padding, softmax, weighted sum. Simple,
-  autograd does the backward, but it materializes N * max d_t * d: 65K tokens x 512 x 768 x 2 B = 51 GB.
-- segment (the GPU path, and CPU when the padded gather would be big): sort positions by token id, so
-  each token's positions and rows form one block of a block-diagonal score matrix; list the P
-  (position, row) pairs; per pair, score = <K[row], x[pos]> (index_select + multiply + sum); segment
-  softmax per position (scatter_reduce amax, exp, index_add for the denominator); h[pos] += a * V[row]
-  (index_add). Pairs are processed in chunks of whole positions so that one gathered (pairs, d) tensor
-  stays under L3_CHUNK_BYTES; a hand-written backward (an autograd.Function) recomputes each chunk
-  instead of storing it, and accumulates the table gradients in fp32 into one (n_emb, d) buffer.
-  Memory: O(N * (d + d_emb)) for inputs/outputs, a few chunk temporaries of <= L3_CHUNK_BYTES each
-  (~4 live in the forward, ~8 in the backward, fp32 ones counted double), a compute-dtype copy of the
-  tables for the duration of the call, and the fp32 table gradients (which become .grad). Nothing of
-  size P * d is kept between forward and backward.
-  Cost: forward 2 P d (scores) + 2 P d_emb (mix), backward twice that: 6 P (d + d_emb) FLOPs; it is
-  bound by memory traffic (every pair re-reads its K and V row, ~10 bytes per pair per channel), not
-  by FLOPs. The lookup itself runs eagerly (torch.compiler.disable): P is data-dependent, which would
-  break or recompile a graph anyway, and its gathers/scatters gain nothing from fusion; W_up, the
-  LayerNorm and W_mix around it still compile.
+The forward, without a Python loop over tokens. Let N be the positions of a batch and P = sum of their
+d_t (the (position, row) pairs). On the Wikipedia shards with d12 defaults (n_emb 2^19, k_max 512) a
+training token reads ~270 rows, so a 32 x 2048 micro-batch has P ~ 17.5M.
+- padded (CPU reference): gather (N, max d_t, d) rows, mask the padding, softmax, weighted sum; autograd
+  does the backward. It materializes N * max d_t * d: 65K x 512 x 768 x 2 B = 51 GB on a GPU batch.
+- blocked (the GPU path; on CPU too once the padded gather is big or mostly padding). Sort positions
+  by token id. A token's rows are contiguous and tokens' ranges follow id order, so the score matrix
+  (sorted positions x table rows) is block-diagonal, and a run of consecutive sorted positions needs
+  one contiguous window of rows. Cut the sorted positions into blocks of at most L3_BLOCK_POSITIONS
+  (64) whose rows fit in a window of < 2 max d_t rows (vectorized: fixed groups of 64, split where a
+  position's first row moves a window further); each block is one small attention against its
+  gathered window, masked to each position's own rows:
+      a_b = softmax(mask(X_b K_w^T))   (64 x w),   H_b = a_b V_w   (64 x d_emb)
+  i.e. batched matmuls (bmm) over block-diagonal tiles, like block-sparse attention. Measured on
+  Wikipedia batches of 65K tokens (d12 defaults, bf16): ~1,700 blocks in 10 chunks gather ~0.96M rows,
+  18x fewer than the P a per-(position, row) gather-and-dot would move, for S ~ 61M score entries
+  (3.5x P: the masked-out parts of the tiles, cheap inside a matmul).
+  Chunks (widest windows first; a chunk is padded to its widest window and holds widths within 2x of
+  it) keep a gathered (rows, d) tensor under L3_CHUNK_BYTES (512 MiB). The backward is written by hand
+  (an autograd.Function): it recomputes each chunk instead of storing it, and accumulates the table
+  gradients in fp32 into one (n_emb, d) buffer per table (index_add of each block's bmm result).
+  Memory: O(N (d + d_emb)) for inputs, outputs and the index plan; per chunk a few tensors of
+  <= L3_CHUNK_BYTES (~3 in the forward, ~7 in the backward counting fp32 ones double); a compute-dtype
+  copy of the tables during the call; the fp32 table gradients (which become .grad). Nothing of size
+  P d, and no chunk tensor, is kept between forward and backward.
+  FLOPs: forward 2 S (d + d_emb), backward 4 S (d + d_emb) plus the recomputed forward, all in bmm (the
+  useful part: 2 P (d + d_emb) forward). The lookup runs eagerly (torch.compiler.disable): its sizes
+  are data-dependent, which would break or recompile a graph anyway; W_up, the LayerNorm and W_mix
+  around it still compile.
 
-Dtypes follow gpt.py: parameters fp32, activations in the compute dtype; the tables are cast to x.dtype
-for the lookup, scores, softmax and all accumulations are fp32, and the output is in x.dtype.
+Dtypes follow gpt.py: parameters fp32, activations in the compute dtype (bf16 on GPU). The tables are
+cast to x.dtype for the matmuls (which accumulate in fp32), the softmax and the table-gradient
+accumulation run in fp32, and the output is in x.dtype.
 """
 
+import bisect
 import math
 import time
 
@@ -64,7 +74,7 @@ import torch.distributed as dist
 from nanochat.gpt import Linear
 from nanochat.common import print0
 
-# LZW runs over this many training tokens: ~9 s of pure Python; enough that the credit of every token
+# LZW runs over this many training tokens: ~6 s of pure Python; enough that the credit of every token
 # that matters for the table (the top few thousand own most rows) is well estimated.
 L3_LZW_SAMPLE_TOKENS = 10_000_000
 # LZW dictionary cap; cleared when full. 2^22 entries ~ 0.5 GB of Python dict.
@@ -72,7 +82,9 @@ L3_LZW_MAX_ENTRIES = 1 << 22
 # n_emb == 0: this many table rows per vocabulary entry on average. d12 (vocab 32768): 2^19 rows, i.e.
 # 2 tables x 2^19 x 768 = 805M sparse parameters, 3 GiB fp32 (12 GiB with grads and AdamW moments) per layer.
 L3_ROWS_PER_TOKEN = 16
-# segment path: most bytes of one gathered (pairs, d) tensor in the compute dtype
+# blocked path: sorted positions per block (the M of each block's score matmul)
+L3_BLOCK_POSITIONS = 64
+# blocked path: most bytes of one gathered (rows, d) tensor of a chunk, in the compute dtype
 L3_CHUNK_BYTES = 512 << 20
 # padded path (CPU only): used while its (N, max d_t, d) gather stays this small and pads little
 L3_PADDED_MAX_BYTES = 64 << 20
@@ -243,104 +255,127 @@ def lookup_padded(x, ids, keys, values, bounds):
     return (a.to(x.dtype).unsqueeze(1) @ v).squeeze(1)
 
 
-def _chunks(count, max_pairs):
-    """Split sorted positions (with `count` rows each) into [lo, hi) ranges of whole positions holding at
-    most max_pairs (position, row) pairs each (one position may exceed it alone). One host sync."""
-    ends = torch.cumsum(count, 0).cpu()
-    out, lo, base = [], 0, 0
-    while lo < ends.numel():
-        hi = max(lo + 1, int(torch.searchsorted(ends, base + max_pairs, right=True)))
-        out.append((lo, hi, int(ends[hi - 1]) - base))
-        lo, base = hi, int(ends[hi - 1])
-    return out
+class _Plan:
+    """How one batch is cut up: positions sorted by token id (`order`; `start`/`end` are their row
+    ranges, both non-decreasing), grouped into blocks of at most `block` consecutive sorted positions
+    whose rows lie in one window of the table (block b: sorted positions first[b] .. first[b]+count[b]-1,
+    window rows lo[b] .. lo[b]+width[b]-1), and the blocks, widest first (`by_width`), cut into chunks
+    (i, j, w): blocks by_width[i:j], padded to window width w."""
+
+    def __init__(self, ids, bounds, block, max_rows):
+        n = ids.numel()
+        self.block = block
+        self.order = torch.argsort(ids, stable=True)
+        sid = ids[self.order]
+        self.start, self.end = bounds[sid], bounds[sid + 1]
+        window = int((self.end - self.start).max())  # host sync; every token's rows fit in one window
+        # fixed groups of `block` sorted positions, split where a position's first row moves into the
+        # next window-sized stretch after the group's first row: a block's rows then span < 2 windows
+        group = torch.arange(n, device=ids.device) // block
+        stretch = (self.start - self.start[group * block]) // window
+        new = torch.ones(n, dtype=torch.bool, device=ids.device)
+        new[1:] = (group[1:] != group[:-1]) | (stretch[1:] != stretch[:-1])
+        self.first = new.nonzero().squeeze(1)
+        self.count = torch.diff(self.first, append=self.first.new_tensor([n]))
+        self.lo = self.start[self.first]
+        self.width = self.end[self.first + self.count - 1] - self.lo  # ends are sorted: the last one is the max
+        self.by_width = torch.argsort(self.width, descending=True, stable=True)
+        # chunks: at most max_rows rows gathered (blocks x max(width, block)), and widths within 2x of the
+        # chunk's widest, so padding every block to that width at most doubles the work
+        widths = self.width[self.by_width].tolist()
+        ascending = [-w for w in widths]
+        self.chunks, i = [], 0
+        while i < len(widths):
+            w = widths[i]
+            j = min(i + max(1, max_rows // max(w, block)), bisect.bisect_right(ascending, -w / 2))
+            self.chunks.append((i, j, w))
+            i = j
+
+    def blocks(self, i, j, w, n_rows):
+        """For chunk blocks by_width[i:j]: slot (blocks, block) sorted positions (padding slots repeat
+        the block's first position), valid (blocks, block), rows (blocks, w) table rows to gather (clamped
+        into the table), mask (blocks, block, w): row belongs to the slot's token."""
+        b = self.by_width[i:j]
+        k = torch.arange(self.block, device=b.device)
+        valid = k < self.count[b, None]
+        slot = torch.where(valid, self.first[b, None] + k, self.first[b, None])
+        r = self.lo[b, None] + torch.arange(w, device=b.device)
+        mask = (r[:, None, :] >= self.start[slot][..., None]) & (r[:, None, :] < self.end[slot][..., None])
+        return slot, valid, r.clamp(max=n_rows - 1), mask
 
 
-def _pairs(start, count, n_pairs):
-    """(position, row) pairs of positions with rows [start, start + count): position-major."""
-    n = count.numel()
-    pos = torch.repeat_interleave(torch.arange(n, device=count.device), count, output_size=n_pairs)
-    first = torch.cumsum(count, 0) - count
-    rows = start[pos] + torch.arange(n_pairs, device=count.device) - first[pos]
-    return pos, rows
+def _block_attention(xb, kb, mask, acc):
+    """a = softmax over each slot's own rows of xb @ kb^T: (blocks, block, w) in acc dtype."""
+    scores = torch.bmm(xb, kb.transpose(1, 2)).to(acc)
+    return torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
 
 
-def _segment_softmax(scores, pos, n):
-    """Softmax of scores over the pairs of each position (every position has at least one pair)."""
-    m = scores.new_full((n,), float("-inf")).scatter_reduce(0, pos, scores, "amax")
-    e = (scores - m[pos]).exp()
-    return e / scores.new_zeros(n).index_add_(0, pos, e)[pos]
-
-
-class _SegmentLookup(torch.autograd.Function):
-    """h = V_t^T softmax(K_t x) over (position, row) pairs, chunked; backward recomputes each chunk.
+class _BlockedLookup(torch.autograd.Function):
+    """h = V_t^T softmax(K_t x) by blocks of sorted positions (see _Plan); backward recomputes each chunk.
     values=None means tied (keys serve as values)."""
 
     @staticmethod
-    def forward(ctx, x, keys, values, ids, bounds, max_pairs):
+    def forward(ctx, x, keys, values, ids, bounds, block, max_rows):
         acc = _acc_dtype(x.dtype)
-        order = torch.argsort(ids, stable=True)  # group positions by token: block-diagonal scores
-        sid = ids[order]
-        start = bounds[sid]
-        count = bounds[sid + 1] - start
-        chunks = _chunks(count, max_pairs)
-        kc = keys.to(x.dtype)
+        plan = _Plan(ids, bounds, block, max_rows)
+        kc = keys.to(x.dtype)  # one cast of the table beats casting the (larger) gathered blocks
         vc = kc if values is None else values.to(x.dtype)
-        xs = x.index_select(0, order)
+        xs = x.index_select(0, plan.order)
         hs = x.new_empty(x.size(0), vc.size(1))
-        for lo, hi, n_pairs in chunks:
-            pos, rows = _pairs(start[lo:hi], count[lo:hi], n_pairs)
-            scores = (kc.index_select(0, rows) * xs[lo:hi].index_select(0, pos)).sum(-1, dtype=acc)
-            a = _segment_softmax(scores, pos, hi - lo)
-            mixed = a[:, None] * vc.index_select(0, rows).to(acc)
-            hs[lo:hi] = torch.zeros(hi - lo, vc.size(1), dtype=acc, device=x.device).index_add_(0, pos, mixed)
-        ctx.save_for_backward(x, keys, values, order, start, count)
-        ctx.chunks = chunks
-        return torch.empty_like(hs).index_copy_(0, order, hs)
+        for i, j, w in plan.chunks:
+            slot, valid, rows, mask = plan.blocks(i, j, w, kc.size(0))
+            a = _block_attention(xs[slot], kc[rows], mask, acc)
+            hs[slot[valid]] = torch.bmm(a.to(x.dtype), vc[rows])[valid]
+        ctx.save_for_backward(x, keys, values)
+        ctx.plan = plan
+        return torch.empty_like(hs).index_copy_(0, plan.order, hs)
 
     @staticmethod
     def backward(ctx, grad_h):
-        x, keys, values, order, start, count = ctx.saved_tensors
+        x, keys, values = ctx.saved_tensors
+        plan = ctx.plan
         acc = _acc_dtype(x.dtype)
         kc = keys.to(x.dtype)
         vc = kc if values is None else values.to(x.dtype)
-        xs = x.index_select(0, order)
-        gs = grad_h.to(x.dtype).index_select(0, order)
+        xs = x.index_select(0, plan.order)
+        gs = grad_h.to(x.dtype).index_select(0, plan.order)
         dxs = torch.empty_like(xs)
-        # table gradients accumulate in fp32 (bf16 atomics would lose the many small updates a frequent
-        # token's rows get); tied: keys and values share one buffer
+        # table gradients accumulate in fp32 over blocks (each block's bmm already sums its slots in fp32);
+        # tied: keys and values share one buffer
         dk = torch.zeros(keys.shape, dtype=acc, device=keys.device)
         dv = dk if values is None else torch.zeros(values.shape, dtype=acc, device=values.device)
-        for lo, hi, n_pairs in ctx.chunks:
-            n = hi - lo
-            pos, rows = _pairs(start[lo:hi], count[lo:hi], n_pairs)
-            kg, xg = kc.index_select(0, rows), xs[lo:hi].index_select(0, pos)
-            a = _segment_softmax((kg * xg).sum(-1, dtype=acc), pos, n)
-            gg = gs[lo:hi].index_select(0, pos)
-            da = (vc.index_select(0, rows) * gg).sum(-1, dtype=acc)  # dL/da = <dL/dh, V[row]>
-            dv.index_add_(0, rows, a[:, None] * gg.to(acc))
-            ds = a * (da - torch.zeros(n, dtype=acc, device=x.device).index_add_(0, pos, a * da)[pos])  # softmax'
-            dxs[lo:hi] = torch.zeros(n, xs.size(1), dtype=acc, device=x.device).index_add_(0, pos, ds[:, None] * kg.to(acc))
-            dk.index_add_(0, rows, ds[:, None] * xg.to(acc))
-        dx = torch.empty_like(dxs).index_copy_(0, order, dxs)
-        return dx, dk.to(keys.dtype), None if values is None else dv.to(values.dtype), None, None, None
+        for i, j, w in plan.chunks:
+            slot, valid, rows, mask = plan.blocks(i, j, w, kc.size(0))
+            xb, kb, vb = xs[slot], kc[rows], vc[rows]
+            a = _block_attention(xb, kb, mask, acc)
+            gb = gs[slot] * valid[..., None]  # padding slots carry no gradient
+            da = torch.bmm(gb, vb.transpose(1, 2)).to(acc)
+            ds = (a * (da - (a * da).sum(-1, keepdim=True))).to(x.dtype)  # softmax backward
+            dxs[slot[valid]] = torch.bmm(ds, kb)[valid]
+            dk.index_add_(0, rows.flatten(), torch.bmm(ds.transpose(1, 2), xb).flatten(0, 1).to(acc))
+            dv.index_add_(0, rows.flatten(), torch.bmm(a.to(x.dtype).transpose(1, 2), gb).flatten(0, 1).to(acc))
+        dx = torch.empty_like(dxs).index_copy_(0, plan.order, dxs)
+        return dx, dk.to(keys.dtype), None if values is None else dv.to(values.dtype), None, None, None, None
 
 
-def lookup_segment(x, ids, keys, values, bounds, chunk_bytes=L3_CHUNK_BYTES):
-    """The GPU path: x (N, d), ids (N,) -> h (N, d_emb) over (position, row) pairs, in chunks whose
-    gathered (pairs, d) tensors stay under chunk_bytes."""
-    max_pairs = max(1, chunk_bytes // (x.size(1) * x.element_size()))
-    return _SegmentLookup.apply(x, keys, values, ids, bounds, max_pairs)
+def lookup_blocked(x, ids, keys, values, bounds, block=L3_BLOCK_POSITIONS, chunk_bytes=L3_CHUNK_BYTES):
+    """The GPU path: x (N, d), ids (N,) -> h (N, d_emb) by blocks of sorted positions, in chunks whose
+    gathered (rows, d) tensors stay under chunk_bytes."""
+    # one gathered row costs its channels, or its column of fp32 scores (block entries) if that is more
+    row_bytes = max(max(x.size(1), (keys if values is None else values).size(1)) * x.element_size(), 4 * block)
+    max_rows = max(1, chunk_bytes // row_bytes)
+    return _BlockedLookup.apply(x, keys, values, ids, bounds, block, max_rows)
 
 
 def choose_path(x, ids, bounds):
-    """"segment" on CUDA, and on CPU whenever the padded gather would be big or mostly padding (then the
-    segment path is also the faster one on CPU); "padded" for small CPU batches. One host sync."""
+    """"blocked" on CUDA; on CPU "padded" while its gather is small (<= L3_PADDED_MAX_BYTES) and at most
+    1.5x the useful rows, else "blocked" (faster beyond that in CPU measurements). One host sync."""
     if x.is_cuda:
-        return "segment"
+        return "blocked"
     count = bounds[ids + 1] - bounds[ids]
     padded_slots = ids.numel() * int(count.max())
     small = padded_slots * x.size(1) * x.element_size() <= L3_PADDED_MAX_BYTES
-    return "padded" if small and padded_slots <= 2 * int(count.sum()) else "segment"
+    return "padded" if small and 2 * padded_slots <= 3 * int(count.sum()) else "blocked"
 
 
 # -----------------------------------------------------------------------------
@@ -369,13 +404,15 @@ class L3Layer(nn.Module):
         self.register_buffer("bounds", torch.zeros(vocab_size + 1, dtype=torch.int64))
         # mean rows a training token reads (token-frequency-weighted): what estimate_flops charges
         self.register_buffer("rows_per_token", torch.zeros((), dtype=torch.float32))
-        self.path = "auto"  # or "segment" / "padded", to force one (tests, benchmarks)
+        self.path = "auto"  # or "blocked" / "padded", to force one (tests, benchmarks)
 
     @classmethod
     def from_config(cls, config):
+        """d_emb = n_embd; d_up = l3_d_up or 4 * n_embd; n_emb = l3_n_emb or default_n_emb(...)."""
         n_emb = config.l3_n_emb or default_n_emb(config.vocab_size, config.l3_k_max)
-        return cls(config.vocab_size, config.n_embd, n_emb, d_emb=config.n_embd, d_up=config.l3_d_up or 4 * config.n_embd,
-                   k_max=config.l3_k_max, tied=config.l3_tied)
+        d_up = config.l3_d_up or 4 * config.n_embd
+        return cls(config.vocab_size, config.n_embd, n_emb, d_emb=config.n_embd, d_up=d_up, k_max=config.l3_k_max,
+                   tied=config.l3_tied)
 
     @torch.no_grad()
     def init_weights(self):
@@ -392,7 +429,7 @@ class L3Layer(nn.Module):
         nn.init.uniform_(self.w_up.weight, -s_up, s_up)
         nn.init.zeros_(self.w_mix.weight)
         rows = uniform_rows(self.vocab_size, self.n_emb)
-        self.set_allocation(torch.from_numpy(rows), float((rows * rows).sum() / self.n_emb))
+        self.set_allocation(rows, float((rows * rows).sum() / self.n_emb))  # ~n_emb / vocab rows per token
 
     @torch.no_grad()
     def set_allocation(self, rows, rows_per_token):
@@ -405,10 +442,6 @@ class L3Layer(nn.Module):
         self.bounds.copy_(F.pad(torch.cumsum(rows, 0), (1, 0)))
         self.rows_per_token.fill_(rows_per_token)
 
-    def rows_per_token_table(self):
-        """Rows per token, (vocab,) int64, from the bounds."""
-        return self.bounds[1:] - self.bounds[:-1]
-
     def table_parameters(self):
         return [self.key_table] if self.value_table is None else [self.key_table, self.value_table]
 
@@ -419,7 +452,9 @@ class L3Layer(nn.Module):
         """Training FLOPs per token: 6 * (W_up + W_mix params) + 6 * r * (d + d_emb), where r is the mean
         rows a training token reads (scores 2 r d and mix 2 r d_emb forward, twice that backward). r comes
         from the allocation sample; on the meta device (before any allocation exists) r = k_max, an upper
-        bound. d12 defaults: 6 * 5.3M dense + 6 * ~270 * 1536 = 32M + 2.5M per token."""
+        bound. d12 defaults: 6 * 5.3M dense + 6 * ~270 * 1536 = 32M + 2.5M per token. These are the useful
+        FLOPs; the blocked path also multiplies the masked-out part of its tiles (~3.5x the useful score
+        entries), which like masked attention is not counted."""
         r = self.k_max if self.rows_per_token.is_meta else float(self.rows_per_token)
         dense = sum(p.numel() for p in self.dense_parameters())
         return 6 * dense + 6 * r * (self.d_model + self.d_emb)
@@ -430,7 +465,7 @@ class L3Layer(nn.Module):
         path = choose_path(x, ids, self.bounds) if self.path == "auto" else self.path
         if path == "padded":
             return lookup_padded(x, ids, self.key_table, self.value_table, self.bounds)
-        return lookup_segment(x, ids, self.key_table, self.value_table, self.bounds)
+        return lookup_blocked(x, ids, self.key_table, self.value_table, self.bounds)
 
     def forward(self, x, idx):
         """x (B, T, d) hidden states, idx (B, T) token ids -> (B, T, d) to add to the residual stream."""

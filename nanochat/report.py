@@ -4,8 +4,9 @@ $NANOCHAT_BASE_DIR/report/ (so stages can run, fail and re-run independently); `
 them into report.md with a header (environment, git commit, hardware, software), a summary table,
 a loss-curve figure (when matplotlib is installed) and the wall time and cost of the run.
 
-    python -m nanochat.report reset      # start a new report (writes the environment section)
-    python -m nanochat.report generate   # write report.md
+    python -m nanochat.report reset               # start a new report (writes the environment section)
+    python -m nanochat.report stage NAME SECONDS  # record a stage's wall time
+    python -m nanochat.report generate            # write report.md
 """
 
 import os
@@ -23,7 +24,7 @@ from nanochat.common import get_base_dir, get_rank
 
 # Sections in the order the pipeline produces them; anything else is appended after.
 SECTION_ORDER = ["Environment", "Tokenizer training", "Tokenizer evaluation", "Base model training",
-                 "Base model evaluation", "Base model samples"]
+                 "Base model evaluation", "Base model samples", "Stage wall times"]
 # What the summary table shows: (section, key as written by the stage, label)
 SUMMARY_KEYS = [
     ("Tokenizer evaluation", "val ours bytes/token", "tokenizer bytes/token (val)"),
@@ -35,6 +36,7 @@ SUMMARY_KEYS = [
     ("Base model evaluation", "train bpb", "train bpb"),
     ("Base model evaluation", "val bpb", "val bpb"),
     ("Base model evaluation", "CORE", "CORE"),
+    ("Stage wall times", "total of stages (min)", "pipeline wall time (min)"),
 ]
 GPU_HOUR_USD = float(os.environ.get("NANOCHAT_GPU_HOUR_USD", "3.0"))  # the stated price for the cost line
 
@@ -127,11 +129,25 @@ def reset():
         return
     d = report_dir()
     for f in os.listdir(d):
-        if f.endswith(".md") or f.endswith(".csv") or f.endswith(".png") or f == "run.json":
+        if f.endswith(".md") or f.endswith(".csv") or f.endswith(".png") or f.endswith(".json"):
             os.remove(os.path.join(d, f))
     with open(os.path.join(d, "run.json"), "w") as f:
         json.dump({"start_time": time.time()}, f)
     log_section("Environment", [environment()])
+
+
+def log_stage_time(name, seconds):
+    """Record how long a pipeline stage took (speedrun.sh calls this after each stage)."""
+    path = os.path.join(report_dir(), "stages.json")
+    stages = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            stages = json.load(f)
+    stages[name] = stages.get(name, 0) + float(seconds)  # a resumed stage adds up
+    with open(path, "w") as f:
+        json.dump(stages, f)
+    rows = ["| stage | wall time |", "| --- | --- |"] + [f"| {k} | {v / 60:.2f} min |" for k, v in stages.items()]
+    log_section("Stage wall times", [{"total of stages (min)": round(sum(stages.values()) / 60, 2)}, "\n".join(rows)])
 
 
 # -----------------------------------------------------------------------------
@@ -225,5 +241,7 @@ if __name__ == "__main__":
         print(f"new report started in {report_dir()}")
     elif cmd == "generate":
         print(f"wrote {generate()}")
+    elif cmd == "stage" and len(sys.argv) == 4:
+        log_stage_time(sys.argv[2], sys.argv[3])
     else:
-        raise SystemExit("usage: python -m nanochat.report [reset|generate]")
+        raise SystemExit("usage: python -m nanochat.report [reset | generate | stage NAME SECONDS]")

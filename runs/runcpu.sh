@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# The whole pipeline, shrunk to a few minutes on a laptop CPU, on the sample data bundled with the
-# package (no download): set up, train a tokenizer, pretrain a tiny model, evaluate, sample, report.
+# The speedrun pipeline shrunk to a few minutes on a laptop CPU, on the sample data bundled with the
+# package (no download): set up a .venv, train a 4096-token tokenizer, pretrain a tiny model
+# (depth 4, context 256), evaluate bpb and CORE (a few items per task), sample, write the report.
 #
 #   bash runs/runcpu.sh
 #
-# Settings (environment): NANOCHAT_BASE_DIR (default ~/.cache/nanochat/runcpu), STEPS (default 60).
+# Settings (environment): NANOCHAT_BASE_DIR (default ~/.cache/nanochat/runcpu), STEPS (default 60),
+# EVAL_BUNDLE (default ../shared/eval_bundle when present, else downloaded).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export NANOCHAT_BASE_DIR="${NANOCHAT_BASE_DIR:-$HOME/.cache/nanochat/runcpu}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
 STEPS="${STEPS:-60}"
-mkdir -p "$NANOCHAT_BASE_DIR"
 
 if [ ! -x .venv/bin/python ]; then
     python3 -m venv .venv
@@ -18,12 +19,16 @@ if [ ! -x .venv/bin/python ]; then
     .venv/bin/python -m pip install -q torch==2.13.0 || .venv/bin/python -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
     .venv/bin/python -m pip install -q -e ".[dev]"
 fi
-PY=.venv/bin/python
+if [ -z "${EVAL_BUNDLE:-}" ] && [ -d ../shared/eval_bundle ]; then
+    EVAL_BUNDLE="$(cd ../shared/eval_bundle && pwd)"
+fi
+[ -n "${EVAL_BUNDLE:-}" ] && export EVAL_BUNDLE
 
-$PY -m nanochat.report reset
-$PY -m scripts.tok_train --vocab-size 4096 --max-chars 20000000
-$PY -m scripts.tok_eval --max-chars 1000000
-$PY -m scripts.base_train --depth 4 --aspect-ratio 32 --head-dim 64 --max-seq-len 256 --window-pattern SL \
-    --device-batch-size 8 --total-batch-size 4096 --num-iterations "$STEPS" --warmup-steps 5 \
-    --eval-every 20 --eval-tokens 32768 --core-metric-every -1 --sample-every -1 --model-tag runcpu
-$PY -m nanochat.report generate
+export NANOCHAT_DATA_DIR="$(pwd)/nanochat/sample_data"  # the bundled sample: no download
+[ "${FRESH:-1}" = "1" ] && rm -rf "$NANOCHAT_BASE_DIR/base_checkpoints/runcpu"
+PYTHON=.venv/bin/python NPROC=1 DEPTH=4 MODEL_TAG=runcpu DEVICE_BATCH_SIZE=8 FRESH="${FRESH:-1}" \
+TOK_ARGS="--vocab-size 4096 --max-chars 20000000" \
+TRAIN_ARGS="--aspect-ratio 32 --head-dim 64 --max-seq-len 256 --window-pattern SL --total-batch-size 4096 \
+ --num-iterations $STEPS --warmup-steps 5 --eval-every 20 --eval-tokens 32768 --core-metric-every -1 --sample-every -1" \
+EVAL_ARGS="--max-per-task 8 --eval-tokens 32768" \
+bash speedrun.sh

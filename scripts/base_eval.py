@@ -1,7 +1,7 @@
 """
 Evaluate a base-model checkpoint: the CORE metric (nanochat/core_eval.py) and bits per byte on the
 training and validation data. Prints a table of tasks and `CORE (n/22 tasks): x.xxxx`, writes
-$NANOCHAT_BASE_DIR/base_eval/<tag>_<step>.csv and the "Base model evaluation" report section.
+$NANOCHAT_BASE_DIR/base_eval/<tag>_<step, 6 digits>.csv and the "Base model evaluation" report section.
 
     python -m scripts.base_eval                                  # latest checkpoint of the latest tag
     python -m scripts.base_eval --model-tag d20 --max-per-task 500
@@ -24,23 +24,6 @@ from nanochat.dataset import check_data, DataError
 from nanochat.loss_eval import evaluate_bpb
 from nanochat.core_eval import find_eval_bundle, evaluate_core, EvalBundleError
 from nanochat import report
-
-
-def latest_model_tag(base_dir=None):
-    """The most recently written tag folder under base_checkpoints/."""
-    root = os.path.join(base_dir or get_base_dir(), "base_checkpoints")
-    tags = [d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d))] if os.path.isdir(root) else []
-    if not tags:
-        raise CheckpointError(f"no checkpoints in {root}: train a model with `python -m scripts.base_train` first")
-    return max(tags, key=lambda d: os.path.getmtime(os.path.join(root, d)))
-
-
-def load_eval_model(model_tag, step, device, dtype):
-    """(model, meta, tag) for evaluation: the latest tag and step unless given. Loading lives here alone
-    so that a tensor-parallel load can be added in one place."""
-    model_tag = model_tag or latest_model_tag()
-    model, meta = load_model(model_tag, step, device, dtype)
-    return model, meta, model_tag
 
 
 def core_table(core):
@@ -73,9 +56,10 @@ def main():
     parser.add_argument("--data-dir", type=str, default=None, help="bpb: folder of parquet shards (default as in base_train)")
     parser.add_argument("--skip-core", action="store_true", help="do not evaluate CORE")
     parser.add_argument("--skip-bpb", action="store_true", help="do not evaluate bits per byte")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (under torchrun); any checkpoint loads at any TP")
     args = parser.parse_args()
 
-    layout, device = compute_init(args.device_type)
+    layout, device = compute_init(args.device_type, tp=args.tp)
 
     def fail(msg):
         print0(f"ERROR: {msg}")
@@ -94,12 +78,13 @@ def main():
             data_dir = check_data(args.data_dir)
         tokenizer = get_tokenizer()
         token_bytes = get_token_bytes(device)
-        model, meta, model_tag = load_eval_model(args.model_tag, args.step, device, get_compute_dtype(device.type))
-    except (EvalBundleError, DataError, TokenizerError, CheckpointError) as e:
+        model, meta = load_model(args.model_tag, args.step, device, get_compute_dtype(device.type), layout=layout)
+        model_tag = meta["model_tag"]
+    except (EvalBundleError, DataError, TokenizerError, CheckpointError, ValueError) as e:
         fail(str(e))
     step = meta["step"]
     print0(f"evaluating {model_tag} step {step} (sequence length {model.config.sequence_len}, "
-           f"compute dtype {model.compute_dtype}) on dp {layout.dp_size}")
+           f"compute dtype {model.compute_dtype}) on dp {layout.dp_size} x tp {layout.tp_size}")
 
     items = {"model tag": model_tag, "step": step}
     sections = []

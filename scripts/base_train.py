@@ -92,7 +92,7 @@ parser.add_argument("--pp-print-schedule", action="store_true", help="print the 
 parser.add_argument("--fp8", action="store_true", help="fp8 training linears through torchao (CUDA, SM89+)")
 parser.add_argument("--fp8-recipe", type=str, default="tensorwise", choices=["tensorwise", "rowwise"], help="torchao float8 scaling recipe")
 parser.add_argument("--l3-after-layers", type=str, default="", help="comma-separated block indices followed by an L3 layer, e.g. 4,8")
-parser.add_argument("--l3-n-emb", type=int, default=0, help="rows of the L3 tables (0 = auto from model size)")
+parser.add_argument("--l3-n-emb", type=int, default=0, help="rows of the L3 tables (0 = 16 per vocabulary entry)")
 parser.add_argument("--l3-d-up", type=int, default=0, help="L3 up-projection width (0 = 4 * model_dim)")
 parser.add_argument("--l3-k-max", type=int, default=512, help="most table rows one token may own")
 parser.add_argument("--l3-tied", action="store_true", help="tie L3 keys and values (K = V)")
@@ -214,6 +214,7 @@ model = build_model(config, device, dtype)
 if config.l3_after_layers and resume_meta is None:
     from nanochat.l3 import allocate_for_model
     allocate_for_model(model, tokenizer, data_dir, layout)
+    flops_per_token = model.estimate_flops()  # with the real allocation (the meta model assumed k_max rows)
 fp8_active = False
 if args.fp8:
     if args.tp > 1:
@@ -452,7 +453,8 @@ while True:
             print0(f"step {step:05d} | CORE ({core['tasks_run']}/{core['tasks_total']} tasks): {core['core']:.4f}")
             if wandb_run:
                 wandb_run.log({"step": step, "core": core["core"]})
-    if args.sample_every > 0 and (last_step or (step > 0 and step % args.sample_every == 0)) and pipeline is None and master:
+    # every rank samples (under TP the forward is collective); rank 0 prints. Skipped under PP.
+    if args.sample_every > 0 and (last_step or (step > 0 and step % args.sample_every == 0)) and pipeline is None:
         from nanochat.engine import sample_completions
         orig_model.eval()
         with bf16_eval():

@@ -13,11 +13,10 @@ import sys
 import argparse
 
 from nanochat.common import compute_init, get_compute_dtype
-from nanochat.checkpoint_manager import CheckpointError
+from nanochat.checkpoint_manager import CheckpointError, load_model
 from nanochat.tokenizer import get_tokenizer, TokenizerError
 from nanochat.engine import generate
 from nanochat import report
-from scripts.base_eval import load_eval_model
 
 parser = argparse.ArgumentParser(description="Sample completions from a base model")
 parser.add_argument("--model-tag", type=str, default=None, help="checkpoint folder (default: the most recent one)")
@@ -37,7 +36,8 @@ if args.num_samples < 1 or args.max_tokens < 1 or args.temperature < 0:
 _, device = compute_init(args.device_type)
 try:
     tokenizer = get_tokenizer()
-    model, meta, model_tag = load_eval_model(args.model_tag, args.step, device, get_compute_dtype(device.type))
+    model, meta = load_model(args.model_tag, args.step, device, get_compute_dtype(device.type))
+    model_tag = meta["model_tag"]
 except (TokenizerError, CheckpointError) as e:
     sys.exit(f"ERROR: {e}")
 bos = tokenizer.get_bos_token_id()

@@ -5,6 +5,7 @@ GPT-2 and GPT-4 encodings when tiktoken can load them (it downloads them once; o
     python -m scripts.tok_eval --max-chars 10000000
 """
 
+import os
 import argparse
 
 from nanochat.dataset import resolve_data_dir, split_files, iter_documents, DataError
@@ -34,14 +35,29 @@ try:
 except (DataError, TokenizerError) as e:
     raise SystemExit(f"ERROR: {e}")
 
+def reference_encoding(name):
+    """tiktoken's GPT-2/GPT-4 encodings: from its cache, or downloaded when the host answers within
+    a few seconds (an offline machine can otherwise hang on the download)."""
+    import socket
+    import tiktoken
+    try:
+        socket.create_connection(("openaipublic.blob.core.windows.net", 443), timeout=3).close()
+        reachable = True
+    except OSError:
+        reachable = False
+    try:
+        return tiktoken.get_encoding(name) if reachable or os.environ.get("TIKTOKEN_CACHE_DIR") else None
+    except Exception:
+        return None
+
+
 encoders = {"ours": lambda docs: tokenizer.encode(docs)}
 for name, tiktoken_name in [("gpt2", "gpt2"), ("gpt4", "cl100k_base")]:
-    try:
-        import tiktoken
-        enc = tiktoken.get_encoding(tiktoken_name)
+    enc = reference_encoding(tiktoken_name)
+    if enc is None:
+        print(f"skipped {name} ({tiktoken_name}): tiktoken cannot load it here (offline and not cached)")
+    else:
         encoders[name] = lambda docs, enc=enc: enc.encode_ordinary_batch(docs)
-    except Exception as e:
-        print(f"skipped {name} ({tiktoken_name}): tiktoken could not load it ({type(e).__name__}); offline?")
 
 rows, flat = ["| split | encoding | bytes | tokens | bytes/token |", "| --- | --- | --- | --- | --- |"], {}
 print(f"{'split':<6} {'encoding':<8} {'bytes':>12} {'tokens':>11} {'bytes/token':>12}")

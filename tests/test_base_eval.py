@@ -89,16 +89,14 @@ def test_base_eval_unknown_tag(base_dir, checkpoint):
     assert p.returncode == 1 and "no checkpoints for model tag 'nope'" in p.stdout and "Traceback" not in p.stderr
 
 
-def test_sample_prompts_seed_and_report(base_dir, checkpoint):
-    env = script_env(base_dir)
+def test_sample_prompts_and_report(base_dir, checkpoint):
     args = ["--model-tag", TAG, "--prompt", "The", "--prompt", "A city", "--num-samples", "2", "--max-tokens", "8",
-            "--temperature", "0.8", "--seed", "1"]
-    first = run_script("scripts.sample", args + ["--report"], env)
-    lines = [l for l in first.stdout.splitlines() if l.startswith("--- [")]
+            "--temperature", "0.8", "--seed", "1", "--report"]
+    p = run_script("scripts.sample", args, script_env(base_dir))
+    lines = [l for l in p.stdout.splitlines() if l.startswith("--- [")]
     assert len(lines) == 4 and lines[0].startswith("--- [1/2] The") and lines[2].startswith("--- [1/2] A city")
-    assert run_script("scripts.sample", args, env).stdout == first.stdout  # same seed, same completions
     with open(os.path.join(base_dir, "report", "base-model-samples.md")) as f:
-        assert f.read().count("\n1. `") == 1
+        assert len(re.findall(r"^\d\. `'(The|A city)", f.read(), re.M)) == 4
 
 
 def test_sample_reads_prompts_from_stdin(base_dir, checkpoint):

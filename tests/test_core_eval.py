@@ -193,6 +193,8 @@ def test_padding_does_not_change_scores():
     alone = [score_rows(model, [r], [s], "cpu") for r, s in zip(rows, starts)]
     assert np.allclose(batched[0], [a[0][0] for a in alone], rtol=1e-5, atol=1e-5)
     assert batched[1] == [a[1][0] for a in alone]
+    padded_more = score_rows(model, rows, starts, "cpu", length_multiple=16)  # as under sequence parallelism
+    assert np.allclose(padded_more[0], batched[0], rtol=1e-5, atol=1e-5) and padded_more[1] == batched[1]
     # and whole tasks: every item alone, or many items per pass
     records = [{"query": q, "choices": ["one", "two", "three"], "gold": i % 3} for i, q in enumerate(texts * 3)]
     mc = task("multiple_choice", num_fewshot=2, delimiter=" ")

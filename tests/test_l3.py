@@ -1,0 +1,310 @@
+"""L3 (nanochat/l3.py): the LZW allocation, both lookup paths against a per-token Python loop, zero
+init, which table rows get gradients, checkpoints, and the layer inside a tiny GPT (eager and compiled)."""
+
+import io
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from nanochat.common import Layout
+from nanochat.dataset import SAMPLE_DIR
+from nanochat.gpt import GPT, GPTConfig, build_model
+from nanochat.l3 import (L3Layer, allocate_for_model, allocate_rows, choose_path, default_n_emb, lookup_blocked,
+                         lookup_padded, lzw_credits, sample_training_tokens, uniform_rows)
+
+
+def zipf_tokens(n, vocab, seed=0):
+    """A skewed token stream, like text: a few tokens very frequent, most rare."""
+    rng = np.random.default_rng(seed)
+    p = 1.0 / np.arange(1, vocab + 1)
+    return rng.choice(vocab, size=n, p=p / p.sum())
+
+
+def make_layer(vocab=40, d=16, n_emb=300, k_max=24, tied=False, dtype=torch.float64, seed=0):
+    """A layer with a skewed (LZW) allocation and non-zero W_mix, so every part of it matters."""
+    torch.manual_seed(seed)
+    layer = L3Layer(vocab, d, n_emb, d_up=32, k_max=k_max, tied=tied)
+    layer.init_weights()
+    layer.set_allocation(allocate_rows(lzw_credits(zipf_tokens(5000, vocab, seed), vocab), n_emb, k_max), 1.0)
+    torch.nn.init.normal_(layer.w_mix.weight, std=0.1)
+    return layer.to(dtype)
+
+
+def naive_lookup(x, ids, keys, values, bounds):
+    """The definition, one token at a time: h_n = V_t^T softmax(K_t x_n)."""
+    out = []
+    for n in range(ids.numel()):
+        s, e = int(bounds[ids[n]]), int(bounds[ids[n] + 1])
+        v = keys[s:e] if values is None else values[s:e]
+        out.append(torch.softmax(keys[s:e] @ x[n], dim=0) @ v)
+    return torch.stack(out)
+
+
+# -----------------------------------------------------------------------------
+# Allocation
+
+
+def test_lzw_credits_by_hand():
+    # a b a b a b a: new entries ab (credits b), ba (a), aba (a); every token starts with 1
+    assert lzw_credits([0, 1, 0, 1, 0, 1, 0], 3).tolist() == [3, 2, 1]
+    # a dictionary of 2 entries is cleared when full: ab, ba | ab, ba | ab, ba ... keep being new
+    assert lzw_credits([0, 1, 0, 1, 0, 1, 0], 3, max_entries=2).tolist() == [4, 4, 1]
+    stream = zipf_tokens(3000, 50)
+    assert (lzw_credits(stream, 50) == lzw_credits(torch.from_numpy(stream), 50)).all()
+    assert lzw_credits([], 4).tolist() == [1, 1, 1, 1]
+    with pytest.raises(ValueError, match="token ids"):
+        lzw_credits([0, 5], 4)
+
+
+@pytest.mark.parametrize("n_emb", [500, 3 * 500 + 7, 12_345, 500 * 32])
+def test_allocation_invariants(n_emb):
+    vocab, k_max = 500, 32
+    credits = lzw_credits(zipf_tokens(50_000, vocab), vocab)
+    d = allocate_rows(credits, n_emb, k_max)
+    assert d.sum() == n_emb and d.min() >= 1 and d.max() <= k_max
+    by_credit = np.lexsort((d, credits))  # sorted by credit: rows must never go down
+    assert (np.diff(d[by_credit]) >= 0).all()
+    assert (allocate_rows(lzw_credits(zipf_tokens(50_000, vocab), vocab), n_emb, k_max) == d).all()  # deterministic
+    # proportional up to clamping and rounding: some lam has |d_t - clamp(lam * credit_t, 1, k_max)| < 1
+    lam_low = ((d - 1) / credits)[d > 1].max(initial=0.0)
+    lam_high = ((d + 1) / credits)[d < k_max].min(initial=np.inf)
+    assert lam_low < lam_high
+    layer = L3Layer(vocab, 8, n_emb, k_max=k_max)
+    layer.init_weights()
+    layer.set_allocation(d, 1.0)
+    b = layer.bounds
+    assert b[0] == 0 and b[-1] == n_emb and torch.equal(b[1:] - b[:-1], torch.from_numpy(d))
+
+
+def test_allocation_errors():
+    credits = np.ones(10, dtype=np.int64)
+    for n_emb in (9, 10 * 4 + 1):
+        with pytest.raises(ValueError, match="n_emb"):
+            allocate_rows(credits, n_emb, 4)
+        with pytest.raises(ValueError, match="n_emb"):
+            L3Layer(10, 8, n_emb, k_max=4)
+    with pytest.raises(ValueError, match="tied"):
+        L3Layer(10, 8, 20, d_emb=4, tied=True)
+    layer = L3Layer(10, 8, 20, k_max=4)
+    with pytest.raises(ValueError, match="allocation"):
+        layer.set_allocation(np.full(10, 3), 1.0)  # sums to 30, not 20
+    assert allocate_rows(credits, 10, 4).tolist() == [1] * 10
+    assert allocate_rows(credits, 40, 4).tolist() == [4] * 10
+    assert uniform_rows(10, 23).tolist() == [3] * 3 + [2] * 7
+
+
+# -----------------------------------------------------------------------------
+# The lookup
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("path", ["padded", "blocked", "blocked-small-chunks"])
+def test_lookup_matches_per_token_loop(path, tied):
+    layer = make_layer(tied=tied)
+    torch.manual_seed(1)
+    ids = torch.cat([torch.randint(0, 40, (50,)), torch.zeros(20, dtype=torch.long)])  # repeats: one token 20+ times
+    x = torch.randn(70, 16, dtype=torch.float64, requires_grad=True)
+    keys, values = layer.key_table, layer.value_table
+    if path == "padded":
+        h = lookup_padded(x, ids, keys, values, layer.bounds)
+    elif path == "blocked":
+        h = lookup_blocked(x, ids, keys, values, layer.bounds)
+    else:  # blocks of 4 positions, chunks of ~1 block: exercises block splits and the chunk loop
+        h = lookup_blocked(x, ids, keys, values, layer.bounds, block=4, chunk_bytes=8 * 16 * 24)
+    ref = naive_lookup(x, ids, keys, values, layer.bounds)
+    g = torch.randn_like(ref)
+    params = [x] + layer.table_parameters()
+    torch.testing.assert_close(h, ref, rtol=1e-10, atol=1e-12)
+    for a, b in zip(torch.autograd.grad(h, params, g), torch.autograd.grad(ref, params, g)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_blocked_backward_gradcheck(tied):
+    bounds = torch.tensor([0, 1, 5, 8, 9, 13, 15])
+    ids = torch.tensor([1, 4, 1, 0, 5, 2, 4, 1, 3])
+    torch.manual_seed(0)
+    x = torch.randn(9, 3, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(15, 3, dtype=torch.float64, requires_grad=True)
+    v = None if tied else torch.randn(15, 2, dtype=torch.float64, requires_grad=True)
+    inputs = (x, k) if tied else (x, k, v)
+    fn = lambda x, k, v=None: lookup_blocked(x, ids, k, v, bounds, block=2, chunk_bytes=8 * 3 * 5)
+    assert torch.autograd.gradcheck(fn, inputs)
+
+
+def test_bf16_activations():
+    """Compute-dtype convention: fp32 weights, bf16 activations in and out, fp32 gradients."""
+    layer = make_layer(dtype=torch.float32)
+    torch.manual_seed(2)
+    ids = torch.randint(0, 40, (2, 30))
+    x = torch.randn(2, 30, 16).bfloat16()
+    outs = {}
+    for path in ("padded", "blocked"):
+        layer.path = path
+        layer.zero_grad()
+        outs[path] = layer(x, ids)
+        outs[path].float().square().sum().backward()
+        assert outs[path].dtype == torch.bfloat16 and layer.key_table.grad.dtype == torch.float32
+    torch.testing.assert_close(outs["padded"].float(), outs["blocked"].float(), rtol=0.05, atol=0.05)
+
+
+def test_choose_path():
+    layer = make_layer(dtype=torch.float32)
+    ids = torch.randint(0, 40, (64,))
+    x = torch.randn(64, 16)
+    uniform = L3Layer(40, 16, 40 * 8, k_max=8)
+    uniform.init_weights()
+    assert choose_path(x, ids, uniform.bounds) == "padded"  # no padding at all
+    ids = torch.cat([torch.tensor([0]), torch.full((63,), 39)])  # one token with many rows, the rest with 1
+    assert layer.bounds[1] - layer.bounds[0] > 4 * (layer.bounds[40] - layer.bounds[39])
+    assert choose_path(x, ids, layer.bounds) == "blocked"  # mostly padding
+    ids = torch.randint(0, 40, (300_000,))
+    assert choose_path(torch.randn(300_000, 16), ids, layer.bounds) == "blocked"  # padded gather too big
+
+
+# -----------------------------------------------------------------------------
+# The layer
+
+
+def test_zero_init_is_a_noop():
+    layer = L3Layer(40, 16, 300, d_up=32, k_max=24)
+    layer.init_weights()
+    ids = torch.randint(0, 40, (2, 10))
+    for dtype in (torch.float32, torch.bfloat16):
+        out = layer(torch.randn(2, 10, 16).to(dtype), ids)
+        assert out.dtype == dtype and out.shape == (2, 10, 16) and (out == 0).all()
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("path", ["padded", "blocked"])
+def test_gradients_reach_exactly_the_used_rows(path, tied):
+    layer = make_layer(tied=tied, dtype=torch.float32)
+    layer.path = path
+    ids = torch.tensor([[3, 7, 3, 0], [12, 0, 25, 7]])
+    layer(torch.randn(2, 4, 16), ids).square().sum().backward()
+    used = torch.zeros(layer.n_emb, dtype=torch.bool)
+    for t in ids.unique():
+        used[layer.bounds[t]:layer.bounds[t + 1]] = True
+    for table in layer.table_parameters():
+        assert torch.equal(table.grad.abs().sum(1) > 0, used)
+    for p in layer.dense_parameters():
+        assert p.grad.abs().sum() > 0
+
+
+def test_checkpoint_round_trip_keeps_the_allocation():
+    layer = make_layer(dtype=torch.float32)
+    layer.set_allocation(layer.bounds[1:] - layer.bounds[:-1], 42.5)
+    buf = io.BytesIO()
+    torch.save(layer.state_dict(), buf)
+    assert "bounds" in layer.state_dict() and "rows_per_token" in layer.state_dict()
+    with torch.device("meta"):  # the way build_model makes it: meta, to_empty, init_weights
+        fresh = L3Layer(40, 16, 300, d_up=32, k_max=24)
+    fresh.to_empty(device="cpu")
+    fresh.init_weights()
+    assert not torch.equal(fresh.bounds, layer.bounds)  # a uniform allocation before loading
+    buf.seek(0)
+    fresh.load_state_dict(torch.load(buf, weights_only=True))
+    assert torch.equal(fresh.bounds, layer.bounds) and fresh.rows_per_token.item() == 42.5
+    ids, x = torch.randint(0, 40, (2, 9)), torch.randn(2, 9, 16)
+    assert torch.equal(fresh(x, ids), layer(x, ids))
+
+
+def test_sizes_and_flops():
+    cfg = GPTConfig(vocab_size=32768, n_embd=768, l3_after_layers=(5,))
+    with torch.device("meta"):  # d12 sizes; base_train's first estimate has no allocation yet: k_max rows
+        meta = L3Layer.from_config(cfg)
+    assert meta.n_emb == default_n_emb(32768, 512) == 2 ** 19
+    assert (meta.d_emb, meta.d_up, meta.k_max, meta.tied) == (768, 4 * 768, 512, False)
+    dense = 768 * 3072 + (3072 + 768) * 768
+    assert meta.estimate_flops() == 6 * dense + 6 * 512 * (768 + 768)
+    small = L3Layer(40, 16, 300, d_up=32, k_max=24)
+    small.init_weights()
+    small.set_allocation(small.bounds[1:] - small.bounds[:-1], 10.0)
+    assert small.estimate_flops() == 6 * (16 * 32 + 48 * 16) + 6 * 10.0 * 32
+    tied = L3Layer.from_config(GPTConfig(vocab_size=256, n_embd=64, l3_after_layers=(0,), l3_tied=True, l3_k_max=4))
+    assert tied.n_emb == 256 * 4 and tied.table_parameters() == [tied.key_table]
+
+
+def tiny_l3_config(**kw):
+    base = dict(sequence_len=32, vocab_size=256, n_layer=2, n_head=2, n_kv_head=2, n_embd=64, window_pattern="L",
+                l3_after_layers=(0,), l3_n_emb=2048, l3_k_max=32)
+    base.update(kw)
+    return GPTConfig(**base)
+
+
+def test_in_a_tiny_gpt():
+    torch.manual_seed(0)
+    model = build_model(tiny_l3_config(), "cpu")
+    layer = model.l3["0"]
+    idx = torch.randint(0, 256, (2, 32))
+    plain = build_model(tiny_l3_config(l3_after_layers=()), "cpu")
+    plain.load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith("l3.")})
+    assert torch.equal(model(idx, idx), plain(idx, idx))  # zero-initialized W_mix: a no-op in the model
+    model(idx, idx).backward()
+    assert layer.w_mix.weight.grad.abs().sum() > 0
+    torch.nn.init.normal_(layer.w_mix.weight, std=0.02)  # as after a first step: gradients reach the tables
+    model.zero_grad()
+    model(idx, idx).backward()
+    assert all(p.grad.abs().sum() > 0 for p in layer.parameters())
+    groups = model.param_groups(0.3, 0.008, 0.02, 0.5, 0.1)
+    kinds = {id(p): g["kind"] for g in groups for p in g["params"]}
+    assert all(kinds[id(p)] == "adamw" for p in layer.table_parameters())
+    assert all(kinds[id(p)] == "muon" for p in layer.dense_parameters())
+    assert len(kinds) == len(list(model.parameters()))
+    table_groups = [g for g in groups if any(p is layer.key_table for p in g["params"])]
+    assert len(table_groups) == 1 and len(table_groups[0]["params"]) == 2
+
+
+def test_compiled_forward_and_backward_cpu():
+    torch.manual_seed(0)
+    model = build_model(tiny_l3_config(), "cpu")
+    torch.nn.init.normal_(model.l3["0"].w_mix.weight, std=0.02)
+    idx = torch.randint(0, 256, (2, 32))
+    eager = model(idx, idx)
+    t0 = time.time()
+    try:
+        loss = torch.compile(model, dynamic=False)(idx, idx)
+    except Exception as e:  # a CPU without a working C++ toolchain for inductor
+        pytest.skip(f"torch.compile unavailable on this CPU: {type(e).__name__}: {e}")
+    loss.backward()
+    torch.testing.assert_close(loss, eager, rtol=1e-5, atol=1e-5)
+    assert model.l3["0"].key_table.grad.abs().sum() > 0
+    print(f"compiled tiny GPT with L3 in {time.time() - t0:.1f}s")
+
+
+def test_allocate_for_model(tokenizer, capsys):
+    vocab = tokenizer.get_vocab_size()
+    model = build_model(tiny_l3_config(vocab_size=vocab, l3_after_layers=(0, 1), l3_n_emb=vocab * 6, l3_k_max=64), "cpu")
+    allocate_for_model(model, tokenizer, SAMPLE_DIR, Layout(), sample_tokens=100_000)
+    out = capsys.readouterr().out
+    assert "L3 rows per token: min" in out and "top-100 tokens hold" in out
+    tokens = sample_training_tokens(tokenizer, SAMPLE_DIR, 100_000)
+    assert tokens.size == 100_000 and tokens[0] == tokenizer.get_bos_token_id()
+    rows = allocate_rows(lzw_credits(tokens, vocab), vocab * 6, 64)
+    for layer in model.l3.values():
+        assert torch.equal(layer.bounds[1:] - layer.bounds[:-1], torch.from_numpy(rows))
+        freq = np.bincount(tokens, minlength=vocab)
+        assert layer.rows_per_token.item() == pytest.approx((freq * rows).sum() / freq.sum(), rel=1e-6)
+    assert rows.max() > 6 * rows.min()  # LZW concentrates rows, unlike the uniform init
+
+
+def _allocate_on_rank(rank, tokenizer_dir, store, out_dir):
+    import torch.distributed as dist
+    from nanochat.tokenizer import get_tokenizer
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    tokenizer = get_tokenizer(tokenizer_dir)
+    model = build_model(tiny_l3_config(vocab_size=tokenizer.get_vocab_size(), l3_n_emb=4096, l3_k_max=32), "cpu")
+    allocate_for_model(model, tokenizer, SAMPLE_DIR, Layout(rank=rank, world_size=2), sample_tokens=20_000)
+    torch.save(model.l3["0"].state_dict(), f"{out_dir}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_allocate_for_model_is_identical_on_all_ranks(base_dir, tmp_path):
+    """Rank 0 computes, every rank ends up with its allocation (gloo, 2 processes)."""
+    torch.multiprocessing.spawn(_allocate_on_rank, args=(f"{base_dir}/tokenizer", tmp_path / "store", tmp_path), nprocs=2)
+    states = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    assert torch.equal(states[0]["bounds"], states[1]["bounds"])
+    assert torch.equal(states[0]["rows_per_token"], states[1]["rows_per_token"])
+    assert (states[0]["bounds"][1:] - states[0]["bounds"][:-1]).max() > 4  # the LZW allocation, not the uniform init
