@@ -50,9 +50,9 @@ from nanochat.common import get_base_dir, print0
 EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
 DOWNLOAD_TIMEOUT_S = 30
 FEWSHOT_SEED = 1234
-# Rows x longest row per forward pass: bounds the fp32 logits (8192 x 32768 vocab = 1 GiB) while still
-# packing dozens of short items into one pass.
-DEFAULT_BATCH_TOKENS = 8192
+# Rows x longest row per forward pass. Logits are computed only at the scored positions, so this bounds
+# the activations; large passes keep a GPU busy (small ones are launch-bound in eager mode).
+DEFAULT_BATCH_TOKENS = 32768
 TASK_KEYS = {
     "multiple_choice": ("query", "choices", "gold"),
     "schema": ("context_options", "continuation", "gold"),
@@ -317,7 +317,7 @@ def score_rows(model, rows, starts, device, length_multiple=1):
     mask = (pos >= np.array(starts)[:, None] - 1) & (pos < lengths[:, None] - 1)
     row_idx, col_idx = (torch.from_numpy(a).to(device) for a in np.nonzero(mask))
     ids = torch.from_numpy(ids).to(device)
-    logits = model(ids)[row_idx, col_idx]  # (continuation tokens, V), fp32
+    logits = model(ids, positions=(row_idx, col_idx))  # lm_head only where scored: (continuation tokens, V), fp32
     targets = ids[row_idx, col_idx + 1]
     losses = F.cross_entropy(logits, targets, reduction="none")
     wrong = (logits.argmax(dim=-1) != targets).float()

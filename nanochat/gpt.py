@@ -369,22 +369,25 @@ class GPT(nn.Module):
                 x = x + self.l3[str(i)](x, idx)
         return Residual(x=x, x0=h.x0, x_mid=x_mid)
 
-    def head(self, h: Residual, targets=None, loss_reduction="mean"):
-        """Backout, final norm, lm_head, soft-cap (fp32), and the loss if targets are given."""
+    def head(self, h: Residual, targets=None, loss_reduction="mean", positions=None):
+        """Backout, final norm, lm_head, soft-cap (fp32), and the loss if targets are given.
+        positions: index tensors selecting the tokens whose logits are wanted (evaluation)."""
         x = h.x
         if h.x_mid is not None:
             x = x - self.backout_lambda.to(x.dtype) * h.x_mid
+        if positions is not None:
+            x = x[positions]
         raw = self.lm_head(norm(x))
         if targets is None:
             return self.criterion.logits(raw)
         return self.criterion(raw, targets, loss_reduction)
 
-    def forward(self, idx, targets=None, loss_reduction="mean", kv_cache=None):
+    def forward(self, idx, targets=None, loss_reduction="mean", kv_cache=None, positions=None):
         h = self.embed(idx, kv_cache)
         h = self.run_blocks(h, idx, 0, self.config.n_layer, kv_cache)
         if kv_cache is not None:
             kv_cache.advance(idx.size(1))
-        return self.head(h, targets, loss_reduction)
+        return self.head(h, targets, loss_reduction, positions)
 
     # --- accounting ---------------------------------------------------------------
 
