@@ -178,7 +178,7 @@ def plot_loss_curve(csv_path, png_path):
         ax2 = ax.twinx()
         ax2.plot(val_steps, vals, "o-", color="tab:red", label="val bpb")
         ax2.set_ylabel("val bpb")
-        ax2.legend(loc="upper center")
+        ax2.legend(loc="center right")
     ax.legend(loc="upper right")
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -214,8 +214,8 @@ def generate():
             m = re.match(r"(\d+) x", parse_section(env).get("gpus", ""))
             n_gpus = int(m.group(1)) if m else 0
         rows.append(("total wall time", f"{wall / 3600:.2f} h ({wall / 60:.1f} min)"))
-        if n_gpus:
-            rows.append((f"cost at ${GPU_HOUR_USD:.2f}/GPU-hour", f"${wall / 3600 * n_gpus * GPU_HOUR_USD:.2f} ({n_gpus} GPUs)"))
+        rows.append((f"cost at ${GPU_HOUR_USD:.2f}/GPU-hour (NANOCHAT_GPU_HOUR_USD)",
+                     f"${wall / 3600 * n_gpus * GPU_HOUR_USD:.2f} ({n_gpus} GPUs)" if n_gpus else "$0.00 (CPU run)"))
     out += ["## Summary", "", "| metric | value |", "| --- | --- |"] + [f"| {k} | {v} |" for k, v in rows] + [""]
 
     # figure

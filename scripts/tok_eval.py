@@ -66,7 +66,7 @@ for split, docs in texts.items():
     for name, encode in encoders.items():
         n_tokens = sum(len(ids) for ids in encode(docs))
         ratio = n_bytes / n_tokens
-        print(f"{split:<6} {name:<8} {n_bytes:>12,} {n_tokens:>11,} {ratio:>12.3f}")
+        print(f"{split:<6} {name:<8} {n_bytes:>12,} {n_tokens:>11,} {ratio:>12.4f}")
         rows.append(f"| {split} | {name} | {n_bytes:,} | {n_tokens:,} | {ratio:.4f} |")
         flat[f"{split} {name} bytes/token"] = round(ratio, 4)
 

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The miniseries: compute-optimal models (the default ratio picks each horizon) at a series of depths,
+# each evaluated with base_eval; bpb and CORE go to $NANOCHAT_BASE_DIR/miniseries.csv, which
+# dev/plot_scaling.py also plots (loss vs FLOPs, one point per depth).
+#
+#   bash runs/miniseries.sh                                # d10 ... d26 on the visible GPUs
+#   DEPTHS="2 3" RATIO=1 TRAIN_ARGS="--aspect-ratio 32 --head-dim 32 --max-seq-len 128 --device-batch-size 8 \
+#     --total-batch-size 4096 --eval-tokens 16384" EVAL_ARGS="--max-per-task 8 --eval-tokens 16384" bash runs/miniseries.sh
+#
+# Settings (environment): DEPTHS, RATIO, NPROC, TRAIN_ARGS, EVAL_ARGS, EVAL_BUNDLE, PYTHON,
+# NANOCHAT_BASE_DIR, NANOCHAT_DATA_DIR. Needs a tokenizer (python -m scripts.tok_train).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export NANOCHAT_BASE_DIR="${NANOCHAT_BASE_DIR:-$HOME/.cache/nanochat}"
+DEPTHS="${DEPTHS:-10 12 14 16 18 20 22 24 26}"
+RATIO="${RATIO:-12}"
+NPROC="${NPROC:-1}"
+PYTHON="${PYTHON:-python3}"
+TRAIN_ARGS="${TRAIN_ARGS:-}"
+EVAL_ARGS="${EVAL_ARGS:-}"
+OUT="$NANOCHAT_BASE_DIR/miniseries.csv"
+LOGS="$NANOCHAT_BASE_DIR/miniseries_logs"
+mkdir -p "$LOGS"
+echo "flops,depth,params,scaling_params,tokens,val_bpb,core" > "$OUT"
+bundle=()
+[ -n "${EVAL_BUNDLE:-}" ] && bundle=(--eval-bundle "$EVAL_BUNDLE")
+
+launch() {
+    if [ "$NPROC" -gt 1 ]; then
+        "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" -m "$@"
+    else
+        "$PYTHON" -m "$@"
+    fi
+}
+
+for depth in $DEPTHS; do
+    tag="mini_d${depth}"
+    echo "--- depth $depth (ratio $RATIO)"
+    launch scripts.base_train --depth="$depth" --target-param-data-ratio="$RATIO" --model-tag="$tag" \
+        --core-metric-every=-1 --sample-every=-1 $TRAIN_ARGS > "$LOGS/$tag.train.log" 2>&1
+    launch scripts.base_eval --model-tag="$tag" ${bundle[@]+"${bundle[@]}"} $EVAL_ARGS > "$LOGS/$tag.eval.log" 2>&1
+    log="$LOGS/$tag.train.log"
+    params=$(sed -nE 's/^parameters: ([0-9,]+) total \| ([0-9,]+) scaling.*/\1/p' "$log" | tr -d ,)
+    scaling=$(sed -nE 's/^parameters: ([0-9,]+) total \| ([0-9,]+) scaling.*/\2/p' "$log" | tr -d ,)
+    tokens=$(sed -nE 's/^horizon: ([0-9,]+) tokens.*/\1/p' "$log" | tr -d ,)
+    flops=$(sed -nE 's/.*total FLOPs ([0-9.e+]+)$/\1/p' "$log")
+    bpb=$(sed -nE 's/^val bpb: ([0-9.]+)$/\1/p' "$LOGS/$tag.eval.log")
+    core=$(sed -nE 's/^CORE \([0-9]+\/[0-9]+ tasks\): (-?[0-9.]+)$/\1/p' "$LOGS/$tag.eval.log")
+    echo "$flops,$depth,$params,$scaling,$tokens,$bpb,$core" | tee -a "$OUT"
+done
+echo "wrote $OUT; plot with: $PYTHON -m dev.plot_scaling $OUT"

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Scaling laws: train a grid of depths at fixed FLOP budgets and collect the final validation bpb
+# into $NANOCHAT_BASE_DIR/scaling_laws.csv; dev/plot_scaling.py draws loss vs FLOPs per depth.
+#
+#   bash runs/scaling_laws.sh                                        # GPU defaults
+#   DEPTHS="2 3 4" FLOPS="2e11 5e11" TRAIN_ARGS="--aspect-ratio 32 --head-dim 32 --max-seq-len 128 \
+#     --device-batch-size 8 --total-batch-size 4096 --eval-tokens 16384" bash runs/scaling_laws.sh   # CPU, minutes
+#
+# Settings (environment): DEPTHS, FLOPS (budgets), NPROC, TRAIN_ARGS (extra base_train flags),
+# PYTHON, NANOCHAT_BASE_DIR, NANOCHAT_DATA_DIR. Needs a tokenizer (python -m scripts.tok_train).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export NANOCHAT_BASE_DIR="${NANOCHAT_BASE_DIR:-$HOME/.cache/nanochat}"
+DEPTHS="${DEPTHS:-8 10 12 14 16}"
+FLOPS="${FLOPS:-1e18 3e18 1e19}"
+NPROC="${NPROC:-1}"
+PYTHON="${PYTHON:-python3}"
+TRAIN_ARGS="${TRAIN_ARGS:-}"
+OUT="$NANOCHAT_BASE_DIR/scaling_laws.csv"
+LOGS="$NANOCHAT_BASE_DIR/scaling_laws_logs"
+mkdir -p "$LOGS"
+echo "flops,depth,params,scaling_params,tokens,val_bpb" > "$OUT"
+
+run() {
+    if [ "$NPROC" -gt 1 ]; then
+        "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" -m scripts.base_train "$@"
+    else
+        "$PYTHON" -m scripts.base_train "$@"
+    fi
+}
+
+for flops in $FLOPS; do
+    for depth in $DEPTHS; do
+        tag="scaling_f${flops}_d${depth}"
+        log="$LOGS/$tag.log"
+        echo "--- depth $depth at $flops FLOPs -> $log"
+        run --depth="$depth" --target-flops="$flops" --model-tag="$tag" --core-metric-every=-1 --sample-every=-1 \
+            --eval-every=-1 --save-every=0 $TRAIN_ARGS > "$log" 2>&1
+        # the numbers as base_train printed them
+        params=$(sed -nE 's/^parameters: ([0-9,]+) total \| ([0-9,]+) scaling.*/\1/p' "$log" | tr -d ,)
+        scaling=$(sed -nE 's/^parameters: ([0-9,]+) total \| ([0-9,]+) scaling.*/\2/p' "$log" | tr -d ,)
+        tokens=$(sed -nE 's/^horizon: ([0-9,]+) tokens.*/\1/p' "$log" | tr -d ,)
+        bpb=$(sed -nE 's/^Validation bpb: ([0-9.]+)$/\1/p' "$log")
+        echo "$flops,$depth,$params,$scaling,$tokens,$bpb" | tee -a "$OUT"
+    done
+done
+echo "wrote $OUT; plot with: $PYTHON -m dev.plot_scaling $OUT"

@@ -1,0 +1,73 @@
+"""The pipeline scripts end to end at CPU scale: speedrun.sh (the runcpu settings) writes a report whose
+numbers are the ones the stages printed and skips finished stages when re-run; scaling_laws.sh and
+miniseries.sh fill their CSVs on the wiki shards."""
+
+import os
+import re
+import csv
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, SHARED_WIKI
+
+BUNDLE = os.path.join(os.path.dirname(REPO), "shared", "eval_bundle")
+TINY = ("--aspect-ratio 32 --head-dim 32 --max-seq-len 128 --window-pattern SL --device-batch-size 8 "
+        "--total-batch-size 2048 --warmup-steps 3 --eval-tokens 8192")
+
+
+def bash(script, env, timeout=900):
+    p = subprocess.run(["bash", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, f"{script} failed:\n{p.stdout[-5000:]}\n{p.stderr[-3000:]}"
+    return p.stdout
+
+
+def test_speedrun_cpu_scale_report(tmp_path, env):
+    assert os.path.isdir(BUNDLE), f"the CORE bundle is expected beside the repo at {BUNDLE}"
+    e = dict(env, NANOCHAT_BASE_DIR=str(tmp_path), PYTHON=sys.executable, NPROC="1", DEPTH="2", MODEL_TAG="tiny",
+             DEVICE_BATCH_SIZE="8", NANOCHAT_DATA_DIR=os.path.join(REPO, "nanochat", "sample_data"), EVAL_BUNDLE=BUNDLE,
+             TOK_ARGS="--vocab-size 1024 --max-chars 3000000", TRAIN_ARGS=TINY + " --num-iterations 12 --eval-every 6",
+             EVAL_ARGS="--max-per-task 4 --eval-tokens 8192")
+    out = bash("speedrun.sh", e)
+    report = open(tmp_path / "report" / "report.md").read()
+    for section in ("## Summary", "## Environment", "## Tokenizer training", "## Tokenizer evaluation",
+                    "## Base model training", "## Base model evaluation", "## Base model samples", "## Stage wall times",
+                    "git commit:", "cost at", "| hellaswag |"):
+        assert section in report, section
+    assert "## Loss curve" in report  # a figure, or the note that matplotlib is missing
+    # the numbers in the report are the ones the stages printed
+    val_bpb = re.search(r"^val bpb: ([\d.]+)$", out, re.M).group(1)
+    core = re.search(r"^CORE \(20/22 tasks\): (-?[\d.]+)$", out, re.M).group(1)
+    assert f"| val bpb | {val_bpb}" in report
+    assert re.search(rf"\| CORE \| {re.escape(core)}\d*", report), (core, report[:2000])
+    final = re.search(r"^Validation bpb: ([\d.]+)$", out, re.M).group(1)
+    assert f"- final validation bpb: {final}" in report
+    assert "- tokens trained: 24,576" in report  # 12 steps x 2048 tokens
+    bpt = re.search(r"^val\s+ours\s+[\d,]+\s+[\d,]+\s+([\d.]+)$", out, re.M).group(1)
+    assert f"- val ours bytes/token: {bpt}" in report
+    assert os.path.exists(tmp_path / "speedrun.log")
+    # a second run skips what finished and still writes the report
+    again = bash("speedrun.sh", e)
+    for stage in ("data", "tokenizer", "tok_eval", "train", "eval", "sample"):
+        assert f"--- {stage}: done before, skipping" in again
+    assert "speedrun finished" in again
+
+
+def test_scaling_laws_and_miniseries_small(tmp_path, env, base_dir):
+    e = dict(env, PYTHON=sys.executable, NANOCHAT_DATA_DIR=SHARED_WIKI, DEPTHS="2 3", FLOPS="1e11 3e11", TRAIN_ARGS=TINY)
+    bash("runs/scaling_laws.sh", e)
+    rows = list(csv.DictReader(open(os.path.join(base_dir, "scaling_laws.csv"))))
+    assert [(r["flops"], r["depth"]) for r in rows] == [("1e11", "2"), ("1e11", "3"), ("3e11", "2"), ("3e11", "3")]
+    for r in rows:
+        assert float(r["val_bpb"]) > 0 and int(r["params"]) > int(r["scaling_params"]) > 0
+    # more FLOPs, more tokens for the same depth
+    assert int(rows[2]["tokens"]) > int(rows[0]["tokens"])
+    p = subprocess.run([sys.executable, "-m", "dev.plot_scaling", os.path.join(base_dir, "scaling_laws.csv"),
+                        "--out", str(tmp_path / "s.png")], cwd=REPO, env=e, capture_output=True, text=True)
+    assert p.returncode == 0 and "best val bpb per FLOP budget" in p.stdout
+    e = dict(e, DEPTHS="2", RATIO="0.5", EVAL_BUNDLE=BUNDLE, EVAL_ARGS="--max-per-task 2 --eval-tokens 8192")
+    bash("runs/miniseries.sh", e)
+    rows = list(csv.DictReader(open(os.path.join(base_dir, "miniseries.csv"))))
+    assert len(rows) == 1 and rows[0]["depth"] == "2" and float(rows[0]["val_bpb"]) > 0 and rows[0]["core"] != ""
+    assert float(rows[0]["flops"]) > 0
