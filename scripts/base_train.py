@@ -236,6 +236,7 @@ if args.pp > 1:
         pipeline = Pipeline(model, layout, grad_accum, args.device_batch_size, args.pp_schedule)
     except ValueError as e:
         fail(str(e))
+    print0(f"pipeline: {pipeline.describe()}")
     if args.pp_print_schedule:
         print0(pipeline.schedule_table())
 local_params = sum(p.numel() for p in model.parameters())
@@ -257,6 +258,8 @@ if resume_meta is not None:
     ckpt.load_model_state(model, model_state)
     optimizer.load_full_state_dict(optim_state)
     del model_state, optim_state
+    if config.l3_after_layers and pipeline is None:  # the saved allocation sets L3's FLOPs (MFU)
+        flops_per_token = model.estimate_flops()
     loop = resume_meta["loop_state"]
     step, smooth_loss, total_time, min_val_bpb = loop["step"], loop["smooth_loss"], loop["total_time"], loop["min_val_bpb"]
     states = reshard_states(resume_meta["dataloader_states"], layout.dp_size)
