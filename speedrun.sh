@@ -65,13 +65,7 @@ stage() {
     touch "$MARKS/$name.done"
 }
 
-launch() {  # a training/eval script on every process
-    if [ "$NPROC" -gt 1 ]; then
-        "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" -m "$@"
-    else
-        "$PYTHON" -m "$@"
-    fi
-}
+source runs/lib.sh  # launch: a script on $NPROC processes
 
 if [ ! -f "$MARKS/data.done" ]; then  # a new run: a new report
     "$PYTHON" -m nanochat.report reset
@@ -134,10 +128,7 @@ evaluate() {
 stage eval evaluate
 
 # --- samples ---
-stage sample "$PYTHON" -m scripts.sample --model-tag="$MODEL_TAG" --temperature 0 --max-tokens 32 --report \
-    --prompt "The capital of France is" --prompt "The chemical symbol of gold is" \
-    --prompt "If yesterday was Friday, then tomorrow will be" --prompt "The opposite of hot is" \
-    --prompt "The planets of the solar system are:"
+stage sample "$PYTHON" -m scripts.sample --model-tag="$MODEL_TAG" --fixed-prompts --temperature 0 --max-tokens 32 --report
 
 # --- report (always regenerated) ---
 "$PYTHON" -m nanochat.report generate

@@ -14,19 +14,20 @@ parser.add_argument("csvs", nargs="+")
 parser.add_argument("--out", type=str, default="scaling.png")
 args = parser.parse_args()
 
-series = defaultdict(list)  # (file, depth) -> [(flops, bpb)]
+series = defaultdict(list)  # (file, depth) -> [(flops, bpb, budget)]
 for path in args.csvs:
     with open(path) as f:
         for row in csv.DictReader(f):
             if row.get("val_bpb"):
-                series[(path, int(row["depth"]))].append((float(row["flops"]), float(row["val_bpb"])))
+                flops = float(row["flops"])  # what the run did; scaling_laws.csv also has the budget asked for
+                series[(path, int(row["depth"]))].append((flops, float(row["val_bpb"]), float(row.get("budget") or flops)))
 if not series:
     raise SystemExit("no rows with a val_bpb in " + ", ".join(args.csvs))
 
 best = {}
 for points in series.values():
-    for flops, bpb in points:
-        best[flops] = min(bpb, best.get(flops, float("inf")))
+    for _, bpb, budget in points:
+        best[budget] = min(bpb, best.get(budget, float("inf")))
 print("best val bpb per FLOP budget:")
 for flops in sorted(best):
     print(f"  {flops:.3g}: {best[flops]:.4f}")

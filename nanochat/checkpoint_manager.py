@@ -21,7 +21,7 @@ import json
 
 import torch
 
-from nanochat.common import get_base_dir, atomic_write_bytes
+from nanochat.common import get_base_dir, atomic_write_bytes, atomic_torch_save
 
 
 class CheckpointError(RuntimeError):
@@ -36,21 +36,13 @@ def _suffix(stage, num_stages):
     return "" if num_stages == 1 else f"_stage{stage}"
 
 
-def _torch_save_atomic(obj, path):
-    tmp = f"{path}.tmp.{os.getpid()}"
-    torch.save(obj, tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def save_stage_files(ckpt_dir, step, model_state, optim_state, stage=0, num_stages=1):
     """Write one pipeline stage's model and optimizer files (tensors must be full and on CPU)."""
     os.makedirs(ckpt_dir, exist_ok=True)
     sfx = _suffix(stage, num_stages)
-    _torch_save_atomic(model_state, os.path.join(ckpt_dir, f"model_{step:06d}{sfx}.pt"))
+    atomic_torch_save(model_state, os.path.join(ckpt_dir, f"model_{step:06d}{sfx}.pt"))
     if optim_state is not None:
-        _torch_save_atomic(optim_state, os.path.join(ckpt_dir, f"optim_{step:06d}{sfx}.pt"))
+        atomic_torch_save(optim_state, os.path.join(ckpt_dir, f"optim_{step:06d}{sfx}.pt"))
 
 
 def save_meta(ckpt_dir, step, meta, num_stages=1):
@@ -153,9 +145,15 @@ def load_model_state(model, full_state):
             target.copy_(src)
 
 
-def full_model_state(model):
-    """Full CPU tensors by name (a collective over the TP group when the model is sharded)."""
+def full_model_state(model, keep=True):
+    """Full CPU tensors by name (a collective over the TP group when the model is sharded). Ranks that
+    will not write (keep=False) take part in the gathers but keep nothing."""
     from nanochat import tensor_parallel as tp
     own = dict(model.named_parameters())
     own.update(dict(model.named_buffers()))
-    return {name: tp.gather_full(t.detach(), own[name]).cpu() for name, t in model.state_dict().items()}
+    out = {}
+    for name, t in model.state_dict().items():
+        full = tp.gather_full(t.detach(), own[name])
+        if keep:
+            out[name] = full.cpu()
+    return out

@@ -3,7 +3,7 @@ Things every script needs: where files live, which device and dtype to compute i
 process groups (DP x TP x PP), rank-aware printing, and the peak FLOP/s table for MFU.
 
 The compute dtype is decided once, here: bf16 on GPUs that have fast bf16 (SM80+), fp32 elsewhere,
-overridable with NANOCHAT_DTYPE=float32|bfloat16|float16. Weights stay fp32; modules cast to it.
+overridable with NANOCHAT_DTYPE=float32|bfloat16. Weights stay fp32; modules cast to it.
 """
 
 import os
@@ -37,6 +37,15 @@ def atomic_write_bytes(path, data: bytes):
     os.replace(tmp, path)
 
 
+def atomic_torch_save(obj, path):
+    """torch.save with the same guarantee as atomic_write_bytes."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    torch.save(obj, tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 # -----------------------------------------------------------------------------
 # Device and dtype
 
@@ -49,8 +58,8 @@ def autodetect_device_type():
     return "cpu"
 
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
+# fp16 is not offered: it would need loss scaling, which the training loop does not do
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
 def get_compute_dtype(device_type):
@@ -210,7 +219,8 @@ def compute_init(device_type="", tp=1, pp=1, seed=42):
         if tp * pp > 1:
             raise ValueError(f"--tp={tp} --pp={pp} need {tp * pp} processes at least: launch with "
                              f"torchrun --nproc_per_node={tp * pp} -m scripts.base_train ...")
-        device = torch.device(device_type)
+        # an indexed device, so that device-keyed caches (attention masks) match tensors' .device
+        device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device(device_type)
         layout = build_layout(0, 1, 0)
     return layout, device
 
@@ -218,6 +228,13 @@ def compute_init(device_type="", tp=1, pp=1, seed=42):
 def compute_cleanup():
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def fail(msg):
+    """Bad input or state: a clear message (once, from rank 0), a clean shutdown, exit status 1."""
+    print0(f"ERROR: {msg}")
+    compute_cleanup()
+    sys.exit(1)
 
 
 def get_rank():

@@ -303,12 +303,11 @@ def prepare_items(task, records, indices, tokenizer, max_len):
 
 
 @torch.no_grad()
-def score_rows(model, rows, starts, device, length_multiple=1):
+def score_rows(model, rows, starts, device):
     """One forward pass over right-padded rows. Returns per row (as lists) the mean cross-entropy over
-    its continuation rows[i][starts[i]:] and whether the argmax matched every continuation token.
-    The padded length is a multiple of length_multiple (sequence parallelism splits it evenly)."""
+    its continuation rows[i][starts[i]:] and whether the argmax matched every continuation token."""
     lengths = np.array([len(r) for r in rows])
-    T = -(-lengths.max() // length_multiple) * length_multiple
+    T = lengths.max()
     ids = np.zeros((len(rows), T), dtype=np.int64)  # the pad id is irrelevant: never read
     for i, r in enumerate(rows):
         ids[i, :len(r)] = r
@@ -355,7 +354,7 @@ def evaluate_task(model, tokenizer, task, records, device, max_per_task=-1, layo
     items rank, rank + dp, ...; the counts are summed over the DP group. `cache` (a dict) keeps the
     tokenized items between calls (training evaluates the same items again and again)."""
     n = len(records) if max_per_task is None or max_per_task < 0 else min(max_per_task, len(records))
-    dp_rank, dp_size, tp_size = (layout.dp_rank, layout.dp_size, layout.tp_size) if layout is not None else (0, 1, 1)
+    dp_rank, dp_size = (layout.dp_rank, layout.dp_size) if layout is not None else (0, 1)
     max_len = model.config.sequence_len
     key = (tokenizer, task, n, dp_rank, dp_size, max_len)  # the tokenizer by identity
     items = cache.get(key) if cache is not None else None
@@ -366,7 +365,7 @@ def evaluate_task(model, tokenizer, task, records, device, max_per_task=-1, layo
     correct = 0
     for batch in item_batches(items, batch_tokens):
         mean_losses, exact = score_rows(model, [r for it in batch for r in it.rows],
-                                        [s for it in batch for s in it.starts], device, tp_size)
+                                        [s for it in batch for s in it.starts], device)
         offset = 0
         for item in batch:
             k = len(item.rows)

@@ -131,7 +131,11 @@ class BestFitPacker:
 
 def reshard_states(states, new_dp_size):
     """Turn the per-rank states saved at one DP size into states for another: continue after the
-    furthest row group any rank had read, and share the buffered documents out round-robin."""
+    furthest row group any rank had read, and share the buffered documents out round-robin.
+    No states (a checkpoint from before the first step) means fresh loaders."""
+    states = [s for s in states if s is not None]
+    if not states:
+        return [None] * new_dp_size
     old = len(states)
     if old == new_dp_size:
         return [dict(s) for s in states]
@@ -160,6 +164,7 @@ class DataLoader:
         self.device = torch.device(device) if isinstance(device, str) else device
         self.pin = self.device.type == "cuda"
         self.queue = queue.Queue(maxsize=prefetch)
+        self.stats = {"epoch": self.packer.epoch, "crop_fraction": self.packer.crop_fraction}  # until a batch arrives
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._produce, daemon=True)
         self.thread.start()
@@ -187,6 +192,7 @@ class DataLoader:
     def close(self):
         self.stopping.set()
         self.thread.join()
+        atexit.unregister(self.close)
 
     def __iter__(self):
         return self

@@ -8,10 +8,11 @@ fp8 training linears through torchao's float8 training (dynamic scaling, `tensor
   same keys with or without fp8, and one saved with fp8 loads without it and vice versa.
 - Evaluation and sampling run in bf16: `bf16_linears(model)` swaps every Float8Linear back to a plain
   Linear holding the very same weight Parameter, and restores the fp8 modules afterwards.
-- Without CUDA (or an SM89+ GPU), or without torchao, --fp8 says so and training continues in bf16.
+- Without CUDA (or an SM89+ GPU), or without torchao, --fp8 says so and training continues without it.
 It pays off only under torch.compile, which fuses the casts and scale computations.
 """
 
+import importlib.util
 from contextlib import contextmanager
 
 import torch
@@ -32,9 +33,7 @@ def fp8_unavailable_reason(device):
         return f"fp8 needs a CUDA GPU (device is {device.type})"
     if torch.cuda.get_device_capability(device) < (8, 9):
         return f"fp8 matmuls need compute capability 8.9+ ({torch.cuda.get_device_name(device)} has {torch.cuda.get_device_capability(device)})"
-    try:
-        import torchao.float8  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("torchao") is None:
         return "torchao is not installed (pip install torchao)"
     return None
 
@@ -44,7 +43,7 @@ def convert_to_fp8(model, recipe="tensorwise", device=None, force=False):
     `force` skips the device check, for tests on CPU)."""
     reason = None if force else fp8_unavailable_reason(device)
     if reason:
-        print(f"WARNING: --fp8 requested but {reason}; continuing in bf16", flush=True)
+        print(f"WARNING: --fp8 requested but {reason}; continuing without fp8", flush=True)
         return 0
     from torchao.float8 import convert_to_float8_training, Float8LinearConfig
     config = Float8LinearConfig.from_recipe_name(recipe)

@@ -3,7 +3,7 @@ The GPT: a decoder-only transformer with no biases.
 
 - token embedding, then a parameter-free RMSNorm; smear: each position mixes in a gated share of the
   previous token's embedding
-- blocks: x = resid_lambda * x + x0_lambda * x0 (x0 = the normed embedding), then pre-norm attention
+- blocks: x = resid_lambda * x + x0_lambda * x0 (x0 = the normed, smeared embedding), then pre-norm attention
   and a ReLU^2 MLP (4x), each added residually
 - attention: rotary positions (base 1e5), QK-norm then q and k scaled by 1.2, GQA (n_kv_head), a
   sliding window per layer from a pattern tiled over layers (S = a quarter of the context rounded to
@@ -22,7 +22,7 @@ attributes of the blocks, so tensor parallelism swaps them for sharded ones in p
 """
 
 import math
-from dataclasses import dataclass, field, asdict
+from dataclasses import dataclass, asdict
 
 import torch
 import torch.nn as nn
@@ -66,6 +66,9 @@ class GPTConfig:
 def config_for_depth(depth, aspect_ratio=64, head_dim=128, vocab_size=32768, sequence_len=2048,
                      window_pattern="SSSL", n_kv_head=0, **kwargs):
     """The one dial: model_dim = depth * aspect_ratio rounded up to a multiple of head_dim."""
+    if depth < 1 or aspect_ratio < 1 or head_dim < 2 or head_dim % 2 or sequence_len < 1 or n_kv_head < 0:
+        raise ValueError(f"--depth ({depth}), --aspect-ratio ({aspect_ratio}), --max-seq-len ({sequence_len}) must be "
+                         f"positive, --head-dim ({head_dim}) positive and even, --n-kv-head ({n_kv_head}) >= 0")
     model_dim = ((depth * aspect_ratio + head_dim - 1) // head_dim) * head_dim
     n_head = model_dim // head_dim
     n_kv_head = n_kv_head or n_head
@@ -154,10 +157,13 @@ _CUDA_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBac
 def prepare_attention(config, device):
     """Build the FlexAttention block masks for this model's sliding windows before torch.compile traces
     the model (building them inside the trace is slow and fragile)."""
-    if torch.device(device).type == "cuda":
+    device = torch.device(device)
+    if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         for w in set(window_sizes(config)):
             if w < config.sequence_len:
-                _block_mask(config.sequence_len, w, torch.device(device))
+                _block_mask(config.sequence_len, w, device)
 
 
 def attention(q, k, v, window):
@@ -267,9 +273,9 @@ class SoftcapCrossEntropy(nn.Module):
 
 @dataclass
 class Residual:
-    """What flows between blocks (and between pipeline stages): the residual stream x, the normed
-    embedding x0 that every block mixes back in, and x_mid, the residual at mid-depth for backout
-    (None until the stream has passed the middle)."""
+    """What flows between blocks (and between pipeline stages): the residual stream x, the embedding
+    x0 (normed and smeared) that every block mixes back in, and x_mid, the residual at mid-depth for
+    backout (None until the stream has passed the middle)."""
     x: torch.Tensor
     x0: torch.Tensor
     x_mid: torch.Tensor = None
@@ -400,11 +406,15 @@ class GPT(nn.Module):
         """What the scaling laws count: transformer matrices + lm_head."""
         return self.matmul_parameters() - sum(p.numel() for layer in self.l3.values() for p in layer.dense_parameters())
 
-    def estimate_flops(self):
-        """Training FLOPs per token: 6 * matmul params + 12 * heads * head_dim * context, summed over
-        layers with each layer's effective context (its window), plus L3's lookups (l3.py)."""
+    def attention_flops(self, layer_idx):
+        """Attention FLOPs per token of one layer: 12 * heads * head_dim * its effective context."""
         cfg = self.config
-        attn = sum(12 * cfg.n_head * cfg.head_dim * min(w, cfg.sequence_len) for w in self.window_sizes)
+        return 12 * cfg.n_head * cfg.head_dim * min(self.window_sizes[layer_idx], cfg.sequence_len)
+
+    def estimate_flops(self):
+        """Training FLOPs per token: 6 * matmul params + each layer's attention_flops, plus L3's
+        lookups and projections (l3.py)."""
+        attn = sum(self.attention_flops(i) for i in range(self.config.n_layer))
         l3 = sum(layer.estimate_flops() for layer in self.l3.values())  # includes L3's W_up / W_mix
         return 6 * self.num_scaling_params() + attn + l3
 

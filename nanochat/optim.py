@@ -16,8 +16,8 @@ Muon (every 2-D matrix in the blocks), per matrix G:
 Matrices of the same shape are stacked so one (compiled, on CUDA) call handles a group.
 
 Distributed (no DDP wrapper): the gradients are reduced inside step() over the DP group (SUM, then
-divide: gloo has no AVG everywhere). AdamW parameters whose first dim divides by the DP size are
-reduce-scattered, each rank updates its slice (and keeps only that slice of state), then the slices
+divide: gloo has no AVG everywhere). AdamW parameters of at least 1024 elements whose first dim
+divides by the DP size are reduce-scattered, each rank updates its slice (and keeps only that slice of state), then the slices
 are all-gathered (ZeRO-2 style); the rest are all-reduced and updated everywhere. Muon stacks are
 reduce-scattered along the stack so each rank owns whole matrices, orthogonalizes them, and the
 updates are all-gathered and applied everywhere. Under tensor parallelism a sharded matrix's gradient
@@ -104,8 +104,6 @@ class MuonAdamW(torch.optim.Optimizer):
     def __init__(self, groups, names, dp_group=None, compute_dtype=torch.float32, compile=False):
         for g in groups:
             g["initial_lr"] = g["lr"]
-            if g["kind"] == "muon":
-                g["initial_weight_decay"] = g["weight_decay"]
         super().__init__(groups, {})
         self.names = names
         self.dp_group = dp_group
@@ -224,9 +222,9 @@ class MuonAdamW(torch.optim.Optimizer):
     # --- layout-free state ----------------------------------------------------------
 
     @torch.no_grad()
-    def full_state_dict(self):
+    def full_state_dict(self, keep=True):
         """{'adamw_step': n, 'params': {name: {buffer: full fp32 tensor on CPU}}}. A collective: every
-        rank of the DP and TP groups must call it; the result is complete on every rank."""
+        rank of the DP and TP groups must call it; ranks with keep=False (not writing) keep nothing."""
         out = {}
         for group in self.param_groups:
             if group["kind"] != "adamw":
@@ -240,12 +238,16 @@ class MuonAdamW(torch.optim.Optimizer):
                         full = torch.empty((t.size(0) * self.dp_size, *t.shape[1:]), dtype=t.dtype, device=t.device)
                         dist.all_gather_into_tensor(full, t.contiguous(), group=self.dp_group)
                         t = full
-                    entry[key] = tp.gather_full(t, p).cpu()
-                out[self.names[p]] = entry
+                    full = tp.gather_full(t, p)
+                    if keep:
+                        entry[key] = full.cpu()
+                if keep:
+                    out[self.names[p]] = entry
         for stack in self.muon_stacks:
             momentum, second = stack.gather_state(self.dp_group)
-            for i, p in enumerate(stack.params):
-                out[self.names[p]] = {"momentum": momentum[i].cpu(), "second": second[i].cpu()}
+            if keep:
+                for i, p in enumerate(stack.params):
+                    out[self.names[p]] = {"momentum": momentum[i].cpu(), "second": second[i].cpu()}
         return {"adamw_step": self.adamw_step, "params": out}
 
     def _adamw_local_shape(self, p):

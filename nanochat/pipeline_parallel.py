@@ -34,14 +34,13 @@ from nanochat.gpt import Residual
 
 
 def block_costs(model):
-    """FLOPs per token of each block (matmuls x6 + attention), and of the embedding and head ends."""
-    cfg = model.config
+    """Training FLOPs per token of each block (matmuls x6 + attention + a following L3 layer), and of
+    the head (the lm_head matmul; the embedding lookup is negligible)."""
     costs = []
     for i, block in enumerate(model.blocks):
         matmul = sum(p.numel() for n, p in block.named_parameters() if p.ndim == 2 and "value_embed" not in n)
-        attn = 12 * cfg.n_head * cfg.head_dim * min(model.window_sizes[i], cfg.sequence_len)
         l3 = model.l3[str(i)].estimate_flops() if str(i) in model.l3 else 0
-        costs.append(6 * matmul + attn + l3)
+        costs.append(6 * matmul + model.attention_flops(i) + l3)
     head = 6 * model.lm_head.weight.numel()
     return costs, head
 

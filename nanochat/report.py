@@ -208,9 +208,12 @@ def generate():
         with open(run_json) as f:
             wall = time.time() - json.load(f)["start_time"]
     if wall is not None:
+        # GPUs billed: those the training used (its section), else every visible one (environment)
         n_gpus = 0
-        env = files.get("environment")
-        if env:
+        train, env = files.get("base-model-training"), files.get("environment")
+        if train and "gpus used" in parse_section(train):
+            n_gpus = int(parse_section(train)["gpus used"].replace(",", ""))
+        elif env:
             m = re.match(r"(\d+) x", parse_section(env).get("gpus", ""))
             n_gpus = int(m.group(1)) if m else 0
         rows.append(("total wall time", f"{wall / 3600:.2f} h ({wall / 60:.1f} min)"))

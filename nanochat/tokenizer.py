@@ -14,7 +14,7 @@ import base64
 
 import torch
 
-from nanochat.common import get_base_dir, atomic_write_bytes
+from nanochat.common import get_base_dir, atomic_write_bytes, atomic_torch_save
 
 # GPT-4 style split, except that numbers split in groups of 1-2 digits (not 1-3): with a small
 # vocabulary, fewer number tokens leave room for more words.
@@ -75,9 +75,7 @@ class Tokenizer:
         atomic_write_bytes(os.path.join(directory, "tokenizer.tiktoken"), ("\n".join(lines) + "\n").encode())
         meta = {"pattern": self.pattern, "special_tokens": self.special_tokens}
         atomic_write_bytes(os.path.join(directory, "tokenizer.json"), json.dumps(meta, indent=2).encode())
-        tmp = os.path.join(directory, f"token_bytes.pt.tmp.{os.getpid()}")
-        torch.save(self.token_bytes(), tmp)
-        os.replace(tmp, os.path.join(directory, "token_bytes.pt"))
+        atomic_torch_save(self.token_bytes(), os.path.join(directory, "token_bytes.pt"))
 
     @classmethod
     def load(cls, directory):

@@ -21,17 +21,11 @@ EVAL_ARGS="${EVAL_ARGS:-}"
 OUT="$NANOCHAT_BASE_DIR/miniseries.csv"
 LOGS="$NANOCHAT_BASE_DIR/miniseries_logs"
 mkdir -p "$LOGS"
-echo "flops,depth,params,scaling_params,tokens,val_bpb,core" > "$OUT"
+echo "depth,flops,params,scaling_params,tokens,val_bpb,core" > "$OUT"
 bundle=()
 [ -n "${EVAL_BUNDLE:-}" ] && bundle=(--eval-bundle "$EVAL_BUNDLE")
 
-launch() {
-    if [ "$NPROC" -gt 1 ]; then
-        "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" -m "$@"
-    else
-        "$PYTHON" -m "$@"
-    fi
-}
+source runs/lib.sh
 
 for depth in $DEPTHS; do
     tag="mini_d${depth}"
@@ -39,13 +33,8 @@ for depth in $DEPTHS; do
     launch scripts.base_train --depth="$depth" --target-param-data-ratio="$RATIO" --model-tag="$tag" \
         --core-metric-every=-1 --sample-every=-1 $TRAIN_ARGS > "$LOGS/$tag.train.log" 2>&1
     launch scripts.base_eval --model-tag="$tag" ${bundle[@]+"${bundle[@]}"} $EVAL_ARGS > "$LOGS/$tag.eval.log" 2>&1
-    log="$LOGS/$tag.train.log"
-    params=$(sed -nE 's/^parameters: ([0-9,]+) total \| ([0-9,]+) scaling.*/\1/p' "$log" | tr -d ,)
-    scaling=$(sed -nE 's/^parameters: ([0-9,]+) total \| ([0-9,]+) scaling.*/\2/p' "$log" | tr -d ,)
-    tokens=$(sed -nE 's/^horizon: ([0-9,]+) tokens.*/\1/p' "$log" | tr -d ,)
-    flops=$(sed -nE 's/.*total FLOPs ([0-9.e+]+)$/\1/p' "$log")
     bpb=$(sed -nE 's/^val bpb: ([0-9.]+)$/\1/p' "$LOGS/$tag.eval.log")
     core=$(sed -nE 's/^CORE \([0-9]+\/[0-9]+ tasks\): (-?[0-9.]+)$/\1/p' "$LOGS/$tag.eval.log")
-    echo "$flops,$depth,$params,$scaling,$tokens,$bpb,$core" | tee -a "$OUT"
+    echo "$depth,$(train_log_numbers "$LOGS/$tag.train.log"),$bpb,$core" | tee -a "$OUT"
 done
 echo "wrote $OUT; plot with: $PYTHON -m dev.plot_scaling $OUT"

@@ -6,7 +6,7 @@
 #   bash runs/runcpu.sh
 #
 # Settings (environment): NANOCHAT_BASE_DIR (default ~/.cache/nanochat/runcpu), STEPS (default 60),
-# EVAL_BUNDLE (default ../shared/eval_bundle when present, else downloaded).
+# EVAL_BUNDLE (default ../shared/eval_bundle when present; without a local bundle CORE is skipped).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export NANOCHAT_BASE_DIR="${NANOCHAT_BASE_DIR:-$HOME/.cache/nanochat/runcpu}"
@@ -22,7 +22,13 @@ fi
 if [ -z "${EVAL_BUNDLE:-}" ] && [ -d ../shared/eval_bundle ]; then
     EVAL_BUNDLE="$(cd ../shared/eval_bundle && pwd)"
 fi
-[ -n "${EVAL_BUNDLE:-}" ] && export EVAL_BUNDLE
+CORE_ARGS="--max-per-task 8"
+if [ -n "${EVAL_BUNDLE:-}" ]; then
+    export EVAL_BUNDLE
+else  # no download: CORE needs the bundle (set EVAL_BUNDLE=DIR, or run base_eval, which fetches it)
+    echo "no local CORE bundle (EVAL_BUNDLE): the evaluation stage skips CORE"
+    CORE_ARGS="--skip-core"
+fi
 
 export NANOCHAT_DATA_DIR="$(pwd)/nanochat/sample_data"  # the bundled sample: no download
 [ "${FRESH:-1}" = "1" ] && rm -rf "$NANOCHAT_BASE_DIR/base_checkpoints/runcpu"
@@ -30,5 +36,5 @@ PYTHON=.venv/bin/python NPROC=1 DEPTH=4 MODEL_TAG=runcpu DEVICE_BATCH_SIZE=8 FRE
 TOK_ARGS="--vocab-size 4096 --max-chars 20000000" \
 TRAIN_ARGS="--aspect-ratio 32 --head-dim 64 --max-seq-len 256 --window-pattern SL --total-batch-size 4096 \
  --num-iterations $STEPS --warmup-steps 5 --eval-every 20 --eval-tokens 32768 --core-metric-every -1 --sample-every -1" \
-EVAL_ARGS="--max-per-task 8 --eval-tokens 32768" \
+EVAL_ARGS="$CORE_ARGS --eval-tokens 32768" \
 bash speedrun.sh

@@ -19,29 +19,19 @@ TRAIN_ARGS="${TRAIN_ARGS:-}"
 OUT="$NANOCHAT_BASE_DIR/scaling_laws.csv"
 LOGS="$NANOCHAT_BASE_DIR/scaling_laws_logs"
 mkdir -p "$LOGS"
-echo "flops,depth,params,scaling_params,tokens,val_bpb" > "$OUT"
-
-run() {
-    if [ "$NPROC" -gt 1 ]; then
-        "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" -m scripts.base_train "$@"
-    else
-        "$PYTHON" -m scripts.base_train "$@"
-    fi
-}
+source runs/lib.sh
+echo "budget,depth,flops,params,scaling_params,tokens,val_bpb" > "$OUT"
 
 for flops in $FLOPS; do
     for depth in $DEPTHS; do
         tag="scaling_f${flops}_d${depth}"
         log="$LOGS/$tag.log"
         echo "--- depth $depth at $flops FLOPs -> $log"
-        run --depth="$depth" --target-flops="$flops" --model-tag="$tag" --core-metric-every=-1 --sample-every=-1 \
-            --eval-every=-1 --save-every=0 $TRAIN_ARGS > "$log" 2>&1
-        # the numbers as base_train printed them
-        params=$(sed -nE 's/^parameters: ([0-9,]+) total \| ([0-9,]+) scaling.*/\1/p' "$log" | tr -d ,)
-        scaling=$(sed -nE 's/^parameters: ([0-9,]+) total \| ([0-9,]+) scaling.*/\2/p' "$log" | tr -d ,)
-        tokens=$(sed -nE 's/^horizon: ([0-9,]+) tokens.*/\1/p' "$log" | tr -d ,)
+        launch scripts.base_train --depth="$depth" --target-flops="$flops" --model-tag="$tag" --core-metric-every=-1 \
+            --sample-every=-1 --eval-every=-1 --save-every=0 $TRAIN_ARGS > "$log" 2>&1
         bpb=$(sed -nE 's/^Validation bpb: ([0-9.]+)$/\1/p' "$log")
-        echo "$flops,$depth,$params,$scaling,$tokens,$bpb" | tee -a "$OUT"
+        # flops: what the run did (steps x batch rounds the budget)
+        echo "$flops,$depth,$(train_log_numbers "$log"),$bpb" | tee -a "$OUT"
     done
 done
 echo "wrote $OUT; plot with: $PYTHON -m dev.plot_scaling $OUT"

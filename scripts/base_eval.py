@@ -13,10 +13,9 @@ The model runs eagerly (no torch.compile): CORE's batches change shape from item
 
 import os
 import csv
-import sys
 import argparse
 
-from nanochat.common import compute_init, compute_cleanup, print0, get_base_dir, get_compute_dtype
+from nanochat.common import compute_init, compute_cleanup, print0, get_base_dir, get_compute_dtype, fail
 from nanochat.checkpoint_manager import load_model, CheckpointError
 from nanochat.tokenizer import get_tokenizer, get_token_bytes, TokenizerError
 from nanochat.dataloader import DataLoader
@@ -59,12 +58,10 @@ def main():
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (under torchrun); any checkpoint loads at any TP")
     args = parser.parse_args()
 
-    layout, device = compute_init(args.device_type, tp=args.tp)
-
-    def fail(msg):
-        print0(f"ERROR: {msg}")
-        compute_cleanup()
-        sys.exit(1)
+    try:
+        layout, device = compute_init(args.device_type, tp=args.tp)
+    except (ValueError, RuntimeError) as e:
+        fail(str(e))
 
     if args.max_per_task == 0:
         fail("--max-per-task 0 evaluates nothing; give a positive count, or -1 for all items")

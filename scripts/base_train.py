@@ -27,8 +27,8 @@ import argparse
 import torch
 import torch.distributed as dist
 
-from nanochat.common import (compute_init, compute_cleanup, print0, print_rank, get_base_dir, get_compute_dtype,
-                             get_peak_flops, device_name, all_reduce_max)
+from nanochat.common import (compute_init, compute_cleanup, print0, print_rank, get_compute_dtype, get_peak_flops,
+                             device_name, all_reduce_max, fail)
 from nanochat.gpt import GPTConfig, config_for_depth, build_model, window_sizes, prepare_attention, GPT
 from nanochat.optim import MuonAdamW
 from nanochat.dataloader import DataLoader, reshard_states
@@ -62,6 +62,7 @@ parser.add_argument("--target-param-data-ratio", type=float, default=12.0, help=
 # batch
 parser.add_argument("--device-batch-size", type=int, default=32, help="sequences per micro-batch per process")
 parser.add_argument("--total-batch-size", type=int, default=-1, help="tokens per optimizer step (-1 = Power Lines formula)")
+parser.add_argument("--keep-remainder", action="store_true", help="data: put cropped document tails back as new BOS pieces instead of dropping them")
 # optimizer
 parser.add_argument("--embedding-lr", type=float, default=0.3, help="AdamW LR of the embeddings")
 parser.add_argument("--unembedding-lr", type=float, default=0.008, help="AdamW LR of the lm_head")
@@ -102,7 +103,10 @@ user_config = vars(args).copy()
 # -----------------------------------------------------------------------------
 # Processes, device, dtype
 
-layout, device = compute_init(args.device_type, tp=args.tp, pp=args.pp)
+try:
+    layout, device = compute_init(args.device_type, tp=args.tp, pp=args.pp)
+except (ValueError, RuntimeError) as e:
+    fail(str(e))
 master = layout.rank == 0
 dtype = get_compute_dtype(device.type)
 use_compile = (device.type == "cuda") if args.compile < 0 else bool(args.compile)
@@ -112,12 +116,10 @@ if layout.world_size > 1:
     print_rank(layout, f"global rank {layout.rank}")
 
 
-def fail(msg):
-    """A clear error on rank 0 and a clean exit everywhere (no stack traces for bad input)."""
-    print0(f"ERROR: {msg}")
-    compute_cleanup()
-    sys.exit(1)
-
+if args.device_batch_size < 1:
+    fail(f"--device-batch-size must be at least 1 (got {args.device_batch_size})")
+if args.core_metric_max_per_task == 0 or args.core_metric_max_per_task < -1:
+    fail("--core-metric-max-per-task must be a positive number of items, or -1 for all")
 
 # -----------------------------------------------------------------------------
 # Tokenizer, model config (from the checkpoint when resuming)
@@ -142,9 +144,24 @@ if args.resume_from_step >= 0:
     except ckpt.CheckpointError as e:
         fail(str(e))
     config = GPTConfig.from_dict(resume_meta["model_config"])
+    # the schedule, batch and data shape come from the flags: they must be the ones of the saved run
+    saved = resume_meta.get("user_config", {})
+    recipe = ["max_seq_len", "num_iterations", "target_flops", "target_param_data_ratio", "total_batch_size",
+              "embedding_lr", "unembedding_lr", "matrix_lr", "scalar_lr", "weight_decay", "warmup_steps",
+              "warmdown_ratio", "final_lr_frac", "keep_remainder"]
+    changed = {k: (saved[k], user_config[k]) for k in recipe if k in saved and saved[k] != user_config[k]}
+    if changed:
+        fail("resuming with other settings than the saved run: " +
+             ", ".join(f"--{k.replace('_', '-')} was {a}, now {b}" for k, (a, b) in changed.items()) +
+             ". Pass the same flags as the original run (its command is in meta_*.json, user_config).")
     print0(f"resuming from step {args.resume_from_step} of {ckpt_dir}")
 else:
-    l3_layers = tuple(int(s) for s in args.l3_after_layers.split(",") if s.strip())
+    try:
+        l3_layers = tuple(sorted({int(s) for s in args.l3_after_layers.split(",") if s.strip()}))
+    except ValueError:
+        fail(f"--l3-after-layers {args.l3_after_layers!r} must be comma-separated block indices, e.g. 4,8")
+    if any(not 0 <= i < args.depth for i in l3_layers):
+        fail(f"--l3-after-layers {args.l3_after_layers!r}: block indices must be in 0..{args.depth - 1}")
     try:
         config = config_for_depth(args.depth, args.aspect_ratio, args.head_dim, vocab_size, args.max_seq_len,
                                   args.window_pattern, n_kv_head=args.n_kv_head, l3_after_layers=l3_layers,
@@ -254,7 +271,10 @@ optimizer = MuonAdamW(groups, names, dp_group=layout.dp_group, compute_dtype=dty
 step, smooth_loss, total_time, min_val_bpb, val_bpb = 0, 0.0, 0.0, float("inf"), None
 loader_state = None
 if resume_meta is not None:
-    model_state, optim_state, _ = ckpt.load_checkpoint(ckpt_dir, args.resume_from_step, device="cpu")
+    try:
+        model_state, optim_state, _ = ckpt.load_checkpoint(ckpt_dir, args.resume_from_step, device="cpu")
+    except ckpt.CheckpointError as e:
+        fail(str(e))
     ckpt.load_model_state(model, model_state)
     optimizer.load_full_state_dict(optim_state)
     del model_state, optim_state
@@ -271,13 +291,16 @@ orig_model = model  # the uncompiled module: checkpoints, sampling, CORE
 prepare_attention(config, device)
 if use_compile and pipeline is None:
     model = torch.compile(model, dynamic=False)
+elif use_compile:
+    print0("note: the model runs eagerly under --pp > 1 (the optimizer step is still compiled)")
 
 reads_data = pipeline is None or layout.is_first_stage or layout.is_last_stage
 
 
 def make_loader(split, state=None):
     return DataLoader(tokenizer, args.device_batch_size, args.max_seq_len, split, device, data_dir=data_dir,
-                      dp_rank=layout.dp_rank, dp_size=layout.dp_size, state=state)
+                      dp_rank=layout.dp_rank, dp_size=layout.dp_size, state=state,
+                      keep_remainder=args.keep_remainder and split == "train")
 
 
 try:
@@ -382,9 +405,9 @@ def save_checkpoint(at_step):
     """Full tensors: TP shards gathered; each pipeline stage writes its own part; meta last."""
     t0 = time.time()
     states = gather_data_states()
-    model_state = ckpt.full_model_state(orig_model)
-    optim_state = optimizer.full_state_dict()
     writer = layout.dp_rank == 0 and layout.tp_rank == 0
+    model_state = ckpt.full_model_state(orig_model, keep=writer)
+    optim_state = optimizer.full_state_dict(keep=writer)
     if writer:
         ckpt.save_stage_files(ckpt_dir, at_step, model_state, optim_state, layout.pp_rank, layout.pp_size)
     if layout.world_size > 1:
@@ -437,9 +460,44 @@ last_state = loader_state
 mfu, tok_per_sec, epoch = None, 0.0, 1
 if device.type == "cuda":
     torch.cuda.reset_peak_memory_stats()
+def core_and_samples(at_step):
+    """CORE and sample completions (uncompiled model, bf16). CORE runs on every rank (DP splits the
+    items); every rank samples (under TP the forward is collective) and rank 0 prints. Skipped with
+    pipeline or sequence parallelism (their forward needs whole pipeline steps / a split sequence)."""
+    do_core = args.core_metric_every > 0 and (last_step or (at_step > 0 and at_step % args.core_metric_every == 0))
+    do_sample = args.sample_every > 0 and (last_step or (at_step > 0 and at_step % args.sample_every == 0))
+    if not (do_core or do_sample):
+        return
+    if pipeline is not None or args.sequence_parallel:
+        print0(f"step {at_step:05d} | CORE and samples skipped under --pp / --sequence-parallel: evaluate the "
+               f"checkpoint with scripts.base_eval (it loads at any layout)")
+        return
+    orig_model.eval()
+    with bf16_eval():
+        if do_core:
+            from nanochat.core_eval import evaluate_core_for_training, EvalBundleError
+            try:
+                core = evaluate_core_for_training(orig_model, tokenizer, device, layout, args.eval_bundle,
+                                                  args.core_metric_max_per_task, pipeline)
+            except EvalBundleError as e:  # a broken bundle must not end a training run
+                print0(f"step {at_step:05d} | CORE failed: {e}")
+                core = None
+            if core is not None:
+                print0(f"step {at_step:05d} | CORE ({core['tasks_run']}/{core['tasks_total']} tasks): {core['core']:.4f}")
+                if wandb_run:
+                    wandb_run.log({"step": at_step, "core": core["core"]})
+        if do_sample:
+            from nanochat.engine import sample_completions
+            for text in sample_completions(orig_model, tokenizer):
+                print0(f"  sample: {text!r}")
+    orig_model.train()
+
+
+start_step = step
 while True:
     last_step = step == num_iterations
-    # --- evaluation, samples, checkpoints (before the step, so step 0 is the untrained model) ---
+    # --- evaluation, checkpoint, CORE and samples (before the step: step 0 is the untrained model;
+    # the checkpoint comes before CORE and sampling, so a failure there cannot lose the weights) ---
     val_bpb = None
     if args.eval_tokens > 0 and (last_step or (args.eval_every > 0 and step % args.eval_every == 0 and step > 0)):
         val_bpb = evaluate_val_bpb()
@@ -447,31 +505,17 @@ while True:
         print0(f"step {step:05d} | val bpb: {val_bpb:.6f}")
         if wandb_run:
             wandb_run.log({"step": step, "val/bpb": val_bpb})
-    if args.core_metric_every > 0 and (last_step or (step > 0 and step % args.core_metric_every == 0)):
-        from nanochat.core_eval import evaluate_core_for_training
-        with bf16_eval():
-            core = evaluate_core_for_training(orig_model, tokenizer, device, layout, args.eval_bundle,
-                                              args.core_metric_max_per_task, pipeline)
-        if core is not None:
-            print0(f"step {step:05d} | CORE ({core['tasks_run']}/{core['tasks_total']} tasks): {core['core']:.4f}")
-            if wandb_run:
-                wandb_run.log({"step": step, "core": core["core"]})
-    # every rank samples (under TP the forward is collective); rank 0 prints. Skipped under PP.
-    if args.sample_every > 0 and (last_step or (step > 0 and step % args.sample_every == 0)) and pipeline is None:
-        from nanochat.engine import sample_completions
-        orig_model.eval()
-        with bf16_eval():
-            for text in sample_completions(orig_model, tokenizer):
-                print0(f"  sample: {text!r}")
-        orig_model.train()
-    if master and val_bpb is not None:
-        with open(history_path, "a") as f:
-            f.write(f"{step},{smooth_loss / (1 - 0.9 ** max(1, step)):.6f},{val_bpb:.6f}\n")
+        if master:
+            with open(history_path, "a") as f:
+                f.write(f"{step},{smooth_loss / (1 - 0.9 ** max(1, step)):.6f},{val_bpb:.6f}\n")
     stop_now = all_reduce_max(float(stop_requested), device) > 0
     if args.save_every != 0 and (last_step or stop_now or (args.save_every > 0 and step > 0 and step % args.save_every == 0
                                                            and step != args.resume_from_step)):
         save_checkpoint(step)
-    if last_step or stop_now:
+    if stop_now:
+        break
+    core_and_samples(step)
+    if last_step:
         break
 
     # --- one optimizer step ---
@@ -498,7 +542,7 @@ while True:
 
     smooth_loss = 0.9 * smooth_loss + 0.1 * loss_value
     debiased = smooth_loss / (1 - 0.9 ** (step + 1))
-    if step > 10:  # the first steps include compilation
+    if step - start_step > 10:  # the first steps of a process include compilation
         total_time += dt
     tok_per_sec = total_batch_size / dt
     mfu = 100 * flops_per_token * total_batch_size / dt / (peak_flops * layout.world_size) if peak_flops else None
@@ -541,6 +585,7 @@ if master and step == num_iterations:
         "iterations": num_iterations, "tokens trained": D, "tokens per scaling param": round(D / num_scaling_params, 2),
         "training FLOPs": f"{flops_per_token * D:.4e}", "Muon weight decay": weight_decay, "LR scale": lr_scale,
         "layout": f"dp {layout.dp_size} x tp {layout.tp_size} x pp {layout.pp_size}",
+        "gpus used": layout.world_size if device.type == "cuda" else 0,
         "final validation bpb": val_bpb, "minimum validation bpb": min_val_bpb,
         "training time (min)": round(total_time / 60, 3), "tok/sec (last step)": round(tok_per_sec),
         "mfu (%)": round(mfu, 2) if mfu is not None else "n/a", "peak memory (GiB)": round(peak_mem, 2) if peak_mem else "n/a",

@@ -12,16 +12,17 @@ A completion stops at <|bos|> (the start of another document) or after --max-tok
 import sys
 import argparse
 
-from nanochat.common import compute_init, get_compute_dtype
+from nanochat.common import compute_init, compute_cleanup, get_compute_dtype
 from nanochat.checkpoint_manager import CheckpointError, load_model
 from nanochat.tokenizer import get_tokenizer, TokenizerError
-from nanochat.engine import generate
+from nanochat.engine import generate, SAMPLE_PROMPTS
 from nanochat import report
 
 parser = argparse.ArgumentParser(description="Sample completions from a base model")
 parser.add_argument("--model-tag", type=str, default=None, help="checkpoint folder (default: the most recent one)")
 parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
 parser.add_argument("--prompt", type=str, action="append", default=[], help="a prompt (repeatable); none = read stdin")
+parser.add_argument("--fixed-prompts", action="store_true", help="complete the fixed prompts base_train samples (engine.SAMPLE_PROMPTS)")
 parser.add_argument("--num-samples", type=int, default=1, help="completions per prompt")
 parser.add_argument("--max-tokens", type=int, default=64, help="most new tokens per completion")
 parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
@@ -58,8 +59,12 @@ def stdin_prompts():
 
 
 done = []  # (prompt, completions) for the report
-for prompt in args.prompt or stdin_prompts():
+for prompt in args.prompt + (SAMPLE_PROMPTS if args.fixed_prompts else []) or stdin_prompts():
     ids = tokenizer.encode(prompt, prepend=bos)
+    if len(ids) + args.max_tokens > model.rotary_len:
+        print(f"skipped: the prompt ({len(ids)} tokens) plus --max-tokens {args.max_tokens} exceeds the model's "
+              f"{model.rotary_len} positions", flush=True)
+        continue
     samples = generate(model, ids, args.max_tokens, num_samples=args.num_samples, temperature=args.temperature,
                        top_k=args.top_k or None, seed=args.seed, stop_tokens=(bos,))
     completions = [tokenizer.decode([t for t in s if t != bos]) for s in samples]
@@ -72,3 +77,4 @@ if args.report:
     lines = [f"{i}. `{t!r}`" for i, t in enumerate(texts, 1)]
     report.log_section("Base model samples", [{"model tag": model_tag, "step": meta["step"], "temperature": args.temperature,
                                                "top-k": args.top_k, "seed": args.seed}, "\n".join(lines)])
+compute_cleanup()

@@ -4,11 +4,9 @@ Train the BPE tokenizer on the training shards and save it under $NANOCHAT_BASE_
     python -m scripts.tok_train --max-chars 2000000000 --vocab-size 32768
 """
 
-import os
 import time
 import argparse
 
-from nanochat.common import get_base_dir
 from nanochat.dataset import resolve_data_dir, split_files, iter_documents, DataError
 from nanochat.tokenizer import Tokenizer, TokenizerError, default_tokenizer_dir
 from nanochat import report
@@ -18,7 +16,6 @@ parser.add_argument("--max-chars", type=int, default=2_000_000_000, help="charac
 parser.add_argument("--doc-cap", type=int, default=10_000, help="characters taken from each document at most")
 parser.add_argument("--vocab-size", type=int, default=32768, help="vocabulary size, special tokens included")
 parser.add_argument("--data-dir", type=str, default=None, help="folder of parquet shards (default: NANOCHAT_DATA_DIR or base_data)")
-parser.add_argument("--output-dir", type=str, default=None, help="where to save (default: $NANOCHAT_BASE_DIR/tokenizer)")
 args = parser.parse_args()
 
 try:
@@ -52,7 +49,7 @@ try:
 except TokenizerError as e:
     raise SystemExit(f"ERROR: {e}")
 train_time = time.time() - t0
-out_dir = args.output_dir or default_tokenizer_dir()
+out_dir = default_tokenizer_dir()
 tokenizer.save(out_dir)
 print(f"trained on {stats['chars']:,} chars ({stats['docs']:,} docs) in {train_time:.2f}s; saved to {out_dir}")
 

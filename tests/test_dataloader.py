@@ -88,3 +88,9 @@ def test_reshard_keeps_position_and_buffer(tokenizer):
     three = reshard_states(states, 3)
     assert sum(len(s["buffer"]) for s in three) == sum(len(s["buffer"]) for s in states)
     assert [s["g"] for s in three] == [three[0]["g"] + r for r in range(3)]
+
+
+def test_reshard_without_states_means_fresh_loaders():
+    # a checkpoint taken before the first step holds no data state
+    assert reshard_states([None], 2) == [None, None]
+    assert reshard_states([], 1) == [None]

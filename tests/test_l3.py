@@ -10,7 +10,7 @@ import torch
 
 from nanochat.common import Layout
 from nanochat.dataset import SAMPLE_DIR
-from nanochat.gpt import GPT, GPTConfig, build_model
+from nanochat.gpt import GPTConfig, build_model
 from nanochat.l3 import (L3Layer, allocate_for_model, allocate_rows, choose_path, default_n_emb, lookup_blocked,
                          lookup_padded, lzw_credits, sample_training_tokens, uniform_rows)
 

@@ -85,13 +85,24 @@ def test_attention_matches_reference(window, S_minus_T):
 
 
 def test_sliding_window_limits_context():
-    # with window 128 at context 512, position 300 cannot see token 0: changing it changes nothing there
+    # block 0 has a 128-token window at context 512: position 300 cannot see token 0, position 100 can
     torch.manual_seed(0)
-    cfg = tiny_config(sequence_len=512, window_pattern="S", n_layer=1)
-    model = build_model(cfg, "cpu")
-    assert window_sizes(cfg) == [512]  # one layer = last layer = full
     cfg = tiny_config(sequence_len=512, window_pattern="S", n_layer=2)
-    assert window_sizes(cfg) == [128, 512]
+    assert window_sizes(cfg) == [128, 512]  # the last layer is always full
+    model = build_model(cfg, "cpu")
+    with torch.no_grad():
+        for p in model.parameters():  # leave the identity init so attention matters
+            p.add_(0.05 * torch.randn_like(p))
+    idx = torch.randint(0, 256, (1, 512))
+    other = idx.clone()
+    other[0, 0] = (idx[0, 0] + 1) % 256
+
+    def block0(ids):
+        return model.run_blocks(model.embed(ids), ids, 0, 1).x[0]
+
+    a, b = block0(idx), block0(other)
+    assert torch.equal(a[300], b[300])
+    assert not torch.allclose(a[100], b[100])
 
 
 def test_estimate_flops_formula():

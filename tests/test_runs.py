@@ -8,7 +8,6 @@ import csv
 import subprocess
 import sys
 
-import pytest
 
 from conftest import REPO, SHARED_WIKI
 
@@ -58,7 +57,9 @@ def test_scaling_laws_and_miniseries_small(tmp_path, env, base_dir):
     e = dict(env, PYTHON=sys.executable, NANOCHAT_DATA_DIR=SHARED_WIKI, DEPTHS="2 3", FLOPS="1e11 3e11", TRAIN_ARGS=TINY)
     bash("runs/scaling_laws.sh", e)
     rows = list(csv.DictReader(open(os.path.join(base_dir, "scaling_laws.csv"))))
-    assert [(r["flops"], r["depth"]) for r in rows] == [("1e11", "2"), ("1e11", "3"), ("3e11", "2"), ("3e11", "3")]
+    assert [(r["budget"], r["depth"]) for r in rows] == [("1e11", "2"), ("1e11", "3"), ("3e11", "2"), ("3e11", "3")]
+    for r in rows:  # what was done is within a step of the budget
+        assert abs(float(r["flops"]) - float(r["budget"])) / float(r["budget"]) < 0.1
     for r in rows:
         assert float(r["val_bpb"]) > 0 and int(r["params"]) > int(r["scaling_params"]) > 0
     # more FLOPs, more tokens for the same depth

@@ -2,12 +2,10 @@
 
 import os
 import json
-import time
 import signal
 import subprocess
 import sys
 
-import pytest
 
 from conftest import run_script, parse_losses, TINY_MODEL, REPO
 
@@ -101,14 +99,40 @@ def test_sigterm_saves_then_exits(env):
 
 
 def test_dp2_torchrun_then_resume_at_dp1(env):
-    args = TRAIN + ["--num-iterations", "4", "--model-tag", "dp2", "--eval-every", "-1", "--device-batch-size", "2"]
+    args = TRAIN + ["--num-iterations", "4", "--save-every", "2", "--model-tag", "dp2", "--eval-every", "-1",
+                    "--device-batch-size", "2"]
     p = run_script("scripts.base_train", args, env, nproc=2)
     assert p.stdout.count("local parameters: ") == 2
     assert "[dp=0]" in p.stdout and "[dp=1]" in p.stdout
     assert len(parse_losses(p.stdout)) == 4
-    meta = json.load(open(os.path.join(env["NANOCHAT_BASE_DIR"], "base_checkpoints", "dp2", "meta_000004.json")))
+    meta = json.load(open(os.path.join(env["NANOCHAT_BASE_DIR"], "base_checkpoints", "dp2", "meta_000002.json")))
     assert [s["dp_rank"] for s in meta["dataloader_states"]] == [0, 1]
-    r = run_script("scripts.base_train", args[:-8] + ["--num-iterations", "6", "--model-tag", "dp2", "--eval-every", "-1",
-                                                       "--device-batch-size", "2", "--resume-from-step", "4"], env)
+    r = run_script("scripts.base_train", args + ["--resume-from-step", "2"], env)  # one process now
     assert "resharded the data position from dp 2 to dp 1" in r.stdout
-    assert sorted(parse_losses(r.stdout)) == [4, 5]
+    assert sorted(parse_losses(r.stdout)) == [2, 3]
+
+
+def test_resume_with_other_recipe_is_refused(env):
+    args = TRAIN + ["--num-iterations", "2", "--model-tag", "recipe", "--eval-every", "-1"]
+    run_script("scripts.base_train", args, env)
+    p = run_script("scripts.base_train", TRAIN + ["--num-iterations", "3", "--model-tag", "recipe", "--eval-every", "-1",
+                                                  "--resume-from-step", "2"], env, check=False)
+    assert p.returncode != 0 and "--num-iterations was 2, now 3" in p.stdout and "Traceback" not in p.stderr
+
+
+def test_bad_flags_are_clear_errors(env):
+    for flags, message in [(["--l3-after-layers", "4,x"], "must be comma-separated block indices"),
+                           (["--l3-after-layers", "7"], "block indices must be in 0..1"),
+                           (["--tp", "2"], "need 2 processes"),
+                           (["--device-batch-size", "0"], "--device-batch-size must be at least 1"),
+                           (["--head-dim", "0"], "--head-dim (0) positive")]:
+        p = run_script("scripts.base_train", TRAIN + ["--num-iterations", "1"] + flags, env, check=False)
+        assert p.returncode != 0 and message in p.stdout, (flags, p.stdout[-500:], p.stderr[-500:])
+        assert "Traceback" not in p.stderr, flags
+
+
+def test_resume_at_the_final_step_wraps_up(env):
+    args = TRAIN + ["--num-iterations", "2", "--model-tag", "final", "--eval-every", "-1"]
+    run_script("scripts.base_train", args, env)
+    p = run_script("scripts.base_train", args + ["--resume-from-step", "2"], env)
+    assert "training from step 2 to 2" in p.stdout and "Validation bpb:" in p.stdout

@@ -1,0 +1,20 @@
+# Shell helpers shared by speedrun.sh and the runs/ scripts (sourced, not run).
+
+# launch MODULE ARGS...: a script on $NPROC processes (torchrun), or plainly when NPROC is 1
+launch() {
+    if [ "${NPROC:-1}" -gt 1 ]; then
+        "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" -m "$@"
+    else
+        "$PYTHON" -m "$@"
+    fi
+}
+
+# train_log_numbers LOG: "flops,params,scaling_params,tokens" as base_train printed them
+train_log_numbers() {
+    local params scaling tokens flops
+    params=$(sed -nE 's/^parameters: ([0-9,]+) total \| ([0-9,]+) scaling.*/\1/p' "$1" | tr -d ,)
+    scaling=$(sed -nE 's/^parameters: ([0-9,]+) total \| ([0-9,]+) scaling.*/\2/p' "$1" | tr -d ,)
+    tokens=$(sed -nE 's/^horizon: ([0-9,]+) tokens.*/\1/p' "$1" | tr -d ,)
+    flops=$(sed -nE 's/.*total FLOPs ([0-9.e+]+)$/\1/p' "$1")
+    echo "$flops,$params,$scaling,$tokens"
+}
