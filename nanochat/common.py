@@ -8,13 +8,10 @@ overridable with NANOCHAT_DTYPE=float32|bfloat16. Weights stay fp32; modules cas
 
 import os
 import sys
-import logging
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-
-logger = logging.getLogger("nanochat")
 
 # -----------------------------------------------------------------------------
 # Files
@@ -259,7 +256,3 @@ def all_reduce_max(value: float, device) -> float:
     t = torch.tensor([value], dtype=torch.float32, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
-
-
-def setup_logging():
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
