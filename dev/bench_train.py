@@ -61,10 +61,14 @@ dt = statistics.median(s[1] for s in timed)
 tok = statistics.median(s[2] for s in timed)
 mfus = [s[3] for s in timed if s[3] is not None]
 mfu = statistics.median(mfus) if mfus else None
-mem = re.search(r"peak memory: ([\d.]+) GiB", "".join(lines))
+# one process prints its peak memory once; several print one line each, tagged with their place in the grid
+per_rank = re.findall(r"^(\[[^\]]*\]) peak memory: ([\d.]+) GiB", "".join(lines), re.M)
+single = re.search(r"peak memory: ([\d.]+) GiB", "".join(lines))
+mems = {tag: float(v) for tag, v in per_rank} or ({"": float(single.group(1))} if single else {})
 result = {"label": args.label or f"d{args.depth} {' '.join(extra)}".strip(), "depth": args.depth, "nproc": args.nproc,
           "batch": args.total_batch_size, "steps timed": len(timed), "step ms (median)": round(dt, 2),
-          "tok/s (median)": round(tok), "mfu % (median)": round(mfu, 2) if mfu else "", "peak mem GiB": mem.group(1) if mem else "",
+          "tok/s (median)": round(tok), "mfu % (median)": round(mfu, 2) if mfu else "", "peak mem GiB (max)": max(mems.values()) if mems else "",
+          "peak mem per rank": " ".join(f"{t}{v}" for t, v in sorted(mems.items())) if len(mems) > 1 else "",
           "wall s": round(wall, 1), "args": " ".join(extra)}
 print("RESULT " + " | ".join(f"{k}: {v}" for k, v in result.items()), flush=True)
 new = not os.path.exists(args.out)

@@ -291,8 +291,11 @@ orig_model = model  # the uncompiled module: checkpoints, sampling, CORE
 prepare_attention(config, device)
 if use_compile and pipeline is None:
     model = torch.compile(model, dynamic=False)
-elif use_compile:
-    print0("note: the model runs eagerly under --pp > 1 (the optimizer step is still compiled)")
+elif use_compile:  # the schedule calls the pieces one micro-batch at a time: compile each block and the loss
+    for i in range(pipeline.start, pipeline.end):
+        model.blocks[i].compile(dynamic=False)
+    model.criterion.compile(dynamic=False)
+    print0("note: under --pp > 1 each block and the loss are compiled separately (the schedule's sends and receives stay eager)")
 
 reads_data = pipeline is None or layout.is_first_stage or layout.is_last_stage
 
@@ -573,6 +576,9 @@ while True:
 # Wrap up
 
 peak_mem = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
+if peak_mem is not None and layout.world_size > 1:  # ranks differ (pipeline stages, shards): each reports
+    print_rank(layout, f"peak memory: {peak_mem:.2f} GiB; allocated after the last step: "
+                       f"{torch.cuda.memory_allocated() / 2**30:.2f} GiB")
 if val_bpb is not None:
     print0(f"Validation bpb: {val_bpb:.6f}")
 print0(f"minimum validation bpb: {min_val_bpb:.6f}; training time: {total_time / 60:.2f} min" +
