@@ -1,11 +1,13 @@
 """
 Where does a training step's GPU time go? Builds the model, optimizer and data as base_train does,
 runs a few warm-up steps (compilation), then profiles a few steps with torch.profiler and prints the
-kernels by total GPU time, grouped into matmuls, attention, optimizer and the rest.
+kernels by total GPU time, grouped into matmuls, attention, optimizer and the rest; and the wall time
+of the same steps, so the gap (GPU idle: host syncs, launch overhead, eager code) shows.
 
-    python -m dev.profile_train --depth 12 --window-pattern L --data-dir DIR [--fp8]
+    python -m dev.profile_train --depth 12 --window-pattern L --data-dir DIR [--fp8] [--l3-after-layers 5]
 """
 
+import time
 import argparse
 from collections import defaultdict
 
@@ -26,14 +28,22 @@ parser.add_argument("--warmup", type=int, default=4)
 parser.add_argument("--active", type=int, default=2)
 parser.add_argument("--data-dir", type=str, default=None)
 parser.add_argument("--fp8", action="store_true")
+parser.add_argument("--l3-after-layers", type=str, default="", help="as in base_train, e.g. 5")
+parser.add_argument("--l3-k-max", type=int, default=512)
+parser.add_argument("--l3-n-emb", type=int, default=0)
 parser.add_argument("--trace", type=str, default="", help="write a Chrome trace here")
 args = parser.parse_args()
 
 layout, device = compute_init("cuda")
 dtype = get_compute_dtype("cuda")
 tokenizer = get_tokenizer()
-config = config_for_depth(args.depth, vocab_size=tokenizer.get_vocab_size(), window_pattern=args.window_pattern)
+l3_layers = tuple(int(i) for i in args.l3_after_layers.split(",") if i)
+config = config_for_depth(args.depth, vocab_size=tokenizer.get_vocab_size(), window_pattern=args.window_pattern,
+                          l3_after_layers=l3_layers, l3_k_max=args.l3_k_max, l3_n_emb=args.l3_n_emb)
 model = build_model(config, device, dtype)
+if l3_layers:
+    from nanochat.l3 import allocate_for_model
+    allocate_for_model(model, tokenizer, args.data_dir, layout)
 if args.fp8:
     from nanochat.fp8 import convert_to_fp8
     convert_to_fp8(model, "tensorwise", device)
@@ -55,6 +65,11 @@ def step():
 for _ in range(args.warmup):
     step()
 torch.cuda.synchronize()
+t0 = time.time()
+for _ in range(args.active):  # unprofiled wall time (the profiler itself slows the host)
+    step()
+torch.cuda.synchronize()
+wall_ms = (time.time() - t0) * 1000 / args.active
 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
     for _ in range(args.active):
         step()
@@ -82,7 +97,8 @@ def group_of(name):
 
 for e in events:
     groups[group_of(e.key)] += e.device_time_total
-print(f"GPU time per step: {total / args.active / 1000:.1f} ms over {len(events)} kernels")
+print(f"wall time per step: {wall_ms:.1f} ms; GPU kernel time per step: {total / args.active / 1000:.1f} ms over "
+      f"{len(events)} kernels; idle {wall_ms - total / args.active / 1000:.1f} ms")
 for g, t in sorted(groups.items(), key=lambda kv: -kv[1]):
     print(f"  {g:<40} {t / args.active / 1000:9.1f} ms  {100 * t / total:5.1f}%")
 print(f"\n{'kernel':<100} {'ms/step':>9} {'%':>6} {'calls':>7}")
