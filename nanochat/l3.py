@@ -49,8 +49,9 @@ training token reads ~270 rows, so a 32 x 2048 micro-batch has P ~ 17.5M.
   gradients in fp32 into one (n_emb, d) buffer per table (index_add of each block's bmm result).
   Memory: O(N (d + d_emb)) for inputs, outputs and the index plan; per chunk a few tensors of
   <= L3_CHUNK_BYTES (~3 in the forward, ~7 in the backward counting fp32 ones double); a compute-dtype
-  copy of the tables during the call; the fp32 table gradients (which become .grad). Nothing of size
-  P d, and no chunk tensor, is kept between forward and backward.
+  copy of the tables, kept from the forward to the backward; the fp32 table gradients (which become
+  .grad). Nothing of size P d, and no chunk tensor, is kept between forward and backward. Host syncs:
+  two per forward (the block count, the chunk widths), none per chunk.
   FLOPs: forward 2 S (d + d_emb), backward 4 S (d + d_emb) plus the recomputed forward, all in bmm (the
   useful part: 2 P (d + d_emb) forward). The lookup runs eagerly (torch.compiler.disable): its sizes
   are data-dependent, which would break or recompile a graph anyway; W_up, the LayerNorm and W_mix
@@ -262,13 +263,13 @@ class _Plan:
     window rows lo[b] .. lo[b]+width[b]-1), and the blocks, widest first (`by_width`), cut into chunks
     (i, j, w): blocks by_width[i:j], padded to window width w."""
 
-    def __init__(self, ids, bounds, block, max_rows):
+    def __init__(self, ids, bounds, block, max_rows, window):
         n = ids.numel()
-        self.block = block
+        self.n, self.block = n, block
         self.order = torch.argsort(ids, stable=True)
         sid = ids[self.order]
         self.start, self.end = bounds[sid], bounds[sid + 1]
-        window = int((self.end - self.start).max())  # host sync; every token's rows fit in one window
+        # window: at least every token's row count (k_max), so every token's rows fit in one window
         # fixed groups of `block` sorted positions, split where a position's first row moves into the
         # next window-sized stretch after the group's first row: a block's rows then span < 2 windows
         group = torch.arange(n, device=ids.device) // block
@@ -293,15 +294,18 @@ class _Plan:
 
     def blocks(self, i, j, w, n_rows):
         """For chunk blocks by_width[i:j]: slot (blocks, block) sorted positions (padding slots repeat
-        the block's first position), valid (blocks, block), rows (blocks, w) table rows to gather (clamped
-        into the table), mask (blocks, block, w): row belongs to the slot's token."""
+        the block's first position), target (blocks * block,) where each slot's result goes (padding
+        slots: the spare row n, dropped at the end; scattering there needs no host sync, unlike a boolean
+        index), rows (blocks, w) table rows to gather (clamped into the table), mask (blocks, block, w):
+        row belongs to the slot's token."""
         b = self.by_width[i:j]
         k = torch.arange(self.block, device=b.device)
         valid = k < self.count[b, None]
         slot = torch.where(valid, self.first[b, None] + k, self.first[b, None])
+        target = torch.where(valid, slot, self.n).flatten()
         r = self.lo[b, None] + torch.arange(w, device=b.device)
         mask = (r[:, None, :] >= self.start[slot][..., None]) & (r[:, None, :] < self.end[slot][..., None])
-        return slot, valid, r.clamp(max=n_rows - 1), mask
+        return slot, target, r.clamp(max=n_rows - 1), mask
 
 
 def _block_attention(xb, kb, mask, acc):
@@ -315,56 +319,64 @@ class _BlockedLookup(torch.autograd.Function):
     values=None means tied (keys serve as values)."""
 
     @staticmethod
-    def forward(ctx, x, keys, values, ids, bounds, block, max_rows):
+    def forward(ctx, x, keys, values, ids, bounds, block, max_rows, window):
         acc = _acc_dtype(x.dtype)
-        plan = _Plan(ids, bounds, block, max_rows)
+        plan = _Plan(ids, bounds, block, max_rows, window)
         kc = keys.to(x.dtype)  # one cast of the table beats casting the (larger) gathered blocks
         vc = kc if values is None else values.to(x.dtype)
         xs = x.index_select(0, plan.order)
-        hs = x.new_empty(x.size(0), vc.size(1))
+        hs = x.new_empty(x.size(0) + 1, vc.size(1))  # + the spare row for padding slots
         for i, j, w in plan.chunks:
-            slot, valid, rows, mask = plan.blocks(i, j, w, kc.size(0))
+            slot, target, rows, mask = plan.blocks(i, j, w, kc.size(0))
             a = _block_attention(xs[slot], kc[rows], mask, acc)
-            hs[slot[valid]] = torch.bmm(a.to(x.dtype), vc[rows])[valid]
-        ctx.save_for_backward(x, keys, values)
-        ctx.plan = plan
-        return torch.empty_like(hs).index_copy_(0, plan.order, hs)
+            hs.index_copy_(0, target, torch.bmm(a.to(x.dtype), vc[rows]).flatten(0, 1))
+        # the cast tables are kept for the backward: the same values, and a second cast of both tables
+        # costs more time than their compute-dtype copies cost memory
+        ctx.save_for_backward(x, kc, None if values is None else vc)
+        ctx.plan, ctx.tied, ctx.table_dtype = plan, values is None, keys.dtype
+        return torch.empty_like(hs[:-1]).index_copy_(0, plan.order, hs[:-1])
 
     @staticmethod
     def backward(ctx, grad_h):
-        x, keys, values = ctx.saved_tensors
+        x, kc, vc = ctx.saved_tensors
         plan = ctx.plan
         acc = _acc_dtype(x.dtype)
-        kc = keys.to(x.dtype)
-        vc = kc if values is None else values.to(x.dtype)
+        vc = kc if ctx.tied else vc
         xs = x.index_select(0, plan.order)
         gs = grad_h.to(x.dtype).index_select(0, plan.order)
-        dxs = torch.empty_like(xs)
+        dxs = xs.new_empty(xs.size(0) + 1, xs.size(1))  # + the spare row for padding slots
         # table gradients accumulate in fp32 over blocks (each block's bmm already sums its slots in fp32);
-        # tied: keys and values share one buffer
-        dk = torch.zeros(keys.shape, dtype=acc, device=keys.device)
-        dv = dk if values is None else torch.zeros(values.shape, dtype=acc, device=values.device)
+        # tied: keys and values share one buffer. index_put_ with accumulate sorts the row indices and sums
+        # duplicates in order: many blocks of a frequent token share one window of rows, and atomic adds
+        # (index_add_) on those rows contend
+        dk = torch.zeros(kc.shape, dtype=acc, device=kc.device)
+        dv = dk if ctx.tied else torch.zeros(vc.shape, dtype=acc, device=vc.device)
         for i, j, w in plan.chunks:
-            slot, valid, rows, mask = plan.blocks(i, j, w, kc.size(0))
+            slot, target, rows, mask = plan.blocks(i, j, w, kc.size(0))
             xb, kb, vb = xs[slot], kc[rows], vc[rows]
             a = _block_attention(xb, kb, mask, acc)
-            gb = gs[slot] * valid[..., None]  # padding slots carry no gradient
+            gb = gs[slot] * (target < plan.n).view_as(slot)[..., None]  # padding slots carry no gradient
             da = torch.bmm(gb, vb.transpose(1, 2)).to(acc)
             ds = (a * (da - (a * da).sum(-1, keepdim=True))).to(x.dtype)  # softmax backward
-            dxs[slot[valid]] = torch.bmm(ds, kb)[valid]
-            dk.index_add_(0, rows.flatten(), torch.bmm(ds.transpose(1, 2), xb).flatten(0, 1).to(acc))
-            dv.index_add_(0, rows.flatten(), torch.bmm(a.to(x.dtype).transpose(1, 2), gb).flatten(0, 1).to(acc))
-        dx = torch.empty_like(dxs).index_copy_(0, plan.order, dxs)
-        return dx, dk.to(keys.dtype), None if values is None else dv.to(values.dtype), None, None, None, None
+            dxs.index_copy_(0, target, torch.bmm(ds, kb).flatten(0, 1))
+            index = (rows.flatten(),)
+            dk.index_put_(index, torch.bmm(ds.transpose(1, 2), xb).flatten(0, 1).to(acc), accumulate=True)
+            dv.index_put_(index, torch.bmm(a.to(x.dtype).transpose(1, 2), gb).flatten(0, 1).to(acc), accumulate=True)
+        dx = torch.empty_like(dxs[:-1]).index_copy_(0, plan.order, dxs[:-1])
+        dt = ctx.table_dtype
+        return dx, dk.to(dt), None if ctx.tied else dv.to(dt), None, None, None, None, None
 
 
-def lookup_blocked(x, ids, keys, values, bounds, block=L3_BLOCK_POSITIONS, chunk_bytes=L3_CHUNK_BYTES):
+def lookup_blocked(x, ids, keys, values, bounds, block=L3_BLOCK_POSITIONS, chunk_bytes=L3_CHUNK_BYTES, window=None):
     """The GPU path: x (N, d), ids (N,) -> h (N, d_emb) by blocks of sorted positions, in chunks whose
-    gathered (rows, d) tensors stay under chunk_bytes."""
+    gathered (rows, d) tensors stay under chunk_bytes. window: an upper bound on any token's row count
+    (the layer passes k_max; None reads it off the bounds, a host sync)."""
+    if window is None:
+        window = int((bounds[1:] - bounds[:-1]).max())
     # one gathered row costs its channels, or its column of fp32 scores (block entries) if that is more
     row_bytes = max(max(x.size(1), (keys if values is None else values).size(1)) * x.element_size(), 4 * block)
     max_rows = max(1, chunk_bytes // row_bytes)
-    return _BlockedLookup.apply(x, keys, values, ids, bounds, block, max_rows)
+    return _BlockedLookup.apply(x, keys, values, ids, bounds, block, max_rows, window)
 
 
 def choose_path(x, ids, bounds):
@@ -465,7 +477,7 @@ class L3Layer(nn.Module):
         path = choose_path(x, ids, self.bounds) if self.path == "auto" else self.path
         if path == "padded":
             return lookup_padded(x, ids, self.key_table, self.value_table, self.bounds)
-        return lookup_blocked(x, ids, self.key_table, self.value_table, self.bounds)
+        return lookup_blocked(x, ids, self.key_table, self.value_table, self.bounds, window=self.k_max)
 
     def forward(self, x, idx):
         """x (B, T, d) hidden states, idx (B, T) token ids -> (B, T, d) to add to the residual stream."""
