@@ -420,13 +420,10 @@ def evaluate_core(model, tokenizer, device, bundle_dir, max_per_task=-1, layout=
 _TRAINING_CACHE = {}  # tokenized items and the bundle's location, kept across a run's CORE evaluations
 
 
-def evaluate_core_for_training(model, tokenizer, device, layout, eval_bundle, max_per_task, pipeline):
-    """CORE from inside base_train, or None (with a one-line note) when it cannot run: under pipeline
-    parallelism, or without a bundle. Never stops the training run for a missing bundle."""
-    if pipeline is not None:
-        print0("CORE: skipped (not supported with pipeline parallelism during training yet; "
-               "run scripts.base_eval on the checkpoint)")
-        return None
+def evaluate_core_for_training(model, tokenizer, device, layout, eval_bundle, max_per_task):
+    """CORE from inside base_train, or None (with a one-line note) without a bundle. Never stops the
+    training run for a missing bundle. `model` takes whole sequences (base_train gathers a pipeline- or
+    sequence-parallel model first)."""
     bundle_key = ("bundle", eval_bundle)
     if bundle_key not in _TRAINING_CACHE:  # look (and maybe download) once per run
         try:

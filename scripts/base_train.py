@@ -465,23 +465,23 @@ if device.type == "cuda":
     torch.cuda.reset_peak_memory_stats()
 def core_and_samples(at_step):
     """CORE and sample completions (uncompiled model, bf16). CORE runs on every rank (DP splits the
-    items); every rank samples (under TP the forward is collective) and rank 0 prints. Skipped with
-    pipeline or sequence parallelism (their forward needs whole pipeline steps / a split sequence)."""
+    items); every rank samples (under TP the forward is collective) and rank 0 prints. Under pipeline or
+    sequence parallelism (whose forward takes only fixed shapes) every rank evaluates a gathered whole
+    copy of the model instead, freed afterwards."""
     do_core = args.core_metric_every > 0 and (last_step or (at_step > 0 and at_step % args.core_metric_every == 0))
     do_sample = args.sample_every > 0 and (last_step or (at_step > 0 and at_step % args.sample_every == 0))
     if not (do_core or do_sample):
         return
+    eval_model = orig_model
     if pipeline is not None or args.sequence_parallel:
-        print0(f"step {at_step:05d} | CORE and samples skipped under --pp / --sequence-parallel: evaluate the "
-               f"checkpoint with scripts.base_eval (it loads at any layout)")
-        return
-    orig_model.eval()
+        eval_model = ckpt.gathered_model(orig_model, layout)
+    eval_model.eval()
     with bf16_eval():
         if do_core:
             from nanochat.core_eval import evaluate_core_for_training, EvalBundleError
             try:
-                core = evaluate_core_for_training(orig_model, tokenizer, device, layout, args.eval_bundle,
-                                                  args.core_metric_max_per_task, pipeline)
+                core = evaluate_core_for_training(eval_model, tokenizer, device, layout, args.eval_bundle,
+                                                  args.core_metric_max_per_task)
             except EvalBundleError as e:  # a broken bundle must not end a training run
                 print0(f"step {at_step:05d} | CORE failed: {e}")
                 core = None
@@ -491,9 +491,10 @@ def core_and_samples(at_step):
                     wandb_run.log({"step": at_step, "core": core["core"]})
         if do_sample:
             from nanochat.engine import sample_completions
-            for text in sample_completions(orig_model, tokenizer):
+            for text in sample_completions(eval_model, tokenizer):
                 print0(f"  sample: {text!r}")
     orig_model.train()
+    del eval_model
 
 
 start_step = step

@@ -109,9 +109,15 @@ def _worker(rank, world, tp, pp, sequence_parallel, schedule, steps, port, out_d
                 dist.barrier()
             if rank == 0:
                 ckpt.save_meta(os.path.join(out_dir, "ckpt"), step + 1, {}, pp)
+    # the loss of whole sequences, as CORE and sampling see the model: pipeline and sequence-parallel
+    # layouts evaluate the gathered whole copy base_train builds for them
+    eval_model = ckpt.gathered_model(model, layout) if (pp > 1 or sequence_parallel) else model
+    with torch.no_grad():
+        eval_loss = eval_model(batches[0][:, :-1], batches[0][:, 1:]).item()
     model_state = ckpt.full_model_state(model)
     if layout.dp_rank == 0 and layout.tp_rank == 0:
-        torch.save({"losses": losses, "params": model_state}, os.path.join(out_dir, f"stage{layout.pp_rank}.pt"))
+        torch.save({"losses": losses, "params": model_state, "eval_loss": eval_loss},
+                   os.path.join(out_dir, f"stage{layout.pp_rank}.pt"))
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()
@@ -119,7 +125,8 @@ def _worker(rank, world, tp, pp, sequence_parallel, schedule, steps, port, out_d
 
 def run_layout(dp=1, tp=1, pp=1, sequence_parallel=False, schedule="1f1b", steps=5, config_overrides=None,
                resume_from=None, out_dir=None):
-    """Returns {"losses": [...], "params": {name: full tensor}, "dir": out_dir}."""
+    """Returns {"losses": [...], "params": {name: full tensor}, "eval_losses": [the whole-sequence loss
+    after training, from each stage's first rank], "dir": out_dir}."""
     world = dp * tp * pp
     out_dir = out_dir or tempfile.mkdtemp(prefix="nanochat_layout_")
     args = (world, tp, pp, sequence_parallel, schedule, steps, _free_port(), out_dir, config_overrides or {}, resume_from)
@@ -127,10 +134,11 @@ def run_layout(dp=1, tp=1, pp=1, sequence_parallel=False, schedule="1f1b", steps
         _worker(0, *args)
     else:
         mp.spawn(_worker, args=args, nprocs=world, join=True)
-    params, losses = {}, None
+    params, losses, eval_losses = {}, None, []
     for s in range(pp):
         part = torch.load(os.path.join(out_dir, f"stage{s}.pt"), weights_only=True)
         params.update(part["params"])
+        eval_losses.append(part["eval_loss"])
         if s == pp - 1:
             losses = part["losses"]
-    return {"losses": losses, "params": params, "dir": out_dir}
+    return {"losses": losses, "params": params, "eval_losses": eval_losses, "dir": out_dir}

@@ -288,12 +288,10 @@ def test_bad_bundles_fail_clearly(tmp_path):
 def test_core_during_training(tmp_path, capsys):
     bundle = mini_bundle(tmp_path / "bundle")
     model, tok = NextCharModel(), CharTokenizer()
-    assert evaluate_core_for_training(model, tok, "cpu", None, bundle, 2, pipeline=object()) is None
-    assert "pipeline" in capsys.readouterr().out
-    assert evaluate_core_for_training(model, tok, "cpu", None, str(tmp_path / "nowhere"), 2, None) is None
+    assert evaluate_core_for_training(model, tok, "cpu", None, str(tmp_path / "nowhere"), 2) is None
     assert "CORE: skipped" in capsys.readouterr().out
     for _ in range(2):  # the second call reuses the tokenized items
-        out = evaluate_core_for_training(model, tok, "cpu", None, bundle, -1, None)
+        out = evaluate_core_for_training(model, tok, "cpu", None, bundle, -1)
         assert out["tasks_run"] == 2 and out["tasks_total"] == 3 and out["core"] == pytest.approx((2 / 3 + 0.5) / 2)
     assert model.training
 

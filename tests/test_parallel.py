@@ -1,5 +1,6 @@
 """DP, TP and PP against one process: same losses (rel 1e-4, fp32) and parameters (atol 1e-4) after
-5 steps on the same batches (CPU, gloo). Also: checkpoints move between layouts."""
+5 steps on the same batches (CPU, gloo), and the same whole-sequence evaluation loss afterwards. Also:
+checkpoints move between layouts."""
 
 import os
 
@@ -21,6 +22,9 @@ def assert_same_run(run, ref, steps=5):
     assert run["params"].keys() == ref["params"].keys()
     for name, p in ref["params"].items():
         assert torch.allclose(run["params"][name], p, atol=1e-4), (name, (run["params"][name] - p).abs().max())
+    # evaluation of whole sequences (gathered model under PP / sequence parallelism) agrees on every stage
+    for loss in run["eval_losses"]:
+        assert abs(loss - ref["eval_losses"][0]) / ref["eval_losses"][0] <= 1e-4, (run["eval_losses"], ref["eval_losses"])
 
 
 def test_reference_learns(reference):

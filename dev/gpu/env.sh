@@ -1,0 +1,17 @@
+# Sourced by the GPU scripts in this folder (the exact commands behind dev/LOG.md's session-2 figures):
+# environment, tokenizer, and a `bench` helper pinned to given GPUs. They expect an ignored folder .carry4 at
+# the repository root, carried to the device: data/ (wiki shards 0-3 and 7), base/tokenizer (the tokenizer
+# trained on shards 0-6), whl/ (torchao 0.17.0 for fp8). Run from anywhere: bash dev/gpu/tp.sh
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+export NANOCHAT_BASE_DIR=/tmp/base PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export NANOCHAT_DATA_DIR=$(pwd)/.carry4/data
+mkdir -p $NANOCHAT_BASE_DIR && cp -r .carry4/base/tokenizer $NANOCHAT_BASE_DIR/
+# bench GPUS SECONDS NAME ARGS... : one dev.bench_train run on the given GPUs, log in $OUT/NAME.log
+bench() {
+    local gpus=$1 secs=$2 name=$3; shift 3
+    CUDA_VISIBLE_DEVICES=$gpus timeout -k 10 $secs python3 -m dev.bench_train --out $OUT/bench.csv --label "$name" "$@" \
+        > $OUT/$name.log 2>&1
+    echo "== $name (exit $?): $(grep -E '^RESULT' $OUT/$name.log | tail -1)"
+    grep -E "Error|error:|Traceback" $OUT/$name.log | head -3
+}
