@@ -9,7 +9,10 @@ Tensor parallelism (Megatron-style), as small explicit pieces, applied to an ini
   never gathers the logits (chosen over replication: at d32 the fp32 logits of a 32x2048 micro-batch
   are 8.6 GB per copy, and the embedding/head weights are 5% of the parameters)
 - optional sequence parallelism: between the TP regions the residual stream (norms, lambdas, residual
-  adds) is split along the sequence; regions start with an all-gather and end with a reduce-scatter
+  adds) is split along the tokens; regions start with an all-gather and end with a reduce-scatter. The
+  split is of the flattened (B*T) token dim, rank k holding tokens [k, k+1) * B*T/tp viewed as
+  (B, T/tp, D): every op between regions is per token, and dim 0 of a contiguous tensor goes through
+  the collectives as it is (splitting dim 1 of (B, T, D) costs a transposed copy around each one)
 
 A region starts with `RegionEnter` (f, or the sequence all-gather) placed at the model's `tp_enter`
 hook and ends inside the row-parallel linear (g, or the reduce-scatter). Every collective is one of the
@@ -77,9 +80,9 @@ def reduce_partial_grad(p):
 #
 #   f  copy_to_tp          forward: identity         backward: all-reduce    (enter a TP region)
 #   g  reduce_from_tp      forward: all-reduce       backward: identity      (leave a TP region)
-#      gather_sequence     forward: all-gather T     backward: reduce-scatter T   (enter, with SP)
-#      scatter_sequence    forward: reduce-scatter T backward: all-gather T       (leave, with SP)
-#      split_sequence      forward: keep my T chunk  backward: all-gather T       (after the embedding, SP)
+#      gather_sequence     forward: all-gather tokens      backward: reduce-scatter tokens (enter, with SP)
+#      scatter_sequence    forward: reduce-scatter tokens  backward: all-gather tokens     (leave, with SP)
+#      split_sequence      forward: keep my tokens         backward: all-gather tokens     (after the embedding, SP)
 #      gather_vocab        forward: all-gather V     backward: keep my V chunk    (full logits, inference)
 
 def _all_gather(x, dim, group):
@@ -100,6 +103,23 @@ def _all_reduce(x, group):
 
 def _my_chunk(x, dim, group):
     return x.chunk(dist.get_world_size(group), dim=dim)[dist.get_rank(group)].contiguous()
+
+
+# the token split of sequence parallelism: (B, T, D) <-> this rank's (B, T/tp, D), by flattened tokens
+
+def _gather_tokens(x, group):
+    B, t, D = x.shape
+    return _all_gather(x.reshape(B * t, D), 0, group).view(B, t * dist.get_world_size(group), D)
+
+
+def _reduce_scatter_tokens(x, group):
+    B, T, D = x.shape
+    return _reduce_scatter(x.reshape(B * T, D), 0, group).view(B, T // dist.get_world_size(group), D)
+
+
+def _my_tokens(x, group):
+    B, T, D = x.shape
+    return _my_chunk(x.reshape(B * T, D), 0, group).view(B, T // dist.get_world_size(group), D)
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -127,33 +147,33 @@ class _GatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _all_gather(x, 1, group)
+        return _gather_tokens(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter(grad, 1, ctx.group), None
+        return _reduce_scatter_tokens(grad, ctx.group), None
 
 
 class _ScatterSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _reduce_scatter(x, 1, group)
+        return _reduce_scatter_tokens(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, 1, ctx.group), None
+        return _gather_tokens(grad, ctx.group), None
 
 
 class _SplitSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _my_chunk(x, 1, group)
+        return _my_tokens(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, 1, ctx.group), None
+        return _gather_tokens(grad, ctx.group), None
 
 
 class _GatherVocab(torch.autograd.Function):
@@ -181,7 +201,7 @@ class RegionEnter(nn.Module):
 
 
 class SplitSequence(nn.Module):
-    """After the embedding, with sequence parallelism: each rank keeps its chunk of the sequence."""
+    """After the embedding, with sequence parallelism: each rank keeps its share of the tokens."""
 
     def __init__(self, group):
         super().__init__()

@@ -60,6 +60,10 @@ def test_tp2_pp2(reference):
     assert_same_run(run_layout(tp=2, pp=2), reference)
 
 
+def test_tp2_pp2_sequence_parallel(reference):  # stages pass this rank's share of the tokens
+    assert_same_run(run_layout(tp=2, pp=2, sequence_parallel=True), reference)
+
+
 def _resume_matches(saved_run, **layout):
     """Resume the checkpoint saved half-way through `saved_run` at another layout: the second half of
     the loss curve and the final parameters must match."""
