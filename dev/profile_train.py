@@ -1,14 +1,19 @@
 """
 Where does a training step's GPU time go? Builds the model, optimizer and data as base_train does,
 runs a few warm-up steps (compilation), then profiles a few steps with torch.profiler and prints the
-kernels by total GPU time, grouped into matmuls, attention, optimizer and the rest; and the wall time
-of the same steps, so the gap (GPU idle: host syncs, launch overhead, eager code) shows.
+kernels by total GPU time, grouped into matmuls, attention, optimizer and the rest; the wall time
+of the same steps, so the gap (GPU idle: host syncs, launch overhead, eager code) shows; and where that
+idle time sits: each stretch with no kernel running is charged to the part of the step (data, forward,
+backward, optimizer, step end) and the host operation that the CPU was in when the GPU ran dry.
 
     python -m dev.profile_train --depth 12 --window-pattern L --data-dir DIR [--fp8] [--l3-after-layers 5]
 """
 
+import os
+import json
 import time
 import argparse
+import tempfile
 from collections import defaultdict
 
 import torch
@@ -51,15 +56,27 @@ names = {p: n for n, p in model.named_parameters()}
 optimizer = MuonAdamW(model.param_groups(0.3, 0.008, 0.02, 0.5, 0.28), names, compute_dtype=dtype, compile=True)
 prepare_attention(config, device)
 cmodel = torch.compile(model, dynamic=False)
-loader = DataLoader(tokenizer, args.device_batch_size, config.sequence_len, "train", device, data_dir=args.data_dir)
+loader = DataLoader(tokenizer, args.device_batch_size, config.sequence_len, "train", device, data_dir=args.data_dir,
+                    prefetch=args.grad_accum + 1)
 
 
 def step():
-    for _ in range(args.grad_accum):
-        x, y, _ = next(loader)
-        (cmodel(x, y) / args.grad_accum).backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    """One training step as base_train runs it, in labelled parts (the labels show in the trace)."""
+    record = torch.profiler.record_function
+    total = torch.zeros((), device=device)
+    with record("data"):
+        batches = [next(loader)[:2] for _ in range(args.grad_accum)]
+    for x, y in batches:
+        with record("forward"):
+            loss = cmodel(x, y)
+        with record("backward"):
+            (loss / args.grad_accum).backward()
+        total += loss.detach()
+    with record("optimizer"):
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    with record("step end"):
+        total.item()
 
 
 for _ in range(args.warmup):
@@ -70,16 +87,16 @@ for _ in range(args.active):  # unprofiled wall time (the profiler itself slows 
     step()
 torch.cuda.synchronize()
 wall_ms = (time.time() - t0) * 1000 / args.active
-with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
     for _ in range(args.active):
         step()
     torch.cuda.synchronize()
-if args.trace:
-    prof.export_chrome_trace(args.trace)
-
-events = [e for e in prof.key_averages() if e.device_time_total > 0]
-total = sum(e.device_time_total for e in events)
-groups = defaultdict(float)
+trace_path = args.trace or os.path.join(tempfile.mkdtemp(), "trace.json")
+prof.export_chrome_trace(trace_path)
+loader.close()
+trace = json.load(open(trace_path))["traceEvents"]
+kernels = sorted((e for e in trace if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
+n = args.active
 
 
 def group_of(name):
@@ -95,13 +112,64 @@ def group_of(name):
     return "elementwise/reduction (triton, aten)"
 
 
-for e in events:
-    groups[group_of(e.key)] += e.device_time_total
-print(f"wall time per step: {wall_ms:.1f} ms; GPU kernel time per step: {total / args.active / 1000:.1f} ms over "
-      f"{len(events)} kernels; idle {wall_ms - total / args.active / 1000:.1f} ms")
+# --- kernel time: by group and by kernel ---
+by_kernel, calls, groups = defaultdict(float), defaultdict(int), defaultdict(float)
+for k in kernels:
+    by_kernel[k["name"]] += k["dur"]
+    calls[k["name"]] += 1
+    groups[group_of(k["name"])] += k["dur"]
+total = sum(by_kernel.values())
+print(f"wall time per step: {wall_ms:.1f} ms; GPU kernel time per step: {total / n / 1000:.1f} ms over "
+      f"{len(kernels) // n} kernel launches; idle {wall_ms - total / n / 1000:.1f} ms")
 for g, t in sorted(groups.items(), key=lambda kv: -kv[1]):
-    print(f"  {g:<40} {t / args.active / 1000:9.1f} ms  {100 * t / total:5.1f}%")
+    print(f"  {g:<40} {t / n / 1000:9.1f} ms  {100 * t / total:5.1f}%")
 print(f"\n{'kernel':<100} {'ms/step':>9} {'%':>6} {'calls':>7}")
-for e in sorted(events, key=lambda e: -e.device_time_total)[:40]:
-    print(f"{e.key[:100]:<100} {e.device_time_total / args.active / 1000:9.2f} {100 * e.device_time_total / total:6.1f} {e.count // args.active:7d}")
-loader.close()
+for name, t in sorted(by_kernel.items(), key=lambda kv: -kv[1])[:40]:
+    print(f"{name[:100]:<100} {t / n / 1000:9.2f} {100 * t / total:6.1f} {calls[name] // n:7d}")
+
+# --- idle time: the part of the step, and the host op, that the CPU was in when the GPU ran dry ---
+# host events of every thread (the backward runs on autograd's own thread)
+cpu = sorted((e for e in trace if e.get("cat") in ("cpu_op", "user_annotation") and e.get("ph") == "X"), key=lambda e: e["ts"])
+PARTS = {"data", "forward", "backward", "optimizer", "step end"}
+
+
+class HostContext:
+    """For increasing times ts: the labelled part of the step and the innermost host op running at ts
+    (a sweep over the host events, sorted by start)."""
+
+    def __init__(self, events):
+        self.events, self.next, self.open = events, 0, []
+
+    def at(self, ts):
+        while self.next < len(self.events) and self.events[self.next]["ts"] <= ts:
+            self.open.append(self.events[self.next])
+            self.next += 1
+        self.open = [e for e in self.open if e["ts"] + e["dur"] >= ts]
+        parts = [e for e in self.open if e["name"] in PARTS]
+        ops = [e for e in self.open if e["name"] not in PARTS]
+        part = parts[-1]["name"] if parts else "(outside)"
+        op = min(ops, key=lambda e: e["dur"])["name"] if ops else "(no op)"
+        return part, op
+
+
+host_context = HostContext(cpu).at
+by_part, by_op, gaps = defaultdict(float), defaultdict(float), []
+busy_until = kernels[0]["ts"] + kernels[0]["dur"]
+for k in kernels[1:]:
+    gap = k["ts"] - busy_until
+    if gap > 5:  # microseconds; shorter gaps are the launch queue's own spacing
+        part, op = host_context(busy_until)
+        by_part[part] += gap
+        by_op[(part, op)] += gap
+        gaps.append((gap, part, op))
+    busy_until = max(busy_until, k["ts"] + k["dur"])
+print(f"\nGPU idle per step, by part of the step ({len(gaps) / n:.0f} gaps over 5 us per step, "
+      f"{sum(g for g, _, _ in gaps) / n / 1000:.1f} ms in all):")
+for part, t in sorted(by_part.items(), key=lambda kv: -kv[1]):
+    print(f"  {part:<12} {t / n / 1000:8.2f} ms")
+print("by the host op the CPU was in when the GPU ran dry (top 15):")
+for (part, op), t in sorted(by_op.items(), key=lambda kv: -kv[1])[:15]:
+    print(f"  {t / n / 1000:8.2f} ms  {part:<10} {op[:90]}")
+print("largest single gaps:")
+for gap, part, op in sorted(gaps, reverse=True)[:8]:
+    print(f"  {gap / 1000:8.2f} ms  {part:<10} {op[:90]}")

@@ -30,6 +30,8 @@ import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel, SDPBackend
 from torch.nn.attention.flex_attention import flex_attention, create_block_mask
 
+from nanochat.softcap_ce import softcap, softcap_cross_entropy
+
 
 @dataclass
 class GPTConfig:
@@ -259,16 +261,16 @@ class Block(nn.Module):
 
 
 class SoftcapCrossEntropy(nn.Module):
-    """Logits in fp32, soft-capped to (-15, 15), then cross-entropy (ignore_index=-1). Tensor
-    parallelism swaps in a vocab-parallel version with the same interface."""
+    """Logits in fp32, soft-capped to (-15, 15), then cross-entropy (ignore_index=-1): fused Triton
+    kernels on CUDA (softcap_ce.py). Tensor parallelism swaps in a vocab-parallel version with the
+    same interface."""
 
     def logits(self, raw):
-        raw = raw.float()
-        return 15.0 * torch.tanh(raw / 15.0)
+        return softcap(raw)
 
     def forward(self, raw, targets, reduction="mean"):
-        logits = self.logits(raw)
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1, reduction=reduction)
+        # raw is the lm_head's output, read by nothing else: the backward may overwrite it
+        return softcap_cross_entropy(raw, targets, reduction, scratch=True)
 
 
 @dataclass

@@ -29,6 +29,8 @@ import torch.nn.functional as F
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+from nanochat.softcap_ce import softcap
+
 
 # -----------------------------------------------------------------------------
 # Shards <-> full tensors (used by the optimizer and checkpoints)
@@ -333,11 +335,10 @@ class VocabParallelSoftcapCrossEntropy(nn.Module):
 
     def logits(self, raw):
         """Full soft-capped logits (every rank gets all of them): for evaluation and sampling."""
-        raw = _GatherVocab.apply(raw.float(), self.group)
-        return 15.0 * torch.tanh(raw / 15.0)
+        return softcap(_GatherVocab.apply(raw.float(), self.group))
 
     def forward(self, raw, targets, reduction="mean"):
-        logits = 15.0 * torch.tanh(raw.float() / 15.0)
+        logits = softcap(raw)
         flat = logits.view(-1, logits.size(-1))
         targets = targets.reshape(-1)
         loss = _VocabParallelCrossEntropy.apply(flat, targets, self.vocab_start, self.group)

@@ -301,8 +301,10 @@ reads_data = pipeline is None or layout.is_first_stage or layout.is_last_stage
 
 
 def make_loader(split, state=None):
+    # prefetch a whole step: a step starts once all its micro-batches are in, so with a shallower queue
+    # the GPU would wait at every step for the loader to pack the rest (measured: ~80 ms per step)
     return DataLoader(tokenizer, args.device_batch_size, args.max_seq_len, split, device, data_dir=data_dir,
-                      dp_rank=layout.dp_rank, dp_size=layout.dp_size, state=state,
+                      dp_rank=layout.dp_rank, dp_size=layout.dp_size, state=state, prefetch=grad_accum + 1,
                       keep_remainder=args.keep_remainder and split == "train")
 
 
