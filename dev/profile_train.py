@@ -100,14 +100,14 @@ n = args.active
 
 
 def group_of(name):
-    n = name.lower()
-    if "gemm" in n or "matmul" in n or "mm_" in n or "cutlass" in n or "sm90_xmma" in n or "nvjet" in n:
+    low = name.lower()
+    if any(s in low for s in ("gemm", "matmul", "mm_", "cutlass", "sm90_xmma", "nvjet")):
         return "matmul"
-    if "attn" in n or "attention" in n or "fmha" in n or "flex" in n or "cudnn" in n:
+    if any(s in low for s in ("attn", "attention", "fmha", "flex", "cudnn")):
         return "attention"
-    if "nccl" in n:
+    if "nccl" in low:
         return "communication"
-    if "memcpy" in n or "memset" in n:
+    if "memcpy" in low or "memset" in low:
         return "memcpy/memset"
     return "elementwise/reduction (triton, aten)"
 

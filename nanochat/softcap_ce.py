@@ -7,10 +7,10 @@ The training loss: logits soft-capped to (-CAP, CAP) in fp32, then cross-entropy
 On CUDA two Triton kernels do it, one pass over the (N, V) logits each: the forward reads the bf16
 logits once and keeps only the per-row logsumexp (N floats); the backward reads them again and writes
 the gradient (over them, for the model's own temporary logits), already scaled by the incoming
-gradient. No fp32 copy of the logits is ever stored.
-Measured on an H200 (d12, 65,536 x 32,768 logits): what torch.compile generated for the same math
-took 8.4 ms per micro-batch; these kernels are in dev/LOG.md. Since |z| <= CAP, exp(z - CAP) never
-overflows, so the logsumexp needs no running maximum: one sum per row.
+gradient. No fp32 copy of the logits is ever stored. Since |z| <= CAP, exp(z - CAP) never overflows,
+so the logsumexp needs no running maximum: one sum per row. Measured on an H200 (65,536 x 32,768
+bf16 logits, forward + backward, dev/bench_softcap_ce.py): 4.45 ms, against 8.55 ms for what
+torch.compile makes of the PyTorch math.
 
 Elsewhere (CPU, MPS) the same math runs in PyTorch; tests check the kernels against it through
 Triton's interpreter (TRITON_INTERPRET=1) where Triton is installed.

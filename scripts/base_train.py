@@ -301,11 +301,13 @@ reads_data = pipeline is None or layout.is_first_stage or layout.is_last_stage
 
 
 def make_loader(split, state=None):
-    # prefetch a whole step: a step starts once all its micro-batches are in, so with a shallower queue
-    # the GPU would wait at every step for the loader to pack the rest (measured: ~80 ms per step)
+    # training prefetches a whole step: a step starts once all its micro-batches are in, so with a
+    # shallower queue the GPU would wait at every step for the loader to pack the rest (measured: ~80 ms
+    # per step); evaluation takes one batch at a time
+    train = split == "train"
     return DataLoader(tokenizer, args.device_batch_size, args.max_seq_len, split, device, data_dir=data_dir,
-                      dp_rank=layout.dp_rank, dp_size=layout.dp_size, state=state, prefetch=grad_accum + 1,
-                      keep_remainder=args.keep_remainder and split == "train")
+                      dp_rank=layout.dp_rank, dp_size=layout.dp_size, state=state,
+                      prefetch=grad_accum + 1 if train else 2, keep_remainder=args.keep_remainder and train)
 
 
 try:
