@@ -36,6 +36,7 @@ parser.add_argument("--fp8", action="store_true")
 parser.add_argument("--l3-after-layers", type=str, default="", help="as in base_train, e.g. 5")
 parser.add_argument("--l3-k-max", type=int, default=512)
 parser.add_argument("--l3-n-emb", type=int, default=0)
+parser.add_argument("--l3-tied", type=int, nargs="?", const=1, default=1, choices=(0, 1), help="as in base_train")
 parser.add_argument("--trace", type=str, default="", help="write a Chrome trace here")
 args = parser.parse_args()
 
@@ -44,7 +45,8 @@ dtype = get_compute_dtype("cuda")
 tokenizer = get_tokenizer()
 l3_layers = tuple(int(i) for i in args.l3_after_layers.split(",") if i)
 config = config_for_depth(args.depth, vocab_size=tokenizer.get_vocab_size(), window_pattern=args.window_pattern,
-                          l3_after_layers=l3_layers, l3_k_max=args.l3_k_max, l3_n_emb=args.l3_n_emb)
+                          l3_after_layers=l3_layers, l3_k_max=args.l3_k_max, l3_n_emb=args.l3_n_emb,
+                          l3_tied=bool(args.l3_tied and l3_layers))
 model = build_model(config, device, dtype)
 if l3_layers:
     from nanochat.l3 import allocate_for_model

@@ -9,7 +9,8 @@ The layer. For hidden x in R^d at a position holding token t, token t owns the r
     u   = LayerNorm(W_up (V_t^T a))       (d_up,)  W_up: d_emb -> d_up; no affine (W_mix absorbs a gain)
     out = W_mix [u ; x]                   (d,)     W_mix: d_up + d -> d, zero-initialized: a no-op at start
 
-Tied (K = V): one table serves as both keys and values (needs d_emb == d). The tables are sparse
+Tied (K = V): one table serves as both keys and values (needs d_emb == d); at d12 it trained as well as two
+tables, faster and in less memory (dev/LOG.md, session 4), so base_train ties by default. The tables are sparse
 parameters (each token touches its own rows only) and go to AdamW; W_up and W_mix are matrices for Muon.
 
 The allocation (the part that matters: per the paper, a uniform split loses nearly all of the gain).
@@ -43,10 +44,11 @@ training token reads ~270 rows, so a 32 x 2048 micro-batch has P ~ 17.5M.
   Wikipedia batches of 65K tokens (d12 defaults, bf16): ~1,700 blocks in 10 chunks gather ~0.96M rows,
   18x fewer than the P a per-(position, row) gather-and-dot would move, for S ~ 61M score entries
   (3.5x P: the masked-out parts of the tiles, cheap inside a matmul).
-  Chunks (widest windows first; a chunk is padded to its widest window and holds widths within 2x of
-  it) keep a gathered (rows, d) tensor under L3_CHUNK_BYTES (512 MiB). The backward is written by hand
-  (an autograd.Function): it recomputes each chunk instead of storing it, and accumulates the table
-  gradients in fp32 into one (n_emb, d) buffer per table (index_add of each block's bmm result).
+  Chunks (widest windows first; a chunk is padded to its widest window, rounded up to a multiple of 16,
+  and holds widths within 2x of it) keep a gathered (rows, d) tensor under L3_CHUNK_BYTES (512 MiB).
+  The backward is written by hand (an autograd.Function): it recomputes each chunk instead of storing
+  it, and accumulates the table gradients in fp32 into one (n_emb, d) buffer per table (index_put_ of
+  each block's bmm result; tied, one bmm gives a row's key and value gradients summed).
   Memory: O(N (d + d_emb)) for inputs, outputs and the index plan; per chunk a few tensors of
   <= L3_CHUNK_BYTES (~3 in the forward, ~7 in the backward counting fp32 ones double); a compute-dtype
   copy of the tables, kept from the forward to the backward; the fp32 table gradients (which become
@@ -85,6 +87,8 @@ L3_LZW_MAX_ENTRIES = 1 << 22
 L3_ROWS_PER_TOKEN = 16
 # blocked path: sorted positions per block (the M of each block's score matmul)
 L3_BLOCK_POSITIONS = 64
+# blocked path: a chunk's window width is padded to a multiple of this (extra rows are masked out)
+L3_WIDTH_ALIGN = 16
 # blocked path: most bytes of one gathered (rows, d) tensor of a chunk, in the compute dtype
 L3_CHUNK_BYTES = 512 << 20
 # padded path (CPU only): used while its (N, max d_t, d) gather stays this small and pads little
@@ -282,13 +286,15 @@ class _Plan:
         self.width = self.end[self.first + self.count - 1] - self.lo  # ends are sorted: the last one is the max
         self.by_width = torch.argsort(self.width, descending=True, stable=True)
         # chunks: at most max_rows rows gathered (blocks x max(width, block)), and widths within 2x of the
-        # chunk's widest, so padding every block to that width at most doubles the work
+        # chunk's widest, so padding every block to that width at most doubles the work. The padded width
+        # is rounded up to a multiple of L3_WIDTH_ALIGN: the bmms' row strides then stay 16-byte aligned,
+        # which cuBLAS needs for its Hopper kernels (measured: unaligned widths ran sm75 "align1" kernels)
         widths = self.width[self.by_width].tolist()
         ascending = [-w for w in widths]
         self.chunks, i = [], 0
         while i < len(widths):
-            w = widths[i]
-            j = min(i + max(1, max_rows // max(w, block)), bisect.bisect_right(ascending, -w / 2))
+            w = -(-widths[i] // L3_WIDTH_ALIGN) * L3_WIDTH_ALIGN
+            j = min(i + max(1, max_rows // max(w, block)), bisect.bisect_right(ascending, -widths[i] / 2))
             self.chunks.append((i, j, w))
             i = j
 
@@ -328,8 +334,10 @@ class _BlockedLookup(torch.autograd.Function):
         hs = x.new_empty(x.size(0) + 1, vc.size(1))  # + the spare row for padding slots
         for i, j, w in plan.chunks:
             slot, target, rows, mask = plan.blocks(i, j, w, kc.size(0))
-            a = _block_attention(xs[slot], kc[rows], mask, acc)
-            hs.index_copy_(0, target, torch.bmm(a.to(x.dtype), vc[rows]).flatten(0, 1))
+            kb = kc[rows]
+            vb = kb if values is None else vc[rows]  # tied: one gather serves both
+            a = _block_attention(xs[slot], kb, mask, acc)
+            hs.index_copy_(0, target, torch.bmm(a.to(x.dtype), vb).flatten(0, 1))
         # the cast tables are kept for the backward: the same values, and a second cast of both tables
         # costs more time than their compute-dtype copies cost memory
         ctx.save_for_backward(x, kc, None if values is None else vc)
@@ -353,15 +361,20 @@ class _BlockedLookup(torch.autograd.Function):
         dv = dk if ctx.tied else torch.zeros(vc.shape, dtype=acc, device=vc.device)
         for i, j, w in plan.chunks:
             slot, target, rows, mask = plan.blocks(i, j, w, kc.size(0))
-            xb, kb, vb = xs[slot], kc[rows], vc[rows]
+            xb, kb = xs[slot], kc[rows]
+            vb = kb if ctx.tied else vc[rows]
             a = _block_attention(xb, kb, mask, acc)
             gb = gs[slot] * (target < plan.n).view_as(slot)[..., None]  # padding slots carry no gradient
             da = torch.bmm(gb, vb.transpose(1, 2)).to(acc)
             ds = (a * (da - (a * da).sum(-1, keepdim=True))).to(x.dtype)  # softmax backward
             dxs.index_copy_(0, target, torch.bmm(ds, kb).flatten(0, 1))
             index = (rows.flatten(),)
-            dk.index_put_(index, torch.bmm(ds.transpose(1, 2), xb).flatten(0, 1).to(acc), accumulate=True)
-            dv.index_put_(index, torch.bmm(a.to(x.dtype).transpose(1, 2), gb).flatten(0, 1).to(acc), accumulate=True)
+            if ctx.tied:  # a row's key and value gradients ds^T x + a^T g summed inside one bmm (K = 2 block)
+                lhs, rhs = torch.cat([ds, a.to(x.dtype)], dim=1), torch.cat([xb, gb], dim=1)
+                dk.index_put_(index, torch.bmm(lhs.transpose(1, 2), rhs).flatten(0, 1).to(acc), accumulate=True)
+            else:
+                dk.index_put_(index, torch.bmm(ds.transpose(1, 2), xb).flatten(0, 1).to(acc), accumulate=True)
+                dv.index_put_(index, torch.bmm(a.to(x.dtype).transpose(1, 2), gb).flatten(0, 1).to(acc), accumulate=True)
         dx = torch.empty_like(dxs[:-1]).index_copy_(0, plan.order, dxs[:-1])
         dt = ctx.table_dtype
         return dx, dk.to(dt), None if ctx.tied else dv.to(dt), None, None, None, None, None

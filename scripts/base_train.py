@@ -96,7 +96,9 @@ parser.add_argument("--l3-after-layers", type=str, default="", help="comma-separ
 parser.add_argument("--l3-n-emb", type=int, default=0, help="rows of the L3 tables (0 = 16 per vocabulary entry)")
 parser.add_argument("--l3-d-up", type=int, default=0, help="L3 up-projection width (0 = 4 * model_dim)")
 parser.add_argument("--l3-k-max", type=int, default=512, help="most table rows one token may own")
-parser.add_argument("--l3-tied", action="store_true", help="tie L3 keys and values (K = V)")
+parser.add_argument("--l3-tied", type=int, nargs="?", const=1, default=1, choices=(0, 1),
+                    help="1: one L3 table serves as keys and values (K = V); 0: two tables. Tied measured as good and "
+                         "faster at d12 (dev/LOG.md)")
 args = parser.parse_args()
 user_config = vars(args).copy()
 
@@ -166,7 +168,7 @@ else:
         config = config_for_depth(args.depth, args.aspect_ratio, args.head_dim, vocab_size, args.max_seq_len,
                                   args.window_pattern, n_kv_head=args.n_kv_head, l3_after_layers=l3_layers,
                                   l3_n_emb=args.l3_n_emb, l3_d_up=args.l3_d_up, l3_k_max=args.l3_k_max,
-                                  l3_tied=args.l3_tied)
+                                  l3_tied=bool(args.l3_tied and l3_layers))
     except ValueError as e:
         fail(str(e))
 try:

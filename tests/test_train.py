@@ -136,3 +136,18 @@ def test_resume_at_the_final_step_wraps_up(env):
     run_script("scripts.base_train", args, env)
     p = run_script("scripts.base_train", args + ["--resume-from-step", "2"], env)
     assert "training from step 2 to 2" in p.stdout and "Validation bpb:" in p.stdout
+
+
+def test_l3_run_resumes_bitwise_with_its_allocation(env):
+    """An L3 run (tied, the default) resumes bitwise: the LZW allocation comes back from the checkpoint
+    instead of being computed again (with the uniform split left by init_weights the losses would differ)."""
+    args = TRAIN + ["--num-iterations", "4", "--save-every", "2", "--model-tag", "l3", "--eval-every", "-1",
+                    "--l3-after-layers", "0", "--l3-k-max", "8"]
+    full = run_script("scripts.base_train", args, env)
+    assert "L3 allocation:" in full.stdout and '"l3_tied": true' in full.stdout
+    resumed = run_script("scripts.base_train", args + ["--resume-from-step", "2"], env)
+    assert "L3 allocation:" not in resumed.stdout
+    losses, again = parse_losses(full.stdout), parse_losses(resumed.stdout)
+    assert sorted(again) == [2, 3]
+    for s in (2, 3):
+        assert again[s] == losses[s], f"step {s}: {again[s]} != {losses[s]}"

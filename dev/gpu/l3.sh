@@ -7,11 +7,11 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
 T0=$(date +%s)
 source "$(dirname "$0")/equal_steps.sh"
 run dense 170 --num-iterations=200
-run l3_k128 200 --num-iterations=200 --l3-after-layers 5 --l3-k-max 128
+run l3_k128 200 --num-iterations=200 --l3-after-layers 5 --l3-tied 0 --l3-k-max 128
 read dense_tok dense_bpb _ <<< "$(summary dense)"; read l3_tok l3_bpb _ <<< "$(summary l3_k128)"
-best=l3_k128; best_tok=$l3_tok; best_args="--l3-after-layers 5 --l3-k-max 128"
+best=l3_k128; best_tok=$l3_tok; best_args="--l3-after-layers 5 --l3-tied 0 --l3-k-max 128"
 if [ $((l3_tok * 10)) -lt $((dense_tok * 8)) ]; then
-    run l3_k128_half 200 --num-iterations=200 --l3-after-layers 5 --l3-k-max 128 --l3-n-emb 262144
+    run l3_k128_half 200 --num-iterations=200 --l3-after-layers 5 --l3-tied 0 --l3-k-max 128 --l3-n-emb 262144
     read h_tok h_bpb _ <<< "$(summary l3_k128_half)"
     if [ $h_tok -gt $best_tok ]; then best=l3_k128_half; best_tok=$h_tok; best_args="$best_args --l3-n-emb 262144"; fi
 fi

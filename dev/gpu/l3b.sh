@@ -4,5 +4,5 @@
 source "$(dirname "$0")/env.sh"
 source "$(dirname "$0")/equal_steps.sh"
 run dense_rerun 170 --num-iterations=200
-run l3_k512 220 --num-iterations=200 --l3-after-layers 5
+run l3_k512 220 --num-iterations=200 --l3-after-layers 5 --l3-tied 0
 grep -E "^step 00([0-9]{2}0|199)/" $OUT/dense_rerun.log | cut -d'|' -f2 | tr '\n' ' '
