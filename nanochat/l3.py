@@ -349,16 +349,15 @@ class _BlockedLookup(torch.autograd.Function):
         x, kc, vc = ctx.saved_tensors
         plan = ctx.plan
         acc = _acc_dtype(x.dtype)
-        vc = kc if ctx.tied else vc
         xs = x.index_select(0, plan.order)
         gs = grad_h.to(x.dtype).index_select(0, plan.order)
         dxs = xs.new_empty(xs.size(0) + 1, xs.size(1))  # + the spare row for padding slots
         # table gradients accumulate in fp32 over blocks (each block's bmm already sums its slots in fp32);
-        # tied: keys and values share one buffer. index_put_ with accumulate sorts the row indices and sums
+        # tied: one table, one buffer. index_put_ with accumulate sorts the row indices and sums
         # duplicates in order: many blocks of a frequent token share one window of rows, and atomic adds
         # (index_add_) on those rows contend
         dk = torch.zeros(kc.shape, dtype=acc, device=kc.device)
-        dv = dk if ctx.tied else torch.zeros(vc.shape, dtype=acc, device=vc.device)
+        dv = None if ctx.tied else torch.zeros(vc.shape, dtype=acc, device=vc.device)
         for i, j, w in plan.chunks:
             slot, target, rows, mask = plan.blocks(i, j, w, kc.size(0))
             xb, kb = xs[slot], kc[rows]
