@@ -1,11 +1,12 @@
 """
-The soft-capped cross-entropy on one GPU: the Triton kernels (softcap_ce.py) against what
-torch.compile makes of the same math, at the training shape (32 x 2048 tokens, vocab 32768, bf16
-logits). Checks them against float64 on a slice of rows, then times forward + backward with CUDA
-events (median of repeats), and prints the HBM bandwidth the
-kernels reach (one read of the logits forward; one read and one write backward).
+The training loss on one GPU at a training shape (32 x 2048 tokens, d 768, vocab 32768, bf16):
+softcap_ce.head_loss (the lm_head matmul + the Triton kernel as one autograd function) against what
+torch.compile makes of the same math (F.linear, soft-cap, cross-entropy). Checks the Triton path against
+float64 on a slice of rows, then times with CUDA events (median of repeats):
+- the whole head, forward + backward, both ways, and its three matmuls alone;
+- the kernel alone, loss only (one read of the logits) and with the gradient (a read and a write).
 
-    python -m dev.bench_softcap_ce [--tokens 65536] [--vocab 32768]
+    python -m dev.bench_softcap_ce [--tokens 65536] [--dim 768] [--vocab 32768]
 """
 
 import argparse
@@ -14,34 +15,37 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from nanochat.softcap_ce import kernel_loss, reference_loss
+from nanochat.softcap_ce import head_loss, reference_loss, _row_losses
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--tokens", type=int, default=65536)
+parser.add_argument("--dim", type=int, default=768)
 parser.add_argument("--vocab", type=int, default=32768)
 parser.add_argument("--repeats", type=int, default=20)
 args = parser.parse_args()
 
 torch.manual_seed(0)
-N, V = args.tokens, args.vocab
-raw = (torch.randn(N, V, device="cuda") * 4).bfloat16()
+N, D, V = args.tokens, args.dim, args.vocab
+x = torch.randn(N, D, device="cuda").bfloat16()
+w = (torch.randn(V, D, device="cuda") * 4 / D ** 0.5).bfloat16()  # logits with a spread of ~4
 targets = torch.randint(0, V, (N,), device="cuda")
 targets[::97] = -1
 
-# --- correctness on the first rows, against float64 ---
+# --- correctness on the first rows, against float64 of the same (bf16-rounded) logits ---
 rows = 512
-x = raw[:rows].double().requires_grad_()
-F.cross_entropy(15 * torch.tanh(x / 15), targets[:rows], ignore_index=-1).backward()
-mine = raw[:rows].clone().requires_grad_()
-loss = kernel_loss(mine, targets[:rows])
-loss.backward()
-ref_loss = F.cross_entropy(15 * torch.tanh(raw[:rows].double() / 15), targets[:rows], ignore_index=-1)
-print(f"vs float64 on {rows} rows: loss error {abs(loss.item() - ref_loss.item()):.2e}, "
-      f"gradient relative error {((mine.grad.double() - x.grad).norm() / x.grad.norm()).item():.2e}")
+xs, ws = x[:rows].clone().requires_grad_(), w.clone().requires_grad_()
+head_loss(xs, ws, targets[:rows]).backward()
+raw = (x[:rows] @ w.t()).double().requires_grad_()
+ref = F.cross_entropy(15 * torch.tanh(raw / 15), targets[:rows], ignore_index=-1)
+ref.backward()
+ref_gx = raw.grad @ w.double()
+mine = head_loss(x[:rows], w, targets[:rows])
+print(f"vs float64 on {rows} rows: loss error {abs(mine.item() - ref.item()):.2e}, "
+      f"x gradient relative error {((xs.grad.double() - ref_gx).norm() / ref_gx.norm()).item():.2e}")
 
 
 def timed(fn):
-    """Median ms of fn() (forward + backward) over the repeats, after warm-up."""
+    """Median ms of fn() over the repeats, after warm-up."""
     for _ in range(3):
         fn()
     times = []
@@ -55,16 +59,29 @@ def timed(fn):
     return statistics.median(times)
 
 
-def step(loss_fn):
+def head_step(loss_fn):
     def run():
-        r = raw.detach().requires_grad_()
-        loss_fn(r, targets).backward()
+        xr, wr = x.detach().requires_grad_(), w.detach().requires_grad_()
+        loss_fn(xr, wr, targets).backward()
     return run
 
 
-compiled_ref = torch.compile(reference_loss, dynamic=False)
-results = {"torch.compile of the PyTorch math": timed(step(compiled_ref)),
-           "Triton kernels": timed(step(kernel_loss))}
-gb = 3 * N * V * raw.element_size() / 1e9  # forward read + backward read and write
+def matmuls_only():
+    logits = x @ w.t()
+    logits @ w, logits.t() @ x
+
+
+compiled_ref = torch.compile(lambda a, b, t: reference_loss(F.linear(a, b), t), dynamic=False)
+logits = x @ w.t()
+results = {
+    "head: torch.compile of the PyTorch math": timed(head_step(compiled_ref)),
+    "head: head_loss (matmul + Triton kernel)": timed(head_step(head_loss)),
+    "head: its three matmuls alone": timed(matmuls_only),
+    "kernel: loss only": timed(lambda: _row_losses(logits, targets, write_grad=False)),
+    "kernel: loss and gradient": timed(lambda: _row_losses(logits, targets, write_grad=True)),
+}
+gb = N * V * logits.element_size() / 1e9
 for name, ms in results.items():
-    print(f"{name:<40} {ms:7.2f} ms forward+backward  ({gb / ms:.2f} TB/s over the minimal {gb:.1f} GB)")
+    passes = {"kernel: loss only": 1, "kernel: loss and gradient": 2}.get(name)
+    bw = f"  ({passes * gb / ms:.2f} TB/s over {passes} pass{'es' if passes > 1 else ''} of {gb:.1f} GB)" if passes else ""
+    print(f"{name:<44} {ms:7.2f} ms{bw}")

@@ -1,19 +1,26 @@
 """
-The training loss: logits soft-capped to (-CAP, CAP) in fp32, then cross-entropy (ignore_index=-1).
+The training loss: the lm_head's logits soft-capped to (-CAP, CAP) in fp32, then cross-entropy
+(ignore_index=-1).
 
-    z = CAP * tanh(raw / CAP)          loss_i = logsumexp(z_i) - z_i[t_i]
+    raw = x @ W^T                      z = CAP * tanh(raw / CAP)          loss_i = logsumexp(z_i) - z_i[t_i]
     d loss_i / d raw_ij = (softmax(z_i)_j - [j == t_i]) * (1 - (z_ij / CAP)^2)
 
-On CUDA two Triton kernels do it, one pass over the (N, V) logits each: the forward reads the bf16
-logits once and keeps only the per-row logsumexp (N floats); the backward reads them again and writes
-the gradient (over them, for the model's own temporary logits), already scaled by the incoming
-gradient. No fp32 copy of the logits is ever stored. Since |z| <= CAP, exp(z - CAP) never overflows,
-so the logsumexp needs no running maximum: one sum per row. Measured on an H200 (65,536 x 32,768
-bf16 logits, forward + backward, dev/bench_softcap_ce.py): 4.45 ms, against 8.55 ms for what
-torch.compile makes of the PyTorch math.
+On CUDA, head_loss() does the lm_head matmul and the loss as one autograd function, around one Triton
+kernel. Each program takes one row of the (N, V) logits:
+- it reads the row once for the logsumexp (since |z| <= CAP, exp(z - CAP) never overflows, so no
+  running maximum is needed: one sum per row) and writes the row's loss;
+- when a gradient is wanted, it reads the row again and writes d loss_i / d raw_i over it, unscaled,
+  in the forward already.
+The backward then only multiplies: the incoming gradient is almost always one scalar spread over the
+rows (a mean or a sum), and it scales the two small products (N x d and V x d) instead of the (N, V)
+gradient. No fp32 copy of the logits is ever stored.
+The kernel is bound by instructions (two exponentials and a division per logit), not by HBM: saving a
+pass over memory alone saved nothing; fewer instructions per logit did (H200, 65,536 x 32,768 bf16,
+dev/bench_softcap_ce.py: loss only 1.95 ms, loss and gradient 3.57 ms; the first version of this kernel
+4.18 ms, session 3's forward and backward kernels 4.45 ms).
 
-Elsewhere (CPU, MPS) the same math runs in PyTorch; tests check the kernels against it through
-Triton's interpreter (TRITON_INTERPRET=1) where Triton is installed.
+Elsewhere (CPU, MPS) the same math runs in PyTorch; tests check the kernel against it through Triton's
+interpreter (TRITON_INTERPRET=1) where Triton is installed.
 """
 
 import torch
@@ -34,110 +41,120 @@ def softcap(raw):
 
 
 def reference_loss(raw, targets, reduction="mean"):
-    """The plain PyTorch version (any device; autograd does the backward)."""
+    """The plain PyTorch version on logits (any device; autograd does the backward)."""
     logits = softcap(raw)
     return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1, reduction=reduction)
 
 
 if triton is not None:
-    @triton.jit
-    def _tanh(x):
-        # 1 - 2 / (exp(2x) + 1): exact limits at +-inf (exp -> inf gives 1, exp -> 0 gives -1)
-        return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+    # With y = raw / CAP, u = exp(2y) and r = 1 / (u + 1):
+    #   tanh(y) = 1 - 2r,   z - CAP = -2 CAP r,   1 - tanh(y)^2 = 4 r (1 - r)
+    # so each logit costs two exponentials and one reciprocal (base 2: exp(a) = exp2(a log2(e))). The
+    # kernel is bound by these instructions, not by HBM: fewer of them is what makes it faster.
+    LOG2E = tl.constexpr(1.4426950408889634)
 
     @triton.jit
-    def _forward_kernel(raw_ptr, targets_ptr, loss_ptr, lse_ptr, V, row_stride,
-                        CAP: tl.constexpr, BLOCK: tl.constexpr):
+    def _r(raw, CAP: tl.constexpr):
+        return 1.0 / (tl.math.exp2(raw.to(tl.float32) * (2.0 * LOG2E / CAP)) + 1.0)
+
+    @triton.jit
+    def _loss_kernel(raw_ptr, targets_ptr, loss_ptr, V, row_stride,
+                     CAP: tl.constexpr, BLOCK: tl.constexpr, WRITE_GRAD: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         row_ptr = raw_ptr + row * row_stride
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for start in range(0, V, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            mask = cols < V
-            z = CAP * _tanh(tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32) / CAP)
-            acc += tl.where(mask, tl.exp(z - CAP), 0.0)
+        full = V // BLOCK * BLOCK  # whole blocks need no mask; a ragged end gets one masked block
+        acc = tl.zeros([BLOCK], dtype=tl.float32)  # sum of exp(z - CAP) <= V: no overflow, no running max
+        for start in range(0, full, BLOCK):
+            acc += tl.math.exp2(_r(tl.load(row_ptr + start + tl.arange(0, BLOCK)), CAP) * (-2.0 * CAP * LOG2E))
+        if full < V:
+            cols = full + tl.arange(0, BLOCK)
+            r = _r(tl.load(row_ptr + cols, mask=cols < V, other=0.0), CAP)
+            acc += tl.where(cols < V, tl.math.exp2(r * (-2.0 * CAP * LOG2E)), 0.0)
         lse = tl.log(tl.sum(acc, axis=0)) + CAP
         target = tl.load(targets_ptr + row)
-        z_target = CAP * _tanh(tl.load(row_ptr + tl.maximum(target, 0)).to(tl.float32) / CAP)
+        z_target = CAP * (1.0 - 2.0 * _r(tl.load(row_ptr + tl.maximum(target, 0)), CAP))
         tl.store(loss_ptr + row, tl.where(target >= 0, lse - z_target, 0.0))
-        tl.store(lse_ptr + row, lse)
-
-    @triton.jit
-    def _backward_kernel(raw_ptr, targets_ptr, lse_ptr, grad_out_ptr, grad_out_stride, grad_ptr, V, row_stride,
-                         CAP: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        row_ptr = raw_ptr + row * row_stride
-        grad_row_ptr = grad_ptr + row * row_stride
-        target = tl.load(targets_ptr + row)
-        lse = tl.load(lse_ptr + row)
-        scale = tl.where(target >= 0, tl.load(grad_out_ptr + row * grad_out_stride).to(tl.float32), 0.0)
-        for start in range(0, V, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            mask = cols < V
-            t = _tanh(tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32) / CAP)
-            p = tl.exp(CAP * t - lse)
-            d = (p - tl.where(cols == target, 1.0, 0.0)) * (1.0 - t * t) * scale
-            tl.store(grad_row_ptr + cols, d.to(grad_ptr.dtype.element_ty), mask=mask)
+        if WRITE_GRAD:
+            # the row's gradient over the row itself (each block is read before this program writes it):
+            # p = exp(z - lse) = exp2((CAP - lse) log2(e) - 2 CAP log2(e) r)
+            base = (CAP - lse) * LOG2E
+            keep = tl.where(target >= 0, 4.0, 0.0)  # the 4 of 4 r (1 - r); ignored rows get a zero gradient
+            target = target.to(tl.int32)  # compared with int32 columns (an int64 compare costs per logit)
+            for start in range(0, V, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                mask = cols < V
+                r = _r(tl.load(row_ptr + cols, mask=mask, other=0.0), CAP)
+                p = tl.math.exp2(base + r * (-2.0 * CAP * LOG2E))
+                d = (p - tl.where(tl.arange(0, BLOCK) == target - start, 1.0, 0.0)) * (r * (1.0 - r) * keep)
+                tl.store(row_ptr + cols, d.to(raw_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch_config(V):
+def _row_losses(raw, targets, write_grad):
+    """Per-row losses (N,) fp32 of (N, V) logits (last dim contiguous); with write_grad, raw is
+    overwritten with d loss_i / d raw_i."""
+    N, V = raw.shape
+    loss = torch.empty(N, dtype=torch.float32, device=raw.device)
     block = min(triton.next_power_of_2(V), 4096)
-    return block, 8 if block >= 2048 else 4
+    _loss_kernel[(N,)](raw, targets, loss, V, raw.stride(0), CAP=CAP, BLOCK=block, WRITE_GRAD=write_grad,
+                       num_warps=8 if block >= 2048 else 4)
+    return loss
 
 
-class _SoftcapCrossEntropy(torch.autograd.Function):
-    """raw: (N, V) logits (bf16 or fp32, last dim contiguous); targets: (N,) int64, -1 = ignore.
-    Returns the per-row losses (N,) in fp32 (0 where ignored). With scratch=True the backward writes
-    the gradient over raw (the caller promises not to read raw again, and to run the backward once):
-    a logits-sized buffer less at the peak, 4 GiB at 32 x 2048 tokens."""
+class _HeadLoss(torch.autograd.Function):
+    """x: (N, d), weight: (V, d), both in the compute dtype; targets: (N,) int64, -1 = ignore.
+    Returns the per-row losses (N,) in fp32 (0 where ignored)."""
 
     @staticmethod
-    def forward(ctx, raw, targets, scratch):
-        N, V = raw.shape
-        loss = torch.empty(N, dtype=torch.float32, device=raw.device)
-        lse = torch.empty(N, dtype=torch.float32, device=raw.device)
-        block, warps = _launch_config(V)
-        _forward_kernel[(N,)](raw, targets, loss, lse, V, raw.stride(0), CAP=CAP, BLOCK=block, num_warps=warps)
-        ctx.save_for_backward(raw, targets, lse)
-        ctx.scratch = scratch
+    def forward(ctx, x, weight, targets):
+        raw = x @ weight.t()
+        loss = _row_losses(raw, targets, write_grad=True)
+        ctx.save_for_backward(x, weight, raw)  # raw now holds the gradient of each row's loss
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        raw, targets, lse = ctx.saved_tensors
-        N, V = raw.shape
-        grad_loss = grad_loss.float()  # (N,), often an expanded scalar (stride 0)
-        # in place when allowed: each program reads a block of its row before writing the same block
-        grad = raw if ctx.scratch else torch.empty_like(raw)
-        block, warps = _launch_config(V)
-        _backward_kernel[(N,)](raw, targets, lse, grad_loss, grad_loss.stride(0), grad, V, raw.stride(0),
-                               CAP=CAP, BLOCK=block, num_warps=warps)
-        return grad, None, None
+        x, weight, grad_raw = ctx.saved_tensors
+        scale = None
+        if grad_loss.stride(0) == 0:  # one scalar for every row: scale the small products below
+            scale = grad_loss[:1].float()
+        else:  # a weight per row (rare): one more pass over the gradient
+            grad_raw.mul_(grad_loss.unsqueeze(1))
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad_raw @ weight
+            if scale is not None:
+                grad_x.mul_(scale)
+        if ctx.needs_input_grad[1]:
+            grad_w = grad_raw.t() @ x
+            if scale is not None:
+                grad_w.mul_(scale)
+        return grad_x, grad_w, None
 
 
-def softcap_cross_entropy(raw, targets, reduction="mean", scratch=False):
-    """Soft-capped cross-entropy of raw logits (..., V) against targets (...); ignore_index=-1;
-    reduction 'mean' (over the targets that count), 'sum' or 'none' (fp32, shape of targets).
-    scratch=True: raw is a temporary that the backward may overwrite with its gradient (the model's
-    lm_head output)."""
-    if triton is None or not raw.is_cuda:
-        return reference_loss(raw, targets, reduction)
-    return kernel_loss(raw, targets, reduction, scratch)
-
-
-@torch.compiler.disable  # see below
-def kernel_loss(raw, targets, reduction="mean", scratch=False):
-    """The Triton path (CUDA; tests also run it on CPU tensors under TRITON_INTERPRET=1).
-    It runs outside torch.compile's graphs (the graph breaks at the loss): traced into the graph, the
-    in-place backward made AOTAutograd copy the logits first (measured: +4 GiB at d12, 32 x 2048
-    tokens, and an out-of-memory at 128 x 2048); run eagerly, the kernels are just as fast."""
-    V = raw.size(-1)
-    flat = raw.reshape(-1, V)
-    if flat.stride(-1) != 1:
-        flat = flat.contiguous()
-    losses = _SoftcapCrossEntropy.apply(flat, targets.reshape(-1).contiguous(), scratch)
+def _reduce(losses, targets, reduction):
     if reduction == "none":
         return losses.view(targets.shape)
     if reduction == "sum":
         return losses.sum()
     return losses.sum() / (targets != -1).sum()
+
+
+def head_loss(x, weight, targets, reduction="mean"):
+    """Soft-capped cross-entropy of the logits x @ weight^T: x (..., d) and weight (V, d) in the compute
+    dtype, targets (...); ignore_index=-1; reduction 'mean' (over the targets that count), 'sum' or
+    'none' (fp32, shape of targets)."""
+    if triton is None or not x.is_cuda:
+        return reference_loss(F.linear(x, weight), targets, reduction)
+    return kernel_head_loss(x, weight, targets, reduction)
+
+
+@torch.compiler.disable  # run eagerly: traced into a compiled graph, the in-place gradient would make
+def kernel_head_loss(x, weight, targets, reduction="mean"):  # AOTAutograd copy the logits first
+    """The Triton path (CUDA; tests also run it on CPU tensors under TRITON_INTERPRET=1)."""
+    flat_x = x.reshape(-1, x.size(-1))
+    flat_targets = targets.reshape(-1).contiguous()
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        losses = _HeadLoss.apply(flat_x, weight, flat_targets)
+    else:  # evaluation: the loss only
+        losses = _row_losses(flat_x @ weight.t(), flat_targets, write_grad=False)
+    return _reduce(losses, targets, reduction)

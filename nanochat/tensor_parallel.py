@@ -337,8 +337,8 @@ class VocabParallelSoftcapCrossEntropy(nn.Module):
         """Full soft-capped logits (every rank gets all of them): for evaluation and sampling."""
         return softcap(_GatherVocab.apply(raw.float(), self.group))
 
-    def forward(self, raw, targets, reduction="mean"):
-        logits = softcap(raw)
+    def forward(self, x, lm_head, targets, reduction="mean"):
+        logits = softcap(lm_head(x))
         flat = logits.view(-1, logits.size(-1))
         targets = targets.reshape(-1)
         loss = _VocabParallelCrossEntropy.apply(flat, targets, self.vocab_start, self.group)

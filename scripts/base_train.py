@@ -29,7 +29,8 @@ import torch.distributed as dist
 
 from nanochat.common import (compute_init, compute_cleanup, print0, print_rank, get_compute_dtype, get_peak_flops,
                              device_name, all_reduce_max, fail)
-from nanochat.gpt import GPTConfig, config_for_depth, build_model, window_sizes, prepare_attention, GPT
+from nanochat.gpt import (GPTConfig, config_for_depth, build_model, window_sizes, prepare_attention, GPT,
+                         tune_wgrad_splits, set_wgrad_splits)
 from nanochat.optim import MuonAdamW
 from nanochat.dataloader import DataLoader, reshard_states
 from nanochat.dataset import DataError, check_data
@@ -258,6 +259,15 @@ if args.pp > 1:
     print0(f"pipeline: {pipeline.describe()}")
     if args.pp_print_schedule:
         print0(pipeline.schedule_table())
+if device.type == "cuda":
+    # per weight shape, whether a split-K weight gradient is faster on this GPU (gpt.Linear); rank 0's
+    # choice, so that every rank computes alike
+    wgrad_splits = [tune_wgrad_splits(model, args.device_batch_size * args.max_seq_len, dtype)]
+    if layout.world_size > 1:
+        dist.broadcast_object_list(wgrad_splits, src=0)
+    set_wgrad_splits(model, wgrad_splits[0])
+    print0("weight gradients, split-K by shape (out x in: split, ms plain -> ms split): " + ", ".join(
+        f"{o}x{i}: {s} ({t1:.3f} -> {ts:.3f})" for (o, i), (s, t1, ts) in wgrad_splits[0].items()))
 local_params = sum(p.numel() for p in model.parameters())
 if layout.world_size > 1:
     print_rank(layout, f"local parameters: {local_params:,}")

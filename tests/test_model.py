@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from nanochat import gpt
 from nanochat.gpt import GPT, GPTConfig, config_for_depth, build_model, window_sizes, attention, has_value_embed
 
 
@@ -129,3 +130,36 @@ def test_meta_build_then_init_is_deterministic():
         assert torch.equal(p, q), n
     assert torch.count_nonzero(a.blocks[0].attn.c_proj.weight) == 0
     assert torch.count_nonzero(a.blocks[0].mlp.c_proj.weight) == 0
+
+
+@pytest.mark.parametrize("split", [2, 4])
+def test_split_weight_gradient_matches_autograd(monkeypatch, split):
+    """Linears with wgrad_split > 1 (what tune_wgrad_splits picks on a GPU for some shapes) give the same
+    loss and, within rounding, the same gradients."""
+    torch.manual_seed(0)
+    model = build_model(tiny_config(n_embd=128, n_head=2, n_kv_head=1), "cpu")
+    with torch.no_grad():  # off the init (zero output projections would zero most gradients)
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    idx = torch.randint(0, 256, (2, 64))
+
+    def loss_and_grads():
+        model.zero_grad()
+        loss = model(idx, idx)
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    plain_loss, plain = loss_and_grads()
+    assert gpt.tune_wgrad_splits(model, 128, torch.float32) == {}  # CPU: nothing to tune
+    tunable = gpt._tunable_linears(model)
+    assert len(tunable) == 4 * 4  # q, attention proj, MLP fc and proj per block (k, v are 64 wide; not the lm_head)
+    gpt.set_wgrad_splits(model, {tuple(m.weight.shape): (split, 0.0, 0.0) for m in tunable})
+    calls = []
+    real = gpt.weight_grad
+    monkeypatch.setattr(gpt, "weight_grad", lambda dy, x, s: calls.append(s) or real(dy, x, s))
+    split_loss, split_grads = loss_and_grads()
+    assert calls == [split] * len(tunable)
+    assert torch.equal(plain_loss, split_loss)
+    assert plain.keys() == split_grads.keys()
+    for name in plain:
+        torch.testing.assert_close(split_grads[name], plain[name], rtol=1e-5, atol=1e-7, msg=name)

@@ -1,0 +1,21 @@
+#!/bin/bash
+# x4 call (session 5), one GPU per lane: split-K weight gradients (tuned per shape at start) and the cheaper loss
+# kernel, against the tree before this session on the same machine (.carry4/old: commit 5275b0a's gpt.py,
+# softcap_ce.py and tensor_parallel.py); SSSL and fp8 with them; the equal-steps quality run.
+source "$(dirname "$0")/env.sh"
+source "$(dirname "$0")/equal_steps.sh"
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry4/whl/*.whl && export PYTHONPATH=/tmp/site
+rm -rf /tmp/old && mkdir /tmp/old && cp -r nanochat scripts dev /tmp/old/ && cp .carry4/old/*.py /tmp/old/nanochat/
+D12="--depth 12 --steps 16 --warmup 6 --device-batch-size 128"
+D20="--depth 20 --steps 12 --warmup 5"
+( export CUDA_VISIBLE_DEVICES=0
+  timeout 60 python3 -m dev.bench_softcap_ce 2>&1 | grep -v Warn | tee $OUT/ce_d12.log
+  bench 0 200 new_d12_L_b128 $D12 -- --window-pattern L && bench 0 200 new_d12_SSSL_b128 $D12 -- --window-pattern SSSL ) &
+( cd /tmp/old && bench 1 200 old_d12_L_b128 $D12 -- --window-pattern L && bench 1 280 old_d20_L_b32 $D20 -- --window-pattern L ) &
+( bench 2 280 new_d20_L_b32 $D20 -- --window-pattern L && bench 2 280 new_d20_SSSL_b32 $D20 -- --window-pattern SSSL ) &
+( export CUDA_VISIBLE_DEVICES=3; run quality_d12_L 260 --num-iterations=200
+  bench 3 300 new_d20_fp8_L_b32 $D20 -- --window-pattern L --fp8 ) &
+wait
+grep -h "weight gradients, split-K" $OUT/new_d12_L_b128.log $OUT/new_d20_L_b32.log
+cat $OUT/bench.csv
+cd $OUT && tar czf logs.tgz *.log && rm -f *.log
