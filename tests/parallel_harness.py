@@ -3,6 +3,8 @@ started with torch.multiprocessing (gloo, CPU, fp32), and return the losses and 
 The equivalence tests compare each layout against one process."""
 
 import os
+import atexit
+import shutil
 import socket
 import tempfile
 
@@ -123,12 +125,24 @@ def _worker(rank, world, tp, pp, sequence_parallel, schedule, steps, port, out_d
         dist.destroy_process_group()
 
 
+_runs_root = None
+
+
+def _new_run_dir():
+    """A folder for one run's checkpoints and results; they all go when the test session ends."""
+    global _runs_root
+    if _runs_root is None:  # made here, not at import: spawned workers import this module too
+        _runs_root = tempfile.mkdtemp(prefix="nanochat_layouts_")
+        atexit.register(shutil.rmtree, _runs_root, True)
+    return tempfile.mkdtemp(dir=_runs_root)
+
+
 def run_layout(dp=1, tp=1, pp=1, sequence_parallel=False, schedule="1f1b", steps=5, config_overrides=None,
                resume_from=None, out_dir=None):
     """Returns {"losses": [...], "params": {name: full tensor}, "eval_losses": [the whole-sequence loss
     after training, from each stage's first rank], "dir": out_dir}."""
     world = dp * tp * pp
-    out_dir = out_dir or tempfile.mkdtemp(prefix="nanochat_layout_")
+    out_dir = out_dir or _new_run_dir()
     args = (world, tp, pp, sequence_parallel, schedule, steps, _free_port(), out_dir, config_overrides or {}, resume_from)
     if world == 1:
         _worker(0, *args)
