@@ -11,9 +11,11 @@ first of each shape can come out a few % faster than an equal product timed late
 """
 
 import argparse
-import statistics
 
 import torch
+
+from nanochat.common import cuda_time_ms
+from nanochat.gpt import config_for_depth
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--depth", type=int, default=20)
@@ -23,23 +25,9 @@ parser.add_argument("--vocab", type=int, default=32768)
 parser.add_argument("--repeats", type=int, default=20)
 args = parser.parse_args()
 
-d = -(-args.depth * 64 // 128) * 128  # model_dim: depth x 64 rounded up to a multiple of 128
+d = config_for_depth(args.depth).n_embd
 M = args.device_batch_size * args.seq_len
 shapes = {"attention q/k/v/proj": (d, d), "MLP up": (d, 4 * d), "MLP down": (4 * d, d), "lm_head": (d, args.vocab)}
-
-
-def timed(fn):
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(args.repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 print(f"depth {args.depth}: d {d}, {M} tokens per micro-batch; {torch.cuda.get_device_name()}, "
@@ -59,6 +47,6 @@ for name, (n_in, n_out) in shapes.items():
             roles[f"weight grad split-K {s} (bmm)"] = (
                 lambda s=s: torch.bmm(dy.view(s, M // s, n_out).transpose(1, 2), x.view(s, M // s, n_in)).sum(0))
     for role, fn in roles.items():
-        ms = timed(fn)
+        ms = cuda_time_ms(fn, args.repeats)
         print(f"{name:<22} {str((n_in, n_out)):<14} {role:<28} {ms:7.3f} {flop / ms / 1e9:8.1f}")
     del x, w, dy

@@ -10,11 +10,11 @@ float64 on a slice of rows, then times with CUDA events (median of repeats):
 """
 
 import argparse
-import statistics
 
 import torch
 import torch.nn.functional as F
 
+from nanochat.common import cuda_time_ms
 from nanochat.softcap_ce import head_loss, reference_loss, _row_losses
 
 parser = argparse.ArgumentParser()
@@ -44,21 +44,6 @@ print(f"vs float64 on {rows} rows: loss error {abs(mine.item() - ref.item()):.2e
       f"x gradient relative error {((xs.grad.double() - ref_gx).norm() / ref_gx.norm()).item():.2e}")
 
 
-def timed(fn):
-    """Median ms of fn() over the repeats, after warm-up."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(args.repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def head_step(loss_fn):
     def run():
         xr, wr = x.detach().requires_grad_(), w.detach().requires_grad_()
@@ -74,11 +59,11 @@ def matmuls_only():
 compiled_ref = torch.compile(lambda a, b, t: reference_loss(F.linear(a, b), t), dynamic=False)
 logits = x @ w.t()
 results = {
-    "head: torch.compile of the PyTorch math": timed(head_step(compiled_ref)),
-    "head: head_loss (matmul + Triton kernel)": timed(head_step(head_loss)),
-    "head: its three matmuls alone": timed(matmuls_only),
-    "kernel: loss only": timed(lambda: _row_losses(logits, targets, write_grad=False)),
-    "kernel: loss and gradient": timed(lambda: _row_losses(logits, targets, write_grad=True)),
+    "head: torch.compile of the PyTorch math": cuda_time_ms(head_step(compiled_ref), args.repeats),
+    "head: head_loss (matmul + Triton kernel)": cuda_time_ms(head_step(head_loss), args.repeats),
+    "head: its three matmuls alone": cuda_time_ms(matmuls_only, args.repeats),
+    "kernel: loss only": cuda_time_ms(lambda: _row_losses(logits, targets, write_grad=False), args.repeats),
+    "kernel: loss and gradient": cuda_time_ms(lambda: _row_losses(logits, targets, write_grad=True), args.repeats),
 }
 gb = N * V * logits.element_size() / 1e9
 for name, ms in results.items():

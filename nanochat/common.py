@@ -1,6 +1,6 @@
 """
 Things every script needs: where files live, which device and dtype to compute in, the torchrun
-process groups (DP x TP x PP), rank-aware printing, and the peak FLOP/s table for MFU.
+process groups (DP x TP x PP), rank-aware printing, the peak FLOP/s table for MFU, and a CUDA timer.
 
 The compute dtype is decided once, here: bf16 on GPUs that have fast bf16 (SM80+), fp32 elsewhere,
 overridable with NANOCHAT_DTYPE=float32|bfloat16. Weights stay fp32; modules cast to it.
@@ -8,6 +8,7 @@ overridable with NANOCHAT_DTYPE=float32|bfloat16. Weights stay fp32; modules cas
 
 import os
 import sys
+import statistics
 from dataclasses import dataclass
 
 import torch
@@ -256,3 +257,18 @@ def all_reduce_max(value: float, device) -> float:
     t = torch.tensor([value], dtype=torch.float32, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
+
+
+def cuda_time_ms(fn, repeats=20, warmup=3):
+    """Median milliseconds of one fn() call on the current CUDA stream (CUDA events), after warm-up calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel, SDPBackend
 from torch.nn.attention.flex_attention import flex_attention, create_block_mask
 
+from nanochat.common import cuda_time_ms
 from nanochat.softcap_ce import softcap, head_loss
 
 
@@ -149,9 +150,9 @@ class _SplitWeightGradLinear(torch.autograd.Function):
 @torch.no_grad()
 def tune_wgrad_splits(model, tokens, dtype, splits=(1, 2, 4), repeats=10, margin=0.03):
     """For each weight shape among the model's Linears (both dims >= 128), time the weight gradient of a
-    micro-batch of `tokens` in `dtype` at each split; a split is chosen only when it beats the plain
-    product by `margin`. Returns {(out, in): (split, ms plain, ms with the split)} for set_wgrad_splits.
-    CUDA only: elsewhere it returns {}."""
+    micro-batch of `tokens` in `dtype` at each split (median of `repeats` calls); a split is chosen only
+    when it beats the plain product by `margin`. Returns {(out, in): (split, ms plain, ms with the split)}
+    for set_wgrad_splits. CUDA only: elsewhere it returns {}."""
     linears = _tunable_linears(model)
     if not linears or linears[0].weight.device.type != "cuda":
         return {}
@@ -160,17 +161,7 @@ def tune_wgrad_splits(model, tokens, dtype, splits=(1, 2, 4), repeats=10, margin
         out_features, in_features = shape
         dy = torch.randn(tokens, out_features, device="cuda", dtype=dtype)
         x = torch.randn(tokens, in_features, device="cuda", dtype=dtype)
-        times = {}
-        for split in (s for s in splits if tokens % s == 0):
-            for _ in range(2):  # warm-up
-                weight_grad(dy, x, split)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(repeats):
-                weight_grad(dy, x, split)
-            end.record()
-            torch.cuda.synchronize()
-            times[split] = start.elapsed_time(end) / repeats
+        times = {s: cuda_time_ms(lambda: weight_grad(dy, x, s), repeats) for s in splits if tokens % s == 0}
         best = min(times, key=times.get)
         best = best if times[best] < times[1] * (1 - margin) else 1
         chosen[shape] = (best, times[1], times[best])

@@ -15,3 +15,12 @@ bench() {
     echo "== $name (exit $?): $(grep -E '^RESULT' $OUT/$name.log | tail -1)"
     grep -E "Error|error:|Traceback" $OUT/$name.log | head -3
 }
+# fp8_wheels: torchao (carried in .carry4/whl) on the path, for --fp8
+fp8_wheels() {
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry4/whl/*.whl && export PYTHONPATH=/tmp/site
+}
+# old_tree: the tree before session 5 (commit 5275b0a's nanochat/, scripts/, dev/, carried in .carry4/old) in
+# /tmp/old, for A/B runs on the same machine (cd /tmp/old && bench ...)
+old_tree() {
+    rm -rf /tmp/old && mkdir /tmp/old && cp -r .carry4/old/* /tmp/old/
+}

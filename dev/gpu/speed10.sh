@@ -2,8 +2,8 @@
 # x4 call (session 5), one GPU per lane: #5's table with the final code (split-K weight gradients tuned per shape,
 # the cheaper loss kernel), and the tree before this session (.carry4/old, commit 5275b0a) on the same machine.
 source "$(dirname "$0")/env.sh"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry4/whl/*.whl && export PYTHONPATH=/tmp/site
-rm -rf /tmp/old && mkdir /tmp/old && cp -r .carry4/old/* /tmp/old/
+fp8_wheels
+old_tree
 D12="--depth 12 --steps 16 --warmup 6 --device-batch-size 128"
 D20="--depth 20 --steps 12 --warmup 5"
 ( bench 0 200 d12_L_b128 $D12 -- --window-pattern L && bench 0 200 d12_SSSL_b128 $D12 -- --window-pattern SSSL ) &

@@ -1,10 +1,11 @@
 #!/bin/bash
 # x4 call (session 5), one GPU per lane: the lm_head matmul and the loss as one autograd function (the logits'
-# gradient written in the forward), against the tree before it on the same machine (.carry4/old holds commit
-# 5275b0a's gpt.py, softcap_ce.py and tensor_parallel.py); the loss and matmul micro-benchmarks; fp8 with it.
+# gradient written in the forward), against the tree before it on the same machine (env.sh's old_tree; the call
+# itself used commit 5275b0a's gpt.py, softcap_ce.py and tensor_parallel.py in today's tree, the same code);
+# the loss and matmul micro-benchmarks; fp8 with it.
 source "$(dirname "$0")/env.sh"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry4/whl/*.whl && export PYTHONPATH=/tmp/site
-rm -rf /tmp/old && mkdir /tmp/old && cp -r nanochat scripts dev /tmp/old/ && cp .carry4/old/*.py /tmp/old/nanochat/
+fp8_wheels
+old_tree
 D12="--depth 12 --steps 16 --warmup 6 --device-batch-size 128"
 D20="--depth 20 --steps 12 --warmup 5"
 ( export CUDA_VISIBLE_DEVICES=0

@@ -1,11 +1,12 @@
 #!/bin/bash
 # x4 call (session 5), one GPU per lane: split-K weight gradients (tuned per shape at start) and the cheaper loss
-# kernel, against the tree before this session on the same machine (.carry4/old: commit 5275b0a's gpt.py,
-# softcap_ce.py and tensor_parallel.py); SSSL and fp8 with them; the equal-steps quality run.
+# kernel, against the tree before this session on the same machine (env.sh's old_tree); SSSL and fp8 with them;
+# the equal-steps quality run. (In the call itself the old runs failed: they had only the old modules under the
+# new base_train; old_tree now copies the whole old tree.)
 source "$(dirname "$0")/env.sh"
 source "$(dirname "$0")/equal_steps.sh"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry4/whl/*.whl && export PYTHONPATH=/tmp/site
-rm -rf /tmp/old && mkdir /tmp/old && cp -r nanochat scripts dev /tmp/old/ && cp .carry4/old/*.py /tmp/old/nanochat/
+fp8_wheels
+old_tree
 D12="--depth 12 --steps 16 --warmup 6 --device-batch-size 128"
 D20="--depth 20 --steps 12 --warmup 5"
 ( export CUDA_VISIBLE_DEVICES=0

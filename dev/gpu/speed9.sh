@@ -3,7 +3,7 @@
 # input gradients from W^T) and the cheaper loss kernel, against the tree before this session on the same
 # machine (.carry4/old: nanochat/, scripts/, dev/ of commit 5275b0a); the matmul micro-benchmark; a d20 profile.
 source "$(dirname "$0")/env.sh"
-rm -rf /tmp/old && mkdir /tmp/old && cp -r .carry4/old/* /tmp/old/
+old_tree
 D12="--depth 12 --steps 16 --warmup 6 --device-batch-size 128"
 D20="--depth 20 --steps 12 --warmup 5"
 ( export CUDA_VISIBLE_DEVICES=0
