@@ -32,6 +32,7 @@ from torch.nn.attention.flex_attention import flex_attention, create_block_mask
 
 from nanochat.common import cuda_time_ms
 from nanochat.softcap_ce import softcap, head_loss
+from nanochat.rotary_norm import rotary_norm, rotary_tables
 
 
 @dataclass
@@ -180,20 +181,6 @@ def _tunable_linears(model):
             and m is not getattr(model, "lm_head", None)]
 
 
-def apply_rotary(x, cos, sin):
-    """x: (B, T, H, D); cos/sin: (1, T, 1, D/2). Rotates pairs (x_i, x_{i+D/2})."""
-    d = x.shape[-1] // 2
-    x1, x2 = x[..., :d], x[..., d:]
-    return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1)
-
-
-def rotary_tables(seq_len, head_dim, base=100_000.0, device=None):
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
-    t = torch.arange(seq_len, dtype=torch.float32, device=device)
-    freqs = torch.outer(t, inv_freq)
-    return freqs.cos()[None, :, None, :], freqs.sin()[None, :, None, :]
-
-
 # --- attention kernels ------------------------------------------------------------
 # q: (B, Hq, T, D), k/v: (B, Hkv, S, D). Training and prefill have S == T (causal from position 0);
 # decoding with a KV cache has S > T: the queries sit at positions S-T .. S-1.
@@ -285,8 +272,7 @@ class CausalSelfAttention(nn.Module):
         if ve is not None:  # value embedding through an input-dependent gate in (0, 2), 1 at init
             gate = 2 * torch.sigmoid(self.ve_gate(x[..., :VE_GATE_CHANNELS]))
             v = v + gate.unsqueeze(-1) * ve.view(B, T, -1, hd)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        q, k = norm(q) * 1.2, norm(k) * 1.2  # QK-norm; rotation and RMSNorm commute
+        q, k = rotary_norm(q, cos, sin, 1.2), rotary_norm(k, cos, sin, 1.2)  # rotary, then QK-norm, scaled
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v)

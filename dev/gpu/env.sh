@@ -19,8 +19,8 @@ bench() {
 fp8_wheels() {
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry4/whl/*.whl && export PYTHONPATH=/tmp/site
 }
-# old_tree: the tree before session 5 (commit 5275b0a's nanochat/, scripts/, dev/, carried in .carry4/old) in
-# /tmp/old, for A/B runs on the same machine (cd /tmp/old && bench ...)
+# old_tree: the tree before the session (nanochat/, scripts/, dev/ of an earlier commit, carried in .carry4/old;
+# session 5: 5275b0a, session 6: 2e89d52) in /tmp/old, for A/B runs on the same machine (cd /tmp/old && bench ...)
 old_tree() {
     rm -rf /tmp/old && mkdir /tmp/old && cp -r .carry4/old/* /tmp/old/
 }
