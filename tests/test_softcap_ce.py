@@ -3,12 +3,12 @@ interpreter) against float64 truth, and the PyTorch path the model uses off CUDA
 
 import os
 import sys
-import subprocess
-import importlib.util
 
 import pytest
 import torch
 import torch.nn.functional as F
+
+from triton_interpreter import needs_triton, run_under_interpreter
 
 
 def make_inputs(dtype, V, seed=0):
@@ -65,12 +65,9 @@ def check_kernels():
     print("kernels ok")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (pip install triton)")
+@needs_triton
 def test_kernel_matches_float64_under_triton_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600,
-                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert result.returncode == 0 and "kernels ok" in result.stdout, result.stdout + result.stderr
+    run_under_interpreter(__file__)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])

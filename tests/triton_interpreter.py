@@ -1,0 +1,21 @@
+"""Running a test file's Triton kernels on CPU: Triton's interpreter (TRITON_INTERPRET=1) must be set before
+Triton is imported, so the file runs again in a subprocess, where its __main__ calls its check_kernels()."""
+
+import os
+import sys
+import subprocess
+import importlib.util
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                  reason="Triton is not installed (pip install triton)")
+
+
+def run_under_interpreter(test_file):
+    """Run test_file under the interpreter; it must exit 0 and print 'kernels ok'."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run([sys.executable, test_file], env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert result.returncode == 0 and "kernels ok" in result.stdout, result.stdout + result.stderr
