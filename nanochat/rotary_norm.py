@@ -8,7 +8,9 @@ On CUDA this runs as two Triton kernels behind one custom op (so torch.compile k
 one call). Each program takes a block of head vectors: the forward reads x and writes y; the backward
 reads x and dy and writes dx, recomputing r and the norm from x in registers. That is 2 and 3 passes over
 memory. What Inductor made of the PyTorch math took more: ~2 TB/s for the forward and three kernels
-for the backward (d20 profile, H200: 52 ms and ~63-89 ms of a 3,072 ms step).
+for the backward. In the d20 training profile on an H200 it took 52 ms forward and ~63-89 ms backward a
+step; these kernels take 26.5 ms (4.05 TB/s) and 42.2 ms (3.8 TB/s). End to end, +2-4% tok/s at d12 and
+d20 (dev/LOG.md, session 6).
 
 Backward, with n = r / sqrt(mean(r^2) + eps) = r * rstd and g = scale * dy:
     dr = rstd * (g - n * mean(g * n)),   dx = rotate^T(dr): (dr_i c - dr_{i+D/2} s, dr_i s + dr_{i+D/2} c)
