@@ -54,9 +54,10 @@ def reference_rotary_norm(x, cos, sin, scale):
 
 if triton is not None:
     @triton.jit
-    def _load_rows(x_ptr, cos_ptr, sin_ptr, n_rows, T, H, cs_stride,
-                   HALF: tl.constexpr, ROWS: tl.constexpr, BLOCK_HALF: tl.constexpr):
-        """This program's rows of x as two halves (fp32), the rows' cos/sin, offsets and mask."""
+    def _rotate_rows(x_ptr, cos_ptr, sin_ptr, n_rows, T, H, cs_stride, eps,
+                     HALF: tl.constexpr, ROWS: tl.constexpr, BLOCK_HALF: tl.constexpr):
+        # this program's rows of x rotated, as two halves (fp32), their 1/rms (ROWS, 1), the rows' cos/sin,
+        # offsets and mask: what both kernels start from
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, BLOCK_HALF)
         mask = (rows < n_rows)[:, None] & (cols < HALF)[None, :]
@@ -66,28 +67,27 @@ if triton is not None:
         x2 = tl.load(x_ptr + offsets + HALF, mask=mask, other=0.0).to(tl.float32)
         c = tl.load(cos_ptr + cs, mask=mask, other=0.0).to(tl.float32)
         s = tl.load(sin_ptr + cs, mask=mask, other=0.0).to(tl.float32)
-        return x1, x2, c, s, offsets, mask
+        r1 = x1 * c + x2 * s
+        r2 = x2 * c - x1 * s
+        rstd = tl.math.rsqrt(tl.sum(r1 * r1 + r2 * r2, axis=1) / (2 * HALF) + eps)[:, None]
+        return r1, r2, rstd, c, s, offsets, mask
 
     @triton.jit
     def _forward_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, n_rows, T, H, cs_stride, scale, eps,
                         HALF: tl.constexpr, ROWS: tl.constexpr, BLOCK_HALF: tl.constexpr):
-        x1, x2, c, s, offsets, mask = _load_rows(x_ptr, cos_ptr, sin_ptr, n_rows, T, H, cs_stride, HALF, ROWS, BLOCK_HALF)
-        r1 = x1 * c + x2 * s
-        r2 = x2 * c - x1 * s
-        rstd = tl.math.rsqrt(tl.sum(r1 * r1 + r2 * r2, axis=1) / (2 * HALF) + eps)
-        k = (rstd * scale)[:, None]
+        r1, r2, rstd, c, s, offsets, mask = _rotate_rows(x_ptr, cos_ptr, sin_ptr, n_rows, T, H, cs_stride, eps,
+                                                         HALF, ROWS, BLOCK_HALF)
+        k = rstd * scale
         tl.store(y_ptr + offsets, (r1 * k).to(y_ptr.dtype.element_ty), mask=mask)
         tl.store(y_ptr + offsets + HALF, (r2 * k).to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _backward_kernel(x_ptr, cos_ptr, sin_ptr, dy_ptr, dx_ptr, n_rows, T, H, cs_stride, scale, eps,
                          HALF: tl.constexpr, ROWS: tl.constexpr, BLOCK_HALF: tl.constexpr):
-        x1, x2, c, s, offsets, mask = _load_rows(x_ptr, cos_ptr, sin_ptr, n_rows, T, H, cs_stride, HALF, ROWS, BLOCK_HALF)
+        r1, r2, rstd, c, s, offsets, mask = _rotate_rows(x_ptr, cos_ptr, sin_ptr, n_rows, T, H, cs_stride, eps,
+                                                         HALF, ROWS, BLOCK_HALF)
         g1 = tl.load(dy_ptr + offsets, mask=mask, other=0.0).to(tl.float32) * scale
         g2 = tl.load(dy_ptr + offsets + HALF, mask=mask, other=0.0).to(tl.float32) * scale
-        r1 = x1 * c + x2 * s
-        r2 = x2 * c - x1 * s
-        rstd = tl.math.rsqrt(tl.sum(r1 * r1 + r2 * r2, axis=1) / (2 * HALF) + eps)[:, None]
         n1, n2 = r1 * rstd, r2 * rstd
         m = (tl.sum(g1 * n1 + g2 * n2, axis=1) / (2 * HALF))[:, None]
         dr1 = rstd * (g1 - n1 * m)
