@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel, SDPBackend
 from torch.nn.attention.flex_attention import flex_attention, create_block_mask
 
+from nanochat import flash_attention
 from nanochat.common import cuda_time_ms
 from nanochat.softcap_ce import softcap, head_loss
 from nanochat.rotary_norm import rotary_norm, rotary_tables
@@ -210,25 +211,35 @@ _CUDA_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBac
 
 
 def prepare_attention(config, device):
-    """Build the FlexAttention block masks for this model's sliding windows before torch.compile traces
-    the model (building them inside the trace is slow and fragile)."""
+    """Before torch.compile traces the model (deciding inside the trace is slow and fragile): settle which
+    kernel trains here, and for FlexAttention build the block masks of this model's sliding windows.
+    Returns the kernel's name, for the log."""
     device = torch.device(device)
-    if device.type == "cuda":
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        for w in set(window_sizes(config)):
-            if w < config.sequence_len:
-                _block_mask(config.sequence_len, w, device)
+    if device.type != "cuda":
+        return "SDPA"
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if flash_attention.available(device):
+        return "FlashAttention-4"
+    for w in set(window_sizes(config)):
+        if w < config.sequence_len:
+            _block_mask(config.sequence_len, w, device)
+    return "SDPA (cuDNN)" + (" + FlexAttention for the sliding windows" if min(window_sizes(config)) < config.sequence_len else "")
 
 
 def attention(q, k, v, window):
     """Causal attention with an optional sliding window, picking the fastest exact kernel:
-    CUDA full context -> SDPA (cuDNN first: measured 526 vs 287 TFLOP/s for flash on H200);
-    CUDA sliding window at the training length -> FlexAttention with a block mask (skips masked
+    Hopper/Blackwell with flash-attn-4 installed -> FlashAttention-4, full context and sliding windows
+    (flash_attention.py; it takes the (B, T, H, D) layout, so the transposes here are views);
+    other CUDA, full context -> SDPA (cuDNN first: measured 526 vs 287 TFLOP/s for flash on H200);
+    other CUDA, sliding window at the training length -> FlexAttention with a block mask (skips masked
     blocks; compiled for that one shape, so other lengths, e.g. CORE's, do not trigger recompiles);
     CPU/MPS, other lengths, or a KV cache -> SDPA with an explicit mask (simple and exact)."""
     T, S = q.size(2), k.size(2)
     gqa = q.size(1) != k.size(1)
+    if q.is_cuda and T == S and flash_attention.available(q.device):
+        out, _ = flash_attention.flash_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), window)
+        return out.transpose(1, 2)
     if q.is_cuda and T == S:
         if window >= T:
             if gqa:  # cuDNN/flash in SDPA want equal head counts: expand k/v

@@ -1,12 +1,15 @@
 # Sourced by the GPU scripts in this folder (the exact commands behind dev/LOG.md's session-2 figures):
-# environment, tokenizer, and a `bench` helper pinned to given GPUs. They expect an ignored folder .carry4 at
-# the repository root, carried to the device: data/ (wiki shards 0-3 and 7), base/tokenizer (the tokenizer
-# trained on shards 0-6), whl/ (torchao 0.17.0 for fp8). Run from anywhere: bash dev/gpu/tp.sh
+# environment, tokenizer, and a `bench` helper pinned to given GPUs. They expect an ignored folder at the
+# repository root, carried to the device: $CARRY, .carry4 unless set. It holds data/ (wiki shards; .carry4:
+# 0-3 and 7), base/tokenizer (the tokenizer trained on shards 0-6), and what the script needs of: whl/
+# (torchao 0.17.0 for fp8), old/ (an earlier tree), fa4site.tar.xz (flash-attn-4 and its dependencies,
+# installed for Python 3.12 with `pip install --target`). Run from anywhere: bash dev/gpu/tp.sh
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+CARRY=${CARRY:-.carry4}
 export NANOCHAT_BASE_DIR=/tmp/base PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export NANOCHAT_DATA_DIR=$(pwd)/.carry4/data
-mkdir -p $NANOCHAT_BASE_DIR && cp -r .carry4/base/tokenizer $NANOCHAT_BASE_DIR/
+export NANOCHAT_DATA_DIR=$(pwd)/$CARRY/data
+mkdir -p $NANOCHAT_BASE_DIR && cp -r $CARRY/base/tokenizer $NANOCHAT_BASE_DIR/
 # bench GPUS SECONDS NAME ARGS... : one dev.bench_train run on the given GPUs, log in $OUT/NAME.log
 bench() {
     local gpus=$1 secs=$2 name=$3; shift 3
@@ -17,10 +20,19 @@ bench() {
 }
 # fp8_wheels: torchao (carried in .carry4/whl) on the path, for --fp8
 fp8_wheels() {
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry4/whl/*.whl && export PYTHONPATH=/tmp/site
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $CARRY/whl/*.whl && export PYTHONPATH=/tmp/site
 }
 # old_tree: the tree before the session (nanochat/, scripts/, dev/ of an earlier commit, carried in .carry4/old;
 # session 5: 5275b0a, session 6: 2e89d52) in /tmp/old, for A/B runs on the same machine (cd /tmp/old && bench ...)
 old_tree() {
-    rm -rf /tmp/old && mkdir /tmp/old && cp -r .carry4/old/* /tmp/old/
+    rm -rf /tmp/old && mkdir /tmp/old && cp -r $CARRY/old/* /tmp/old/
+}
+# fa4_site: unpack flash-attn-4 and its dependencies (carried as $CARRY/fa4site.tar.xz) into /tmp/fa4site;
+# `with_fa4 CMD...` then runs CMD with them on the path (Python ignores a --target folder's .pth files, so
+# cutlass's own path is added by hand)
+fa4_site() {
+    mkdir -p /tmp/fa4site && tar -C /tmp/fa4site -xJf $CARRY/fa4site.tar.xz
+}
+with_fa4() {
+    ( export PYTHONPATH=/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/python_packages${PYTHONPATH:+:$PYTHONPATH}; "$@" )
 }
