@@ -29,7 +29,7 @@ args = parser.parse_args()
 cfg = config_for_depth(args.depth, sequence_len=args.seq_len, window_pattern="SSSL")
 B, T, H, D = args.device_batch_size, args.seq_len, cfg.n_head, cfg.head_dim
 device = torch.device("cuda", torch.cuda.current_device())
-has_fa4 = flash_attention.available(device)
+has_fa4 = flash_attention.supports(device, torch.bfloat16, D)
 print(f"depth {args.depth}: B {B}, T {T}, H {H}, D {D}; {torch.cuda.get_device_name()}; "
       f"flash-attn-4 {'available' if has_fa4 else 'NOT available: timing only the PyTorch kernels'}")
 torch.manual_seed(0)

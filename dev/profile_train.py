@@ -57,7 +57,7 @@ if args.fp8:
 set_wgrad_splits(model, tune_wgrad_splits(model, args.device_batch_size * config.sequence_len, dtype))
 names = {p: n for n, p in model.named_parameters()}
 optimizer = MuonAdamW(model.param_groups(0.3, 0.008, 0.02, 0.5, 0.28), names, compute_dtype=dtype, compile=True)
-print(f"attention: {prepare_attention(config, device)}")
+print(f"attention: {prepare_attention(config, device, dtype)}")
 cmodel = torch.compile(model, dynamic=False)
 loader = DataLoader(tokenizer, args.device_batch_size, config.sequence_len, "train", device, data_dir=args.data_dir,
                     prefetch=args.grad_accum + 1)

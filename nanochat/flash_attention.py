@@ -10,9 +10,10 @@ in its graph as one opaque node instead of tracing into the package.
 Sliding windows run natively (the kernels skip the tiles outside the band), so one kernel serves both the
 L and the S layers, in the (B, T, H, D) layout the projections produce (no transposed copies).
 
-gpt.attention uses it when `available(device)`: the package imports and the GPU is sm90 or sm100. Anywhere
-else the op runs the same math in PyTorch (fp32 scores), which is what the CPU tests check its plumbing
-with: shapes, the window convention, the log-sum-exp, and the gradients through the registered backward.
+gpt.attention uses it where `supports(...)`: the package imports, the GPU is sm90 or sm100, the inputs are
+half precision. Anywhere else the op runs the same math in PyTorch (fp32 scores), which is what the CPU tests
+check its plumbing with: shapes, the window convention, the log-sum-exp, the gradients through the
+registered backward.
 """
 
 import functools
@@ -39,13 +40,14 @@ def _fa4():
 _available = {}  # device -> bool; gpt.prepare_attention asks before torch.compile traces, so a trace sees a lookup
 
 
-def available(device):
-    """True where FlashAttention-4 runs: the package is installed and the GPU is sm90 (Hopper) or sm100."""
+def supports(device, dtype, head_dim):
+    """True where FlashAttention-4 runs: the package is installed, the GPU is sm90 (Hopper) or sm100
+    (Blackwell), the inputs are bf16 or fp16, and the head dim is one both archs compile (8-128, by 8)."""
     device = torch.device(device)
     if device not in _available:
         _available[device] = (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] in (9, 10)
                               and _fa4() is not None)
-    return _available[device]
+    return _available[device] and dtype in (torch.bfloat16, torch.float16) and 8 <= head_dim <= 128 and head_dim % 8 == 0
 
 
 def _left(window, T):

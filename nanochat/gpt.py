@@ -210,7 +210,7 @@ _flex_attention = torch.compile(flex_attention, dynamic=False)
 _CUDA_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
 
 
-def prepare_attention(config, device):
+def prepare_attention(config, device, dtype):
     """Before torch.compile traces the model (deciding inside the trace is slow and fragile): settle which
     kernel trains here, and for FlexAttention build the block masks of this model's sliding windows.
     Returns the kernel's name, for the log."""
@@ -219,7 +219,7 @@ def prepare_attention(config, device):
         return "SDPA"
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    if flash_attention.available(device):
+    if flash_attention.supports(device, dtype, config.head_dim):
         return "FlashAttention-4"
     for w in set(window_sizes(config)):
         if w < config.sequence_len:
@@ -237,7 +237,7 @@ def attention(q, k, v, window):
     CPU/MPS, other lengths, or a KV cache -> SDPA with an explicit mask (simple and exact)."""
     T, S = q.size(2), k.size(2)
     gqa = q.size(1) != k.size(1)
-    if q.is_cuda and T == S and flash_attention.available(q.device):
+    if q.is_cuda and T == S and flash_attention.supports(q.device, q.dtype, q.size(-1)):
         out, _ = flash_attention.flash_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), window)
         return out.transpose(1, 2)
     if q.is_cuda and T == S:

@@ -300,7 +300,7 @@ if resume_meta is not None:
     loader_state = states[layout.dp_rank]
 
 orig_model = model  # the uncompiled module: checkpoints, sampling, CORE
-print0(f"attention: {prepare_attention(config, device)}")
+print0(f"attention: {prepare_attention(config, device, dtype)}")
 if use_compile and pipeline is None:
     model = torch.compile(model, dynamic=False)
 elif use_compile:  # the schedule calls the pieces one micro-batch at a time: compile each block and the loss

@@ -82,11 +82,11 @@ def test_compiles_as_one_graph():
         torch.testing.assert_close(g, t.grad, rtol=1e-4, atol=1e-5)
 
 
-def test_not_available_off_gpu():
-    assert not flash_attention.available("cpu")
+def test_not_used_off_gpu():
+    assert not flash_attention.supports("cpu", torch.bfloat16, 128)
 
 
-@pytest.mark.skipif(not (torch.cuda.is_available() and flash_attention.available("cuda")),
+@pytest.mark.skipif(not (torch.cuda.is_available() and flash_attention.supports("cuda", torch.bfloat16, 128)),
                     reason="needs flash-attn-4 on an sm90/sm100 GPU")
 @pytest.mark.parametrize("window", [256, 64])
 def test_kernels_match_reference_on_gpu(window):

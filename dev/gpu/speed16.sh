@@ -3,7 +3,8 @@
 # quack-kernels 0.4.1, apache-tvm-ffi 0.1.15.post2, torch-c-dlpack-ext 0.1.5, einops; carried in .carry5 with
 # one training shard and a 16-document validation shard) against cuDNN / FlexAttention. Lane 0: the kernels
 # alone at d20 and d12, then the GPU test. Lanes 1-3: end to end, the same tree with and without FA4 on the path.
-CARRY=.carry5 source "$(dirname "$0")/env.sh"
+CARRY=.carry5
+source "$(dirname "$0")/env.sh"
 fa4_site
 with_fa4 python3 -c "import time; t = time.time(); import flash_attn.cute.interface; print(f'flash-attn-4 imports in {time.time() - t:.1f} s')"
 D20="--depth 20 --steps 12 --warmup 5"
