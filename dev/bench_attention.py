@@ -9,22 +9,16 @@ keeps (4 * D FLOPs a pair forward, 10 * D backward).
     python -m dev.bench_attention --depth 20 --device-batch-size 32
 """
 
-import argparse
-
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import sdpa_kernel
 
+from dev.bench_args import micro_batch_parser
 from nanochat import flash_attention
 from nanochat.common import cuda_time_ms
 from nanochat.gpt import config_for_depth, window_sizes, _block_mask, _flex_attention, _CUDA_BACKENDS
-from torch.nn.attention import sdpa_kernel
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--depth", type=int, default=20)
-parser.add_argument("--device-batch-size", type=int, default=32)
-parser.add_argument("--seq-len", type=int, default=2048)
-parser.add_argument("--repeats", type=int, default=20)
-args = parser.parse_args()
+args = micro_batch_parser().parse_args()
 
 cfg = config_for_depth(args.depth, sequence_len=args.seq_len, window_pattern="SSSL")
 B, T, H, D = args.device_batch_size, args.seq_len, cfg.n_head, cfg.head_dim

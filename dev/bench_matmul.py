@@ -10,19 +10,14 @@ first of each shape can come out a few % faster than an equal product timed late
     python -m dev.bench_matmul --depth 20 --device-batch-size 32
 """
 
-import argparse
-
 import torch
 
+from dev.bench_args import micro_batch_parser
 from nanochat.common import cuda_time_ms
 from nanochat.gpt import config_for_depth
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--depth", type=int, default=20)
-parser.add_argument("--device-batch-size", type=int, default=32)
-parser.add_argument("--seq-len", type=int, default=2048)
+parser = micro_batch_parser()
 parser.add_argument("--vocab", type=int, default=32768)
-parser.add_argument("--repeats", type=int, default=20)
 args = parser.parse_args()
 
 d = config_for_depth(args.depth).n_embd

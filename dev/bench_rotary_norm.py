@@ -7,20 +7,14 @@ bandwidth over the bytes each must move (forward: read x, write y; backward: rea
     python -m dev.bench_rotary_norm --depth 20 --device-batch-size 32
 """
 
-import argparse
-
 import torch
 
+from dev.bench_args import micro_batch_parser
 from nanochat.common import cuda_time_ms
 from nanochat.gpt import config_for_depth
 from nanochat.rotary_norm import rotary_norm_op, reference_rotary_norm, rotary_tables
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--depth", type=int, default=20)
-parser.add_argument("--device-batch-size", type=int, default=32)
-parser.add_argument("--seq-len", type=int, default=2048)
-parser.add_argument("--repeats", type=int, default=20)
-args = parser.parse_args()
+args = micro_batch_parser().parse_args()
 
 cfg = config_for_depth(args.depth, sequence_len=args.seq_len)
 B, T, H, D = args.device_batch_size, args.seq_len, cfg.n_head, cfg.head_dim
