@@ -10,13 +10,11 @@ keeps (4 * D FLOPs a pair forward, 10 * D backward).
 """
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import sdpa_kernel
 
 from dev.bench_args import micro_batch_parser
 from nanochat import flash_attention
 from nanochat.common import cuda_time_ms
-from nanochat.gpt import config_for_depth, window_sizes, _block_mask, _flex_attention, _CUDA_BACKENDS
+from nanochat.gpt import config_for_depth, window_sizes, build_block_masks, pytorch_attention
 
 args = micro_batch_parser().parse_args()
 
@@ -26,21 +24,15 @@ device = torch.device("cuda", torch.cuda.current_device())
 has_fa4 = flash_attention.supports(device, torch.bfloat16, D)
 print(f"depth {args.depth}: B {B}, T {T}, H {H}, D {D}; {torch.cuda.get_device_name()}; "
       f"flash-attn-4 {'available' if has_fa4 else 'NOT available: timing only the PyTorch kernels'}")
+build_block_masks(cfg, device)  # FlexAttention's, for the window
 torch.manual_seed(0)
 q, k, v, dout = (torch.randn(B, T, H, D, device=device).bfloat16() for _ in range(4))
 
 
 def pytorch_kernel(window):
     """gpt.attention's kernel without FA4, on (B, T, H, D) tensors."""
-    if window >= T:
-        def run(q, k, v):
-            with sdpa_kernel(_CUDA_BACKENDS, set_priority=True):
-                return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                      is_causal=True).transpose(1, 2)
-        return run
-    mask = _block_mask(T, window, device)
-    return lambda q, k, v: _flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           block_mask=mask).transpose(1, 2)
+    return lambda q, k, v: pytorch_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             window).transpose(1, 2)
 
 
 def fa4_kernel(window):

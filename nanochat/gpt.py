@@ -210,6 +210,13 @@ _flex_attention = torch.compile(flex_attention, dynamic=False)
 _CUDA_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
 
 
+def build_block_masks(config, device):
+    """The FlexAttention block masks of this model's sliding windows at the training length (device indexed)."""
+    for w in set(window_sizes(config)):
+        if w < config.sequence_len:
+            _block_mask(config.sequence_len, w, device)
+
+
 def prepare_attention(config, device, dtype):
     """Before torch.compile traces the model (deciding inside the trace is slow and fragile): settle which
     kernel trains here, and for FlexAttention build the block masks of this model's sliding windows.
@@ -221,25 +228,29 @@ def prepare_attention(config, device, dtype):
         device = torch.device("cuda", torch.cuda.current_device())
     if flash_attention.supports(device, dtype, config.head_dim):
         return "FlashAttention-4"
-    for w in set(window_sizes(config)):
-        if w < config.sequence_len:
-            _block_mask(config.sequence_len, w, device)
-    return "SDPA (cuDNN)" + (" + FlexAttention for the sliding windows" if min(window_sizes(config)) < config.sequence_len else "")
+    build_block_masks(config, device)
+    windowed = min(window_sizes(config)) < config.sequence_len
+    return "SDPA (cuDNN)" + (" + FlexAttention for the sliding windows" if windowed else "")
 
 
 def attention(q, k, v, window):
-    """Causal attention with an optional sliding window, picking the fastest exact kernel:
-    Hopper/Blackwell with flash-attn-4 installed -> FlashAttention-4, full context and sliding windows
-    (flash_attention.py; it takes the (B, T, H, D) layout, so the transposes here are views);
-    other CUDA, full context -> SDPA (cuDNN first: measured 526 vs 287 TFLOP/s for flash on H200);
-    other CUDA, sliding window at the training length -> FlexAttention with a block mask (skips masked
+    """Causal attention with an optional sliding window: FlashAttention-4 on Hopper/Blackwell with
+    flash-attn-4 installed, for full context and sliding windows alike (flash_attention.py; it takes the
+    (B, T, H, D) layout, so the transposes here are views); PyTorch's kernels otherwise."""
+    if q.is_cuda and q.size(2) == k.size(2) and flash_attention.supports(q.device, q.dtype, q.size(-1)):
+        out, _ = flash_attention.flash_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), window)
+        return out.transpose(1, 2)
+    return pytorch_attention(q, k, v, window)
+
+
+def pytorch_attention(q, k, v, window):
+    """Causal attention with an optional sliding window in PyTorch's kernels, picking the fastest exact one:
+    CUDA full context -> SDPA (cuDNN first: measured 526 vs 287 TFLOP/s for flash on H200);
+    CUDA sliding window at the training length -> FlexAttention with a block mask (skips masked
     blocks; compiled for that one shape, so other lengths, e.g. CORE's, do not trigger recompiles);
     CPU/MPS, other lengths, or a KV cache -> SDPA with an explicit mask (simple and exact)."""
     T, S = q.size(2), k.size(2)
     gqa = q.size(1) != k.size(1)
-    if q.is_cuda and T == S and flash_attention.supports(q.device, q.dtype, q.size(-1)):
-        out, _ = flash_attention.flash_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), window)
-        return out.transpose(1, 2)
     if q.is_cuda and T == S:
         if window >= T:
             if gqa:  # cuDNN/flash in SDPA want equal head counts: expand k/v
