@@ -16,6 +16,7 @@ needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
 
 def run_under_interpreter(test_file):
     """Run test_file under the interpreter; it must exit 0 and print 'kernels ok'."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    # the repository on the path too, for a checkout that is not pip-installed
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
     result = subprocess.run([sys.executable, test_file], env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert result.returncode == 0 and "kernels ok" in result.stdout, result.stdout + result.stderr
