@@ -163,3 +163,42 @@ def test_split_weight_gradient_matches_autograd(monkeypatch, split):
     assert plain.keys() == split_grads.keys()
     for name in plain:
         torch.testing.assert_close(split_grads[name], plain[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("split", [1, 2])
+def test_recompute_act_same_gradients_without_keeping_relu_square(split):
+    """--recompute-act: the same loss and gradients (also with a split-K weight gradient), and the backward
+    keeps no (tokens, 4C) tensor but c_fc's output: ReLU^2's is rebuilt."""
+    torch.manual_seed(0)
+    model = build_model(tiny_config(n_embd=128, n_head=2, n_kv_head=1), "cpu")
+    with torch.no_grad():  # off the init (zero output projections would zero most gradients)
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    gpt.set_wgrad_splits(model, {(128, 512): (split, 0.0, 0.0)})
+    idx = torch.randint(0, 256, (3, 64))
+
+    def loss_grads_and_hidden_saved():
+        model.zero_grad()
+        saved = set()  # the distinct (tokens, 4C) activations kept for the backward
+        keep = lambda t: saved.add(t.data_ptr()) if t.dim() and t.shape[-1] == 512 and t.numel() == 3 * 64 * 512 else None
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: keep(t) or t, lambda t: t):
+            loss = model(idx, idx)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return loss.detach(), grads, len(saved)
+
+    plain_loss, plain, plain_hidden = loss_grads_and_hidden_saved()
+    gpt.set_recompute_act(model)
+    loss, grads, hidden_saved = loss_grads_and_hidden_saved()
+    assert torch.equal(loss, plain_loss) and grads.keys() == plain.keys()
+    for name in plain:
+        torch.testing.assert_close(grads[name], plain[name], rtol=1e-5, atol=1e-7, msg=name)
+    n_layer = len(model.blocks)
+    assert plain_hidden == 2 * n_layer and hidden_saved == n_layer  # relu(h) and relu(h)^2 before; h only now
+
+
+def test_recompute_act_refuses_swapped_mlps():
+    model = build_model(tiny_config(n_embd=128, n_head=2, n_kv_head=1), "cpu")
+    model.blocks[1].mlp.act = torch.nn.GELU()
+    with pytest.raises(ValueError, match="blocks.1.mlp"):
+        gpt.set_recompute_act(model)
