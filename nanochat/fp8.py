@@ -23,6 +23,8 @@ ReLU^2 backward (dev/LOG.md, session 6). So MLP.act becomes ReluSquareFp8Grad, w
 - casts g_h to e5m2 row-major in one Triton kernel (fp32 math, saturated as torchao does),
 - and returns a torchao Float8TrainingTensor: torchao's backward uses an already-cast gradient as it is,
   and only its transposed copy is left to torch.compile, now a copy of 1-byte values.
+In the d20 profile these kernels take 226 ms a step against 277 (dev/LOG.md, session 8); end to end that
+was +0.4%, within the spread between GPUs.
 Off CUDA the same cast runs in PyTorch (tests compare the two through Triton's interpreter).
 """
 
