@@ -107,7 +107,7 @@ def _swap(model, make):
     return swapped
 
 
-def _as_bf16_linear(module):
+def _as_bf16(module):
     if isinstance(module, ReluSquareFp8Grad):
         return ReluSquare()
     if not _is_fp8(module):
@@ -124,7 +124,7 @@ def _as_bf16_linear(module):
 def bf16_linears(model):
     """Run the block in bf16: fp8 Linears are temporarily replaced by plain Linears on the same weights
     (and ReLU^2 by the plain one, whose gradient a plain c_fc can take)."""
-    swapped = _swap(model, _as_bf16_linear)
+    swapped = _swap(model, _as_bf16)
     try:
         yield model
     finally:

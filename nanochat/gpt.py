@@ -132,7 +132,9 @@ class Linear(nn.Linear):
 
 
 def weight_grad(dy, x, split):
-    """dy^T @ x for dy (N, out), x (N, in): the sum of `split` products over slices of the N rows."""
+    """dy^T @ x for dy (..., out), x (..., in) over their N leading rows: the sum of `split` products over
+    slices of the N rows."""
+    dy, x = dy.reshape(-1, dy.size(-1)), x.reshape(-1, x.size(-1))
     if split == 1:
         return dy.t() @ x
     n = dy.size(0) // split
@@ -150,7 +152,7 @@ class _SplitWeightGradLinear(torch.autograd.Function):
     def backward(ctx, dy):
         x, w = ctx.saved_tensors
         grad_x = dy @ w if ctx.needs_input_grad[0] else None
-        grad_w = weight_grad(dy.reshape(-1, dy.size(-1)), x.reshape(-1, x.size(-1)), ctx.split)
+        grad_w = weight_grad(dy, x, ctx.split)
         return grad_x, grad_w, None
 
 
@@ -329,8 +331,7 @@ class _ReluSquareLinear(torch.autograd.Function):
         h, w = ctx.saved_tensors
         relu = h.clamp(min=0)  # not F.relu: torch.compile would merge it with the forward's and keep that
         grad_h = 2 * relu * (dy @ w)
-        a = relu.square()
-        grad_w = weight_grad(dy.reshape(-1, dy.size(-1)), a.reshape(-1, a.size(-1)), ctx.split)
+        grad_w = weight_grad(dy, relu.square(), ctx.split)
         return grad_h, grad_w, None
 
 

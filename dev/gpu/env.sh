@@ -4,6 +4,7 @@
 # 0-3 and 7), base/tokenizer (the tokenizer trained on shards 0-6), and what the script needs of: whl/
 # (torchao 0.17.0 for fp8), old/ (an earlier tree), fa4site.tar.xz (flash-attn-4 and its dependencies,
 # installed for Python 3.12 with `pip install --target`). Run from anywhere: bash dev/gpu/tp.sh
+# (Scripts before session 8 define D20/D12 and copy patched trees themselves; kept as they ran.)
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 CARRY=${CARRY:-.carry4}
 export NANOCHAT_BASE_DIR=/tmp/base PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor
@@ -36,3 +37,13 @@ fa4_site() {
 with_fa4() {
     ( export PYTHONPATH=/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/python_packages${PYTHONPATH:+:$PYTHONPATH}; "$@" )
 }
+# patched_tree DIR FILE SED_SCRIPT: a copy of nanochat/, scripts/ and dev/ in DIR with SED_SCRIPT applied to FILE
+# (a path inside the copy), for A/B runs on one machine; stops the script if the patch changed nothing
+patched_tree() {
+    rm -rf $1 && mkdir $1 && cp -r nanochat scripts dev $1/
+    sed -i "$3" $1/$2
+    cmp -s $2 $1/$2 && { echo "patch of $2 changed nothing"; exit 1; } || true
+}
+# the bench settings of sessions 3-8 (524,288-token steps): d20 at device batch 32, d12 at 128
+D20="--depth 20 --steps 12 --warmup 5"
+D12="--depth 12 --steps 16 --warmup 6 --device-batch-size 128"

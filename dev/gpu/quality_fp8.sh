@@ -3,12 +3,12 @@
 # cuDNN attention, no FA4 on this carry) twice in bf16, once with --fp8 as committed (ReLU^2 casting c_fc's
 # gradient) and once with --fp8 plus cuBLAS's fast accumulation in the backward matmuls (a copy of the tree in
 # /tmp/fast, as in speed22.sh): do the fp8 loss curves stay within the bf16 runs' noise?
+# Ran on the tree that became commit 6fb5fb1, before fast accumulation was added to it (6fb5fb1 has it, so the
+# /tmp/fast patch is moot on later trees).
 source "$(dirname "$0")/env.sh"
 source "$(dirname "$0")/equal_steps.sh"
 fp8_wheels
-rm -rf /tmp/fast && mkdir /tmp/fast && cp -r nanochat scripts dev /tmp/fast/
-sed -i 's/    config = Float8LinearConfig.from_recipe_name(recipe)/    import dataclasses; from torchao.float8.config import Float8GemmConfig\n    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), gemm_config_grad_input=Float8GemmConfig(use_fast_accum=True), gemm_config_grad_weight=Float8GemmConfig(use_fast_accum=True))/' /tmp/fast/nanochat/fp8.py
-grep -q "gemm_config_grad_weight=Float8GemmConfig" /tmp/fast/nanochat/fp8.py || { echo "patch failed"; exit 1; }
+patched_tree /tmp/fast nanochat/fp8.py 's/    config = Float8LinearConfig.from_recipe_name(recipe)/    import dataclasses; from torchao.float8.config import Float8GemmConfig\n    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), gemm_config_grad_input=Float8GemmConfig(use_fast_accum=True), gemm_config_grad_weight=Float8GemmConfig(use_fast_accum=True))/'
 ( CUDA_VISIBLE_DEVICES=0 run bf16_a 260 --num-iterations=200 ) &
 ( CUDA_VISIBLE_DEVICES=1 run bf16_b 260 --num-iterations=200 ) &
 ( CUDA_VISIBLE_DEVICES=2 run fp8 260 --num-iterations=200 --fp8 ) &

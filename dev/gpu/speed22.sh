@@ -4,15 +4,14 @@
 # bit for bit against PyTorch), then bf16. Lane 1 is fp8 without the new activation (a copy of the tree in
 # /tmp/old whose convert_to_fp8 never swaps it in), lane 2 fp8 with it, lane 3 fp8 with it and cuBLAS's fast
 # accumulation in the two backward matmuls as well (torchao's tensorwise default keeps it for the forward only).
+# Ran on the tree that became commit 6fb5fb1, before fast accumulation was added to it (6fb5fb1 has it, so the
+# /tmp/fast patch is moot on later trees).
 CARRY=.carry5
 source "$(dirname "$0")/env.sh"
 fa4_site
 fp8_wheels
-rm -rf /tmp/old /tmp/fast && mkdir /tmp/old /tmp/fast && cp -r nanochat scripts dev /tmp/old/ && cp -r nanochat scripts dev /tmp/fast/
-sed -i 's/if recipe == "tensorwise" and isinstance(mlp, MLP)/if False and isinstance(mlp, MLP)/' /tmp/old/nanochat/fp8.py
-sed -i 's/    config = Float8LinearConfig.from_recipe_name(recipe)/    import dataclasses; from torchao.float8.config import Float8GemmConfig\n    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), gemm_config_grad_input=Float8GemmConfig(use_fast_accum=True), gemm_config_grad_weight=Float8GemmConfig(use_fast_accum=True))/' /tmp/fast/nanochat/fp8.py
-grep -q "if False and" /tmp/old/nanochat/fp8.py && grep -q "gemm_config_grad_weight=Float8GemmConfig" /tmp/fast/nanochat/fp8.py || { echo "patch failed"; exit 1; }
-D20="--depth 20 --steps 12 --warmup 5"
+patched_tree /tmp/old nanochat/fp8.py 's/if recipe == "tensorwise" and isinstance(mlp, MLP)/if False and isinstance(mlp, MLP)/'
+patched_tree /tmp/fast nanochat/fp8.py 's/    config = Float8LinearConfig.from_recipe_name(recipe)/    import dataclasses; from torchao.float8.config import Float8GemmConfig\n    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), gemm_config_grad_input=Float8GemmConfig(use_fast_accum=True), gemm_config_grad_weight=Float8GemmConfig(use_fast_accum=True))/'
 ( CUDA_VISIBLE_DEVICES=0 timeout 120 python3 -m pytest -q tests/test_fp8.py -p no:warnings > $OUT/pytest.log 2>&1
   with_fa4 bench 0 230 d20_L_b32 $D20 -- --window-pattern L ) &
 ( cd /tmp/old && with_fa4 bench 1 260 d20_fp8_old_b32 $D20 -- --window-pattern L --fp8 ) &

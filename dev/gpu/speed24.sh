@@ -7,11 +7,7 @@ CARRY=.carry5
 source "$(dirname "$0")/env.sh"
 fa4_site
 fp8_wheels
-rm -rf /tmp/old && mkdir /tmp/old && cp -r nanochat scripts dev /tmp/old/
-sed -i 's/if recipe == "tensorwise" and isinstance(mlp, MLP)/if False and isinstance(mlp, MLP)/; s/^    if recipe == "tensorwise":$/    if False:/' /tmp/old/nanochat/fp8.py
-[ $(grep -c "if False" /tmp/old/nanochat/fp8.py) = 2 ] || { echo "patch failed"; exit 1; }
-D20="--depth 20 --steps 12 --warmup 5"
-D12="--depth 12 --steps 16 --warmup 6 --device-batch-size 128"
+patched_tree /tmp/old nanochat/fp8.py 's/if recipe == "tensorwise" and isinstance(mlp, MLP)/if False and isinstance(mlp, MLP)/; s/^    if recipe == "tensorwise":$/    if False:/'
 ( with_fa4 bench 0 230 d20_L_b32 $D20 -- --window-pattern L
   with_fa4 bench 0 200 d12_L_b128 $D12 -- --window-pattern L ) &
 ( with_fa4 bench 1 230 d20_SSSL_b32 $D20 -- --window-pattern SSSL

@@ -7,8 +7,6 @@ CARRY=.carry5
 source "$(dirname "$0")/env.sh"
 fa4_site
 fp8_wheels
-D20="--depth 20 --steps 12 --warmup 5"
-D12="--depth 12 --steps 16 --warmup 6 --device-batch-size 128"
 ( with_fa4 bench 0 230 d20_L_b32 $D20 -- --window-pattern L
   with_fa4 bench 0 230 d20_L_b64_rc_2 $D20 --device-batch-size 64 -- --window-pattern L --recompute-act ) &
 ( with_fa4 bench 1 230 d20_L_b64_rc $D20 --device-batch-size 64 -- --window-pattern L --recompute-act
