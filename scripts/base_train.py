@@ -30,7 +30,7 @@ import torch.distributed as dist
 from nanochat.common import (compute_init, compute_cleanup, print0, print_rank, get_compute_dtype, get_peak_flops,
                              device_name, all_reduce_max, fail)
 from nanochat.gpt import (GPTConfig, config_for_depth, build_model, window_sizes, prepare_attention, GPT,
-                         tune_wgrad_splits, set_wgrad_splits, set_recompute_act)
+                         tune_wgrad_splits, set_wgrad_splits)
 from nanochat.optim import MuonAdamW
 from nanochat.dataloader import DataLoader, reshard_states
 from nanochat.dataset import DataError, check_data
@@ -84,8 +84,6 @@ parser.add_argument("--save-every", type=int, default=-1, help="checkpoint every
 parser.add_argument("--resume-from-step", type=int, default=-1, help="resume from this checkpoint step (-1 = start fresh)")
 parser.add_argument("--model-tag", type=str, default=None, help="checkpoint folder name (default: d<depth>)")
 parser.add_argument("--compile", type=int, default=-1, help="torch.compile the model and optimizer (-1 = on CUDA only)")
-parser.add_argument("--recompute-act", action="store_true",
-                    help="bf16 MLPs keep c_fc's output only and rebuild ReLU^2's in the backward: less memory (d20 fits device batch 64)")
 # parallelism
 parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
 parser.add_argument("--sequence-parallel", action="store_true", help="with --tp: shard norms/residual along the sequence")
@@ -251,11 +249,6 @@ if args.tp > 1:
         fail(str(e))
 elif args.sequence_parallel:
     fail("--sequence-parallel needs --tp > 1")
-if args.recompute_act:
-    try:
-        set_recompute_act(model)
-    except ValueError as e:
-        fail(str(e))
 pipeline = None
 if args.pp > 1:
     from nanochat.pipeline_parallel import Pipeline

@@ -165,16 +165,15 @@ def test_split_weight_gradient_matches_autograd(monkeypatch, split):
         torch.testing.assert_close(split_grads[name], plain[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
-@pytest.mark.parametrize("split", [1, 2])
-def test_recompute_act_same_gradients_without_keeping_relu_square(split):
-    """--recompute-act: the same loss and gradients (also with a split-K weight gradient), and the backward
-    keeps no (tokens, 4C) tensor but c_fc's output: ReLU^2's is rebuilt."""
+def test_relu_square_keeps_only_its_output():
+    """ReLU^2's backward rebuilds relu(h) as sqrt(relu(h)^2): the same gradients as autograd's through
+    F.relu(h).square(), and the backward keeps one (tokens, 4C) tensor a layer (relu(h)^2, which c_proj needs
+    for its weight gradient anyway), where autograd keeps relu(h) as well."""
     torch.manual_seed(0)
     model = build_model(tiny_config(n_embd=128, n_head=2, n_kv_head=1), "cpu")
     with torch.no_grad():  # off the init (zero output projections would zero most gradients)
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
-    gpt.set_wgrad_splits(model, {(128, 512): (split, 0.0, 0.0)})
     idx = torch.randint(0, 256, (3, 64))
 
     def loss_grads_and_hidden_saved():
@@ -187,18 +186,17 @@ def test_recompute_act_same_gradients_without_keeping_relu_square(split):
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         return loss.detach(), grads, len(saved)
 
-    plain_loss, plain, plain_hidden = loss_grads_and_hidden_saved()
-    gpt.set_recompute_act(model)
     loss, grads, hidden_saved = loss_grads_and_hidden_saved()
+    for block in model.blocks:
+        block.mlp.act = AutogradReluSquare()
+    plain_loss, plain, plain_hidden = loss_grads_and_hidden_saved()
     assert torch.equal(loss, plain_loss) and grads.keys() == plain.keys()
     for name in plain:
         torch.testing.assert_close(grads[name], plain[name], rtol=1e-5, atol=1e-7, msg=name)
     n_layer = len(model.blocks)
-    assert plain_hidden == 2 * n_layer and hidden_saved == n_layer  # relu(h) and relu(h)^2 before; h only now
+    assert plain_hidden == 2 * n_layer and hidden_saved == n_layer
 
 
-def test_recompute_act_refuses_swapped_mlps():
-    model = build_model(tiny_config(n_embd=128, n_head=2, n_kv_head=1), "cpu")
-    model.blocks[1].mlp.act = torch.nn.GELU()
-    with pytest.raises(ValueError, match="blocks.1.mlp"):
-        gpt.set_recompute_act(model)
+class AutogradReluSquare(torch.nn.Module):
+    def forward(self, h):
+        return torch.nn.functional.relu(h).square()

@@ -1,0 +1,25 @@
+#!/bin/bash
+# x4 call (session 9), one GPU per lane, FlashAttention-4 (.carry5). Session 9's profile (speed27.sh) had every
+# input-gradient matmul 12-14% slower than the forward product of the same dimensions; gpt.input_grad now
+# multiplies by a transposed copy of the weight, so that cuBLAS gets the forward's operand layout. New tree
+# against /tmp/ref (input_grad patched back to dy @ w); lanes 0 and 1 swap the order. SM clock and power sampled.
+CARRY=.carry5
+source "$(dirname "$0")/env.sh"
+fa4_site
+patched_tree /tmp/ref nanochat/gpt.py 's/return dy @ w.t().contiguous().t()/return dy @ w/'
+nvidia-smi --query-gpu=index,timestamp,clocks.sm,power.draw,temperature.gpu --format=csv,noheader -lms 100 > $OUT/smi.log &
+SMI=$!
+( ( cd /tmp/ref && with_fa4 bench 0 230 base_d20_L_b32 $D20 -- --window-pattern L )
+  with_fa4 bench 0 230 new_d20_L_b32 $D20 -- --window-pattern L ) &
+( with_fa4 bench 1 230 new_d20_L_b32_2 $D20 -- --window-pattern L
+  ( cd /tmp/ref && with_fa4 bench 1 230 base_d20_L_b32_2 $D20 -- --window-pattern L ) ) &
+( CUDA_VISIBLE_DEVICES=2 with_fa4 timeout 300 python3 -m dev.profile_train --depth 20 --window-pattern L --device-batch-size 32 \
+    --grad-accum 8 --data-dir $NANOCHAT_DATA_DIR --active 1 --top 40 > $OUT/prof_new_d20.log 2>&1
+  with_fa4 bench 2 200 new_d12_L_b128 $D12 -- --window-pattern L ) &
+( ( cd /tmp/ref && with_fa4 bench 3 200 base_d12_L_b128 $D12 -- --window-pattern L )
+  with_fa4 bench 3 230 new_d20_L_b64_rc $D20 --device-batch-size 64 -- --window-pattern L --recompute-act ) &
+wait -n; wait -n; wait -n; wait -n
+kill $SMI
+cat $OUT/bench.csv
+grep -v -i "warn\|Failed to load" $OUT/prof_new_d20.log | head -45
+cd $OUT && tar czf logs.tgz *.log && rm -f *.log
