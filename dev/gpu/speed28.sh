@@ -3,6 +3,8 @@
 # input-gradient matmul 12-14% slower than the forward product of the same dimensions; gpt.input_grad now
 # multiplies by a transposed copy of the weight, so that cuBLAS gets the forward's operand layout. New tree
 # against /tmp/ref (input_grad patched back to dy @ w); lanes 0 and 1 swap the order. SM clock and power sampled.
+# Ran on an uncommitted tree with gpt.input_grad (dy @ w.t().contiguous().t() in _LinearFunction's backward, which
+# every Linear used); it gained 0.2-0.3%, so it was reverted and this patch no longer applies.
 CARRY=.carry5
 source "$(dirname "$0")/env.sh"
 fa4_site
