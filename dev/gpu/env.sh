@@ -47,3 +47,9 @@ patched_tree() {
 # the bench settings of sessions 3-8 (524,288-token steps): d20 at device batch 32, d12 at 128
 D20="--depth 20 --steps 12 --warmup 5"
 D12="--depth 12 --steps 16 --warmup 6 --device-batch-size 128"
+# clock_log: every GPU's SM clock, power draw and temperature every 100 ms into $OUT/smi.log, in the background
+# (job %1 when called first; `kill $CLOCK_LOG` ends it)
+clock_log() {
+    nvidia-smi --query-gpu=index,timestamp,clocks.sm,power.draw,temperature.gpu --format=csv,noheader -lms 100 > $OUT/smi.log &
+    CLOCK_LOG=$!
+}

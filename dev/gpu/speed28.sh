@@ -9,8 +9,7 @@ CARRY=.carry5
 source "$(dirname "$0")/env.sh"
 fa4_site
 patched_tree /tmp/ref nanochat/gpt.py 's/return dy @ w.t().contiguous().t()/return dy @ w/'
-nvidia-smi --query-gpu=index,timestamp,clocks.sm,power.draw,temperature.gpu --format=csv,noheader -lms 100 > $OUT/smi.log &
-SMI=$!
+clock_log
 ( ( cd /tmp/ref && with_fa4 bench 0 230 base_d20_L_b32 $D20 -- --window-pattern L )
   with_fa4 bench 0 230 new_d20_L_b32 $D20 -- --window-pattern L ) &
 ( with_fa4 bench 1 230 new_d20_L_b32_2 $D20 -- --window-pattern L
@@ -20,8 +19,8 @@ SMI=$!
   with_fa4 bench 2 200 new_d12_L_b128 $D12 -- --window-pattern L ) &
 ( ( cd /tmp/ref && with_fa4 bench 3 200 base_d12_L_b128 $D12 -- --window-pattern L )
   with_fa4 bench 3 230 new_d20_L_b64_rc $D20 --device-batch-size 64 -- --window-pattern L --recompute-act ) &
-wait -n; wait -n; wait -n; wait -n
-kill $SMI
+wait %2 %3 %4 %5
+kill $CLOCK_LOG
 cat $OUT/bench.csv
 grep -v -i "warn\|Failed to load" $OUT/prof_new_d20.log | head -45
 cd $OUT && tar czf logs.tgz *.log && rm -f *.log

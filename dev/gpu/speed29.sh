@@ -7,8 +7,7 @@ CARRY=.carry5
 source "$(dirname "$0")/env.sh"
 fa4_site
 patched_tree /tmp/ref nanochat/gpt.py 's/return _ReluSquare.apply(h)/return F.relu(h).square()/'
-nvidia-smi --query-gpu=index,timestamp,clocks.sm,power.draw,temperature.gpu --format=csv,noheader -lms 100 > $OUT/smi.log &
-SMI=$!
+clock_log
 ( ( cd /tmp/ref && with_fa4 bench 0 230 ref_d20_L_b32 $D20 -- --window-pattern L )
   with_fa4 bench 0 230 new_d20_L_b64 $D20 --device-batch-size 64 -- --window-pattern L ) &
 ( with_fa4 bench 1 230 new_d20_L_b64_2 $D20 --device-batch-size 64 -- --window-pattern L
@@ -18,6 +17,6 @@ SMI=$!
 ( with_fa4 bench 3 230 new_d20_L_b64_3 $D20 --device-batch-size 64 -- --window-pattern L
   with_fa4 bench 3 230 new_d20_SSSL_b64 $D20 --device-batch-size 64 -- --window-pattern SSSL ) &
 wait %2 %3 %4 %5
-kill $SMI
+kill $CLOCK_LOG
 cat $OUT/bench.csv
 cd $OUT && tar czf logs.tgz *.log && rm -f *.log

@@ -6,8 +6,7 @@ CARRY=.carry5
 source "$(dirname "$0")/env.sh"
 fa4_site
 fp8_wheels
-nvidia-smi --query-gpu=index,timestamp,clocks.sm,power.draw,temperature.gpu --format=csv,noheader -lms 100 > $OUT/smi.log &
-SMI=$!
+clock_log
 ( with_fa4 bench 0 230 d20_L_b64 $D20 --device-batch-size 64 -- --window-pattern L
   with_fa4 bench 0 230 d20_fp8_b64 $D20 --device-batch-size 64 -- --window-pattern L --fp8
   with_fa4 bench 0 200 d12_fp8_b128 $D12 -- --window-pattern L --fp8 ) &
@@ -19,6 +18,6 @@ SMI=$!
 ( with_fa4 bench 3 230 d20_SSSL_b64 $D20 --device-batch-size 64 -- --window-pattern SSSL
   with_fa4 bench 3 230 d20_fp8_b32 $D20 -- --window-pattern L --fp8 ) &
 wait %2 %3 %4 %5
-kill $SMI
+kill $CLOCK_LOG
 cat $OUT/bench.csv
 cd $OUT && tar czf logs.tgz *.log && rm -f *.log
