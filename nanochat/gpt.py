@@ -121,14 +121,10 @@ class Linear(nn.Linear):
 
     def forward(self, x):
         w = self.weight.to(x.dtype)
-        split = self.wgrad_split_for(x)
-        if split == 1 or not torch.is_grad_enabled():
+        split = self.wgrad_split
+        if split == 1 or x.numel() // x.size(-1) % split or not torch.is_grad_enabled():  # rows must split evenly
             return F.linear(x, w)
         return _SplitWeightGradLinear.apply(x, w, split)
-
-    def wgrad_split_for(self, x):
-        """wgrad_split, or 1 where it does not divide x's rows into equal slices."""
-        return 1 if x.numel() // x.size(-1) % self.wgrad_split else self.wgrad_split
 
 
 def weight_grad(dy, x, split):

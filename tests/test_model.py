@@ -132,15 +132,22 @@ def test_meta_build_then_init_is_deterministic():
     assert torch.count_nonzero(a.blocks[0].mlp.c_proj.weight) == 0
 
 
+def perturbed_model():
+    """A tiny model (C = 128, so 4C = 512) moved off its init, where zero output projections would zero most
+    gradients."""
+    torch.manual_seed(0)
+    model = build_model(tiny_config(n_embd=128, n_head=2, n_kv_head=1), "cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    return model
+
+
 @pytest.mark.parametrize("split", [2, 4])
 def test_split_weight_gradient_matches_autograd(monkeypatch, split):
     """Linears with wgrad_split > 1 (what tune_wgrad_splits picks on a GPU for some shapes) give the same
     loss and, within rounding, the same gradients."""
-    torch.manual_seed(0)
-    model = build_model(tiny_config(n_embd=128, n_head=2, n_kv_head=1), "cpu")
-    with torch.no_grad():  # off the init (zero output projections would zero most gradients)
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.02)
+    model = perturbed_model()
     idx = torch.randint(0, 256, (2, 64))
 
     def loss_and_grads():
@@ -169,11 +176,7 @@ def test_relu_square_keeps_only_its_output():
     """ReLU^2's backward rebuilds relu(h) as sqrt(relu(h)^2): the same gradients as autograd's through
     F.relu(h).square(), and the backward keeps one (tokens, 4C) tensor a layer (relu(h)^2, which c_proj needs
     for its weight gradient anyway), where autograd keeps relu(h) as well."""
-    torch.manual_seed(0)
-    model = build_model(tiny_config(n_embd=128, n_head=2, n_kv_head=1), "cpu")
-    with torch.no_grad():  # off the init (zero output projections would zero most gradients)
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.02)
+    model = perturbed_model()
     idx = torch.randint(0, 256, (3, 64))
 
     def loss_grads_and_hidden_saved():
