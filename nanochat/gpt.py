@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel, SDPBackend
 from torch.nn.attention.flex_attention import flex_attention, create_block_mask
 
-from nanochat import flash_attention
+from nanochat import flash_attention, relu_square_mm
 from nanochat.common import cuda_time_ms
 from nanochat.softcap_ce import softcap, head_loss
 from nanochat.rotary_norm import rotary_norm, rotary_tables
@@ -121,10 +121,14 @@ class Linear(nn.Linear):
 
     def forward(self, x):
         w = self.weight.to(x.dtype)
-        split = self.wgrad_split
-        if split == 1 or x.numel() // x.size(-1) % split or not torch.is_grad_enabled():  # rows must split evenly
+        split = self.wgrad_split_for(x)
+        if split == 1 or not torch.is_grad_enabled():
             return F.linear(x, w)
         return _SplitWeightGradLinear.apply(x, w, split)
+
+    def wgrad_split_for(self, x):
+        """The split for x's rows: wgrad_split if they divide evenly, else 1."""
+        return 1 if x.numel() // x.size(-1) % self.wgrad_split else self.wgrad_split
 
 
 def weight_grad(dy, x, split):
@@ -329,6 +333,27 @@ class ReluSquare(nn.Module):
         return _ReluSquare.apply(h)
 
 
+class _FusedMLP(torch.autograd.Function):
+    """c_proj(relu(c_fc(x))^2) for x (tokens, C), with ReLU^2 inside the products beside it
+    (relu_square_mm.py): in the forward, c_fc's; in the backward, c_proj's input gradient. It keeps
+    what the unfused path keeps, x and y = relu(h)^2, and splits the weight gradients the same way."""
+
+    @staticmethod
+    def forward(ctx, x, w_fc, w_proj, fc_split, proj_split):
+        y = relu_square_mm.fc_relu_square(x, w_fc)
+        ctx.save_for_backward(x, w_fc, w_proj, y)
+        ctx.splits = fc_split, proj_split
+        return y @ w_proj.t()
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, w_fc, w_proj, y = ctx.saved_tensors
+        fc_split, proj_split = ctx.splits
+        grad_h = relu_square_mm.relu_square_input_grad(grad_out, w_proj, y)
+        grad_x = grad_h @ w_fc if ctx.needs_input_grad[0] else None
+        return grad_x, weight_grad(grad_h, x, fc_split), weight_grad(grad_out, y, proj_split), None, None
+
+
 class MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -339,7 +364,18 @@ class MLP(nn.Module):
 
     def forward(self, x):
         x = self.tp_enter(x)
+        if self.fused_kernels_take(x):
+            rows = x.reshape(-1, x.size(-1))
+            out = _FusedMLP.apply(rows, self.c_fc.weight.to(x.dtype), self.c_proj.weight.to(x.dtype),
+                                  self.c_fc.wgrad_split_for(rows), self.c_proj.wgrad_split_for(rows))
+            return out.view_as(x)
         return self.c_proj(self.act(self.c_fc(x)))
+
+    def fused_kernels_take(self, x):
+        """On CUDA, with the plain modules: tensor parallelism and fp8 swap in their own, which take the
+        module path."""
+        return (x.is_cuda and type(self.c_fc) is Linear and type(self.c_proj) is Linear
+                and type(self.act) is ReluSquare and relu_square_mm.supported(x))
 
 
 class Block(nn.Module):

@@ -1,0 +1,142 @@
+"""
+The MLP's ReLU^2 inside its matmuls (CUDA: Triton, with Hopper's TMA loads and stores):
+
+    forward:   y  = relu(x @ W_fc^T)^2              c_fc's product, ReLU^2 in its epilogue
+    backward:  dh = (dy @ W_proj) * 2 sqrt(y)        c_proj's input gradient, ReLU^2's backward in its epilogue
+
+As separate kernels, ReLU^2 costs one more pass over the (tokens, 4C) activation each way: the product
+writes h, ReLU^2 reads it and writes y (forward); the product writes dy @ W_proj, ReLU^2's backward reads
+it and y and writes dh. The GPUs train at their power limit (dev/LOG.md, session 9), so these bytes cost
+time twice over: their own, and the clock they take from the matmuls. Here each product's tile is
+finished in registers, from the fp32 accumulator (no bf16 rounding of h or of dy @ W_proj in between).
+relu(h) = sqrt(y) is why the backward needs only y, which c_proj keeps anyway for its weight gradient
+(gpt._ReluSquare has the same trick for the unfused path).
+
+The kernel is persistent: one program per SM walks the output tiles, grouped along M so that the tiles
+running at once share their rows of A in L2.
+
+Elsewhere (CPU, MPS, no Triton, shapes TMA cannot describe) gpt.MLP runs the PyTorch path; tests check
+the kernels against it through Triton's interpreter (TRITON_INTERPRET=1).
+"""
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # CPU-only installs: the PyTorch path in gpt.py is used
+    triton = None
+
+RELU_SQUARE, RELU_SQUARE_GRAD = 0, 1  # the two epilogues
+
+# per epilogue: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_stages, num_warps, split epilogue, warp-specialize),
+# chosen on an H200 with dev/bench_relu_square_mm.py (dev/LOG.md, session 10)
+CONFIGS = {RELU_SQUARE: (128, 256, 64, 8, 3, 8, 1, 0), RELU_SQUARE_GRAD: (128, 256, 64, 8, 3, 8, 1, 0)}
+
+
+if triton is not None:
+    @triton.jit
+    def _finish(acc, c_desc, y_desc, off_m, off_n, EPILOGUE: tl.constexpr):
+        """The epilogue on an fp32 tile of A @ B, stored at (off_m, off_n)."""
+        if EPILOGUE == 0:  # RELU_SQUARE
+            acc = tl.maximum(acc, 0.0)
+            acc = acc * acc
+        else:  # RELU_SQUARE_GRAD: y = relu(h)^2, so relu(h) = sqrt(y)
+            y = y_desc.load([off_m, off_n]).to(tl.float32)
+            acc = acc * (2.0 * tl.sqrt(y))
+        c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
+
+    @triton.jit
+    def _mm_kernel(a_desc, b_desc, c_desc, y_desc, M, N, K,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                   NUM_PROGRAMS: tl.constexpr, B_IS_KN: tl.constexpr, EPILOGUE: tl.constexpr,
+                   SPLIT_EPILOGUE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+        # C = epilogue(A @ B) for A (M, K); B (N, K) (an nn.Linear weight, so A @ B^T) or, with B_IS_KN, (K, N)
+        tiles_m = tl.cdiv(M, BLOCK_M)
+        tiles_n = tl.cdiv(N, BLOCK_N)
+        tiles_per_group = GROUP_M * tiles_n
+        for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, NUM_PROGRAMS,
+                             flatten=not WARP_SPECIALIZE, warp_specialize=WARP_SPECIALIZE):
+            # grouped order: GROUP_M row-tiles x every column-tile, column by column
+            first_m = tile // tiles_per_group * GROUP_M
+            group_rows = min(tiles_m - first_m, GROUP_M)
+            in_group = tile % tiles_per_group
+            off_m = (first_m + in_group % group_rows) * BLOCK_M
+            off_n = in_group // group_rows * BLOCK_N
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k in range(0, K, BLOCK_K):
+                a = a_desc.load([off_m, k])
+                if B_IS_KN:
+                    b = b_desc.load([k, off_n])
+                else:
+                    b = b_desc.load([off_n, k]).T
+                acc = tl.dot(a, b, acc)
+            if SPLIT_EPILOGUE:  # two half-width tiles: half the shared memory for the store (and y's load)
+                left, right = tl.split(acc.reshape(BLOCK_M, 2, BLOCK_N // 2).permute(0, 2, 1))
+                _finish(left, c_desc, y_desc, off_m, off_n, EPILOGUE)
+                _finish(right, c_desc, y_desc, off_m, off_n + BLOCK_N // 2, EPILOGUE)
+            else:
+                _finish(acc, c_desc, y_desc, off_m, off_n, EPILOGUE)
+
+
+def _launch(a, b, b_is_kn, epilogue, y=None, config=None):
+    """(M, N) output of epilogue(a @ b) (b_is_kn) or epilogue(a @ b^T); a, b, y contiguous bf16/fp16."""
+    block_m, block_n, block_k, group_m, stages, warps, split, specialize = config or CONFIGS[epilogue]
+    M, K = a.shape
+    N = b.size(1) if b_is_kn else b.size(0)
+    c = torch.empty((M, N), dtype=a.dtype, device=a.device)
+    out_block = [block_m, block_n // 2 if split else block_n]
+    a_desc = TensorDescriptor.from_tensor(a, [block_m, block_k])
+    b_desc = TensorDescriptor.from_tensor(b, [block_k, block_n] if b_is_kn else [block_n, block_k])
+    c_desc = TensorDescriptor.from_tensor(c, out_block)
+    y_desc = TensorDescriptor.from_tensor(y, out_block) if y is not None else c_desc
+    tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
+    programs = min(tiles, _sm_count(a.device))
+    _mm_kernel[(programs,)](a_desc, b_desc, c_desc, y_desc, M, N, K,
+                            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
+                            NUM_PROGRAMS=programs, B_IS_KN=b_is_kn, EPILOGUE=epilogue,
+                            SPLIT_EPILOGUE=bool(split), WARP_SPECIALIZE=bool(specialize),
+                            num_stages=stages, num_warps=warps)
+    return c
+
+
+def _sm_count(device):
+    if device.type != "cuda":
+        return 4  # the interpreter (tests): a few programs, so the persistent loop runs more than once
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def supported(x):
+    """Whether the kernels take the activations x (..., C): Triton installed, 16-bit floats, and rows of a
+    multiple of 16 bytes, as TMA needs (the weights, (4C, C) and (C, 4C), follow)."""
+    return triton is not None and x.dtype in (torch.bfloat16, torch.float16) and x.size(-1) % 8 == 0
+
+
+def _tma_ready(t):
+    """t contiguous and 16-byte aligned, as a TMA descriptor needs (a copy only if it is not)."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+@torch.library.custom_op("nanochat::fc_relu_square", mutates_args=())
+def fc_relu_square(x: torch.Tensor, w_fc: torch.Tensor) -> torch.Tensor:
+    """relu(x @ w_fc^T)^2 for x (M, C) and w_fc (4C, C)."""
+    return _launch(_tma_ready(x), _tma_ready(w_fc), b_is_kn=False, epilogue=RELU_SQUARE)
+
+
+@torch.library.custom_op("nanochat::relu_square_input_grad", mutates_args=())
+def relu_square_input_grad(dy: torch.Tensor, w_proj: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """(dy @ w_proj) * 2 sqrt(y): the gradient at ReLU^2's input, for dy (M, C) at c_proj's output,
+    w_proj (C, 4C) and y (M, 4C) = ReLU^2's output."""
+    return _launch(_tma_ready(dy), _tma_ready(w_proj), b_is_kn=True, epilogue=RELU_SQUARE_GRAD, y=_tma_ready(y))
+
+
+@fc_relu_square.register_fake
+def _(x, w_fc):
+    return x.new_empty((x.size(0), w_fc.size(0)))
+
+
+@relu_square_input_grad.register_fake
+def _(dy, w_proj, y):
+    return torch.empty_like(y, memory_format=torch.contiguous_format)

@@ -1,0 +1,81 @@
+"""The MLP with ReLU^2 inside its products (relu_square_mm.py's Triton kernels, run on CPU through Triton's
+interpreter): output and gradients against the module path (c_fc, ReLU^2, c_proj) in float32.
+
+The interpreter's TMA loads and stores mishandle bfloat16 here, so the kernels are checked in float16 (the
+kernel is the same for both); bfloat16 is checked on the GPU by dev/bench_relu_square_mm.py."""
+
+import os
+import sys
+
+import torch
+
+from triton_interpreter import needs_triton, run_under_interpreter
+
+
+def rel_err(a, ref):
+    return ((a.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def check_kernels():
+    """Run with TRITON_INTERPRET=1 (set before Triton is imported)."""
+    from nanochat import relu_square_mm as rsm
+    from nanochat.gpt import MLP, GPTConfig, _FusedMLP
+    g = torch.Generator().manual_seed(0)
+    # (tokens, C, weight-gradient splits): ragged tiles in every dimension (K = 40 or 96 against BLOCK_K = 64),
+    # more tiles than the interpreter's 4 programs, and split weight gradients
+    for M, C, fc_split, proj_split in ((300, 96, 1, 1), (200, 40, 2, 4)):
+        mlp = MLP(GPTConfig(n_embd=C))
+        torch.nn.init.normal_(mlp.c_fc.weight, std=C ** -0.5, generator=g)
+        torch.nn.init.normal_(mlp.c_proj.weight, std=(4 * C) ** -0.5, generator=g)
+        x = torch.randn(M, C, generator=g)
+        dout = torch.randn(M, C, generator=g)
+        # reference: the module path in float32
+        ref_x = x.clone().requires_grad_()
+        ref = mlp(ref_x)
+        ref.backward(dout)
+        ref_grads = [ref_x.grad, mlp.c_fc.weight.grad, mlp.c_proj.weight.grad]
+        # the fused path in float16
+        x16 = x.half().requires_grad_()
+        w_fc = mlp.c_fc.weight.detach().half().requires_grad_()
+        w_proj = mlp.c_proj.weight.detach().half().requires_grad_()
+        out = _FusedMLP.apply(x16, w_fc, w_proj, fc_split, proj_split)
+        out.backward(dout.half())
+        assert out.dtype == torch.float16 and out.shape == (M, C)
+        errors = [rel_err(out, ref)] + [rel_err(mine, r) for mine, r in zip((x16.grad, w_fc.grad, w_proj.grad), ref_grads)]
+        assert max(errors) < 5e-3, (M, C, errors)
+        # tile configs other than the default (several tiles per program; the split epilogue and the whole
+        # one) agree with it up to the order of the sums
+        y = rsm.fc_relu_square(x16.detach(), w_fc.detach())
+        grad_h = rsm.relu_square_input_grad(dout.half(), w_proj.detach(), y)
+        for config in ((32, 64, 16, 2, 2, 4, 0, 0), (32, 64, 16, 3, 2, 4, 1, 0)):
+            assert rel_err(rsm._launch(x16.detach(), w_fc.detach(), False, rsm.RELU_SQUARE, config=config), y) < 1e-3
+            assert rel_err(rsm._launch(dout.half(), w_proj.detach(), True, rsm.RELU_SQUARE_GRAD, y=y, config=config),
+                           grad_h) < 1e-3
+    # the ops' registrations (schema, fake tensors for torch.compile)
+    x, w_fc, w_proj = torch.randn(64, 16).half(), torch.randn(64, 16).half(), torch.randn(16, 64).half()
+    torch.library.opcheck(rsm.fc_relu_square, (x, w_fc))
+    torch.library.opcheck(rsm.relu_square_input_grad, (x, w_proj, rsm.fc_relu_square(x, w_fc)))
+    print("kernels ok")
+
+
+@needs_triton
+def test_fused_mlp_matches_the_module_path_under_triton_interpreter():
+    run_under_interpreter(__file__)
+
+
+def test_fused_path_is_for_plain_modules_on_cuda():
+    """On CPU, and whenever tensor parallelism or fp8 has swapped a module, MLP takes the module path."""
+    from nanochat.gpt import MLP, GPTConfig
+    mlp = MLP(GPTConfig(n_embd=64))
+    assert not mlp.fused_kernels_take(torch.randn(4, 64))
+    if torch.cuda.is_available():
+        x = torch.randn(4, 64, device="cuda", dtype=torch.bfloat16)
+        mlp.cuda()
+        assert mlp.fused_kernels_take(x)
+        mlp.c_proj = torch.nn.Linear(256, 64, bias=False).cuda()  # e.g. a row-parallel or fp8 swap
+        assert not mlp.fused_kernels_take(x)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.getcwd())
+    check_kernels()
