@@ -30,9 +30,9 @@ except ImportError:  # CPU-only installs: the PyTorch path in gpt.py is used
 
 RELU_SQUARE, RELU_SQUARE_GRAD = 0, 1  # the two epilogues
 
-# per epilogue: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_stages, num_warps, split epilogue, warp-specialize),
-# chosen on an H200 with dev/bench_relu_square_mm.py (dev/LOG.md, session 10)
-CONFIGS = {RELU_SQUARE: (128, 256, 64, 8, 3, 8, 1, 0), RELU_SQUARE_GRAD: (128, 256, 64, 8, 3, 8, 1, 0)}
+# per epilogue: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_stages, num_warps), chosen on H200s with
+# dev/bench_relu_square_mm.py (dev/LOG.md, session 10)
+CONFIGS = {RELU_SQUARE: (128, 256, 64, 8, 3, 8), RELU_SQUARE_GRAD: (128, 256, 64, 4, 3, 8)}
 
 
 if triton is not None:
@@ -50,14 +50,12 @@ if triton is not None:
     @triton.jit
     def _mm_kernel(a_desc, b_desc, c_desc, y_desc, M, N, K,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                   NUM_PROGRAMS: tl.constexpr, B_IS_KN: tl.constexpr, EPILOGUE: tl.constexpr,
-                   SPLIT_EPILOGUE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
-        # C = epilogue(A @ B) for A (M, K); B (N, K) (an nn.Linear weight, so A @ B^T) or, with B_IS_KN, (K, N)
+                   NUM_PROGRAMS: tl.constexpr, EPILOGUE: tl.constexpr):
+        # C = epilogue(A @ B^T) for A (M, K) and B (N, K)
         tiles_m = tl.cdiv(M, BLOCK_M)
         tiles_n = tl.cdiv(N, BLOCK_N)
         tiles_per_group = GROUP_M * tiles_n
-        for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, NUM_PROGRAMS,
-                             flatten=not WARP_SPECIALIZE, warp_specialize=WARP_SPECIALIZE):
+        for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, NUM_PROGRAMS, flatten=True):
             # grouped order: GROUP_M row-tiles x every column-tile, column by column
             first_m = tile // tiles_per_group * GROUP_M
             group_rows = min(tiles_m - first_m, GROUP_M)
@@ -66,38 +64,29 @@ if triton is not None:
             off_n = in_group // group_rows * BLOCK_N
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for k in range(0, K, BLOCK_K):
-                a = a_desc.load([off_m, k])
-                if B_IS_KN:
-                    b = b_desc.load([k, off_n])
-                else:
-                    b = b_desc.load([off_n, k]).T
-                acc = tl.dot(a, b, acc)
-            if SPLIT_EPILOGUE:  # two half-width tiles: half the shared memory for the store (and y's load)
-                left, right = tl.split(acc.reshape(BLOCK_M, 2, BLOCK_N // 2).permute(0, 2, 1))
-                _finish(left, c_desc, y_desc, off_m, off_n, EPILOGUE)
-                _finish(right, c_desc, y_desc, off_m, off_n + BLOCK_N // 2, EPILOGUE)
-            else:
-                _finish(acc, c_desc, y_desc, off_m, off_n, EPILOGUE)
+                acc = tl.dot(a_desc.load([off_m, k]), b_desc.load([off_n, k]).T, acc)
+            # stored as two half-width tiles: half the shared memory for the store (and for y's load), which
+            # is what lets a 128 x 256 tile keep 3 pipeline stages
+            left, right = tl.split(acc.reshape(BLOCK_M, 2, BLOCK_N // 2).permute(0, 2, 1))
+            _finish(left, c_desc, y_desc, off_m, off_n, EPILOGUE)
+            _finish(right, c_desc, y_desc, off_m, off_n + BLOCK_N // 2, EPILOGUE)
 
 
-def _launch(a, b, b_is_kn, epilogue, y=None, config=None):
-    """(M, N) output of epilogue(a @ b) (b_is_kn) or epilogue(a @ b^T); a, b, y contiguous bf16/fp16."""
-    block_m, block_n, block_k, group_m, stages, warps, split, specialize = config or CONFIGS[epilogue]
+def _launch(a, b, epilogue, y=None, config=None):
+    """(M, N) output of epilogue(a @ b^T) for a (M, K), b (N, K), y (M, N): contiguous, aligned, 16-bit."""
+    block_m, block_n, block_k, group_m, stages, warps = config or CONFIGS[epilogue]
     M, K = a.shape
-    N = b.size(1) if b_is_kn else b.size(0)
+    N = b.size(0)
     c = torch.empty((M, N), dtype=a.dtype, device=a.device)
-    out_block = [block_m, block_n // 2 if split else block_n]
     a_desc = TensorDescriptor.from_tensor(a, [block_m, block_k])
-    b_desc = TensorDescriptor.from_tensor(b, [block_k, block_n] if b_is_kn else [block_n, block_k])
-    c_desc = TensorDescriptor.from_tensor(c, out_block)
-    y_desc = TensorDescriptor.from_tensor(y, out_block) if y is not None else c_desc
+    b_desc = TensorDescriptor.from_tensor(b, [block_n, block_k])
+    c_desc = TensorDescriptor.from_tensor(c, [block_m, block_n // 2])
+    y_desc = TensorDescriptor.from_tensor(y, [block_m, block_n // 2]) if y is not None else c_desc
     tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
     programs = min(tiles, _sm_count(a.device))
     _mm_kernel[(programs,)](a_desc, b_desc, c_desc, y_desc, M, N, K,
                             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
-                            NUM_PROGRAMS=programs, B_IS_KN=b_is_kn, EPILOGUE=epilogue,
-                            SPLIT_EPILOGUE=bool(split), WARP_SPECIALIZE=bool(specialize),
-                            num_stages=stages, num_warps=warps)
+                            NUM_PROGRAMS=programs, EPILOGUE=epilogue, num_stages=stages, num_warps=warps)
     return c
 
 
@@ -122,14 +111,16 @@ def _tma_ready(t):
 @torch.library.custom_op("nanochat::fc_relu_square", mutates_args=())
 def fc_relu_square(x: torch.Tensor, w_fc: torch.Tensor) -> torch.Tensor:
     """relu(x @ w_fc^T)^2 for x (M, C) and w_fc (4C, C)."""
-    return _launch(_tma_ready(x), _tma_ready(w_fc), b_is_kn=False, epilogue=RELU_SQUARE)
+    return _launch(_tma_ready(x), _tma_ready(w_fc), RELU_SQUARE)
 
 
 @torch.library.custom_op("nanochat::relu_square_input_grad", mutates_args=())
 def relu_square_input_grad(dy: torch.Tensor, w_proj: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """(dy @ w_proj) * 2 sqrt(y): the gradient at ReLU^2's input, for dy (M, C) at c_proj's output,
     w_proj (C, 4C) and y (M, 4C) = ReLU^2's output."""
-    return _launch(_tma_ready(dy), _tma_ready(w_proj), b_is_kn=True, epilogue=RELU_SQUARE_GRAD, y=_tma_ready(y))
+    # from a transposed copy of w_proj (13 MB at d20): the kernel then reads B as the forward does, (N, K);
+    # reading w_proj as it lies, (K, N), ran ~10% slower on an H200 (dev/LOG.md, session 10)
+    return _launch(_tma_ready(dy), w_proj.t().contiguous(), RELU_SQUARE_GRAD, y=_tma_ready(y))
 
 
 @fc_relu_square.register_fake
