@@ -7,7 +7,7 @@ The MLP's ReLU^2 inside its matmuls (CUDA: Triton, with Hopper's TMA loads and s
 As separate kernels, ReLU^2 costs one more pass over the (tokens, 4C) activation each way: the product
 writes h, ReLU^2 reads it and writes y (forward); the product writes dy @ W_proj, ReLU^2's backward reads
 it and y and writes dh. The GPUs train at their power limit (dev/LOG.md, session 9), so these bytes cost
-time twice over: their own, and the clock they take from the matmuls. Here each product's tile is
+both time and power that the matmuls' clock could have had. Here each product's tile is
 finished in registers, from the fp32 accumulator (no bf16 rounding of h or of dy @ W_proj in between).
 relu(h) = sqrt(y) is why the backward needs only y, which c_proj keeps anyway for its weight gradient
 (gpt._ReluSquare has the same trick for the unfused path).
@@ -119,7 +119,7 @@ def relu_square_input_grad(dy: torch.Tensor, w_proj: torch.Tensor, y: torch.Tens
     """(dy @ w_proj) * 2 sqrt(y): the gradient at ReLU^2's input, for dy (M, C) at c_proj's output,
     w_proj (C, 4C) and y (M, 4C) = ReLU^2's output."""
     # from a transposed copy of w_proj (13 MB at d20): the kernel then reads B as the forward does, (N, K);
-    # reading w_proj as it lies, (K, N), ran ~10% slower on an H200 (dev/LOG.md, session 10)
+    # reading w_proj as it lies, (K, N), ran 9% slower at d20 on an H200, and as fast at d12 (dev/LOG.md, session 10)
     return _launch(_tma_ready(dy), w_proj.t().contiguous(), RELU_SQUARE_GRAD, y=_tma_ready(y))
 
 

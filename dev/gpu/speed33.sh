@@ -3,6 +3,8 @@
 # (relu_square_mm.py) against the same tree with the module path (/tmp/ref), d20 b64 on lanes 1 and 2 in swapped
 # order, d12 b128 on lane 3; lane 0: the kernel bench over tile configs, then fp8 d20 b64 (unchanged code path:
 # fp8 swaps its own modules in) for the fp8 ratio on this machine. SM clock and power sampled.
+# Ran at commit bca4219 (see speed32.sh): the configs here have 8 values, and "backward from W_proj^T copied" was
+# an extra line of that bench, which the kernel now always does.
 CARRY=.carry5
 source "$(dirname "$0")/env.sh"
 fa4_site
