@@ -4,7 +4,8 @@ The GPT: a decoder-only transformer with no biases.
 - token embedding, then a parameter-free RMSNorm; smear: each position mixes in a gated share of the
   previous token's embedding
 - blocks: x = resid_lambda * x + x0_lambda * x0 (x0 = the normed, smeared embedding), then pre-norm attention
-  and a ReLU^2 MLP (4x), each added residually
+  and a ReLU^2 MLP (4x), each added residually; on CUDA the MLP computes ReLU^2 inside its products
+  (relu_square_mm.py)
 - attention: rotary positions (base 1e5), QK-norm then q and k scaled by 1.2, GQA (n_kv_head), a
   sliding window per layer from a pattern tiled over layers (S = a quarter of the context rounded to
   128, L = full; the last layer is always L); on alternating layers (the last included) a per-token
