@@ -7,6 +7,7 @@ kernel is the same for both); bfloat16 is checked on the GPU by dev/bench_relu_s
 import os
 import sys
 
+import pytest
 import torch
 
 from triton_interpreter import needs_triton, run_under_interpreter
@@ -61,6 +62,32 @@ def check_kernels():
 @needs_triton
 def test_fused_mlp_matches_the_module_path_under_triton_interpreter():
     run_under_interpreter(__file__)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the bf16 kernels on the GPU)")
+def test_fused_mlp_in_bf16_on_cuda():
+    """On the GPU in bf16, the fused path is as close to float32 math as the module path is."""
+    from nanochat.gpt import MLP, GPTConfig
+    torch.manual_seed(0)
+    mlp = MLP(GPTConfig(n_embd=256)).cuda()
+    torch.nn.init.normal_(mlp.c_fc.weight, std=256 ** -0.5)
+    torch.nn.init.normal_(mlp.c_proj.weight, std=1024 ** -0.5)
+    x = torch.randn(2, 300, 256, device="cuda")
+    dout = torch.randn(2, 300, 256, device="cuda")
+
+    def run(dtype, fused):
+        mlp.zero_grad()
+        xr = x.to(dtype).requires_grad_()
+        mlp.fused_kernels_take = lambda x: fused
+        out = mlp(xr)
+        out.backward(dout.to(dtype))
+        del mlp.fused_kernels_take
+        return [out, xr.grad, mlp.c_fc.weight.grad.clone(), mlp.c_proj.weight.grad.clone()]
+
+    ref = run(torch.float32, False)
+    fused, module = run(torch.bfloat16, True), run(torch.bfloat16, False)
+    for f, m, r in zip(fused, module, ref):
+        assert rel_err(f, r) < 1.5 * rel_err(m, r) + 1e-3, (rel_err(f, r), rel_err(m, r))
 
 
 def test_fused_path_is_for_plain_modules_on_cuda():
