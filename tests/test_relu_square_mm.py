@@ -4,6 +4,8 @@ interpreter): output and gradients against the module path (c_fc, ReLU^2, c_proj
 The interpreter's TMA loads and stores mishandle bfloat16 here, so the kernels are checked in float16 (the
 kernel is the same for both); bfloat16 is checked on the GPU by dev/bench_relu_square_mm.py."""
 
+import importlib.metadata
+import importlib.util
 import os
 import sys
 
@@ -59,7 +61,13 @@ def check_kernels():
     print("kernels ok")
 
 
+def _triton_version():
+    return tuple(int(v) for v in importlib.metadata.version("triton").split(".")[:2])
+
+
 @needs_triton
+@pytest.mark.skipif(importlib.util.find_spec("triton") is not None and _triton_version() < (3, 7),
+                    reason="Triton 3.6's interpreter cannot start a loop at tl.program_id (seen on the GPU machines); 3.7 can")
 def test_fused_mlp_matches_the_module_path_under_triton_interpreter():
     run_under_interpreter(__file__)
 
