@@ -131,7 +131,9 @@ class _HeadLoss(torch.autograd.Function):
         return grad_x, grad_w, None
 
 
-def _reduce(losses, targets, reduction):
+def reduce_losses(losses, targets, reduction):
+    """Per-token losses (N,) of targets (...) reduced as F.cross_entropy does with ignore_index=-1: 'none'
+    (the targets' shape), 'sum', or 'mean' over the targets that count (NaN when none does)."""
     if reduction == "none":
         return losses.view(targets.shape)
     if reduction == "sum":
@@ -144,7 +146,8 @@ def head_loss(x, weight, targets, reduction="mean"):
     dtype, targets (...); ignore_index=-1; reduction 'mean' (over the targets that count), 'sum' or
     'none' (fp32, shape of targets)."""
     if triton is None or not x.is_cuda:
-        return reference_loss(F.linear(x, weight), targets, reduction)
+        loss = reference_loss(F.linear(x, weight), targets, reduction)
+        return loss.view(targets.shape) if reduction == "none" else loss
     return kernel_head_loss(x, weight, targets, reduction)
 
 
@@ -157,4 +160,4 @@ def kernel_head_loss(x, weight, targets, reduction="mean"):  # AOTAutograd copy 
         losses = _HeadLoss.apply(flat_x, weight, flat_targets)
     else:  # evaluation: the loss only
         losses = _row_losses(flat_x @ weight.t(), flat_targets, write_grad=False)
-    return _reduce(losses, targets, reduction)
+    return reduce_losses(losses, targets, reduction)

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from nanochat.softcap_ce import softcap
+from nanochat.softcap_ce import softcap, reduce_losses
 
 
 # -----------------------------------------------------------------------------
@@ -340,13 +340,8 @@ class VocabParallelSoftcapCrossEntropy(nn.Module):
     def forward(self, x, lm_head, targets, reduction="mean"):
         logits = softcap(lm_head(x))
         flat = logits.view(-1, logits.size(-1))
-        targets = targets.reshape(-1)
-        loss = _VocabParallelCrossEntropy.apply(flat, targets, self.vocab_start, self.group)
-        if reduction == "none":
-            return loss
-        if reduction == "sum":
-            return loss.sum()
-        return loss.sum() / (targets >= 0).sum().clamp(min=1)
+        loss = _VocabParallelCrossEntropy.apply(flat, targets.reshape(-1), self.vocab_start, self.group)
+        return reduce_losses(loss, targets, reduction)
 
 
 # -----------------------------------------------------------------------------

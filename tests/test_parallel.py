@@ -126,3 +126,33 @@ def test_pipeline_stage_split_and_schedule_table():
     assert first_row[:4] == ["F0", "F1", "F2", "F3"]  # stage 0 warms up with p-1 = 3 forwards, then 1F1B
     with pytest.raises(ValueError, match="at least pp=4 micro-batches"):
         Pipeline(model, Layout(pp_size=4, pp_rank=0), num_microbatches=2, micro_batch_size=1)
+
+
+def test_vocab_parallel_loss_reduces_like_the_single_device_loss():
+    """TP's loss (over a group of one process here) reduces as the one-device loss does: 'none' in the
+    targets' shape, 'sum', and 'mean' over the counted targets, NaN when none counts (F.cross_entropy's
+    answer; TP used to return 0 there)."""
+    from types import SimpleNamespace
+    import torch.distributed as dist
+    from parallel_harness import _free_port
+    from nanochat.gpt import Linear, SoftcapCrossEntropy
+    from nanochat.tensor_parallel import VocabParallelSoftcapCrossEntropy
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        tp_loss = VocabParallelSoftcapCrossEntropy(64, SimpleNamespace(tp_group=dist.group.WORLD, tp_rank=0, tp_size=1))
+        lm_head = Linear(16, 64)
+        torch.nn.init.normal_(lm_head.weight)
+        x = torch.randn(2, 5, 16)
+        targets = torch.randint(0, 64, (2, 5))
+        targets[0, :2] = -1
+        for t in (targets, torch.full_like(targets, -1)):
+            for reduction in ("none", "sum", "mean"):
+                mine = tp_loss(x, lm_head, t, reduction)
+                ref = SoftcapCrossEntropy()(x, lm_head, t, reduction)
+                assert mine.shape == ref.shape
+                assert torch.allclose(mine, ref, atol=1e-5, equal_nan=True), (reduction, mine, ref)
+        assert tp_loss(x, lm_head, torch.full_like(targets, -1)).isnan()
+    finally:
+        dist.destroy_process_group()
