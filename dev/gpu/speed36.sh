@@ -1,6 +1,7 @@
 #!/bin/bash
 # single nvidia-h200 call (session 10): the fused backward with y loaded before the K loop (dev/gpu/prefetch_y.py)
-# against relu_square_mm's, then the kernel bench at the chosen configs for the record.
+# against relu_square_mm's, then the kernel bench at the chosen configs for the record. The variant did not help and
+# dev/gpu/prefetch_y.py was removed afterwards (a copy of the kernel's tile loop); it is in git at commit 7a53a56.
 cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor
 PYTHONPATH=. timeout 200 python3 dev/gpu/prefetch_y.py 2>&1 | tee $OUT/prefetch.log | grep -v -i warn
