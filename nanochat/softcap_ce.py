@@ -146,8 +146,7 @@ def head_loss(x, weight, targets, reduction="mean"):
     dtype, targets (...); ignore_index=-1; reduction 'mean' (over the targets that count), 'sum' or
     'none' (fp32, shape of targets)."""
     if triton is None or not x.is_cuda:
-        loss = reference_loss(F.linear(x, weight), targets, reduction)
-        return loss.view(targets.shape) if reduction == "none" else loss
+        return reduce_losses(reference_loss(F.linear(x, weight), targets, "none"), targets, reduction)
     return kernel_head_loss(x, weight, targets, reduction)
 
 
