@@ -1,31 +1,37 @@
 """
-fp8 training linears through torchao's float8 training (dynamic scaling, `tensorwise` or `rowwise`).
+fp8 training linears: torchao's float8 training (dynamic scaling, `tensorwise` or `rowwise`), and with
+tensorwise an MLP of our own that follows the same recipe with ReLU^2 fused into its products.
 
 - Only Linear layers whose dims are multiples of 16 and at least 128 are converted (the fp8 matmul's
   shape rules; small layers gain nothing), and never the lm_head: the logits keep bf16 precision.
-- The weights stay the same fp32 Parameters: a Float8Linear keeps the Linear's weight and only casts
-  it (and the activations, and the output gradients) to fp8 around each matmul. So a checkpoint has the
-  same keys with or without fp8, and one saved with fp8 loads without it and vice versa.
-- Evaluation and sampling run in bf16: `bf16_linears(model)` swaps every Float8Linear back to a plain
-  Linear holding the very same weight Parameter, and restores the fp8 modules afterwards.
+- The weights stay the same fp32 Parameters, cast to fp8 (as are the activations and the output
+  gradients) around each matmul. So a checkpoint has the same keys with or without fp8, and one saved
+  with fp8 loads without it and vice versa.
+- Evaluation and sampling run in bf16: `bf16_linears(model)` swaps the fp8 modules for plain ones holding
+  the very same weight Parameters, and restores them afterwards.
 - `tensorwise` is torchao's recipe with fast accumulation in all three matmuls (torchao: the forward's
   only). `rowwise` is torchao's as it is.
 - Without CUDA (or an SM89+ GPU), or without torchao, --fp8 says so and training continues without it.
-It pays off only under torch.compile, which fuses the casts and scale computations.
+It pays off only under torch.compile, which fuses the casts and amax reductions.
 
-One cast is ours, not torchao's (tensorwise recipe only). The gradient that reaches the MLP's c_fc is
-g_h = 2 relu(h) * g_a, from ReLU^2's backward; c_fc's fp8 backward needs it as e5m2 twice: row-major for
-the input gradient and transposed for the weight gradient (Hopper's fp8 matmuls take both operands
-K-major). Left to torch.compile, the ReLU^2 backward, the casts and the transposed copy became one kernel
-that wrote the transposed bytes slowly: 1.27 ms per call at d20 on an H200, against 0.46 ms for the bf16
-ReLU^2 backward (dev/LOG.md, session 6). So MLP.act becomes ReluSquareFp8Grad, whose backward
-- takes the tensor's amax (a reduction that torch.compile generates),
-- casts g_h to e5m2 row-major in one Triton kernel (fp32 math, saturated as torchao does),
-- and returns a torchao Float8TrainingTensor: torchao's backward uses an already-cast gradient as it is,
-  and only its transposed copy is left to torch.compile, now a copy of 1-byte values.
-In the d20 profile these kernels take 226 ms a step against 277 (dev/LOG.md, session 8); end to end that
-was +0.4%, within the spread between GPUs.
-Off CUDA the same cast runs in PyTorch (tests compare the two through Triton's interpreter).
+The MLP with tensorwise scaling is Fp8MLP, not torchao's: c_proj(relu(c_fc(x))^2) as one autograd
+Function. With torchao's Float8Linear for c_fc and c_proj, ReLU^2 stays between them as separate passes over
+the (tokens, 4C) activation: c_fc writes h, an amax pass and a cast pass read it; in the backward, c_proj's
+product writes its input gradient, and passes for ReLU^2's gradient, its amax and its cast read it again.
+Fp8MLP puts ReLU^2 inside the products, as gpt._FusedMLP does in bf16 (relu_square_mm.py, whose kernel also
+returns the amax of what it writes):
+
+    forward:   x, W_fc, W_proj -> e4m3
+               y = relu(x W_fc^T)^2                fused, with amax(y)
+               out = (y -> e4m3) W_proj^T          _scaled_mm
+    backward:  dout -> e5m2
+               dh = (dout W_proj) * 2 sqrt(y)      fused, with amax(dh); relu(h) = sqrt(y)
+               dx = (dh -> e5m2) W_fc              _scaled_mm, as are the two weight gradients
+
+It keeps x in e4m3 and y in bf16 for the backward. The casts are torchao's: scale = fp8 max / amax, in
+fp32, saturated. Each matmul gives both operands K-major (Hopper's fp8 rule), so the backward makes
+transposed fp8 copies of dh, dout, x and y. Off CUDA (tests) the two fused products run in PyTorch; tests
+check the kernels against them through Triton's interpreter, and the module against torchao's.
 """
 
 import dataclasses
@@ -35,13 +41,10 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from nanochat.gpt import Linear, MLP, ReluSquare
+from nanochat import relu_square_mm
+from nanochat.gpt import Linear, MLP
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs: the PyTorch cast below is used
-    triton = None
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2  # activations and weights; gradients
 
 
 def is_eligible(module, fqn):
@@ -78,17 +81,28 @@ def convert_to_fp8(model, recipe="tensorwise", device=None, force=False):
         # within the bf16 runs' spread (dev/LOG.md, session 8)
         fast = Float8GemmConfig(use_fast_accum=True)
         config = dataclasses.replace(config, gemm_config_grad_input=fast, gemm_config_grad_weight=fast)
-    convert_to_float8_training(model, config=config, module_filter_fn=is_eligible)
+    mlps = 0
+    if recipe == "tensorwise":
+        mlps = len(_swap(model, lambda m: _rehouse(m, Fp8MLP) if type(m) is MLP and _mlp_is_eligible(m) else None))
+    ours = {f"{name}.{linear}" for name, m in model.named_modules() if isinstance(m, Fp8MLP) for linear in ("c_fc", "c_proj")}
+    convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: is_eligible(m, fqn) and fqn not in ours)
     converted = sum(1 for m in model.modules() if _is_fp8(m))
-    # rowwise casts c_fc's gradient twice, along different axes: an already-cast one would serve only one
-    fused = 0
-    for mlp in model.modules():
-        if recipe == "tensorwise" and isinstance(mlp, MLP) and _is_fp8(mlp.c_fc):
-            mlp.act = ReluSquareFp8Grad(mlp.c_fc)
-            fused += 1
-    print(f"fp8 ({recipe}): converted {converted} Linear layers"
-          + (f"; {fused} MLPs cast c_fc's gradient to fp8 in ReLU^2's backward" if fused else ""), flush=True)
-    return converted
+    print(f"fp8 ({recipe}): converted {converted + 2 * mlps} Linear layers"
+          + (f", {2 * mlps} of them in {mlps} MLPs with ReLU^2 fused into their fp8 products" if mlps else ""), flush=True)
+    return converted + 2 * mlps
+
+
+def _mlp_is_eligible(mlp):
+    return is_eligible(mlp.c_fc, "c_fc") and is_eligible(mlp.c_proj, "c_proj")
+
+
+def _rehouse(module, cls):
+    """A cls instance holding module's children (the same objects: nothing is copied)."""
+    new = cls.__new__(cls)
+    torch.nn.Module.__init__(new)
+    for name, child in module.named_children():
+        setattr(new, name, child)
+    return new
 
 
 def _is_fp8(module):
@@ -108,8 +122,8 @@ def _swap(model, make):
 
 
 def _as_bf16(module):
-    if isinstance(module, ReluSquareFp8Grad):
-        return ReluSquare()
+    if isinstance(module, Fp8MLP):
+        return _rehouse(module, MLP)
     if not _is_fp8(module):
         return None
     lin = Linear.__new__(Linear)
@@ -122,8 +136,8 @@ def _as_bf16(module):
 
 @contextmanager
 def bf16_linears(model):
-    """Run the block in bf16: fp8 Linears are temporarily replaced by plain Linears on the same weights
-    (and ReLU^2 by the plain one, whose gradient a plain c_fc can take)."""
+    """Run the block in bf16: fp8 Linears are temporarily replaced by plain Linears on the same weights,
+    and each Fp8MLP by a plain MLP holding the same Linears."""
     swapped = _swap(model, _as_bf16)
     try:
         yield model
@@ -132,78 +146,74 @@ def bf16_linears(model):
             setattr(parent, name, old)
 
 
-# ---- ReLU^2 whose backward casts c_fc's gradient to fp8 (see the module docstring) ----
-
-def relu_square_grad(grad, h):
-    """g_h = 2 relu(h) * g_a in fp32, the values that are scaled and cast."""
-    return 2 * F.relu(h.float()) * grad.float()
 
 
-def reference_grad_to_fp8(grad, h, scale, fp8_dtype):
-    """The cast in PyTorch: torchao's saturated cast of g_h * scale."""
-    fp8_max = torch.finfo(fp8_dtype).max
-    return (relu_square_grad(grad, h) * scale).clamp(-fp8_max, fp8_max).to(fp8_dtype)
+# ---- the tensorwise MLP (see the module docstring) ----
+
+def to_fp8(t, dtype, amax=None):
+    """torchao's tensorwise cast: t * scale saturated to dtype, scale = dtype's max / amax(t) in fp32.
+    Returns the fp8 data and 1 / scale, which undoes it in a product."""
+    from torchao.float8.float8_utils import amax_to_scale, to_fp8_saturated
+    scale = amax_to_scale(t.abs().max() if amax is None else amax, dtype)
+    return to_fp8_saturated(t.float() * scale, dtype), scale.reciprocal()
 
 
-if triton is not None:
-    @triton.jit
-    def _grad_to_fp8_kernel(grad_ptr, h_ptr, scale_ptr, out_ptr, n, fp8_max, BLOCK: tl.constexpr):
-        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offsets < n
-        g = tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        h = tl.load(h_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        x = 2 * tl.maximum(h, 0.0) * g * tl.load(scale_ptr)
-        x = tl.minimum(tl.maximum(x, -fp8_max), fp8_max)
-        tl.store(out_ptr + offsets, x.to(out_ptr.dtype.element_ty), mask=mask)
+def scaled_mm(a, b, a_inv, b_inv, out_dtype):
+    """a @ b^T for fp8 a (M, K) and b (N, K), both K-major, times a_inv * b_inv; fast accumulation."""
+    return torch._scaled_mm(a, b.t(), scale_a=a_inv, scale_b=b_inv, out_dtype=out_dtype, use_fast_accum=True)
 
 
-@torch.library.custom_op("nanochat::relu_square_grad_to_fp8", mutates_args=())
-def grad_to_fp8_op(grad: torch.Tensor, h: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
-    """(2 relu(h) * grad * scale) saturated to fp8_dtype, row-major: one Triton kernel (a custom op, so that
-    torch.compile cannot fuse the transposed copy that torchao makes of it back into this pass)."""
-    grad, h = grad.contiguous(), h.contiguous()
-    out = torch.empty(h.shape, dtype=fp8_dtype, device=h.device)
-    n, block = h.numel(), 4096
-    _grad_to_fp8_kernel[(triton.cdiv(n, block),)](grad, h, scale, out, n, torch.finfo(fp8_dtype).max,
-                                                  BLOCK=block, num_warps=8)
-    return out
+def fc_relu_square(x8, w_fc8, scale, out_dtype, kernels):
+    """relu(x8 @ w_fc8^T * scale)^2 in out_dtype and its amax: the Triton kernel, or PyTorch (`kernels` False)."""
+    if kernels:
+        return relu_square_mm.fc_relu_square_fp8(x8, w_fc8, scale, out_dtype)
+    y = F.relu(x8.float() @ w_fc8.float().t() * scale).square().to(out_dtype)
+    return y, y.abs().max().float()
 
 
-@grad_to_fp8_op.register_fake
-def _(grad, h, scale, fp8_dtype):
-    return torch.empty(h.shape, dtype=fp8_dtype, device=h.device)
+def relu_square_input_grad(dy8, w_proj8_t, y, scale, kernels):
+    """(dy8 @ w_proj8_t^T * scale) * 2 sqrt(y) in y's dtype and its amax: the Triton kernel, or PyTorch."""
+    if kernels:
+        return relu_square_mm.relu_square_input_grad_fp8(dy8, w_proj8_t, y, scale)
+    grad_h = (dy8.float() @ w_proj8_t.float().t() * scale * 2 * y.float().sqrt()).to(y.dtype)
+    return grad_h, grad_h.abs().max().float()
 
 
-@torch._dynamo.allow_in_graph  # as torchao's own autograd functions: AOTAutograd traces it, Dynamo does not
-class _ReluSquareFp8Grad(torch.autograd.Function):
+class _Fp8MLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, linear_mm_config, config):
-        ctx.save_for_backward(h)
-        ctx.linear_mm_config, ctx.config = linear_mm_config, config
-        return F.relu(h).square()
+    def forward(ctx, x, w_fc, w_proj, kernels):
+        x8, x_inv = to_fp8(x, E4M3)
+        w_fc8, w_fc_inv = to_fp8(w_fc, E4M3)
+        y, y_amax = fc_relu_square(x8, w_fc8, x_inv * w_fc_inv, x.dtype, kernels)
+        y8, y_inv = to_fp8(y, E4M3, y_amax)
+        w_proj8, w_proj_inv = to_fp8(w_proj, E4M3)
+        ctx.save_for_backward(x8, x_inv, w_fc8, w_fc_inv, w_proj8, w_proj_inv, y, y_amax)
+        ctx.kernels, ctx.w_dtype = kernels, w_fc.dtype
+        return scaled_mm(y8, w_proj8, y_inv, w_proj_inv, x.dtype)
 
     @staticmethod
-    def backward(ctx, grad):
-        from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
-        from torchao.float8.float8_utils import amax_to_scale
-        h, = ctx.saved_tensors
-        fp8_dtype = ctx.config.cast_config_grad_output.target_dtype
-        amax = relu_square_grad(grad, h).abs().max()
-        scale = amax_to_scale(amax, fp8_dtype, ctx.config.round_scales_to_power_of_2)  # torchao's tensorwise scale
-        if triton is not None and h.is_cuda:
-            data = grad_to_fp8_op(grad, h, scale, fp8_dtype)
-        else:
-            data = reference_grad_to_fp8(grad, h, scale, fp8_dtype)
-        return Float8TrainingTensor(data, scale, grad.dtype, ctx.linear_mm_config, GemmInputRole.GRAD_OUTPUT), None, None
+    def backward(ctx, grad_out):
+        x8, x_inv, w_fc8, w_fc_inv, w_proj8, w_proj_inv, y, y_amax = ctx.saved_tensors
+        dout8, dout_inv = to_fp8(grad_out, E5M2)
+        grad_h, grad_h_amax = relu_square_input_grad(dout8, w_proj8.t().contiguous(), y, dout_inv * w_proj_inv, ctx.kernels)
+        dh8, dh_inv = to_fp8(grad_h, E5M2, grad_h_amax)
+        grad_x = scaled_mm(dh8, w_fc8.t().contiguous(), dh_inv, w_fc_inv, grad_out.dtype)
+        grad_w_fc = scaled_mm(dh8.t().contiguous(), x8.t().contiguous(), dh_inv, x_inv, ctx.w_dtype)
+        y8, y_inv = to_fp8(y, E4M3, y_amax)  # c_proj's input again, cast as in the forward
+        grad_w_proj = scaled_mm(dout8.t().contiguous(), y8.t().contiguous(), dout_inv, y_inv, ctx.w_dtype)
+        return grad_x, grad_w_fc, grad_w_proj, None
 
 
-class ReluSquareFp8Grad(torch.nn.Module):
-    """relu(h)^2 for h = fc(x), fc a tensorwise Float8Linear: the backward returns the gradient as fc's fp8
-    backward wants it. Keeps fc's two configs, not fc itself (no second path to its weight)."""
+class Fp8MLP(MLP):
+    """The MLP in tensorwise fp8 with ReLU^2 fused into its products (_Fp8MLP), on the MLP's own c_fc and
+    c_proj Linears (made by _rehouse: the same weights and checkpoint keys; act and tp_enter ride along for
+    the way back). The Triton kernels run on CUDA for 16-bit activations; elsewhere the PyTorch products do.
+    The weight gradients are products over the tokens, and fp8 products need every dim a multiple of 16:
+    other token counts (never training's, B x 2048) take the bf16 path."""
 
-    def __init__(self, fc):
-        super().__init__()
-        self.linear_mm_config, self.config = fc.linear_mm_config, fc.config
-
-    def forward(self, h):
-        return _ReluSquareFp8Grad.apply(h, self.linear_mm_config, self.config)
+    def forward(self, x):
+        rows = x.reshape(-1, x.size(-1))
+        if rows.size(0) % 16:
+            return super().forward(x)
+        kernels = x.is_cuda and relu_square_mm.supported(x)
+        return _Fp8MLP.apply(rows, self.c_fc.weight, self.c_proj.weight, kernels).view_as(x)

@@ -30,28 +30,36 @@ except ImportError:  # CPU-only installs: the PyTorch path in gpt.py is used
 
 RELU_SQUARE, RELU_SQUARE_GRAD = 0, 1  # the two epilogues
 
-# per epilogue: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_stages, num_warps), chosen on H200s with
-# dev/bench_relu_square_mm.py (dev/LOG.md, session 10)
-CONFIGS = {RELU_SQUARE: (128, 256, 64, 8, 3, 8), RELU_SQUARE_GRAD: (128, 256, 64, 4, 3, 8)}
+# per (epilogue, fp8 operands): (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_stages, num_warps), chosen on H200s
+# with dev/bench_relu_square_mm.py (dev/LOG.md, sessions 10 and 11)
+CONFIGS = {(RELU_SQUARE, False): (128, 256, 64, 8, 3, 8), (RELU_SQUARE_GRAD, False): (128, 256, 64, 4, 3, 8),
+           (RELU_SQUARE, True): (128, 256, 128, 8, 3, 8), (RELU_SQUARE_GRAD, True): (128, 256, 128, 4, 3, 8)}
 
 
 if triton is not None:
     @triton.jit
-    def _finish(acc, c_desc, y_desc, off_m, off_n, EPILOGUE: tl.constexpr):
-        """The epilogue on an fp32 tile of A @ B, stored at (off_m, off_n)."""
+    def _finish(acc, c_desc, y_desc, scale, amax_ptr, off_m, off_n, EPILOGUE: tl.constexpr, FP8: tl.constexpr):
+        """The epilogue on an fp32 tile of A @ B, stored at (off_m, off_n). FP8: A and B were scaled to fp8,
+        `scale` undoes both; the largest |value| stored goes to amax_ptr, for the scale of the next fp8 cast."""
+        if FP8:
+            acc = acc * scale
         if EPILOGUE == 0:  # RELU_SQUARE
             acc = tl.maximum(acc, 0.0)
             acc = acc * acc
         else:  # RELU_SQUARE_GRAD: y = relu(h)^2, so relu(h) = sqrt(y)
             y = y_desc.load([off_m, off_n]).to(tl.float32)
             acc = acc * (2.0 * tl.sqrt(y))
-        c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
+        out = acc.to(c_desc.dtype)
+        if FP8:  # the amax of the values as stored (tiles past the edges hold zeros)
+            tl.atomic_max(amax_ptr, tl.max(tl.abs(out.to(tl.float32))))
+        c_desc.store([off_m, off_n], out)
 
     @triton.jit
-    def _mm_kernel(a_desc, b_desc, c_desc, y_desc, M, N, K,
+    def _mm_kernel(a_desc, b_desc, c_desc, y_desc, scale_ptr, amax_ptr, M, N, K,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                   NUM_PROGRAMS: tl.constexpr, EPILOGUE: tl.constexpr):
+                   NUM_PROGRAMS: tl.constexpr, EPILOGUE: tl.constexpr, FP8: tl.constexpr):
         # C = epilogue(A @ B^T) for A (M, K) and B (N, K)
+        scale = tl.load(scale_ptr) if FP8 else 1.0
         tiles_m = tl.cdiv(M, BLOCK_M)
         tiles_n = tl.cdiv(N, BLOCK_N)
         tiles_per_group = GROUP_M * tiles_n
@@ -68,26 +76,30 @@ if triton is not None:
             # stored as two half-width tiles: half the shared memory for the store (and for y's load), which
             # is what lets a 128 x 256 tile keep 3 pipeline stages
             left, right = tl.split(acc.reshape(BLOCK_M, 2, BLOCK_N // 2).permute(0, 2, 1))
-            _finish(left, c_desc, y_desc, off_m, off_n, EPILOGUE)
-            _finish(right, c_desc, y_desc, off_m, off_n + BLOCK_N // 2, EPILOGUE)
+            _finish(left, c_desc, y_desc, scale, amax_ptr, off_m, off_n, EPILOGUE, FP8)
+            _finish(right, c_desc, y_desc, scale, amax_ptr, off_m, off_n + BLOCK_N // 2, EPILOGUE, FP8)
 
 
-def _launch(a, b, epilogue, y=None, config=None):
-    """(M, N) output of epilogue(a @ b^T) for a (M, K), b (N, K), y (M, N): contiguous, aligned, 16-bit."""
-    block_m, block_n, block_k, group_m, stages, warps = config or CONFIGS[epilogue]
+def _launch(a, b, epilogue, y=None, config=None, scale=None, out_dtype=None):
+    """(M, N) output of epilogue(a @ b^T) for a (M, K), b (N, K), y (M, N), contiguous and aligned: 16-bit
+    floats, or fp8 with `scale` (a one-element fp32 tensor that undoes both operands' scales) and a 16-bit
+    out_dtype, which also returns the output's amax (0-d fp32, as torch's amax of a tensor)."""
+    fp8 = scale is not None
+    block_m, block_n, block_k, group_m, stages, warps = config or CONFIGS[epilogue, fp8]
     M, K = a.shape
     N = b.size(0)
-    c = torch.empty((M, N), dtype=a.dtype, device=a.device)
+    c = torch.empty((M, N), dtype=out_dtype or a.dtype, device=a.device)
+    amax = torch.zeros((), dtype=torch.float32, device=a.device) if fp8 else None
     a_desc = TensorDescriptor.from_tensor(a, [block_m, block_k])
     b_desc = TensorDescriptor.from_tensor(b, [block_n, block_k])
     c_desc = TensorDescriptor.from_tensor(c, [block_m, block_n // 2])
     y_desc = TensorDescriptor.from_tensor(y, [block_m, block_n // 2]) if y is not None else c_desc
     tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
     programs = min(tiles, _sm_count(a.device))
-    _mm_kernel[(programs,)](a_desc, b_desc, c_desc, y_desc, M, N, K,
+    _mm_kernel[(programs,)](a_desc, b_desc, c_desc, y_desc, scale, amax, M, N, K,
                             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
-                            NUM_PROGRAMS=programs, EPILOGUE=epilogue, num_stages=stages, num_warps=warps)
-    return c
+                            NUM_PROGRAMS=programs, EPILOGUE=epilogue, FP8=fp8, num_stages=stages, num_warps=warps)
+    return (c, amax) if fp8 else c
 
 
 def _sm_count(device):
@@ -131,3 +143,29 @@ def _(x, w_fc):
 @relu_square_input_grad.register_fake
 def _(dy, w_proj, y):
     return torch.empty_like(y, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("nanochat::fc_relu_square_fp8", mutates_args=())
+def fc_relu_square_fp8(x8: torch.Tensor, w_fc8: torch.Tensor, scale: torch.Tensor,
+                       out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """relu(x8 @ w_fc8^T * scale)^2 in out_dtype and its amax, for x8 (M, C) and w_fc8 (4C, C) in fp8."""
+    return _launch(_tma_ready(x8), _tma_ready(w_fc8), RELU_SQUARE, scale=scale, out_dtype=out_dtype)
+
+
+@torch.library.custom_op("nanochat::relu_square_input_grad_fp8", mutates_args=())
+def relu_square_input_grad_fp8(dy8: torch.Tensor, w_proj8_t: torch.Tensor, y: torch.Tensor,
+                               scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dy8 @ w_proj8_t^T * scale) * 2 sqrt(y) in y's dtype and its amax, for dy8 (M, C) and w_proj8_t (4C, C),
+    c_proj's weight transposed, in fp8."""
+    return _launch(_tma_ready(dy8), _tma_ready(w_proj8_t), RELU_SQUARE_GRAD, y=_tma_ready(y), scale=scale,
+                   out_dtype=y.dtype)
+
+
+@fc_relu_square_fp8.register_fake
+def _(x8, w_fc8, scale, out_dtype):
+    return x8.new_empty((x8.size(0), w_fc8.size(0)), dtype=out_dtype), scale.new_empty(())
+
+
+@relu_square_input_grad_fp8.register_fake
+def _(dy8, w_proj8_t, y, scale):
+    return torch.empty_like(y, memory_format=torch.contiguous_format), scale.new_empty(())

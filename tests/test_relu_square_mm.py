@@ -4,15 +4,13 @@ interpreter): output and gradients against the module path (c_fc, ReLU^2, c_proj
 The interpreter's TMA loads and stores mishandle bfloat16 here, so the kernels are checked in float16 (the
 kernel is the same for both); bfloat16 is checked on the GPU by dev/bench_relu_square_mm.py."""
 
-import importlib.metadata
-import importlib.util
 import os
 import sys
 
 import pytest
 import torch
 
-from triton_interpreter import needs_triton, run_under_interpreter
+from triton_interpreter import needs_interpreter_loops, run_under_interpreter
 
 
 def rel_err(a, ref):
@@ -61,13 +59,7 @@ def check_kernels():
     print("kernels ok")
 
 
-def _triton_version():
-    return tuple(int(v) for v in importlib.metadata.version("triton").split(".")[:2])
-
-
-@needs_triton
-@pytest.mark.skipif(importlib.util.find_spec("triton") is not None and _triton_version() < (3, 7),
-                    reason="Triton 3.6's interpreter cannot start a loop at tl.program_id (seen on the GPU machines); 3.7 can")
+@needs_interpreter_loops
 def test_fused_mlp_matches_the_module_path_under_triton_interpreter():
     run_under_interpreter(__file__)
 
@@ -99,7 +91,7 @@ def test_fused_mlp_in_bf16_on_cuda():
 
 
 def test_fused_path_is_for_plain_modules_on_cuda():
-    """On CPU, and whenever tensor parallelism or fp8 has swapped a module, MLP takes the module path."""
+    """On CPU, and whenever tensor parallelism (or rowwise fp8) has swapped a module, MLP takes the module path."""
     from nanochat.gpt import MLP, GPTConfig
     mlp = MLP(GPTConfig(n_embd=64))
     assert not mlp.fused_kernels_take(torch.randn(4, 64))
@@ -107,7 +99,7 @@ def test_fused_path_is_for_plain_modules_on_cuda():
         x = torch.randn(4, 64, device="cuda", dtype=torch.bfloat16)
         mlp.cuda()
         assert mlp.fused_kernels_take(x)
-        mlp.c_proj = torch.nn.Linear(256, 64, bias=False).cuda()  # e.g. a row-parallel or fp8 swap
+        mlp.c_proj = torch.nn.Linear(256, 64, bias=False).cuda()  # e.g. a row-parallel swap
         assert not mlp.fused_kernels_take(x)
 
 

@@ -4,6 +4,7 @@ Triton is imported, so the file runs again in a subprocess, where its __main__ c
 import os
 import sys
 import subprocess
+import importlib.metadata
 import importlib.util
 
 import pytest
@@ -12,6 +13,16 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                   reason="Triton is not installed (pip install triton)")
+
+
+def _triton_version():
+    return tuple(int(v) for v in importlib.metadata.version("triton").split(".")[:2])
+
+
+# persistent kernels (relu_square_mm.py): a loop that starts at tl.program_id
+needs_interpreter_loops = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None or _triton_version() < (3, 7),
+    reason="needs Triton 3.7+: 3.6's interpreter cannot start a loop at tl.program_id (seen on the GPU machines)")
 
 
 def run_under_interpreter(test_file):
