@@ -359,7 +359,7 @@ class MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.c_fc = Linear(config.n_embd, 4 * config.n_embd)
-        self.act = ReluSquare()  # fp8 swaps in one whose backward hands c_fc its gradient already in fp8
+        self.act = ReluSquare()
         self.c_proj = Linear(4 * config.n_embd, config.n_embd)
         self.tp_enter = nn.Identity()  # tensor parallelism swaps in its region-entry collective
 
@@ -373,8 +373,8 @@ class MLP(nn.Module):
         return self.c_proj(self.act(self.c_fc(x)))
 
     def fused_kernels_take(self, x):
-        """On CUDA, with the plain modules: tensor parallelism and fp8 swap in their own, which take the
-        module path."""
+        """On CUDA, with the plain modules: tensor parallelism and rowwise fp8 swap in their own Linears, which
+        take the module path (tensorwise fp8 replaces the whole MLP: fp8.Fp8MLP)."""
         return (x.is_cuda and type(self.c_fc) is Linear and type(self.c_proj) is Linear
                 and type(self.act) is ReluSquare and relu_square_mm.supported(x))
 
