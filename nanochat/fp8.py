@@ -75,14 +75,13 @@ def convert_to_fp8(model, recipe="tensorwise", device=None, force=False):
     from torchao.float8 import convert_to_float8_training, Float8LinearConfig
     from torchao.float8.config import Float8GemmConfig
     config = Float8LinearConfig.from_recipe_name(recipe)
+    mlps = 0
     if recipe == "tensorwise":
         # torchao gives cuBLAS's fast fp8 accumulation (no periodic promotion to fp32) to the forward matmul
         # only; the two backward ones get it too: +2.4-2.9% tok/s at d20, and the equal-steps d12 loss stays
         # within the bf16 runs' spread (dev/LOG.md, session 8)
         fast = Float8GemmConfig(use_fast_accum=True)
         config = dataclasses.replace(config, gemm_config_grad_input=fast, gemm_config_grad_weight=fast)
-    mlps = 0
-    if recipe == "tensorwise":
         mlps = len(_swap(model, lambda m: _rehouse(m, Fp8MLP) if type(m) is MLP and _mlp_is_eligible(m) else None))
     ours = {f"{name}.{linear}" for name, m in model.named_modules() if isinstance(m, Fp8MLP) for linear in ("c_fc", "c_proj")}
     convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: is_eligible(m, fqn) and fqn not in ours)
