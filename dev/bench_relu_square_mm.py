@@ -41,26 +41,19 @@ print(f"depth {args.depth}: M={M} tokens, C={C}; each product {tflop:.2f} TFLOP;
 compiled = lambda fn: torch.compile(fn, dynamic=False)
 
 if args.fp8:
-    E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+    from nanochat.fp8 import E4M3, E5M2, to_fp8, scaled_mm  # the casts and products of fp8.Fp8MLP (needs torchao)
 
-    def cast(t, dtype, amax=None):
-        """Tensorwise: (t * scale) saturated to dtype, and 1 / scale (fp8.py's cast, inlined for the bench)."""
-        amax = t.abs().max().float() if amax is None else amax
-        scale = torch.finfo(dtype).max / amax.clamp(min=1e-12)
-        return (t.float() * scale).clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max).to(dtype), scale.reciprocal()
-
-    x_op, x_inv = cast(x, E4M3)
-    dy_op, dy_inv = cast(dy, E5M2)
-    w_fc_op, w_fc_inv = cast(w_fc, E4M3)
-    w_proj_op, w_proj_inv = cast(w_proj, E4M3)
+    x_op, x_inv = to_fp8(x, E4M3)
+    dy_op, dy_inv = to_fp8(dy, E5M2)
+    w_fc_op, w_fc_inv = to_fp8(w_fc, E4M3)
+    w_proj_op, w_proj_inv = to_fp8(w_proj, E4M3)
     w_proj_t_op = w_proj_op.t().contiguous()
-    fwd_scale, bwd_scale = (x_inv * w_fc_inv).reshape(1), (dy_inv * w_proj_inv).reshape(1)
-    mm = lambda a, b_t, sa, sb: torch._scaled_mm(a, b_t.t(), sa, sb, out_dtype=torch.bfloat16, use_fast_accum=True)
-    fwd_product = lambda: mm(x_op, w_fc_op, x_inv, w_fc_inv)
-    bwd_product = lambda: mm(dy_op, w_proj_t_op, dy_inv, w_proj_inv)
-    relu_square_cast = compiled(lambda h: cast(F.relu(h).square(), E4M3))
-    relu_square_grad_cast = compiled(lambda g, y: cast(2 * y.float().sqrt() * g, E5M2))
-    cast_known_amax = compiled(cast)
+    fwd_scale, bwd_scale = x_inv * w_fc_inv, dy_inv * w_proj_inv
+    fwd_product = lambda: scaled_mm(x_op, w_fc_op, x_inv, w_fc_inv, torch.bfloat16)
+    bwd_product = lambda: scaled_mm(dy_op, w_proj_t_op, dy_inv, w_proj_inv, torch.bfloat16)
+    relu_square_cast = compiled(lambda h: to_fp8(F.relu(h).square(), E4M3))
+    relu_square_grad_cast = compiled(lambda g, y: to_fp8(2 * y.float().sqrt() * g, E5M2))
+    cast_known_amax = compiled(to_fp8)
     y = F.relu(fwd_product()).square()
     separate_fwd = lambda: relu_square_cast(fwd_product())
     separate_bwd = lambda: relu_square_grad_cast(bwd_product(), y)

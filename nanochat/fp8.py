@@ -145,8 +145,6 @@ def bf16_linears(model):
             setattr(parent, name, old)
 
 
-
-
 # ---- the tensorwise MLP (see the module docstring) ----
 
 def to_fp8(t, dtype, amax=None):

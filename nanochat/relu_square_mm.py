@@ -12,6 +12,10 @@ finished in registers, from the fp32 accumulator (no bf16 rounding of h or of dy
 relu(h) = sqrt(y) is why the backward needs only y, which c_proj keeps anyway for its weight gradient
 (gpt._ReluSquare has the same trick for the unfused path).
 
+With fp8 operands (fp8.Fp8MLP: e4m3 x and weights, e5m2 dy), the same kernel scales the accumulator by
+the product of the two operands' inverse scales before the epilogue, stores 16-bit values, and also returns
+their amax, which the next fp8 cast needs for its scale (so no separate amax pass reads the output).
+
 The kernel is persistent: one program per SM walks the output tiles, grouped along M so that the tiles
 running at once share their rows of A in L2.
 
