@@ -17,7 +17,8 @@ spikes near step 100 that end ~0.05-0.1 higher: keep every run).
 
 Data and tokenizer: --data-dir / NANOCHAT_DATA_DIR (parquet shards, the last one is validation) and
 --base-dir / NANOCHAT_BASE_DIR (the tokenizer). 200 x 65,536 tokens is ~13M tokens: with fewer training
-tokens than that the run repeats data; the epoch each run ended in is printed beside its val bpb.
+tokens than that the run repeats data; the epoch each run ended in is printed beside its val bpb, with
+the median tok/s of its steps from step 10 on (at 65,536-token steps a rough figure: compare ratios).
 """
 
 import os
@@ -79,7 +80,7 @@ for s, spec in sides.items():
 
 queue = [(s, i) for i in range(args.runs) for s in ("A", "B")]  # alternate, so that drift hits both sides alike
 running = {}  # gpu -> (side, run index, process, log file, start time)
-results = {"A": [], "B": []}  # (val bpb, epoch, run index)
+results = {"A": [], "B": []}  # (val bpb, median tok/s, run index)
 
 
 def start(gpu, s, i):
@@ -100,11 +101,20 @@ def finish(gpu):
     text = open(log.name).read()
     bpb = re.findall(r"^Validation bpb: ([\d.]+)", text, re.M)
     epoch = re.findall(r"^step \d+/\d+ .*\| epoch: (\d+)", text, re.M)
+    # tok/s of the steps after compilation (step 10 on); at 65,536-token steps a rough figure, for ratios only
+    tok = [float(t.replace(",", "")) for n, t in re.findall(r"^step (\d+)/\d+ .*\| tok/sec: ([\d,]+)", text, re.M) if int(n) >= 10]
     if proc.returncode != 0 or not bpb:
         print(f"   {s}{i}: failed (exit {proc.returncode}); see {log.name}", flush=True)
         return
-    results[s].append((float(bpb[-1]), int(epoch[-1]) if epoch else None, i))
-    print(f"   {s}{i}: val bpb {bpb[-1]} (epoch {epoch[-1] if epoch else '?'})", flush=True)
+    tok_s = statistics.median(tok) if tok else None
+    results[s].append((float(bpb[-1]), tok_s, i))
+    print(f"   {s}{i}: val bpb {bpb[-1]} (epoch {epoch[-1] if epoch else '?'}), "
+          f"{f'{tok_s:,.0f}' if tok_s else '?'} tok/s", flush=True)
+
+
+def median_tok(s):
+    toks = [t for _, t, _ in results[s] if t]
+    return f"{statistics.median(toks):,.0f}" if toks else ""
 
 
 while queue or running:
@@ -121,16 +131,16 @@ while queue or running:
             finish(gpu)
 
 print()
-print("| side | runs | val bpb (each run) | median | spread (min - max) | mean +- stdev |")
-print("| --- | --- | --- | --- | --- | --- |")
+print("| side | runs | val bpb (each run) | median | spread (min - max) | mean +- stdev | tok/s (median of runs) |")
+print("| --- | --- | --- | --- | --- | --- | --- |")
 for s, spec in sides.items():
     vals = [v for v, _, _ in sorted(results[s], key=lambda r: r[2])]
     if not vals:
-        print(f"| {s}: {spec['name']} | 0 | all failed | | | |")
+        print(f"| {s}: {spec['name']} | 0 | all failed | | | | |")
         continue
     sd = statistics.stdev(vals) if len(vals) > 1 else 0.0
     print(f"| {s}: {spec['name']} | {len(vals)} | {', '.join(f'{v:.4f}' for v in vals)} | {statistics.median(vals):.4f} | "
-          f"{min(vals):.4f} - {max(vals):.4f} | {statistics.mean(vals):.4f} +- {sd:.4f} |")
+          f"{min(vals):.4f} - {max(vals):.4f} | {statistics.mean(vals):.4f} +- {sd:.4f} | {median_tok(s)} |")
 if results["A"] and results["B"]:
     a, b = [v for v, _, _ in results["A"]], [v for v, _, _ in results["B"]]
     # how often a B run is below an A run, over all pairs (0.5 = no difference; ties count half)
