@@ -87,6 +87,8 @@ for depth in depths:
                     p = subprocess.run(cmd, cwd=tree, env=env, timeout=args.timeout, capture_output=True, text=True)
                     ok = p.returncode == 0
                     tail = (p.stdout + p.stderr).strip().splitlines()[-3:]
+                    if precision == "fp8" and "continuing without fp8" in p.stdout:  # base_train fell back to bf16
+                        ok, tail = False, [l for l in p.stdout.splitlines() if "continuing without fp8" in l]
                 except subprocess.TimeoutExpired:
                     ok, tail = False, [f"timed out after {args.timeout} s"]
                 result = None

@@ -106,6 +106,9 @@ def finish(gpu):
     if proc.returncode != 0 or not bpb:
         print(f"   {s}{i}: failed (exit {proc.returncode}); see {log.name}", flush=True)
         return
+    if "continuing without fp8" in text:  # --fp8 asked for, but base_train fell back to bf16: not this side's setting
+        print(f"   {s}{i}: failed: --fp8 fell back to bf16 (see {log.name})", flush=True)
+        return
     tok_s = statistics.median(tok) if tok else None
     results[s].append((float(bpb[-1]), tok_s, i))
     print(f"   {s}{i}: val bpb {bpb[-1]} (epoch {epoch[-1] if epoch else '?'}), "
