@@ -218,6 +218,8 @@ def model_card(meta, repo_id=None, core=None):
     tokens = f"{tokens:,}" if tokens else na
     core = f"{core:.4f} (scripts.base_eval)" if core is not None else na
     name = repo_id or f"nanochat {meta.get('model_tag', '')}".strip()
+    layout = meta.get("layout")
+    layout = " x ".join(f"{k} {v}" for k, v in layout.items()) if layout else na
     flags = meta.get("user_config")
     flag_lines = "\n".join(f"{k}: {v}" for k, v in sorted(flags.items())) if flags else na
     return f"""---
@@ -251,7 +253,7 @@ print(tokenizer.decode(model.generate(**ids, max_new_tokens=32, do_sample=False)
 | context / window pattern | {cfg.get('sequence_len', na)} / {cfg.get('window_pattern', na)} |
 | vocabulary | {cfg.get('vocab_size', na)} |
 | L3 layers after blocks | {list(cfg.get('l3_after_layers', [])) or 'none'} |
-| training layout | {meta.get('layout', na)} |
+| training layout | {layout} |
 
 Every document began with `<|bos|>` in training; the tokenizer prepends it (add_special_tokens=True) and
 generation stops at the next one. No chat template yet.
