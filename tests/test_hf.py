@@ -156,6 +156,26 @@ def test_l3_model_exports(tiny, tmp_path):
     assert diff <= ATOL, diff
 
 
+def test_sharded_and_bf16_exports_load(tiny, tmp_path):
+    """Above the shard size the weights split into shards with an index; --dtype bfloat16 halves them."""
+    from transformers import AutoModelForCausalLM
+    model, _, tokenizer, *_ = tiny
+    meta = {"model_config": model.config.to_dict(), "step": 1}
+    files = convert.export(model.state_dict(), meta, tokenizer, str(tmp_path / "sharded"), max_shard_size="200KB")
+    assert len(files) > 1 and (tmp_path / "sharded" / "model.safetensors.index.json").exists()
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "sharded"), trust_remote_code=True)
+    ids = torch.randint(0, CONFIG["vocab_size"], (1, 64), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = model(ids)
+        assert (hf(ids).logits - ref).abs().max().item() <= ATOL
+        state, _, _ = convert.load_export(str(tmp_path / "sharded"))
+        assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+        convert.export(model.state_dict(), meta, tokenizer, str(tmp_path / "bf16"), dtype=torch.bfloat16)
+        hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "bf16"), trust_remote_code=True)
+        assert hf.dtype == torch.bfloat16
+        assert (hf(ids).logits - ref).abs().max().item() < 0.5  # bf16 rounding of weights and activations
+
+
 def safetensors_bytes(directory):
     with open(os.path.join(directory, "model.safetensors"), "rb") as f:
         return f.read()
