@@ -284,11 +284,16 @@ step, smooth_loss, total_time, min_val_bpb, val_bpb = 0, 0.0, 0.0, float("inf"),
 loader_state = None
 if resume_meta is not None:
     try:
-        model_state, optim_state, _ = ckpt.load_checkpoint(ckpt_dir, args.resume_from_step, device="cpu")
+        weights_only = resume_meta.get("weights_only", False)  # e.g. imported by scripts.import_hf
+        model_state, optim_state, _ = ckpt.load_checkpoint(ckpt_dir, args.resume_from_step, device="cpu",
+                                                           load_optimizer=not weights_only)
     except ckpt.CheckpointError as e:
         fail(str(e))
     ckpt.load_model_state(model, model_state)
-    optimizer.load_full_state_dict(optim_state)
+    if weights_only:
+        print0("the checkpoint holds weights only (no optimizer state): the optimizer starts fresh")
+    else:
+        optimizer.load_full_state_dict(optim_state)
     del model_state, optim_state
     if config.l3_after_layers and pipeline is None:  # the saved allocation sets L3's FLOPs (MFU)
         flops_per_token = model.estimate_flops()
@@ -435,6 +440,7 @@ def save_checkpoint(at_step):
         meta = {"model_config": config.to_dict(), "user_config": user_config, "dataloader_states": states,
                 "loop_state": {"step": at_step, "smooth_loss": smooth_loss, "total_time": total_time,
                                "min_val_bpb": min_val_bpb},
+                "tokens_seen": at_step * total_batch_size,
                 "layout": {"dp": layout.dp_size, "tp": layout.tp_size, "pp": layout.pp_size}}
         ckpt.save_meta(ckpt_dir, at_step, meta, layout.pp_size)
     if layout.world_size > 1:

@@ -1,0 +1,74 @@
+"""
+Export a base-model checkpoint as a Hugging Face folder that transformers loads (nanochat/hf/convert.py
+lists what it holds):
+
+    python -m scripts.export_hf --model-tag d20 --out hf/d20
+    python -m scripts.export_hf --model-tag d20 --step 5000 --out hf/d20 --dtype bfloat16
+    python -m scripts.export_hf --model-tag d20 --out hf/d20 --push-to-hub you/nanochat-d20 [--private]
+
+    model = AutoModelForCausalLM.from_pretrained("hf/d20", trust_remote_code=True)
+    tokenizer = AutoTokenizer.from_pretrained("hf/d20")
+
+The weights are the checkpoint's fp32 master weights (whatever the training precision, fp8 included), or
+bf16 with --dtype bfloat16. --push-to-hub checks that the Hub answers and you are logged in before any
+work (`hf auth login` or HF_TOKEN), then uploads the folder.
+"""
+
+import os
+import time
+import argparse
+
+import torch
+
+from nanochat.common import get_base_dir, fail
+from nanochat import checkpoint_manager as ckpt
+from nanochat.tokenizer import get_tokenizer, TokenizerError
+from nanochat.hf.convert import export, read_core, ConvertError
+
+parser = argparse.ArgumentParser(description="Export a checkpoint as a Hugging Face transformers folder")
+parser.add_argument("--model-tag", type=str, default=None, help="checkpoint folder (default: the most recent one)")
+parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+parser.add_argument("--out", type=str, required=True, help="the folder to write (new or empty)")
+parser.add_argument("--dtype", type=str, default="float32", choices=["float32", "bfloat16"], help="weights' dtype")
+parser.add_argument("--push-to-hub", type=str, default=None, metavar="REPO", help="then upload to this Hub repo (user/name)")
+parser.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
+args = parser.parse_args()
+
+api = None
+if args.push_to_hub:  # before any work: an export that then cannot be uploaded wastes the time it took
+    from huggingface_hub import HfApi
+    api = HfApi()
+    try:
+        user = api.whoami()["name"]
+    except Exception as e:
+        fail(f"--push-to-hub {args.push_to_hub}: cannot reach the Hugging Face Hub as a logged-in user "
+             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no details'}). Check the network, "
+             f"log in with `hf auth login` (or set HF_TOKEN), or export without --push-to-hub")
+    print(f"Hub: logged in as {user}")
+if os.path.isdir(args.out) and os.listdir(args.out):
+    fail(f"--out {args.out} is not empty: remove it or choose another folder")
+
+try:
+    model_tag = args.model_tag or ckpt.latest_model_tag()
+    ckpt_dir = ckpt.checkpoint_dir(model_tag)
+    t0 = time.time()
+    model_state, _, meta = ckpt.load_checkpoint(ckpt_dir, args.step, load_optimizer=False)
+    tokenizer = get_tokenizer()
+except (ckpt.CheckpointError, TokenizerError) as e:
+    fail(str(e))
+meta["model_tag"] = model_tag
+step = meta["step"]
+core = read_core(os.path.join(get_base_dir(), "base_eval", f"{model_tag}_{step:06d}.csv"))
+try:
+    files = export(model_state, meta, tokenizer, args.out, getattr(torch, args.dtype), core, args.push_to_hub)
+except ConvertError as e:
+    fail(str(e))
+size = sum(os.path.getsize(os.path.join(args.out, f)) for f in os.listdir(args.out))
+print(f"exported {model_tag} step {step} to {args.out}: {len(files)} weight file(s), {size / 2**20:,.1f} MiB, "
+      f"{time.time() - t0:.1f}s")
+
+if api is not None:
+    api.create_repo(args.push_to_hub, private=args.private, exist_ok=True, repo_type="model")
+    api.upload_folder(folder_path=args.out, repo_id=args.push_to_hub, repo_type="model",
+                      commit_message=f"nanochat {model_tag} step {step}")
+    print(f"uploaded to https://huggingface.co/{args.push_to_hub}")

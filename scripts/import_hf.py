@@ -1,0 +1,57 @@
+"""
+Turn a folder written by scripts.export_hf (local, or downloaded from the Hub) back into a nanochat
+checkpoint that base_eval, sample and base_train --resume-from-step take:
+
+    python -m scripts.import_hf --dir hf/d20 --model-tag d20-hf
+    python -m scripts.base_eval --model-tag d20-hf
+    python -m scripts.base_train --model-tag d20-hf --resume-from-step 5000 [the original run's flags]
+
+It writes base_checkpoints/<tag>/model_<step>.pt and meta_<step>.json (the exported checkpoint's meta, so the
+step, loop and data position carry over) with weights_only: true, which base_train reads as "no optimizer
+state: start the optimizer fresh". A bf16 export comes back upcast to fp32. The tokenizer is written to
+NANOCHAT_BASE_DIR/tokenizer when none is there; a different one there is an error.
+"""
+
+import os
+import argparse
+
+from nanochat.common import fail
+from nanochat import checkpoint_manager as ckpt
+from nanochat.tokenizer import default_tokenizer_dir, get_tokenizer
+from nanochat.hf.convert import load_export, tokenizer_from_hf, ConvertError
+
+parser = argparse.ArgumentParser(description="Import a Hugging Face export folder as a nanochat checkpoint")
+parser.add_argument("--dir", type=str, required=True, help="the folder scripts.export_hf wrote")
+parser.add_argument("--model-tag", type=str, required=True, help="checkpoint folder to write")
+parser.add_argument("--step", type=int, default=None, help="step to save it as (default: the exported step, else 0)")
+args = parser.parse_args()
+
+try:
+    state, config, meta = load_export(args.dir)
+    tokenizer = tokenizer_from_hf(args.dir)
+except ConvertError as e:
+    fail(str(e))
+step = args.step if args.step is not None else meta.get("step", 0)
+ckpt_dir = ckpt.checkpoint_dir(args.model_tag)
+if os.path.exists(os.path.join(ckpt_dir, f"meta_{step:06d}.json")):
+    fail(f"{ckpt_dir} already has a checkpoint for step {step}: choose another --model-tag or --step")
+
+tok_dir = default_tokenizer_dir()
+if os.path.exists(os.path.join(tok_dir, "tokenizer.tiktoken")):
+    mine = get_tokenizer(tok_dir)
+    if (mine.mergeable_ranks, mine.special_tokens, mine.pattern) != (tokenizer.mergeable_ranks, tokenizer.special_tokens, tokenizer.pattern):
+        fail(f"{tok_dir} holds another tokenizer than {args.dir}'s: set NANOCHAT_BASE_DIR to another folder "
+             f"(or move that tokenizer away) so that evaluation uses the model's own")
+else:
+    tokenizer.save(tok_dir)
+    print(f"wrote the export's tokenizer to {tok_dir}")
+
+meta = dict(meta, model_config=config.to_dict(), weights_only=True, imported_from=os.path.abspath(args.dir))
+meta.pop("model_tag", None)
+meta.setdefault("loop_state", {"step": step, "smooth_loss": 0.0, "total_time": 0.0, "min_val_bpb": float("inf")})
+meta["loop_state"] = dict(meta["loop_state"], step=step)
+meta.setdefault("dataloader_states", [])  # none: a resumed run reads the data from the start
+ckpt.save_stage_files(ckpt_dir, step, state, None)
+ckpt.save_meta(ckpt_dir, step, meta)
+print(f"imported {args.dir} as {ckpt_dir} step {step} ({sum(v.numel() for v in state.values()):,} values; "
+      f"weights only: --resume-from-step {step} starts a fresh optimizer)")
