@@ -12,6 +12,10 @@ The recipe (printed at start):
   decay    wd = wd_ref * sqrt(B / 2^19) * D_ref / D
   schedule LR: 40-step warmup, flat, linear warmdown over the last 65% to 5%; Muon momentum
            0.85 -> 0.97 over 400 steps, then -> 0.90 during warmdown; Muon wd cosine-decayed to 0
+
+The script reads top to bottom: flags; processes; config and recipe; every argument check; setup; the
+loop, with its periodic work (val bpb, checkpoint, CORE, samples) inline before each step. The setup,
+the step and the checkpoint save are nanochat/training.py's, shared with the tests.
 """
 
 import os
@@ -24,7 +28,6 @@ import signal
 import argparse
 
 import torch
-import torch.distributed as dist
 
 from nanochat.common import (compute_init, compute_cleanup, print0, print_rank, get_compute_dtype, get_peak_flops,
                              device_name, all_reduce_max, fail)
