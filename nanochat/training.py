@@ -169,14 +169,14 @@ class Trainer:
 
     def step(self, batches, schedule, it):
         """One optimizer step on the micro-batches [(x, y), ...]: forward and backward (through the
-        pipeline's schedule under PP), the LR, momentum and decay of step `it` set, the update,
-        gradients cleared. Returns (the loss: mean over micro-batches and DP ranks, a device tensor, so nothing
-        here waits for the GPU; the LR multiplier)."""
+        pipeline's schedule under PP), the LR, momentum and decay of step `it` set, the update, gradients
+        cleared. Returns (the loss: mean over micro-batches and DP ranks, a device tensor, so nothing here
+        waits for the GPU; the LR multiplier)."""
         if self.pipeline is not None:
             loss = self.pipeline.train_step(batches)
         else:
             loss = torch.zeros((), device=batches[0][0].device)
-            for x, y in batches:  # gradients accumulate in .grad; the last backward completes them
+            for x, y in batches:  # gradients accumulate in .grad; the last micro-batch's backward completes them
                 micro_loss = self.train_model(x, y)
                 (micro_loss / len(batches)).backward()
                 loss += micro_loss.detach()
