@@ -93,7 +93,7 @@ parser.add_argument("--pp-schedule", type=str, default="1f1b", choices=["gpipe",
 parser.add_argument("--pp-print-schedule", action="store_true", help="print the pipeline schedule table at start")
 # fp8, L3
 parser.add_argument("--fp8", action="store_true", help="fp8 training linears through torchao, tensorwise scaling (CUDA, SM89+)")
-parser.add_argument("--l3-after-layers", type=str, default="", help="comma-separated block indices followed by an L3 layer, e.g. 4,8 (one table serves as keys and values)")
+parser.add_argument("--l3-after-layers", type=str, default="", help="blocks followed by an L3 layer (one table as keys and values), e.g. 4,8")
 parser.add_argument("--l3-n-emb", type=int, default=0, help="rows of the L3 tables (0 = 16 per vocabulary entry)")
 parser.add_argument("--l3-d-up", type=int, default=0, help="L3 up-projection width (0 = 4 * model_dim)")
 parser.add_argument("--l3-k-max", type=int, default=512, help="most table rows one token may own")
