@@ -19,10 +19,9 @@ from collections import defaultdict
 import torch
 
 from nanochat.common import compute_init, get_compute_dtype
-from nanochat.gpt import config_for_depth, build_model, prepare_attention, tune_wgrad_splits, set_wgrad_splits
-from nanochat.optim import MuonAdamW
-from nanochat.dataloader import DataLoader
+from nanochat.gpt import config_for_depth, prepare_attention
 from nanochat.tokenizer import get_tokenizer
+from nanochat import training
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--depth", type=int, default=12)
@@ -36,51 +35,39 @@ parser.add_argument("--fp8", action="store_true")
 parser.add_argument("--l3-after-layers", type=str, default="", help="as in base_train, e.g. 5")
 parser.add_argument("--l3-k-max", type=int, default=512)
 parser.add_argument("--l3-n-emb", type=int, default=0)
-parser.add_argument("--l3-tied", type=int, nargs="?", const=1, default=1, choices=(0, 1), help="as in base_train")
 parser.add_argument("--trace", type=str, default="", help="write a Chrome trace here")
 parser.add_argument("--top", type=int, default=40, help="kernels to list")
 args = parser.parse_args()
 
+# base_train's setup (nanochat.training) at its default LRs, one process
 layout, device = compute_init("cuda")
 dtype = get_compute_dtype("cuda")
 tokenizer = get_tokenizer()
 l3_layers = tuple(int(i) for i in args.l3_after_layers.split(",") if i)
 config = config_for_depth(args.depth, vocab_size=tokenizer.get_vocab_size(), window_pattern=args.window_pattern,
                           l3_after_layers=l3_layers, l3_k_max=args.l3_k_max, l3_n_emb=args.l3_n_emb,
-                          l3_tied=bool(args.l3_tied and l3_layers))
-model = build_model(config, device, dtype)
-if l3_layers:
-    from nanochat.l3 import allocate_for_model
-    allocate_for_model(model, tokenizer, args.data_dir, layout)
-if args.fp8:
-    from nanochat.fp8 import convert_to_fp8
-    convert_to_fp8(model, "tensorwise", device)
-set_wgrad_splits(model, tune_wgrad_splits(model, args.device_batch_size * config.sequence_len, dtype))
-names = {p: n for n, p in model.named_parameters()}
-optimizer = MuonAdamW(model.param_groups(0.3, 0.008, 0.02, 0.5, 0.28), names, compute_dtype=dtype, compile=True)
+                          l3_tied=bool(l3_layers))
+model, fp8_active = training.build_model_for_training(config, device, dtype, layout, fp8=args.fp8,
+                                                      l3_data=(tokenizer, args.data_dir))
+training.tune_weight_gradients(model, layout, args.device_batch_size * config.sequence_len, dtype)
+optimizer = training.make_optimizer(model, layout, dtype, 0.3, 0.008, 0.02, 0.5, 0.28, compile=True)
 print(f"attention: {prepare_attention(config, device, dtype)}")
-cmodel = torch.compile(model, dynamic=False)
-loader = DataLoader(tokenizer, args.device_batch_size, config.sequence_len, "train", device, data_dir=args.data_dir,
-                    prefetch=args.grad_accum + 1)
+trainer = training.Trainer(model, training.compile_for_training(model, None), None, optimizer, layout, fp8=fp8_active)
+schedule = training.Schedule(num_iterations=1000, weight_decay=0.28)
+loader = training.make_loader(tokenizer, "train", args.device_batch_size, config.sequence_len, device, layout,
+                              args.data_dir, args.grad_accum)
 
 
 def step():
-    """One training step as base_train runs it, in labelled parts (the labels show in the trace)."""
+    """One training step as base_train runs it, in labelled parts (the labels show in the trace; torch
+    labels the optimizer's step and the backward's autograd ops itself)."""
     record = torch.profiler.record_function
-    total = torch.zeros((), device=device)
     with record("data"):
-        batches = [next(loader)[:2] for _ in range(args.grad_accum)]
-    for x, y in batches:
-        with record("forward"):
-            loss = cmodel(x, y)
-        with record("backward"):
-            (loss / args.grad_accum).backward()
-        total += loss.detach()
-    with record("optimizer"):
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        batches, _ = training.next_batches(loader, args.grad_accum)
+    with record("train step"):
+        loss, _ = trainer.step(batches, schedule, 100)
     with record("step end"):
-        total.item()
+        loss.item()
 
 
 for _ in range(args.warmup):
@@ -134,12 +121,24 @@ for name, t in sorted(by_kernel.items(), key=lambda kv: -kv[1])[:args.top]:
 # --- idle time: the part of the step, and the host op, that the CPU was in when the GPU ran dry ---
 # host events of every thread (the backward runs on autograd's own thread)
 cpu = sorted((e for e in trace if e.get("cat") in ("cpu_op", "user_annotation") and e.get("ph") == "X"), key=lambda e: e["ts"])
-PARTS = {"data", "forward", "backward", "optimizer", "step end"}
+LABELS = {"data", "train step", "step end"}
+
+
+def part_of(names):
+    """The part of the step that open host events with these names belong to: torch's own labels tell
+    the optimizer and the backward (on autograd's thread); the rest of the train step is the forward."""
+    if any(n.startswith("Optimizer.") for n in names):
+        return "optimizer"
+    if any(n.startswith("autograd::engine::evaluate_function") for n in names):
+        return "backward"
+    if "train step" in names:
+        return "forward"
+    return next((n for n in names if n in LABELS), "(outside)")
 
 
 class HostContext:
-    """For increasing times ts: the labelled part of the step and the innermost host op running at ts
-    (a sweep over the host events, sorted by start)."""
+    """For increasing times ts: the part of the step and the innermost host op running at ts (a sweep
+    over the host events, sorted by start)."""
 
     def __init__(self, events):
         self.events, self.next, self.open = events, 0, []
@@ -149,9 +148,8 @@ class HostContext:
             self.open.append(self.events[self.next])
             self.next += 1
         self.open = [e for e in self.open if e["ts"] + e["dur"] >= ts]
-        parts = [e for e in self.open if e["name"] in PARTS]
-        ops = [e for e in self.open if e["name"] not in PARTS]
-        part = parts[-1]["name"] if parts else "(outside)"
+        part = part_of([e["name"] for e in self.open])
+        ops = [e for e in self.open if e["name"] not in LABELS]
         op = min(ops, key=lambda e: e["dur"])["name"] if ops else "(no op)"
         return part, op
 

@@ -352,8 +352,8 @@ def _divisors(n, limit=64):
     return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
 
 
-def check_tp_size(config, tp):
-    """Clear errors when TP cannot split the model evenly."""
+def check_tp_size(config, tp, sequence_parallel=False):
+    """Clear errors when TP cannot split the model (or, with sequence parallelism, the sequence) evenly."""
     checks = [("query heads (n_head)", config.n_head), ("key/value heads (n_kv_head)", config.n_kv_head),
               ("MLP width (4 x n_embd)", 4 * config.n_embd), ("vocabulary (vocab_size)", config.vocab_size)]
     for what, n in checks:
@@ -364,6 +364,8 @@ def check_tp_size(config, tp):
                              f"(head count = model_dim / head_dim: pick --depth/--aspect-ratio/--head-dim so it divides)")
     if config.l3_after_layers:
         raise ValueError("L3 layers do not support tensor parallelism yet; use --tp 1 with --l3-after-layers")
+    if sequence_parallel and config.sequence_len % tp != 0:
+        raise ValueError(f"--sequence-parallel needs --max-seq-len ({config.sequence_len}) divisible by --tp {tp}")
 
 
 def parallelize(model, layout, sequence_parallel=False):
@@ -372,9 +374,7 @@ def parallelize(model, layout, sequence_parallel=False):
     vocab-parallel soft-capped cross-entropy. Every rank must hold the same full weights before."""
     config = model.config
     tp = layout.tp_size
-    check_tp_size(config, tp)
-    if sequence_parallel and config.sequence_len % tp != 0:
-        raise ValueError(f"--sequence-parallel needs --max-seq-len ({config.sequence_len}) divisible by --tp {tp}")
+    check_tp_size(config, tp, sequence_parallel)
     group = layout.tp_group
     for block in model.blocks:
         attn, mlp = block.attn, block.mlp

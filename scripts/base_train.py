@@ -12,11 +12,14 @@ The recipe (printed at start):
   decay    wd = wd_ref * sqrt(B / 2^19) * D_ref / D
   schedule LR: 40-step warmup, flat, linear warmdown over the last 65% to 5%; Muon momentum
            0.85 -> 0.97 over 400 steps, then -> 0.90 during warmdown; Muon wd cosine-decayed to 0
+
+The script reads top to bottom: flags; processes; config and recipe; every argument check; setup; the
+loop, with its periodic work (val bpb, checkpoint, CORE, samples) inline before each step. The setup,
+the step and the checkpoint save are nanochat/training.py's, shared with the tests.
 """
 
 import os
 import gc
-import contextlib
 import sys
 import math
 import time
@@ -25,19 +28,17 @@ import signal
 import argparse
 
 import torch
-import torch.distributed as dist
 
 from nanochat.common import (compute_init, compute_cleanup, print0, print_rank, get_compute_dtype, get_peak_flops,
                              device_name, all_reduce_max, fail)
-from nanochat.gpt import (GPTConfig, config_for_depth, build_model, window_sizes, prepare_attention, GPT,
-                         tune_wgrad_splits, set_wgrad_splits)
-from nanochat.optim import MuonAdamW
-from nanochat.dataloader import DataLoader, reshard_states
+from nanochat.gpt import GPTConfig, config_for_depth, window_sizes, prepare_attention, GPT
+from nanochat.dataloader import reshard_states
 from nanochat.dataset import DataError, check_data
 from nanochat.tokenizer import get_tokenizer, get_token_bytes, TokenizerError
 from nanochat.loss_eval import evaluate_bpb
 from nanochat import checkpoint_manager as ckpt
 from nanochat import report
+from nanochat import training
 
 B_REF = 2 ** 19  # the reference batch (tokens) at which LRs and weight decay were tuned (d12)
 
@@ -91,15 +92,11 @@ parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree"
 parser.add_argument("--pp-schedule", type=str, default="1f1b", choices=["gpipe", "1f1b"], help="pipeline schedule")
 parser.add_argument("--pp-print-schedule", action="store_true", help="print the pipeline schedule table at start")
 # fp8, L3
-parser.add_argument("--fp8", action="store_true", help="fp8 training linears through torchao (CUDA, SM89+)")
-parser.add_argument("--fp8-recipe", type=str, default="tensorwise", choices=["tensorwise", "rowwise"], help="torchao float8 scaling recipe")
-parser.add_argument("--l3-after-layers", type=str, default="", help="comma-separated block indices followed by an L3 layer, e.g. 4,8")
+parser.add_argument("--fp8", action="store_true", help="fp8 training linears through torchao, tensorwise scaling (CUDA, SM89+)")
+parser.add_argument("--l3-after-layers", type=str, default="", help="blocks followed by an L3 layer (one table as keys and values), e.g. 4,8")
 parser.add_argument("--l3-n-emb", type=int, default=0, help="rows of the L3 tables (0 = 16 per vocabulary entry)")
 parser.add_argument("--l3-d-up", type=int, default=0, help="L3 up-projection width (0 = 4 * model_dim)")
 parser.add_argument("--l3-k-max", type=int, default=512, help="most table rows one token may own")
-parser.add_argument("--l3-tied", type=int, nargs="?", const=1, default=1, choices=(0, 1),
-                    help="1: one L3 table serves as keys and values (K = V); 0: two tables. Tied measured as good and "
-                         "faster at d12 (dev/LOG.md)")
 args = parser.parse_args()
 user_config = vars(args).copy()
 
@@ -118,14 +115,8 @@ print0(f"world {layout.world_size} = dp {layout.dp_size} x tp {layout.tp_size} x
 if layout.world_size > 1:
     print_rank(layout, f"global rank {layout.rank}")
 
-
-if args.device_batch_size < 1:
-    fail(f"--device-batch-size must be at least 1 (got {args.device_batch_size})")
-if args.core_metric_max_per_task == 0 or args.core_metric_max_per_task < -1:
-    fail("--core-metric-max-per-task must be a positive number of items, or -1 for all")
-
 # -----------------------------------------------------------------------------
-# Tokenizer, model config (from the checkpoint when resuming)
+# Tokenizer, data, model config (from the checkpoint when resuming)
 
 try:
     tokenizer = get_tokenizer()
@@ -147,36 +138,18 @@ if args.resume_from_step >= 0:
     except ckpt.CheckpointError as e:
         fail(str(e))
     config = GPTConfig.from_dict(resume_meta["model_config"])
-    # the schedule, batch and data shape come from the flags: they must be the ones of the saved run
-    saved = resume_meta.get("user_config", {})
-    recipe = ["max_seq_len", "num_iterations", "target_flops", "target_param_data_ratio", "total_batch_size",
-              "embedding_lr", "unembedding_lr", "matrix_lr", "scalar_lr", "weight_decay", "warmup_steps",
-              "warmdown_ratio", "final_lr_frac", "keep_remainder"]
-    changed = {k: (saved[k], user_config[k]) for k in recipe if k in saved and saved[k] != user_config[k]}
-    if changed:
-        fail("resuming with other settings than the saved run: " +
-             ", ".join(f"--{k.replace('_', '-')} was {a}, now {b}" for k, (a, b) in changed.items()) +
-             ". Pass the same flags as the original run (its command is in meta_*.json, user_config).")
-    print0(f"resuming from step {args.resume_from_step} of {ckpt_dir}")
 else:
     try:
         l3_layers = tuple(sorted({int(s) for s in args.l3_after_layers.split(",") if s.strip()}))
     except ValueError:
         fail(f"--l3-after-layers {args.l3_after_layers!r} must be comma-separated block indices, e.g. 4,8")
-    if any(not 0 <= i < args.depth for i in l3_layers):
-        fail(f"--l3-after-layers {args.l3_after_layers!r}: block indices must be in 0..{args.depth - 1}")
     try:
         config = config_for_depth(args.depth, args.aspect_ratio, args.head_dim, vocab_size, args.max_seq_len,
                                   args.window_pattern, n_kv_head=args.n_kv_head, l3_after_layers=l3_layers,
                                   l3_n_emb=args.l3_n_emb, l3_d_up=args.l3_d_up, l3_k_max=args.l3_k_max,
-                                  l3_tied=bool(args.l3_tied and l3_layers))
+                                  l3_tied=bool(l3_layers))
     except ValueError as e:
         fail(str(e))
-try:
-    window_sizes(config)
-except ValueError as e:
-    fail(str(e))
-print0(f"model config: {json.dumps(config.to_dict())}")
 
 # -----------------------------------------------------------------------------
 # Scaling-law recipe
@@ -205,17 +178,57 @@ else:
 D = num_iterations * total_batch_size
 lr_scale = math.sqrt(total_batch_size / B_REF)
 weight_decay = args.weight_decay * lr_scale * (D_REF / D)
+schedule = training.Schedule(num_iterations, weight_decay, args.warmup_steps, args.warmdown_ratio, args.final_lr_frac)
 
+# -----------------------------------------------------------------------------
+# Argument checks: every flag (and combination) that cannot run fails here, before any work
+
+if args.device_batch_size < 1:
+    fail(f"--device-batch-size must be at least 1 (got {args.device_batch_size})")
+if args.core_metric_max_per_task == 0 or args.core_metric_max_per_task < -1:
+    fail("--core-metric-max-per-task must be a positive number of items, or -1 for all")
+if any(not 0 <= i < config.n_layer for i in config.l3_after_layers):
+    fail(f"--l3-after-layers {args.l3_after_layers!r}: block indices must be in 0..{config.n_layer - 1}")
+try:
+    window_sizes(config)
+except ValueError as e:
+    fail(str(e))
+if resume_meta is not None:
+    # the schedule, batch and data shape come from the flags: they must be the ones of the saved run
+    saved = resume_meta.get("user_config", {})
+    recipe = ["max_seq_len", "num_iterations", "target_flops", "target_param_data_ratio", "total_batch_size",
+              "embedding_lr", "unembedding_lr", "matrix_lr", "scalar_lr", "weight_decay", "warmup_steps",
+              "warmdown_ratio", "final_lr_frac", "keep_remainder"]
+    changed = {k: (saved[k], user_config[k]) for k in recipe if k in saved and saved[k] != user_config[k]}
+    if changed:
+        fail("resuming with other settings than the saved run: " +
+             ", ".join(f"--{k.replace('_', '-')} was {a}, now {b}" for k, (a, b) in changed.items()) +
+             ". Pass the same flags as the original run (its command is in meta_*.json, user_config).")
 tokens_per_micro = args.device_batch_size * args.max_seq_len * layout.dp_size
 if total_batch_size % tokens_per_micro != 0:
     fail(f"--total-batch-size {total_batch_size:,} is not a multiple of device_batch_size x seq_len x dp "
          f"= {args.device_batch_size} x {args.max_seq_len} x {layout.dp_size} = {tokens_per_micro:,}; "
          f"change --device-batch-size or --total-batch-size (a power of 2 works with powers of 2)")
 grad_accum = total_batch_size // tokens_per_micro
+if args.fp8 and args.tp > 1:
+    fail("--fp8 with --tp > 1 is not supported yet (torchao's Float8Linear would replace the sharded linears)")
+if args.sequence_parallel and args.tp == 1:
+    fail("--sequence-parallel needs --tp > 1")
+if args.tp > 1:
+    from nanochat.tensor_parallel import check_tp_size
+    try:
+        check_tp_size(config, args.tp, args.sequence_parallel)
+    except ValueError as e:
+        fail(str(e))
+if args.pp > config.n_layer:
+    fail(f"--pp {args.pp} is more stages than blocks ({config.n_layer}); each stage needs at least one block")
 if args.pp > 1 and grad_accum < args.pp:
     fail(f"pipeline parallelism needs at least pp={args.pp} micro-batches per step, got {grad_accum} "
          f"(= {total_batch_size:,} / {tokens_per_micro:,}); lower --device-batch-size or raise --total-batch-size")
 
+if resume_meta is not None:
+    print0(f"resuming from step {args.resume_from_step} of {ckpt_dir}")
+print0(f"model config: {json.dumps(config.to_dict())}")
 print0(f"parameters: {param_counts['total']:,} total | {param_counts['scaling']:,} scaling | "
        f"{param_counts['embeddings']:,} embeddings" + (f" | {param_counts['l3 tables (sparse)']:,} L3 sparse, "
                                                        f"{param_counts['active']:,} active" if config.l3_after_layers else ""))
@@ -228,56 +241,29 @@ print0(f"LR scale sqrt(B/2^19) = {lr_scale:.4f}; Muon weight decay = {args.weigh
        f"D_ref/D {D_REF / D:.4f} = {weight_decay:.5f}; total FLOPs {flops_per_token * D:.4e}")
 
 # -----------------------------------------------------------------------------
-# Model, parallelism, optimizer
+# Model, parallelism, optimizer, data
 
-model = build_model(config, device, dtype)
+model, fp8_active = training.build_model_for_training(config, device, dtype, layout, fp8=args.fp8,
+                                                      l3_data=(tokenizer, data_dir) if resume_meta is None else None)
 if config.l3_after_layers and resume_meta is None:
-    from nanochat.l3 import allocate_for_model
-    allocate_for_model(model, tokenizer, data_dir, layout)
     flops_per_token = model.estimate_flops()  # with the real allocation (the meta model assumed k_max rows)
-fp8_active = False
-if args.fp8:
-    if args.tp > 1:
-        fail("--fp8 with --tp > 1 is not supported yet (torchao's Float8Linear would replace the sharded linears)")
-    from nanochat.fp8 import convert_to_fp8
-    fp8_active = convert_to_fp8(model, args.fp8_recipe, device) > 0
-if args.tp > 1:
-    from nanochat import tensor_parallel
-    try:
-        tensor_parallel.parallelize(model, layout, sequence_parallel=args.sequence_parallel)
-    except ValueError as e:
-        fail(str(e))
-elif args.sequence_parallel:
-    fail("--sequence-parallel needs --tp > 1")
-pipeline = None
-if args.pp > 1:
-    from nanochat.pipeline_parallel import Pipeline
-    try:
-        pipeline = Pipeline(model, layout, grad_accum, args.device_batch_size, args.pp_schedule)
-    except ValueError as e:
-        fail(str(e))
+pipeline = training.apply_parallelism(model, layout, args.sequence_parallel, grad_accum, args.device_batch_size,
+                                      args.pp_schedule)
+if pipeline is not None:
     print0(f"pipeline: {pipeline.describe()}")
     if args.pp_print_schedule:
         print0(pipeline.schedule_table())
 if device.type == "cuda":
-    # per weight shape, whether a split-K weight gradient is faster on this GPU (gpt.Linear); rank 0's
-    # choice, so that every rank computes alike
-    wgrad_splits = [tune_wgrad_splits(model, args.device_batch_size * args.max_seq_len, dtype)]
-    if layout.world_size > 1:
-        dist.broadcast_object_list(wgrad_splits, src=0)
-    set_wgrad_splits(model, wgrad_splits[0])
+    wgrad_splits = training.tune_weight_gradients(model, layout, args.device_batch_size * args.max_seq_len, dtype)
     print0("weight gradients, split-K by shape (out x in: split, ms plain -> ms split): " + ", ".join(
-        f"{o}x{i}: {s} ({t1:.3f} -> {ts:.3f})" for (o, i), (s, t1, ts) in wgrad_splits[0].items()))
+        f"{o}x{i}: {s} ({t1:.3f} -> {ts:.3f})" for (o, i), (s, t1, ts) in wgrad_splits.items()))
 local_params = sum(p.numel() for p in model.parameters())
 if layout.world_size > 1:
     print_rank(layout, f"local parameters: {local_params:,}")
 else:
     print0(f"local parameters: {local_params:,}")
-
-names = {p: n for n, p in model.named_parameters()}
-groups = model.param_groups(args.embedding_lr * lr_scale, args.unembedding_lr * lr_scale, args.matrix_lr * lr_scale,
-                            args.scalar_lr * lr_scale, weight_decay)
-optimizer = MuonAdamW(groups, names, dp_group=layout.dp_group, compute_dtype=dtype, compile=use_compile)
+optimizer = training.make_optimizer(model, layout, dtype, args.embedding_lr * lr_scale, args.unembedding_lr * lr_scale,
+                                    args.matrix_lr * lr_scale, args.scalar_lr * lr_scale, weight_decay, compile=use_compile)
 
 # the loop state and data position, fresh or from the checkpoint
 step, smooth_loss, total_time, min_val_bpb, val_bpb = 0, 0.0, 0.0, float("inf"), None
@@ -304,149 +290,19 @@ if resume_meta is not None:
         print0(f"data: resharded the data position from dp {len(resume_meta['dataloader_states'])} to dp {layout.dp_size}")
     loader_state = states[layout.dp_rank]
 
-orig_model = model  # the uncompiled module: checkpoints, sampling, CORE
 print0(f"attention: {prepare_attention(config, device, dtype)}")
-if use_compile and pipeline is None:
-    model = torch.compile(model, dynamic=False)
-elif use_compile:  # the schedule calls the pieces one micro-batch at a time: compile each block and the loss
-    for i in range(pipeline.start, pipeline.end):
-        model.blocks[i].compile(dynamic=False)
-    model.criterion.compile(dynamic=False)
-    print0("note: under --pp > 1 each block and the loss are compiled separately (the schedule's sends and receives stay eager)")
+train_model = training.compile_for_training(model, pipeline) if use_compile else model
+trainer = training.Trainer(model, train_model, pipeline, optimizer, layout, fp8=fp8_active,
+                           sequence_parallel=args.sequence_parallel)
 
+# middle pipeline stages read no data: their inputs come from the previous stage
 reads_data = pipeline is None or layout.is_first_stage or layout.is_last_stage
-
-
-def make_loader(split, state=None):
-    # training prefetches a whole step: a step starts once all its micro-batches are in, so with a
-    # shallower queue the GPU would wait at every step for the loader to pack the rest (measured: ~80 ms
-    # per step); evaluation takes one batch at a time
-    train = split == "train"
-    return DataLoader(tokenizer, args.device_batch_size, args.max_seq_len, split, device, data_dir=data_dir,
-                      dp_rank=layout.dp_rank, dp_size=layout.dp_size, state=state,
-                      prefetch=grad_accum + 1 if train else 2, keep_remainder=args.keep_remainder and train)
-
-
 try:
-    train_loader = make_loader("train", loader_state) if reads_data else None
+    train_loader = training.make_loader(tokenizer, "train", args.device_batch_size, args.max_seq_len, device, layout,
+                                        data_dir, grad_accum, loader_state, args.keep_remainder) if reads_data else None
 except DataError as e:
     fail(str(e))
-
-# -----------------------------------------------------------------------------
-# Schedules
-
-
-def lr_multiplier(it):
-    warmdown_start = round(num_iterations * (1 - args.warmdown_ratio))
-    if it < args.warmup_steps:
-        return (it + 1) / args.warmup_steps
-    if it < warmdown_start:
-        return 1.0
-    progress = (it - warmdown_start) / max(1, num_iterations - warmdown_start)
-    return 1.0 - progress * (1.0 - args.final_lr_frac)
-
-
-def muon_momentum(it):
-    warmdown_start = round(num_iterations * (1 - args.warmdown_ratio))
-    if it >= warmdown_start:  # 0.97 -> 0.90 over the warmdown
-        progress = (it - warmdown_start) / max(1, num_iterations - warmdown_start)
-        start = 0.85 + 0.12 * min(1.0, warmdown_start / 400)
-        return start + (0.90 - start) * progress
-    return 0.85 + 0.12 * min(1.0, it / 400)
-
-
-def muon_weight_decay(it):
-    return weight_decay * 0.5 * (1 + math.cos(math.pi * it / num_iterations))
-
-
-# -----------------------------------------------------------------------------
-# One step: forward/backward over the micro-batches, then the optimizer
-
-
-def next_batches():
-    """grad_accum micro-batches (x, y) and the data state after the last one."""
-    if train_loader is None:
-        return [(None, None)] * grad_accum, None
-    batches = []
-    for _ in range(grad_accum):
-        x, y, state = next(train_loader)
-        batches.append((x, y))
-    return batches, state
-
-
-def forward_backward(batches):
-    """Mean loss over the micro-batches, gradients accumulated into .grad (the same on every rank)."""
-    if pipeline is not None:
-        return pipeline.train_step(batches)
-    total = torch.zeros((), device=device)
-    for x, y in batches:
-        loss = model(x, y)
-        (loss / grad_accum).backward()
-        total += loss.detach()
-    return total / grad_accum
-
-
-def bf16_eval():
-    """Evaluation and sampling run in bf16: with fp8, on the uncompiled model with the fp8 linears
-    swapped out (same weights)."""
-    if not fp8_active:
-        return contextlib.nullcontext()
-    from nanochat.fp8 import bf16_linears
-    return bf16_linears(orig_model)
-
-
-def eval_loss_fn(x, y):
-    if pipeline is not None:
-        return pipeline.forward_loss(x, y)
-    return (orig_model if fp8_active else model)(x, y, loss_reduction="none")
-
-
-def evaluate_val_bpb():
-    steps = max(1, args.eval_tokens // (args.device_batch_size * args.max_seq_len * layout.dp_size))
-    loader = make_loader("val") if reads_data else None
-    batches = loader if loader is not None else iter(lambda: (None, None), 0)
-    model.eval()
-    with bf16_eval():
-        bpb = evaluate_bpb(eval_loss_fn, batches, steps, token_bytes, layout)
-    model.train()
-    if loader is not None:
-        loader.close()
-    return bpb
-
-
-def gather_data_states():
-    """Every DP rank's data state (the ranks that read data contribute)."""
-    mine = last_state if reads_data and layout.tp_rank == 0 and layout.is_first_stage else None
-    if layout.world_size == 1:
-        return [mine]
-    everything = [None] * layout.world_size
-    dist.all_gather_object(everything, mine)
-    states = sorted((s for s in everything if s is not None), key=lambda s: s["dp_rank"])
-    return states
-
-
-def save_checkpoint(at_step):
-    """Full tensors: TP shards gathered; each pipeline stage writes its own part; meta last."""
-    t0 = time.time()
-    states = gather_data_states()
-    writer = layout.dp_rank == 0 and layout.tp_rank == 0
-    model_state = ckpt.full_model_state(orig_model, keep=writer)
-    optim_state = optimizer.full_state_dict(keep=writer)
-    if writer:
-        ckpt.save_stage_files(ckpt_dir, at_step, model_state, optim_state, layout.pp_rank, layout.pp_size)
-    if layout.world_size > 1:
-        dist.barrier()
-    if master:
-        meta = {"model_config": config.to_dict(), "user_config": user_config, "dataloader_states": states,
-                "loop_state": {"step": at_step, "smooth_loss": smooth_loss, "total_time": total_time,
-                               "min_val_bpb": min_val_bpb},
-                "tokens_seen": at_step * total_batch_size,
-                "layout": {"dp": layout.dp_size, "tp": layout.tp_size, "pp": layout.pp_size}}
-        ckpt.save_meta(ckpt_dir, at_step, meta, layout.pp_size)
-    if layout.world_size > 1:
-        dist.barrier()
-    print0(f"saved checkpoint for step {at_step} to {ckpt_dir} ({time.time() - t0:.1f}s)")
-
+eval_steps = max(1, args.eval_tokens // tokens_per_micro)
 
 # Ctrl-C / SIGTERM: finish the current step, save, exit
 stop_requested = False
@@ -478,55 +334,31 @@ if master:  # keep the rows before the resume point, drop the rest
         f.write("step,loss,val_bpb\n" + "".join(rows))
 
 # -----------------------------------------------------------------------------
-# The loop
+# The loop: at each step boundary the periodic work (before the step: step 0 is the untrained model;
+# the checkpoint comes before CORE and sampling, so a failure there cannot lose the weights), then one
+# optimizer step
 
 print0(f"training from step {step} to {num_iterations}")
 last_state = loader_state
 mfu, tok_per_sec, epoch = None, 0.0, 1
 if device.type == "cuda":
     torch.cuda.reset_peak_memory_stats()
-def core_and_samples(at_step):
-    """CORE and sample completions (uncompiled model, bf16). CORE runs on every rank (DP splits the
-    items); every rank samples (under TP the forward is collective) and rank 0 prints. Under pipeline or
-    sequence parallelism (whose forward takes only fixed shapes) every rank evaluates a gathered whole
-    copy of the model instead, freed afterwards."""
-    do_core = args.core_metric_every > 0 and (last_step or (at_step > 0 and at_step % args.core_metric_every == 0))
-    do_sample = args.sample_every > 0 and (last_step or (at_step > 0 and at_step % args.sample_every == 0))
-    if not (do_core or do_sample):
-        return
-    eval_model = orig_model
-    if pipeline is not None or args.sequence_parallel:
-        eval_model = ckpt.gathered_model(orig_model, layout)
-    eval_model.eval()
-    with bf16_eval():
-        if do_core:
-            from nanochat.core_eval import evaluate_core_for_training, EvalBundleError
-            try:
-                core = evaluate_core_for_training(eval_model, tokenizer, device, layout, args.eval_bundle,
-                                                  args.core_metric_max_per_task)
-            except EvalBundleError as e:  # a broken bundle must not end a training run
-                print0(f"step {at_step:05d} | CORE failed: {e}")
-                core = None
-            if core is not None:
-                print0(f"step {at_step:05d} | CORE ({core['tasks_run']}/{core['tasks_total']} tasks): {core['core']:.4f}")
-                if wandb_run:
-                    wandb_run.log({"step": at_step, "core": core["core"]})
-        if do_sample:
-            from nanochat.engine import sample_completions
-            for text in sample_completions(eval_model, tokenizer):
-                print0(f"  sample: {text!r}")
-    orig_model.train()
-    del eval_model
-
-
 start_step = step
 while True:
     last_step = step == num_iterations
-    # --- evaluation, checkpoint, CORE and samples (before the step: step 0 is the untrained model;
-    # the checkpoint comes before CORE and sampling, so a failure there cannot lose the weights) ---
+
+    # --- validation bits per byte ---
     val_bpb = None
     if args.eval_tokens > 0 and (last_step or (args.eval_every > 0 and step % args.eval_every == 0 and step > 0)):
-        val_bpb = evaluate_val_bpb()
+        if reads_data:
+            val_loader = training.make_loader(tokenizer, "val", args.device_batch_size, args.max_seq_len, device,
+                                              layout, data_dir)
+        else:  # a middle pipeline stage: its inputs come from the previous stage
+            val_loader = iter(lambda: (None, None), 0)
+        with trainer.evaluating():
+            val_bpb = evaluate_bpb(trainer.eval_loss, val_loader, eval_steps, token_bytes, layout)
+        if reads_data:
+            val_loader.close()
         min_val_bpb = min(min_val_bpb, val_bpb)
         print0(f"step {step:05d} | val bpb: {val_bpb:.6f}")
         if wandb_run:
@@ -534,33 +366,51 @@ while True:
         if master:
             with open(history_path, "a") as f:
                 f.write(f"{step},{smooth_loss / (1 - 0.9 ** max(1, step)):.6f},{val_bpb:.6f}\n")
+
+    # --- checkpoint: at the end, every --save-every steps, or when asked to stop ---
     stop_now = all_reduce_max(float(stop_requested), device) > 0
     if args.save_every != 0 and (last_step or stop_now or (args.save_every > 0 and step > 0 and step % args.save_every == 0
                                                            and step != args.resume_from_step)):
-        save_checkpoint(step)
+        loop_state = {"step": step, "smooth_loss": smooth_loss, "total_time": total_time, "min_val_bpb": min_val_bpb}
+        trainer.save_checkpoint(ckpt_dir, step, last_state, {"model_config": config.to_dict(), "user_config": user_config,
+                                                             "loop_state": loop_state,
+                                                             "tokens_seen": step * total_batch_size})
     if stop_now:
         break
-    core_and_samples(step)
+
+    # --- CORE and sample completions: every rank evaluates (DP splits CORE's items; under TP the forward
+    # is collective), rank 0 prints ---
+    do_core = args.core_metric_every > 0 and (last_step or (step > 0 and step % args.core_metric_every == 0))
+    do_sample = args.sample_every > 0 and (last_step or (step > 0 and step % args.sample_every == 0))
+    if do_core or do_sample:
+        eval_model = trainer.whole_model()
+        with trainer.evaluating():
+            if do_core:
+                from nanochat.core_eval import evaluate_core_for_training, EvalBundleError
+                try:
+                    core = evaluate_core_for_training(eval_model, tokenizer, device, layout, args.eval_bundle,
+                                                      args.core_metric_max_per_task)
+                except EvalBundleError as e:  # a broken bundle must not end a training run
+                    print0(f"step {step:05d} | CORE failed: {e}")
+                    core = None
+                if core is not None:
+                    print0(f"step {step:05d} | CORE ({core['tasks_run']}/{core['tasks_total']} tasks): {core['core']:.4f}")
+                    if wandb_run:
+                        wandb_run.log({"step": step, "core": core["core"]})
+            if do_sample:
+                from nanochat.engine import sample_completions
+                for text in sample_completions(eval_model, tokenizer):
+                    print0(f"  sample: {text!r}")
+        del eval_model
     if last_step:
         break
 
     # --- one optimizer step ---
     t0 = time.time()
-    batches, state = next_batches()
+    batches, state = training.next_batches(train_loader, grad_accum)
     if state is not None:
         last_state = state
-    loss = forward_backward(batches)
-    lrm = lr_multiplier(step)
-    for group in optimizer.param_groups:
-        group["lr"] = group["initial_lr"] * lrm
-        if group["kind"] == "muon":
-            group["momentum"] = muon_momentum(step)
-            group["weight_decay"] = muon_weight_decay(step)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    if layout.dp_size > 1:  # report the mean over DP ranks
-        dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=layout.dp_group)
-        loss = loss / layout.dp_size
+    loss, lrm = trainer.step(batches, schedule, step)
     loss_value = loss.item()  # also synchronizes the device, so dt is honest
     dt = time.time() - t0
     if not math.isfinite(loss_value):

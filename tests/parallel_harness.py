@@ -1,6 +1,7 @@
 """Train a tiny GPT for a few steps at a given (DP, TP, PP) layout on fixed batches, in processes
 started with torch.multiprocessing (gloo, CPU, fp32), and return the losses and the full parameters.
-The equivalence tests compare each layout against one process."""
+The setup, the step (with base_train's schedules) and the checkpoint save are base_train's own
+(nanochat.training). The equivalence tests compare each layout against one process."""
 
 import os
 import atexit
@@ -54,29 +55,25 @@ def _free_port():
 
 
 def _worker(rank, world, tp, pp, sequence_parallel, schedule, steps, port, out_dir, config_overrides, resume_from):
+    """One process of the run: base_train's setup and step (nanochat.training), on the fixed batches."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     if world > 1:
         dist.init_process_group("gloo", rank=rank, world_size=world)
     from nanochat.common import build_layout
-    from nanochat.gpt import GPTConfig, build_model
-    from nanochat.optim import MuonAdamW
+    from nanochat.gpt import GPTConfig
     from nanochat import checkpoint_manager as ckpt
+    from nanochat import training
     layout = build_layout(rank, world, rank, tp, pp)
     torch.manual_seed(0)
-    model = build_model(GPTConfig(**{**CONFIG, **config_overrides}), "cpu", torch.float32)
+    model, _ = training.build_model_for_training(GPTConfig(**{**CONFIG, **config_overrides}), "cpu", torch.float32, layout)
     leave_identity_init(model)
-    if tp > 1:
-        from nanochat.tensor_parallel import parallelize
-        parallelize(model, layout, sequence_parallel)
     per_rank = GLOBAL_BATCH // layout.dp_size
     n_micro = per_rank // MICRO_BATCH
-    pipeline = None
-    if pp > 1:
-        from nanochat.pipeline_parallel import Pipeline
-        pipeline = Pipeline(model, layout, n_micro, MICRO_BATCH, schedule)
-    names = {p: n for n, p in model.named_parameters()}
-    optimizer = MuonAdamW(model.param_groups(**LRS), names, dp_group=layout.dp_group, compute_dtype=torch.float32)
+    pipeline = training.apply_parallelism(model, layout, sequence_parallel, n_micro, MICRO_BATCH, schedule)
+    optimizer = training.make_optimizer(model, layout, torch.float32, **LRS)
+    trainer = training.Trainer(model, model, pipeline, optimizer, layout, sequence_parallel=sequence_parallel)
+    schedule_of_steps = training.Schedule(steps, LRS["weight_decay"], warmup_steps=0, warmdown_ratio=0.0)
     first_step = 0
     if resume_from is not None:
         model_state, optim_state, meta = ckpt.load_checkpoint(resume_from, device="cpu")
@@ -88,32 +85,13 @@ def _worker(rank, world, tp, pp, sequence_parallel, schedule, steps, port, out_d
     for step in range(first_step, steps):
         rows = batches[step][layout.dp_rank * per_rank:(layout.dp_rank + 1) * per_rank]
         micro = [(rows[i:i + MICRO_BATCH, :-1], rows[i:i + MICRO_BATCH, 1:]) for i in range(0, per_rank, MICRO_BATCH)]
-        if pipeline is not None:
-            loss = pipeline.train_step(micro)
-        else:
-            loss = torch.zeros(())
-            for x, y in micro:
-                l = model(x, y)
-                (l / n_micro).backward()
-                loss += l.detach() / n_micro
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if layout.dp_size > 1:
-            dist.all_reduce(loss, group=layout.dp_group)
-            loss /= layout.dp_size
+        loss, _ = trainer.step(micro, schedule_of_steps, step)
         losses.append(loss.item())
-        if step + 1 == steps // 2 and out_dir is not None:  # a mid-run checkpoint, saved like base_train does
-            model_state = ckpt.full_model_state(model)
-            optim_state = optimizer.full_state_dict()
-            if layout.dp_rank == 0 and layout.tp_rank == 0:
-                ckpt.save_stage_files(os.path.join(out_dir, "ckpt"), step + 1, model_state, optim_state, layout.pp_rank, pp)
-            if world > 1:
-                dist.barrier()
-            if rank == 0:
-                ckpt.save_meta(os.path.join(out_dir, "ckpt"), step + 1, {}, pp)
+        if step + 1 == steps // 2 and out_dir is not None:  # a mid-run checkpoint, saved as base_train saves
+            trainer.save_checkpoint(os.path.join(out_dir, "ckpt"), step + 1, None, {})
     # the loss of whole sequences, as CORE and sampling see the model: pipeline and sequence-parallel
     # layouts evaluate the gathered whole copy base_train builds for them
-    eval_model = ckpt.gathered_model(model, layout) if (pp > 1 or sequence_parallel) else model
+    eval_model = trainer.whole_model()
     with torch.no_grad():
         eval_loss = eval_model(batches[0][:, :-1], batches[0][:, 1:]).item()
     model_state = ckpt.full_model_state(model)

@@ -1,0 +1,253 @@
+"""
+The training core, written once: scripts/base_train.py, the parallel-equivalence tests
+(tests/parallel_harness.py) and dev/profile_train.py build and step the model through these
+functions, so the tests check what the product runs.
+
+Setup, in the order a run calls it:
+  build_model_for_training  the model: L3 tables allocated from the data (fresh runs), fp8 linears
+  apply_parallelism         tensor parallelism, then this rank's pipeline stage
+  tune_weight_gradients     CUDA: per weight shape, split-K weight gradients where they are faster
+  make_optimizer            Muon + AdamW over the model's parameter groups
+  compile_for_training      the module the step calls
+  make_loader               best-fit packed batches of this DP rank
+The loop:
+  Schedule                  LR, Muon momentum and Muon weight decay by step
+  Trainer                   one training step, evaluation mode, the checkpoint save
+"""
+
+import math
+import time
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from nanochat.common import print0
+from nanochat.gpt import build_model, tune_wgrad_splits, set_wgrad_splits
+from nanochat.optim import MuonAdamW
+from nanochat.dataloader import DataLoader
+from nanochat import checkpoint_manager as ckpt
+
+# -----------------------------------------------------------------------------
+# Setup
+
+
+def build_model_for_training(config, device, dtype, layout, fp8=False, l3_data=None):
+    """The model as a run starts it, whole on every rank. l3_data = (tokenizer, data_dir) allocates the
+    L3 tables' rows from the training data (a fresh run; a resumed one loads the saved allocation).
+    fp8 converts the eligible linears. Returns (model, whether any linear runs in fp8)."""
+    model = build_model(config, device, dtype)
+    if config.l3_after_layers and l3_data is not None:
+        from nanochat.l3 import allocate_for_model
+        allocate_for_model(model, *l3_data, layout)
+    fp8_active = False
+    if fp8:
+        from nanochat.fp8 import convert_to_fp8
+        fp8_active = convert_to_fp8(model, "tensorwise", device) > 0
+    return model, fp8_active
+
+
+def apply_parallelism(model, layout, sequence_parallel=False, num_microbatches=1, micro_batch_size=1,
+                      pp_schedule="1f1b"):
+    """Shard the model over the TP group (tp > 1), then keep only this rank's pipeline stage (pp > 1).
+    Returns the Pipeline that drives the stage, or None without pipeline parallelism."""
+    if layout.tp_size > 1:
+        from nanochat.tensor_parallel import parallelize
+        parallelize(model, layout, sequence_parallel=sequence_parallel)
+    if layout.pp_size == 1:
+        return None
+    from nanochat.pipeline_parallel import Pipeline
+    return Pipeline(model, layout, num_microbatches, micro_batch_size, pp_schedule)
+
+
+def tune_weight_gradients(model, layout, tokens, dtype):
+    """Per weight shape, whether a split-K weight gradient is faster on this GPU (gpt.Linear), for
+    micro-batches of `tokens` tokens; rank 0's choice, so that every rank computes alike. Returns the
+    choice {(out, in): (split, ms plain, ms split)}."""
+    splits = [tune_wgrad_splits(model, tokens, dtype)]
+    if layout.world_size > 1:
+        dist.broadcast_object_list(splits, src=0)
+    set_wgrad_splits(model, splits[0])
+    return splits[0]
+
+
+def make_optimizer(model, layout, dtype, embedding_lr, unembedding_lr, matrix_lr, scalar_lr, weight_decay,
+                   compile=False):
+    names = {p: n for n, p in model.named_parameters()}
+    groups = model.param_groups(embedding_lr, unembedding_lr, matrix_lr, scalar_lr, weight_decay)
+    return MuonAdamW(groups, names, dp_group=layout.dp_group, compute_dtype=dtype, compile=compile)
+
+
+def compile_for_training(model, pipeline):
+    """torch.compile for the training step. Without a pipeline the whole model is one graph (returned:
+    the step calls it; the uncompiled module stays for checkpoints, sampling and CORE). Under a pipeline
+    the schedule calls the pieces one micro-batch at a time: each block of this stage and the loss are
+    compiled in place, the schedule's sends and receives stay eager."""
+    if pipeline is None:
+        return torch.compile(model, dynamic=False)
+    for i in range(pipeline.start, pipeline.end):
+        model.blocks[i].compile(dynamic=False)
+    model.criterion.compile(dynamic=False)
+    print0("note: under --pp > 1 each block and the loss are compiled separately (the schedule's sends and receives stay eager)")
+    return model
+
+
+def make_loader(tokenizer, split, batch_size, seq_len, device, layout, data_dir, grad_accum=1, state=None,
+                keep_remainder=False):
+    """This DP rank's (x, y, state) batches. Training prefetches a whole step: a step starts once all its
+    micro-batches are in, so with a shallower queue the GPU would wait at every step for the loader to
+    pack the rest (measured: ~80 ms per step); evaluation takes one batch at a time."""
+    train = split == "train"
+    return DataLoader(tokenizer, batch_size, seq_len, split, device, data_dir=data_dir, dp_rank=layout.dp_rank,
+                      dp_size=layout.dp_size, state=state, prefetch=grad_accum + 1 if train else 2,
+                      keep_remainder=keep_remainder and train)
+
+
+# -----------------------------------------------------------------------------
+# The loop
+
+
+@dataclass
+class Schedule:
+    """By step: the LR multiplier (linear warmup, flat, linear warmdown over the last warmdown_ratio of
+    the steps to final_lr_frac), Muon's momentum (0.85 -> 0.97 over 400 steps, then -> 0.90 during the
+    warmdown) and Muon's weight decay (cosine from weight_decay to 0)."""
+    num_iterations: int
+    weight_decay: float
+    warmup_steps: int = 40
+    warmdown_ratio: float = 0.65
+    final_lr_frac: float = 0.05
+
+    def warmdown_start(self):
+        return round(self.num_iterations * (1 - self.warmdown_ratio))
+
+    def lr_multiplier(self, it):
+        if it < self.warmup_steps:
+            return (it + 1) / self.warmup_steps
+        if it < self.warmdown_start():
+            return 1.0
+        progress = (it - self.warmdown_start()) / max(1, self.num_iterations - self.warmdown_start())
+        return 1.0 - progress * (1.0 - self.final_lr_frac)
+
+    def muon_momentum(self, it):
+        start = self.warmdown_start()
+        if it >= start:  # 0.97 -> 0.90 over the warmdown
+            progress = (it - start) / max(1, self.num_iterations - start)
+            top = 0.85 + 0.12 * min(1.0, start / 400)
+            return top + (0.90 - top) * progress
+        return 0.85 + 0.12 * min(1.0, it / 400)
+
+    def muon_weight_decay(self, it):
+        return self.weight_decay * 0.5 * (1 + math.cos(math.pi * it / self.num_iterations))
+
+
+def next_batches(loader, n):
+    """n micro-batches [(x, y), ...] and the data state after the last one. Pipeline stages that read no
+    data (loader None) pass placeholders: their inputs come from the previous stage."""
+    if loader is None:
+        return [(None, None)] * n, None
+    batches = []
+    for _ in range(n):
+        x, y, state = next(loader)
+        batches.append((x, y))
+    return batches, state
+
+
+@dataclass
+class Trainer:
+    """What one training process steps, evaluates and saves. model: the uncompiled module (checkpoints,
+    evaluation with fp8, CORE, sampling); train_model: what the step calls (compiled or the same);
+    pipeline: this rank's stage driver, None without pipeline parallelism."""
+    model: torch.nn.Module
+    train_model: torch.nn.Module
+    pipeline: object
+    optimizer: MuonAdamW
+    layout: object
+    fp8: bool = False               # fp8 linears in training: evaluation swaps in bf16 ones (same weights)
+    sequence_parallel: bool = False
+
+    def step(self, batches, schedule, it):
+        """One optimizer step on the micro-batches [(x, y), ...]: forward and backward (through the
+        pipeline's schedule under PP), the LR, momentum and decay of step `it` set, the update, gradients
+        cleared. Returns (the loss: mean over micro-batches and DP ranks, a device tensor, so nothing here
+        waits for the GPU; the LR multiplier)."""
+        if self.pipeline is not None:
+            loss = self.pipeline.train_step(batches)
+        else:
+            loss = torch.zeros((), device=batches[0][0].device)
+            for x, y in batches:  # gradients accumulate in .grad; the last micro-batch's backward completes them
+                micro_loss = self.train_model(x, y)
+                (micro_loss / len(batches)).backward()
+                loss += micro_loss.detach()
+            loss = loss / len(batches)
+        lrm = schedule.lr_multiplier(it)
+        for group in self.optimizer.param_groups:
+            group["lr"] = group["initial_lr"] * lrm
+            if group["kind"] == "muon":
+                group["momentum"] = schedule.muon_momentum(it)
+                group["weight_decay"] = schedule.muon_weight_decay(it)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.layout.dp_size > 1:  # report the mean over DP ranks
+            dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=self.layout.dp_group)
+            loss = loss / self.layout.dp_size
+        return loss, lrm
+
+    @contextlib.contextmanager
+    def evaluating(self):
+        """Evaluation and sampling: eval mode and, with fp8, bf16 linears (same weights); train mode after."""
+        self.model.eval()
+        if self.fp8:
+            from nanochat.fp8 import bf16_linears
+            swap = bf16_linears(self.model)
+        else:
+            swap = contextlib.nullcontext()
+        try:
+            with swap:
+                yield
+        finally:
+            self.model.train()
+
+    def eval_loss(self, x, y):
+        """Per-token losses for bits per byte (inside evaluating()): through the pipeline under PP (None
+        on stages without the head); with fp8 on the uncompiled model, whose swapped bf16 linears the
+        compiled graph does not know."""
+        if self.pipeline is not None:
+            return self.pipeline.forward_loss(x, y)
+        return (self.model if self.fp8 else self.train_model)(x, y, loss_reduction="none")
+
+    def whole_model(self):
+        """The model CORE and sampling run (variable-length inputs): this one, or under pipeline or
+        sequence parallelism (fixed shapes only) a gathered whole copy on every rank, to be freed after."""
+        if self.pipeline is not None or self.sequence_parallel:
+            return ckpt.gathered_model(self.model, self.layout)
+        return self.model
+
+    def save_checkpoint(self, ckpt_dir, step, data_state, meta):
+        """Write the checkpoint of `step`; a collective, every rank calls it. Full tensors: TP shards
+        gathered, each pipeline stage writes its own files (from its DP 0 / TP 0 rank), then rank 0 writes
+        meta_<step>.json last: `meta` plus every DP rank's data state (data_state: this rank's, None on
+        ranks that read no data) and the layout."""
+        t0 = time.time()
+        L = self.layout
+        mine = data_state if L.tp_rank == 0 and L.is_first_stage else None
+        if L.world_size == 1:
+            data_states = [mine]
+        else:
+            everything = [None] * L.world_size
+            dist.all_gather_object(everything, mine)
+            data_states = sorted((s for s in everything if s is not None), key=lambda s: s["dp_rank"])
+        writer = L.dp_rank == 0 and L.tp_rank == 0
+        model_state = ckpt.full_model_state(self.model, keep=writer)
+        optim_state = self.optimizer.full_state_dict(keep=writer)
+        if writer:
+            ckpt.save_stage_files(ckpt_dir, step, model_state, optim_state, L.pp_rank, L.pp_size)
+        if L.world_size > 1:
+            dist.barrier()
+        if L.rank == 0:
+            meta = dict(meta, dataloader_states=data_states, layout={"dp": L.dp_size, "tp": L.tp_size, "pp": L.pp_size})
+            ckpt.save_meta(ckpt_dir, step, meta, L.pp_size)
+        if L.world_size > 1:
+            dist.barrier()
+        print0(f"saved checkpoint for step {step} to {ckpt_dir} ({time.time() - t0:.1f}s)")
