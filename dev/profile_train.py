@@ -19,7 +19,8 @@ from collections import defaultdict
 import torch
 
 from nanochat.common import compute_init, get_compute_dtype
-from nanochat.gpt import config_for_depth, build_model, prepare_attention, tune_wgrad_splits, set_wgrad_splits
+from nanochat.gpt import config_for_depth, build_model, window_sizes
+from nanochat import kernels
 from nanochat.optim import MuonAdamW
 from nanochat.dataloader import DataLoader
 from nanochat.tokenizer import get_tokenizer
@@ -55,10 +56,10 @@ if l3_layers:
 if args.fp8:
     from nanochat.fp8 import convert_to_fp8
     convert_to_fp8(model, "tensorwise", device)
-set_wgrad_splits(model, tune_wgrad_splits(model, args.device_batch_size * config.sequence_len, dtype))
+kernels.set_wgrad_splits(model, kernels.tune_wgrad_splits(model, args.device_batch_size * config.sequence_len, dtype))
 names = {p: n for n, p in model.named_parameters()}
 optimizer = MuonAdamW(model.param_groups(0.3, 0.008, 0.02, 0.5, 0.28), names, compute_dtype=dtype, compile=True)
-print(f"attention: {prepare_attention(config, device, dtype)}")
+print(f"attention: {kernels.prepare_attention(config, window_sizes(config), device, dtype)}")
 cmodel = torch.compile(model, dynamic=False)
 loader = DataLoader(tokenizer, args.device_batch_size, config.sequence_len, "train", device, data_dir=args.data_dir,
                     prefetch=args.grad_accum + 1)

@@ -29,8 +29,8 @@ import torch.distributed as dist
 
 from nanochat.common import (compute_init, compute_cleanup, print0, print_rank, get_compute_dtype, get_peak_flops,
                              device_name, all_reduce_max, fail)
-from nanochat.gpt import (GPTConfig, config_for_depth, build_model, window_sizes, prepare_attention, GPT,
-                         tune_wgrad_splits, set_wgrad_splits)
+from nanochat.gpt import GPTConfig, config_for_depth, build_model, window_sizes, GPT
+from nanochat import kernels
 from nanochat.optim import MuonAdamW
 from nanochat.dataloader import DataLoader, reshard_states
 from nanochat.dataset import DataError, check_data
@@ -91,6 +91,7 @@ parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree"
 parser.add_argument("--pp-schedule", type=str, default="1f1b", choices=["gpipe", "1f1b"], help="pipeline schedule")
 parser.add_argument("--pp-print-schedule", action="store_true", help="print the pipeline schedule table at start")
 # fp8, L3
+parser.add_argument("--kernels", type=str, default=None, choices=kernels.MODES, help="auto: fast kernels where they apply; reference: the plain PyTorch math everywhere (default: NANOCHAT_KERNELS, else auto)")
 parser.add_argument("--fp8", action="store_true", help="fp8 training linears through torchao (CUDA, SM89+)")
 parser.add_argument("--fp8-recipe", type=str, default="tensorwise", choices=["tensorwise", "rowwise"], help="torchao float8 scaling recipe")
 parser.add_argument("--l3-after-layers", type=str, default="", help="comma-separated block indices followed by an L3 layer, e.g. 4,8")
@@ -102,6 +103,7 @@ parser.add_argument("--l3-tied", type=int, nargs="?", const=1, default=1, choice
                          "faster at d12 (dev/LOG.md)")
 args = parser.parse_args()
 user_config = vars(args).copy()
+kernels.set_mode(args.kernels)
 
 # -----------------------------------------------------------------------------
 # Processes, device, dtype
@@ -260,12 +262,12 @@ if args.pp > 1:
     if args.pp_print_schedule:
         print0(pipeline.schedule_table())
 if device.type == "cuda":
-    # per weight shape, whether a split-K weight gradient is faster on this GPU (gpt.Linear); rank 0's
+    # per weight shape, whether a split-K weight gradient is faster on this GPU (kernels.Linear); rank 0's
     # choice, so that every rank computes alike
-    wgrad_splits = [tune_wgrad_splits(model, args.device_batch_size * args.max_seq_len, dtype)]
+    wgrad_splits = [kernels.tune_wgrad_splits(model, args.device_batch_size * args.max_seq_len, dtype)]
     if layout.world_size > 1:
         dist.broadcast_object_list(wgrad_splits, src=0)
-    set_wgrad_splits(model, wgrad_splits[0])
+    kernels.set_wgrad_splits(model, wgrad_splits[0])
     print0("weight gradients, split-K by shape (out x in: split, ms plain -> ms split): " + ", ".join(
         f"{o}x{i}: {s} ({t1:.3f} -> {ts:.3f})" for (o, i), (s, t1, ts) in wgrad_splits[0].items()))
 local_params = sum(p.numel() for p in model.parameters())
@@ -300,7 +302,7 @@ if resume_meta is not None:
     loader_state = states[layout.dp_rank]
 
 orig_model = model  # the uncompiled module: checkpoints, sampling, CORE
-print0(f"attention: {prepare_attention(config, device, dtype)}")
+print0(f"attention: {kernels.prepare_attention(config, window_sizes(config), device, dtype)}")
 if use_compile and pipeline is None:
     model = torch.compile(model, dynamic=False)
 elif use_compile:  # the schedule calls the pieces one micro-batch at a time: compile each block and the loss
