@@ -218,6 +218,7 @@ class GPT(nn.Module):
         self.lm_head = Linear(config.n_embd, config.vocab_size)
         self.criterion = SoftcapCrossEntropy()
         self.embed_exit = nn.Identity()  # sequence parallelism swaps in a split along the sequence
+        # the hook for Large Lookup Layers: {block index: layer}, run after that block as x = x + layer(x, idx)
         self.l3 = nn.ModuleDict()
         for i in config.l3_after_layers:
             self.l3[str(i)] = L3Layer.from_config(config)

@@ -255,7 +255,7 @@ pipeline = None
 if args.pp > 1:
     from nanochat.pipeline_parallel import Pipeline
     try:
-        pipeline = Pipeline(model, layout, grad_accum, args.device_batch_size, args.pp_schedule)
+        pipeline = Pipeline(model, layout, grad_accum, args.device_batch_size, args.pp_schedule, args.sequence_parallel)
     except ValueError as e:
         fail(str(e))
     print0(f"pipeline: {pipeline.describe()}")

@@ -74,7 +74,7 @@ def _worker(rank, world, tp, pp, sequence_parallel, schedule, steps, port, out_d
     pipeline = None
     if pp > 1:
         from nanochat.pipeline_parallel import Pipeline
-        pipeline = Pipeline(model, layout, n_micro, MICRO_BATCH, schedule)
+        pipeline = Pipeline(model, layout, n_micro, MICRO_BATCH, schedule, sequence_parallel)
     names = {p: n for n, p in model.named_parameters()}
     optimizer = MuonAdamW(model.param_groups(**LRS), names, dp_group=layout.dp_group, compute_dtype=torch.float32)
     first_step = 0
