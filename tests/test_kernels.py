@@ -153,3 +153,10 @@ def test_the_switch_comes_from_the_environment_and_the_flag():
             kernels.set_mode("fast")
     finally:
         kernels.set_mode(before)
+
+
+def test_base_train_takes_the_flag(env):
+    from conftest import run_script, parse_losses, TINY_MODEL
+    p = run_script("scripts.base_train", ["--device-batch-size", "4", "--total-batch-size", "512", "--num-iterations", "2",
+                                          "--model-tag", "reference", "--kernels", "reference"] + TINY_MODEL, env)
+    assert "attention: SDPA (reference)" in p.stdout and sorted(parse_losses(p.stdout)) == [0, 1]

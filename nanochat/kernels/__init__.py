@@ -30,8 +30,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanochat.kernels import flash_attention, relu_square_mm, rotary, sdpa, softcap_ce, splitk
-from nanochat.kernels.rotary import rotary_tables  # noqa: F401  (the model's tables; no kernel)
-from nanochat.kernels.softcap_ce import softcap  # noqa: F401  (logits for sampling and evaluation; no kernel)
+# no kernels, but the model's too: the rotary tables, and the soft cap of the logits for sampling and evaluation
+from nanochat.kernels.rotary import rotary_tables
+from nanochat.kernels.softcap_ce import softcap
 
 MODES = ("auto", "reference")
 mode = os.environ.get("NANOCHAT_KERNELS", "auto")
