@@ -1,7 +1,7 @@
 """
 Attention kernels on one GPU at a training shape (one micro-batch, bf16, the (B, T, H, D) layout the
-projections produce): what gpt.attention runs without flash-attn-4 (cuDNN through SDPA for full context,
-FlexAttention with a block mask for the sliding window) against FlashAttention-4 (flash_attention.py), if
+projections produce): what kernels.attention runs without flash-attn-4 (cuDNN through SDPA for full context,
+FlexAttention with a block mask for the sliding window) against FlashAttention-4 (kernels/flash_attention.py), if
 installed. Checks FA4's output and gradients against the other kernel first, then times forward and
 forward + backward with CUDA events (median of repeats), in TFLOP/s over the (query, key) pairs the mask
 keeps (4 * D FLOPs a pair forward, 10 * D backward).
@@ -12,9 +12,9 @@ keeps (4 * D FLOPs a pair forward, 10 * D backward).
 import torch
 
 from dev.bench_args import micro_batch_parser
-from nanochat import flash_attention
+from nanochat.kernels import flash_attention, sdpa
 from nanochat.common import cuda_time_ms
-from nanochat.gpt import config_for_depth, window_sizes, build_block_masks, pytorch_attention
+from nanochat.gpt import config_for_depth, window_sizes
 
 args = micro_batch_parser().parse_args()
 
@@ -24,15 +24,15 @@ device = torch.device("cuda", torch.cuda.current_device())
 has_fa4 = flash_attention.supports(device, torch.bfloat16, D)
 print(f"depth {args.depth}: B {B}, T {T}, H {H}, D {D}; {torch.cuda.get_device_name()}; "
       f"flash-attn-4 {'available' if has_fa4 else 'NOT available: timing only the PyTorch kernels'}")
-build_block_masks(cfg, device)  # FlexAttention's, for the window
+sdpa.build_block_masks(T, set(window_sizes(cfg)), device)  # FlexAttention's, for the window
 torch.manual_seed(0)
 q, k, v, dout = (torch.randn(B, T, H, D, device=device).bfloat16() for _ in range(4))
 
 
 def pytorch_kernel(window):
-    """gpt.attention's kernel without FA4, on (B, T, H, D) tensors."""
-    return lambda q, k, v: pytorch_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             window).transpose(1, 2)
+    """kernels.attention's kernel without FA4 (cuDNN full, FlexAttention windowed), on (B, T, H, D) tensors."""
+    run = sdpa.cudnn_attention if window >= T else (lambda q, k, v: sdpa.flex_attention(q, k, v, window))
+    return lambda q, k, v: run(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
 
 
 def fa4_kernel(window):

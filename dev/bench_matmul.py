@@ -3,7 +3,7 @@ The model's matmul shapes on one GPU, one at a time, in their three roles: forwa
 input gradient (dy @ W) and weight gradient (dy^T @ x), bf16, timed with CUDA events (median of
 repeats), in TFLOP/s. For the weight gradient also two other ways of getting the same product: the
 transposed one, (x^T @ dy)^T, and with the token dim split into s chunks as one bmm plus a sum (a
-manual split-K, for outputs too small to fill the GPU's SMs in whole waves; gpt.tune_wgrad_splits
+manual split-K, for outputs too small to fill the GPU's SMs in whole waves; kernels.tune_wgrad_splits
 makes that choice per shape at the start of training). The roles run in order on a warm GPU: the
 first of each shape can come out a few % faster than an equal product timed later.
 

@@ -1,5 +1,5 @@
 """
-The MLP's two products with ReLU^2 in their epilogues (relu_square_mm.py) against cuBLAS plus
+The MLP's two products with ReLU^2 in their epilogues (kernels/relu_square_mm.py) against cuBLAS plus
 torch.compile's ReLU^2 kernels, at one micro-batch of a depth's training shape (one GPU):
   forward:  relu(x @ W_fc^T)^2              (M, C) x (4C, C)^T
   backward: (dy @ W_proj) * 2 sqrt(y)        (M, C) x (C, 4C)
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from dev.bench_args import micro_batch_parser
-from nanochat import relu_square_mm as rsm
+from nanochat.kernels import relu_square_mm as rsm
 from nanochat.common import cuda_time_ms
 from nanochat.gpt import config_for_depth
 

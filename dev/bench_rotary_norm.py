@@ -1,6 +1,6 @@
 """
 Rotary + QK-norm on one GPU at a training shape (q of one micro-batch, bf16): the custom op's Triton
-kernels (rotary_norm.py) against what torch.compile makes of the same PyTorch math. Checks the op against
+kernels (kernels/rotary.py) against what torch.compile makes of the same PyTorch math. Checks the op against
 float64 first, then times forward and forward + backward with CUDA events (median of repeats), with the
 bandwidth over the bytes each must move (forward: read x, write y; backward: read x and dy, write dx).
 
@@ -12,7 +12,7 @@ import torch
 from dev.bench_args import micro_batch_parser
 from nanochat.common import cuda_time_ms
 from nanochat.gpt import config_for_depth
-from nanochat.rotary_norm import rotary_norm_op, reference_rotary_norm, rotary_tables
+from nanochat.kernels.rotary import rotary_norm_op, reference_rotary_norm, rotary_tables
 
 args = micro_batch_parser().parse_args()
 

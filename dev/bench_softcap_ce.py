@@ -1,6 +1,6 @@
 """
 The training loss on one GPU at a training shape (32 x 2048 tokens, d 768, vocab 32768, bf16):
-softcap_ce.head_loss (the lm_head matmul + the Triton kernel as one autograd function) against what
+kernels/softcap_ce.kernel_head_loss (the lm_head matmul + the Triton kernel as one autograd function) against what
 torch.compile makes of the same math (F.linear, soft-cap, cross-entropy). Checks the Triton path against
 float64 on a slice of rows, then times with CUDA events (median of repeats):
 - the whole head, forward + backward, both ways, and its three matmuls alone;
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from nanochat.common import cuda_time_ms
-from nanochat.softcap_ce import head_loss, reference_loss, _row_losses
+from nanochat.kernels.softcap_ce import kernel_head_loss as head_loss, reference_loss, _row_losses
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--tokens", type=int, default=65536)

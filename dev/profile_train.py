@@ -19,7 +19,8 @@ from collections import defaultdict
 import torch
 
 from nanochat.common import compute_init, get_compute_dtype
-from nanochat.gpt import config_for_depth, prepare_attention
+from nanochat.gpt import config_for_depth, window_sizes
+from nanochat import kernels
 from nanochat.tokenizer import get_tokenizer
 from nanochat import training
 
@@ -51,7 +52,7 @@ model, fp8_active = training.build_model_for_training(config, device, dtype, lay
                                                       l3_data=(tokenizer, args.data_dir))
 training.tune_weight_gradients(model, layout, args.device_batch_size * config.sequence_len, dtype)
 optimizer = training.make_optimizer(model, layout, dtype, 0.3, 0.008, 0.02, 0.5, 0.28, compile=True)
-print(f"attention: {prepare_attention(config, device, dtype)}")
+print(f"attention: {kernels.prepare_attention(config, window_sizes(config), device, dtype)}")
 trainer = training.Trainer(model, training.compile_for_training(model, None), None, optimizer, layout, fp8=fp8_active)
 schedule = training.Schedule(num_iterations=1000, weight_decay=0.28)
 loader = training.make_loader(tokenizer, "train", args.device_batch_size, config.sequence_len, device, layout,

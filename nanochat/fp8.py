@@ -18,8 +18,8 @@ The MLP with tensorwise scaling is Fp8MLP, not torchao's: c_proj(relu(c_fc(x))^2
 Function. With torchao's Float8Linear for c_fc and c_proj, ReLU^2 stays between them as separate passes over
 the (tokens, 4C) activation: c_fc writes h, an amax pass and a cast pass read it; in the backward, c_proj's
 product writes its input gradient, and passes for ReLU^2's gradient, its amax and its cast read it again.
-Fp8MLP puts ReLU^2 inside the products, as gpt._FusedMLP does in bf16 (relu_square_mm.py, whose kernel also
-returns the amax of what it writes):
+Fp8MLP puts ReLU^2 inside the products, as relu_square_mm.FusedMLP does in bf16 (kernels/relu_square_mm.py, whose
+kernel also returns the amax of what it writes):
 
     forward:   x, W_fc, W_proj -> e4m3
                y = relu(x W_fc^T)^2                fused, with amax(y)
@@ -30,8 +30,9 @@ returns the amax of what it writes):
 
 It keeps x in e4m3 and y in bf16 for the backward. The casts are torchao's: scale = fp8 max / amax, in
 fp32, saturated. Each matmul gives both operands K-major (Hopper's fp8 rule), so the backward makes
-transposed fp8 copies of dh, dout, x and y. Off CUDA (tests) the two fused products run in PyTorch; tests
-check the kernels against them through Triton's interpreter, and the module against torchao's.
+transposed fp8 copies of dh, dout, x and y. Off CUDA (tests), and with the kernels switched off (--kernels
+reference), the two fused products run in PyTorch; tests check the kernels against them through Triton's
+interpreter, and the module against torchao's.
 """
 
 import dataclasses
@@ -41,8 +42,8 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from nanochat import relu_square_mm
-from nanochat.gpt import Linear, MLP
+from nanochat.kernels import Linear, fused, relu_square_mm
+from nanochat.gpt import MLP
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2  # activations and weights; gradients
 
@@ -79,7 +80,7 @@ def convert_to_fp8(model, recipe="tensorwise", device=None, force=False):
     if recipe == "tensorwise":
         # torchao gives cuBLAS's fast fp8 accumulation (no periodic promotion to fp32) to the forward matmul
         # only; the two backward ones get it too: +2.4-2.9% tok/s at d20, and the equal-steps d12 loss stays
-        # within the bf16 runs' spread (dev/LOG.md, session 8)
+        # within the bf16 runs' spread (dev/LOG.md)
         fast = Float8GemmConfig(use_fast_accum=True)
         config = dataclasses.replace(config, gemm_config_grad_input=fast, gemm_config_grad_weight=fast)
         mlps = len(_swap(model, lambda m: _rehouse(m, Fp8MLP) if type(m) is MLP and _mlp_is_eligible(m) else None))
@@ -203,8 +204,9 @@ class _Fp8MLP(torch.autograd.Function):
 
 class Fp8MLP(MLP):
     """The MLP in tensorwise fp8 with ReLU^2 fused into its products (_Fp8MLP), on the MLP's own c_fc and
-    c_proj Linears (made by _rehouse: the same weights and checkpoint keys; act and tp_enter ride along for
-    the way back). The Triton kernels run on CUDA for 16-bit activations; elsewhere the PyTorch products do.
+    c_proj Linears (made by _rehouse: the same weights and checkpoint keys; tp_enter rides along for the way
+    back). The Triton kernels run on CUDA for 16-bit activations; elsewhere, and in reference mode
+    (nanochat.kernels' switch), the PyTorch products do.
     The weight gradients are products over the tokens, and fp8 products need every dim a multiple of 16:
     other token counts (never training's, B x 2048) take the bf16 path."""
 
@@ -212,5 +214,5 @@ class Fp8MLP(MLP):
         rows = x.reshape(-1, x.size(-1))
         if rows.size(0) % 16:
             return super().forward(x)
-        kernels = x.is_cuda and relu_square_mm.supported(x)
-        return _Fp8MLP.apply(rows, self.c_fc.weight, self.c_proj.weight, kernels).view_as(x)
+        use_kernels = fused() and relu_square_mm.supported(x)
+        return _Fp8MLP.apply(rows, self.c_fc.weight, self.c_proj.weight, use_kernels).view_as(x)

@@ -4,14 +4,18 @@ The GPT: a decoder-only transformer with no biases.
 - token embedding, then a parameter-free RMSNorm; smear: each position mixes in a gated share of the
   previous token's embedding
 - blocks: x = resid_lambda * x + x0_lambda * x0 (x0 = the normed, smeared embedding), then pre-norm attention
-  and a ReLU^2 MLP (4x), each added residually; on CUDA the MLP computes ReLU^2 inside its products
-  (relu_square_mm.py)
+  and a ReLU^2 MLP (4x), each added residually
 - attention: rotary positions (base 1e5), QK-norm then q and k scaled by 1.2, GQA (n_kv_head), a
   sliding window per layer from a pattern tiled over layers (S = a quarter of the context rounded to
   128, L = full; the last layer is always L); on alternating layers (the last included) a per-token
   value embedding is added to V through a small input-dependent gate
 - backout: before the final norm, subtract a learned share of the residual stream at mid-depth
 - untied lm_head; logits soft-capped 15*tanh(x/15) in fp32; cross-entropy with ignore_index=-1
+- Large Lookup Layers (l3.py), if configured, after some blocks: x = x + l3(x, token ids)
+
+The ops that have fast kernels (attention, the MLP, rotary + QK-norm, the head's loss, Linear's weight
+gradient) are one call each into nanochat.kernels, which keeps each kernel beside its reference math and
+picks between them; `--kernels reference` (or NANOCHAT_KERNELS=reference) runs the reference everywhere.
 
 Weights are fp32 (the optimizer's precision); every matmul runs in the compute dtype: modules cast
 weights to the dtype of the activations, no autocast. The model is built on the meta device, moved
@@ -28,13 +32,10 @@ from dataclasses import dataclass, asdict
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.attention import sdpa_kernel, SDPBackend
-from torch.nn.attention.flex_attention import flex_attention, create_block_mask
 
-from nanochat import flash_attention, relu_square_mm
-from nanochat.common import cuda_time_ms
-from nanochat.softcap_ce import softcap, head_loss
-from nanochat.rotary_norm import rotary_norm, rotary_tables
+from nanochat import kernels
+from nanochat.kernels import Linear, rotary_tables
+from nanochat.l3 import L3Layer
 
 
 @dataclass
@@ -108,172 +109,6 @@ def norm(x):
 # Building blocks
 
 
-class Linear(nn.Linear):
-    """A bias-free linear whose fp32 weight is cast to the activations' dtype for the matmul.
-    wgrad_split = s > 1 computes the weight gradient dy^T x as s products over slices of the tokens
-    (one bmm) and sums them: a manual split-K, for gradients with too few output tiles to fill the GPU's
-    SMs in whole waves. tune_wgrad_splits measures, per weight shape, whether it pays (on an H200: yes for
-    d20's MLP weights, 598 -> 742 TFLOP/s alone; no for any d12 weight)."""
-
-    wgrad_split = 1
-
-    def __init__(self, in_features, out_features):
-        super().__init__(in_features, out_features, bias=False)
-
-    def forward(self, x):
-        w = self.weight.to(x.dtype)
-        split = self.wgrad_split_for(x)
-        if split == 1 or not torch.is_grad_enabled():
-            return F.linear(x, w)
-        return _SplitWeightGradLinear.apply(x, w, split)
-
-    def wgrad_split_for(self, x):
-        """The split for x's rows: wgrad_split if they divide evenly, else 1."""
-        return 1 if x.numel() // x.size(-1) % self.wgrad_split else self.wgrad_split
-
-
-def weight_grad(dy, x, split):
-    """dy^T @ x for dy (..., out), x (..., in) over their N leading rows: the sum of `split` products over
-    slices of the N rows."""
-    dy, x = dy.reshape(-1, dy.size(-1)), x.reshape(-1, x.size(-1))
-    if split == 1:
-        return dy.t() @ x
-    n = dy.size(0) // split
-    return torch.bmm(dy.view(split, n, -1).transpose(1, 2), x.view(split, n, -1)).sum(0)
-
-
-class _SplitWeightGradLinear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, w, split):
-        ctx.save_for_backward(x, w)
-        ctx.split = split
-        return F.linear(x, w)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, w = ctx.saved_tensors
-        grad_x = dy @ w if ctx.needs_input_grad[0] else None
-        grad_w = weight_grad(dy, x, ctx.split)
-        return grad_x, grad_w, None
-
-
-@torch.no_grad()
-def tune_wgrad_splits(model, tokens, dtype, splits=(1, 2, 4), repeats=10, margin=0.03):
-    """For each weight shape among the model's Linears (both dims >= 128), time the weight gradient of a
-    micro-batch of `tokens` in `dtype` at each split (median of `repeats` calls); a split is chosen only
-    when it beats the plain product by `margin`. Returns {(out, in): (split, ms plain, ms with the split)}
-    for set_wgrad_splits. CUDA only: elsewhere it returns {}."""
-    linears = _tunable_linears(model)
-    if not linears or linears[0].weight.device.type != "cuda":
-        return {}
-    chosen = {}
-    for shape in sorted({tuple(m.weight.shape) for m in linears}):
-        out_features, in_features = shape
-        dy = torch.randn(tokens, out_features, device="cuda", dtype=dtype)
-        x = torch.randn(tokens, in_features, device="cuda", dtype=dtype)
-        times = {s: cuda_time_ms(lambda: weight_grad(dy, x, s), repeats) for s in splits if tokens % s == 0}
-        best = min(times, key=times.get)
-        best = best if times[best] < times[1] * (1 - margin) else 1
-        chosen[shape] = (best, times[1], times[best])
-        del dy, x
-    return chosen
-
-
-def set_wgrad_splits(model, chosen):
-    for m in _tunable_linears(model):
-        m.wgrad_split = chosen.get(tuple(m.weight.shape), (1,))[0]
-
-
-def _tunable_linears(model):
-    # not the lm_head: the loss computes its weight gradient itself (softcap_ce.head_loss)
-    return [m for m in model.modules() if type(m) is Linear and min(m.weight.shape) >= 128
-            and m is not getattr(model, "lm_head", None)]
-
-
-# --- attention kernels ------------------------------------------------------------
-# q: (B, Hq, T, D), k/v: (B, Hkv, S, D). Training and prefill have S == T (causal from position 0);
-# decoding with a KV cache has S > T: the queries sit at positions S-T .. S-1.
-
-def _dense_mask(T, S, window, device):
-    """Boolean (T, S) mask: causal and at most `window` tokens back (the token itself included)."""
-    q_pos = torch.arange(S - T, S, device=device)[:, None]
-    k_pos = torch.arange(S, device=device)[None, :]
-    return (k_pos <= q_pos) & (q_pos - k_pos < window)
-
-
-_block_masks = {}  # (T, window, device) -> BlockMask, built by prepare_attention for the training length
-
-
-def _block_mask(T, window, device):
-    key = (T, window, str(device))
-    if key not in _block_masks:
-        def sliding_causal(b, h, q_idx, kv_idx):
-            return (kv_idx <= q_idx) & (q_idx - kv_idx < window)
-        _block_masks[key] = create_block_mask(sliding_causal, B=None, H=None, Q_LEN=T, KV_LEN=T, device=device)
-    return _block_masks[key]
-
-
-# FlexAttention only runs fast compiled; compiled once here, it is also fast inside an eager model
-_flex_attention = torch.compile(flex_attention, dynamic=False)
-_CUDA_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
-
-
-def build_block_masks(config, device):
-    """The FlexAttention block masks of this model's sliding windows at the training length (device indexed)."""
-    for w in set(window_sizes(config)):
-        if w < config.sequence_len:
-            _block_mask(config.sequence_len, w, device)
-
-
-def prepare_attention(config, device, dtype):
-    """Before torch.compile traces the model (deciding inside the trace is slow and fragile): settle which
-    kernel trains here, and for FlexAttention build the block masks of this model's sliding windows.
-    Returns the kernel's name, for the log."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return "SDPA"
-    if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    if flash_attention.supports(device, dtype, config.head_dim):
-        return "FlashAttention-4"
-    build_block_masks(config, device)
-    windowed = min(window_sizes(config)) < config.sequence_len
-    return "SDPA (cuDNN)" + (" + FlexAttention for the sliding windows" if windowed else "")
-
-
-def attention(q, k, v, window):
-    """Causal attention with an optional sliding window: FlashAttention-4 on Hopper/Blackwell with
-    flash-attn-4 installed, for full context and sliding windows alike (flash_attention.py; it takes the
-    (B, T, H, D) layout, so the transposes here are views); PyTorch's kernels otherwise."""
-    if q.is_cuda and q.size(2) == k.size(2) and flash_attention.supports(q.device, q.dtype, q.size(-1)):
-        out, _ = flash_attention.flash_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), window)
-        return out.transpose(1, 2)
-    return pytorch_attention(q, k, v, window)
-
-
-def pytorch_attention(q, k, v, window):
-    """Causal attention with an optional sliding window in PyTorch's kernels, picking the fastest exact one:
-    CUDA full context -> SDPA (cuDNN first: measured 526 vs 287 TFLOP/s for flash on H200);
-    CUDA sliding window at the training length -> FlexAttention with a block mask (skips masked
-    blocks; compiled for that one shape, so other lengths, e.g. CORE's, do not trigger recompiles);
-    CPU/MPS, other lengths, or a KV cache -> SDPA with an explicit mask (simple and exact)."""
-    T, S = q.size(2), k.size(2)
-    gqa = q.size(1) != k.size(1)
-    if q.is_cuda and T == S:
-        if window >= T:
-            if gqa:  # cuDNN/flash in SDPA want equal head counts: expand k/v
-                k, v = (t.repeat_interleave(q.size(1) // k.size(1), dim=1) for t in (k, v))
-            with sdpa_kernel(_CUDA_BACKENDS, set_priority=True):
-                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        if (T, window, str(q.device)) in _block_masks:
-            return _flex_attention(q, k, v, block_mask=_block_masks[(T, window, str(q.device))], enable_gqa=gqa)
-    if window >= S and T == S:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=_dense_mask(T, S, window, q.device), enable_gqa=gqa)
-
-
-# --- modules ---------------------------------------------------------------------
-
 VE_GATE_CHANNELS = 32  # value-embedding gate reads the first channels of the block input
 SMEAR_GATE_CHANNELS = 24
 
@@ -302,81 +137,26 @@ class CausalSelfAttention(nn.Module):
         if ve is not None:  # value embedding through an input-dependent gate in (0, 2), 1 at init
             gate = 2 * torch.sigmoid(self.ve_gate(x[..., :VE_GATE_CHANNELS]))
             v = v + gate.unsqueeze(-1) * ve.view(B, T, -1, hd)
-        q, k = rotary_norm(q, cos, sin, 1.2), rotary_norm(k, cos, sin, 1.2)  # rotary, then QK-norm, scaled
+        # rotary, then QK-norm, scaled: rms_norm(rotate(q)) * 1.2
+        q, k = kernels.rotary_norm(q, cos, sin, 1.2), kernels.rotary_norm(k, cos, sin, 1.2)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v)
-        y = attention(q, k, v, window)
+        y = kernels.attention(q, k, v, window)  # softmax(q k^T / sqrt(hd) + causal window mask) v
         y = y.transpose(1, 2).reshape(B, T, -1)
         return self.c_proj(y)
-
-
-class _ReluSquare(torch.autograd.Function):
-    """relu(h)^2 that keeps only its output y for the backward, not h too: relu(h) = sqrt(y), so the gradient
-    2 relu(h) dy needs nothing else, and c_proj keeps y anyway for its weight gradient. One (tokens, 4C)
-    activation a layer instead of two: 12.5 GiB less at d20 and device batch 32, so d20 fits batch 64. In
-    bf16, sqrt(y) is relu(h) to within half of y's rounding error, finer than h's own bf16 rounding."""
-
-    @staticmethod
-    def forward(ctx, h):
-        y = F.relu(h).square()
-        ctx.save_for_backward(y)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        (y,) = ctx.saved_tensors
-        return 2 * y.sqrt() * dy
-
-
-class ReluSquare(nn.Module):
-    def forward(self, h):
-        return _ReluSquare.apply(h)
-
-
-class _FusedMLP(torch.autograd.Function):
-    """c_proj(relu(c_fc(x))^2) for x (tokens, C), with ReLU^2 inside the products beside it
-    (relu_square_mm.py): in the forward, c_fc's; in the backward, c_proj's input gradient. It keeps
-    what the unfused path keeps, x and y = relu(h)^2, and splits the weight gradients the same way."""
-
-    @staticmethod
-    def forward(ctx, x, w_fc, w_proj, fc_split, proj_split):
-        y = relu_square_mm.fc_relu_square(x, w_fc)
-        ctx.save_for_backward(x, w_fc, w_proj, y)
-        ctx.splits = fc_split, proj_split
-        return y @ w_proj.t()
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        x, w_fc, w_proj, y = ctx.saved_tensors
-        fc_split, proj_split = ctx.splits
-        grad_h = relu_square_mm.relu_square_input_grad(grad_out, w_proj, y)
-        grad_x = grad_h @ w_fc if ctx.needs_input_grad[0] else None
-        return grad_x, weight_grad(grad_h, x, fc_split), weight_grad(grad_out, y, proj_split), None, None
 
 
 class MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.c_fc = Linear(config.n_embd, 4 * config.n_embd)
-        self.act = ReluSquare()
         self.c_proj = Linear(4 * config.n_embd, config.n_embd)
         self.tp_enter = nn.Identity()  # tensor parallelism swaps in its region-entry collective
 
     def forward(self, x):
         x = self.tp_enter(x)
-        if self.fused_kernels_take(x):
-            rows = x.reshape(-1, x.size(-1))
-            out = _FusedMLP.apply(rows, self.c_fc.weight.to(x.dtype), self.c_proj.weight.to(x.dtype),
-                                  self.c_fc.wgrad_split_for(rows), self.c_proj.wgrad_split_for(rows))
-            return out.view_as(x)
-        return self.c_proj(self.act(self.c_fc(x)))
-
-    def fused_kernels_take(self, x):
-        """On CUDA, with the plain modules: tensor parallelism and rowwise fp8 swap in their own Linears, which
-        take the module path (tensorwise fp8 replaces the whole MLP: fp8.Fp8MLP)."""
-        return (x.is_cuda and type(self.c_fc) is Linear and type(self.c_proj) is Linear
-                and type(self.act) is ReluSquare and relu_square_mm.supported(x))
+        return kernels.mlp(x, self.c_fc, self.c_proj)  # c_proj(relu(c_fc(x))^2)
 
 
 class Block(nn.Module):
@@ -400,14 +180,14 @@ class Block(nn.Module):
 
 class SoftcapCrossEntropy(nn.Module):
     """Logits in fp32, soft-capped to (-15, 15), then cross-entropy (ignore_index=-1). The loss applies
-    the lm_head itself, so that on CUDA the matmul and a Triton kernel make one autograd function
-    (softcap_ce.py). Tensor parallelism swaps in a vocab-parallel version with the same interface."""
+    the lm_head itself, so that the matmul and the loss can be one kernel (kernels/softcap_ce.py). Tensor
+    parallelism swaps in a vocab-parallel version with the same interface."""
 
     def logits(self, raw):
-        return softcap(raw)
+        return kernels.softcap(raw)
 
     def forward(self, x, lm_head, targets, reduction="mean"):
-        return head_loss(x, lm_head.weight.to(x.dtype), targets, reduction)
+        return kernels.head_loss(x, lm_head.weight.to(x.dtype), targets, reduction)
 
 
 @dataclass
@@ -438,11 +218,10 @@ class GPT(nn.Module):
         self.lm_head = Linear(config.n_embd, config.vocab_size)
         self.criterion = SoftcapCrossEntropy()
         self.embed_exit = nn.Identity()  # sequence parallelism swaps in a split along the sequence
+        # the hook for Large Lookup Layers: {block index: layer}, run after that block as x = x + layer(x, idx)
         self.l3 = nn.ModuleDict()
-        if config.l3_after_layers:
-            from nanochat.l3 import L3Layer
-            for i in config.l3_after_layers:
-                self.l3[str(i)] = L3Layer.from_config(config)
+        for i in config.l3_after_layers:
+            self.l3[str(i)] = L3Layer.from_config(config)
         # rotary tables for 10x the training context (generation may run past it); not saved
         self.rotary_len = config.sequence_len * 10
         cos, sin = rotary_tables(self.rotary_len, config.head_dim)

@@ -10,7 +10,7 @@ The layer. For hidden x in R^d at a position holding token t, token t owns the r
     out = W_mix [u ; x]                   (d,)     W_mix: d_up + d -> d, zero-initialized: a no-op at start
 
 Tied (K = V): one table serves as both keys and values (needs d_emb == d); at d12 it trained as well as two
-tables, faster and in less memory (dev/LOG.md, session 4), so base_train ties by default. The tables are sparse
+tables, faster and in less memory (dev/LOG.md), so base_train ties by default. The tables are sparse
 parameters (each token touches its own rows only) and go to AdamW; W_up and W_mix are matrices for Muon.
 
 The allocation (the part that matters: per the paper, a uniform split loses nearly all of the gain).
@@ -74,7 +74,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.distributed as dist
 
-from nanochat.gpt import Linear
+from nanochat.kernels import Linear
 from nanochat.common import print0
 
 # LZW runs over this many training tokens: ~6 s of pure Python; enough that the credit of every token

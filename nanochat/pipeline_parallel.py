@@ -14,7 +14,8 @@ What crosses a stage boundary, for each micro-batch: the residual stream x, the 
 look them up). Backward sends the gradients of x, x0 and x_mid. The first stage reads the batches,
 the last stage reads the same batches for their targets.
 
-Schedules, over the m micro-batches of a step (m >= p, the number of stages):
+Schedules, over the m micro-batches of a step (m >= p, the number of stages), as lists of actions per stage
+(Pipeline.actions: what train_step runs and --pp-print-schedule prints):
   GPipe: all m forwards, then all m backwards; keeps m micro-batches of activations alive.
   1F1B:  warm-up (p - s - 1 forwards on stage s), steady state (one forward, one backward), cool-down
          (the remaining backwards); keeps at most p - s micro-batches alive, same bubble.
@@ -89,77 +90,83 @@ def _p2p(ops):
 
 
 class Pipeline:
-    """This rank's stage of the model and the schedule that drives it."""
+    """This rank's stage of the model and the schedule that drives it. sequence_parallel: the model was
+    parallelized with it (tensor_parallel.parallelize), so the residual stream between blocks, and in the
+    messages, holds this rank's share of the sequence."""
 
-    def __init__(self, model, layout, num_microbatches, micro_batch_size, schedule="1f1b"):
+    def __init__(self, model, layout, num_microbatches, micro_batch_size, schedule="1f1b", sequence_parallel=False):
         self.model, self.layout = model, layout
         self.micro_batch_size = micro_batch_size
-        self.p, self.s = layout.pp_size, layout.pp_rank
-        self.m = num_microbatches
-        if self.m < self.p:
-            raise ValueError(f"pipeline parallelism needs at least pp={self.p} micro-batches per step, got {self.m}")
+        self.num_stages, self.stage = layout.pp_size, layout.pp_rank
+        self.num_microbatches = num_microbatches
+        if num_microbatches < self.num_stages:
+            raise ValueError(f"pipeline parallelism needs at least pp={self.num_stages} micro-batches per step, "
+                             f"got {num_microbatches}")
         if schedule not in ("gpipe", "1f1b"):
             raise ValueError(f"unknown --pp-schedule {schedule!r}; use gpipe or 1f1b")
         self.schedule = schedule
         costs, head_cost = block_costs(model)
-        self.stage_bounds = split_stages(costs, head_cost, self.p)
-        self.start, self.end = self.stage_bounds[self.s]
-        self.stage_costs = [sum(costs[a:b]) + (head_cost if k == self.p - 1 else 0) for k, (a, b) in enumerate(self.stage_bounds)]
+        self.stage_bounds = split_stages(costs, head_cost, self.num_stages)
+        self.start, self.end = self.stage_bounds[self.stage]
+        self.stage_costs = [sum(costs[a:b]) + (head_cost if k == self.num_stages - 1 else 0)
+                            for k, (a, b) in enumerate(self.stage_bounds)]
         self._remove_other_stages()
-        cfg = model.config
         # x_mid exists on the way into this stage if the backout block lies in an earlier stage
         self.receives_mid = model.backout_layer < self.start
         self.sends_mid = model.backout_layer < self.end
         self.dtype = model.compute_dtype
-        self.d = cfg.n_embd
-        # with sequence parallelism the residual stream between blocks is split along the sequence
-        self.seq_shards = layout.tp_size if getattr(model.embed_exit, "group", None) is not None else 1
+        self.n_embd = model.config.n_embd
+        self.seq_shards = layout.tp_size if sequence_parallel else 1
         self.device = next(model.parameters()).device
+        self.first, self.last = self.stage == 0, self.stage == self.num_stages - 1
 
     def _remove_other_stages(self):
         """Drop the modules and parameters this stage does not run (blocks become empty Identities,
         keeping the global block indices in parameter names)."""
-        m = self.model
-        for i in range(len(m.blocks)):
+        model = self.model
+        for i in range(len(model.blocks)):
             if not (self.start <= i < self.end):
-                m.blocks[i] = nn.Identity()
-                if str(i) in m.l3:
-                    del m.l3[str(i)]
-        if self.s != 0:
-            m.wte = m.smear_gate = m.smear_lambda = None
-        if self.s != self.p - 1:
-            m.lm_head = m.backout_lambda = None
+                model.blocks[i] = nn.Identity()
+                if str(i) in model.l3:
+                    del model.l3[str(i)]
+        if self.stage != 0:
+            model.wte = model.smear_gate = model.smear_lambda = None
+        if self.stage != self.num_stages - 1:
+            model.lm_head = model.backout_lambda = None
 
-    # --- description ------------------------------------------------------------
+    # --- the schedule: what train_step runs and schedule_table prints ---------------------
 
     def describe(self):
+        p, m = self.num_stages, self.num_microbatches
         return (f"stages (blocks [start, end)): {self.stage_bounds}; estimated cost per stage (GFLOP/token): "
-                f"{[round(c / 1e9, 3) for c in self.stage_costs]}; bubble (p-1)/(m+p-1) = "
-                f"{(self.p - 1) / (self.m + self.p - 1):.3f}")
+                f"{[round(c / 1e9, 3) for c in self.stage_costs]}; bubble (p-1)/(m+p-1) = {(p - 1) / (m + p - 1):.3f}")
 
     def actions(self, stage):
-        """The ordered list of ('F', i) / ('B', i) a stage performs in one step."""
+        """The ordered list of ('F', i) / ('B', i) a stage performs in one step: train_step runs exactly
+        this list, and schedule_table prints it."""
+        m = self.num_microbatches
         if self.schedule == "gpipe":
-            return [("F", i) for i in range(self.m)] + [("B", i) for i in range(self.m)]
-        warmup = min(self.p - stage - 1, self.m)
+            return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+        warmup = min(self.num_stages - stage - 1, m)  # fill the pipeline
         acts = [("F", i) for i in range(warmup)]
         f, b = warmup, 0
-        while f < self.m:  # steady state: one forward, one backward
+        while f < m:  # steady state: one forward, one backward
             acts += [("F", f), ("B", b)]
             f, b = f + 1, b + 1
-        acts += [("B", i) for i in range(b, self.m)]
+        acts += [("B", i) for i in range(b, m)]  # cool-down: the backwards of the warm-up micro-batches
         return acts
 
     def schedule_table(self):
         """Simulated time slots for every stage, as text: F3 = forward of micro-batch 3, B3 its
         backward, . = idle. A forward waits for the previous stage's forward, a backward for the next
         stage's backward (or, on the last stage, for its own forward); each takes one slot."""
-        queues = [self.actions(s) for s in range(self.p)]
-        done, pos = set(), [0] * self.p
-        rows = [[] for _ in range(self.p)]
-        while any(pos[s] < len(queues[s]) for s in range(self.p)):
+        p, m = self.num_stages, self.num_microbatches
+        queues = [self.actions(s) for s in range(p)]
+        done, pos = set(), [0] * p
+        rows = [[] for _ in range(p)]
+        while any(pos[s] < len(queues[s]) for s in range(p)):
             finished_now = []
-            for s in range(self.p):
+            for s in range(p):
                 if pos[s] == len(queues[s]):
                     rows[s].append(".")
                     continue
@@ -167,106 +174,76 @@ class Pipeline:
                 if kind == "F":
                     ready = s == 0 or ("F", i, s - 1) in done
                 else:
-                    ready = ("F", i, s) in done if s == self.p - 1 else ("B", i, s + 1) in done
+                    ready = ("F", i, s) in done if s == p - 1 else ("B", i, s + 1) in done
                 rows[s].append(f"{kind}{i}" if ready else ".")
                 if ready:
                     finished_now.append((kind, i, s))
                     pos[s] += 1
             done.update(finished_now)
         width = max(len(c) for r in rows for c in r)
-        slots, busy = len(rows[0]), 2 * self.m
-        lines = [f"pipeline schedule ({self.schedule}, p={self.p}, m={self.m}); time runs left to right"]
+        slots, busy = len(rows[0]), 2 * m
+        lines = [f"pipeline schedule ({self.schedule}, p={p}, m={m}); time runs left to right"]
         lines += [f"stage {s}: " + " ".join(c.rjust(width) for c in r) for s, r in enumerate(rows)]
         lines.append(f"slots {slots}, busy {busy} per stage: simulated bubble {1 - busy / slots:.3f} "
-                     f"(formula (p-1)/(m+p-1) = {(self.p - 1) / (self.m + self.p - 1):.3f})")
+                     f"(formula (p-1)/(m+p-1) = {(p - 1) / (m + p - 1):.3f})")
         return "\n".join(lines)
 
     # --- messages ---------------------------------------------------------------
-    # A forward message is [x, x0, (x_mid), idx]; a backward message is [dx, dx0, (dx_mid)].
+    # A forward message is [x, x0, (x_mid), idx]; a backward message is [dx, dx0, (dx_mid)]. Each action
+    # receives its input before it runs (a forward from the previous stage, a backward from the next) and
+    # sends its output after (none at the ends of the pipeline).
 
-    def _recv_activation_ops(self):
-        B, T = self.micro_batch_size, self.model.config.sequence_len
-        x = torch.empty((B, T // self.seq_shards, self.d), dtype=self.dtype, device=self.device)
-        x0 = torch.empty_like(x)
-        mid = torch.empty_like(x) if self.receives_mid else None
-        idx = torch.empty((B, T), dtype=torch.long, device=self.device)
-        tensors = [x, x0] + ([mid] if mid is not None else []) + [idx]
-        return [(dist.irecv, t, self.layout.pp_prev) for t in tensors], (Residual(x, x0, mid), idx)
-
-    def _send_activation_ops(self, out):
-        h, idx = out
-        tensors = [h.x, h.x0] + ([h.x_mid] if self.sends_mid else []) + [idx]
-        return [(dist.isend, t.detach().contiguous(), self.layout.pp_next) for t in tensors]
-
-    def _recv_grad_ops(self, out):
-        h = out[0]
+    def _recv_ops(self, action):
+        """The receives of an action's input, and what they fill."""
+        kind, i = action
+        if kind == "F":
+            if self.first:
+                return [], None
+            B, T = self.micro_batch_size, self.model.config.sequence_len
+            x = torch.empty((B, T // self.seq_shards, self.n_embd), dtype=self.dtype, device=self.device)
+            x0 = torch.empty_like(x)
+            mid = torch.empty_like(x) if self.receives_mid else None
+            idx = torch.empty((B, T), dtype=torch.long, device=self.device)
+            tensors = [x, x0] + ([mid] if mid is not None else []) + [idx]
+            return [(dist.irecv, t, self.layout.pp_prev) for t in tensors], (Residual(x, x0, mid), idx)
+        if self.last:
+            return [], None
+        h = self._saved_outputs[i][0]
         grads = [torch.empty_like(h.x), torch.empty_like(h.x0)] + ([torch.empty_like(h.x_mid)] if self.sends_mid else [])
         return [(dist.irecv, g, self.layout.pp_next) for g in grads], grads
 
-    def _send_grad_ops(self, grads):
-        return [(dist.isend, g.contiguous(), self.layout.pp_prev) for g in grads]
-
-    # the four exchanges of the schedules; each is a no-op at the end of the pipeline it would cross
-
-    def recv_forward(self):
-        if self.s == 0:
-            return None
-        ops, inputs = self._recv_activation_ops()
-        _p2p(ops)
-        return inputs
-
-    def send_forward(self, out):
-        if self.s < self.p - 1:
-            _p2p(self._send_activation_ops(out))
-
-    def recv_backward(self, out):
-        if self.s == self.p - 1:
-            return None
-        ops, grads = self._recv_grad_ops(out)
-        _p2p(ops)
-        return grads
-
-    def send_backward(self, grads):
-        if self.s > 0:
-            _p2p(self._send_grad_ops(grads))
-
-    def send_forward_recv_backward(self, out):
-        """Send micro-batch i's output and receive micro-batch j's gradient from the next stage, posted
-        together (1F1B's steady state)."""
-        if self.s == self.p - 1:
-            return None
-        recv, grads = self._recv_grad_ops(self._saved_outputs[self._oldest_unfinished()])
-        _p2p(self._send_activation_ops(out) + recv)
-        return grads
-
-    def send_backward_recv_forward(self, grads):
-        """Send a gradient to the previous stage and receive the next micro-batch from it, together."""
-        if self.s == 0:
-            return None
-        recv, inputs = self._recv_activation_ops()
-        _p2p(self._send_grad_ops(grads) + recv)
-        return inputs
+    def _send_ops(self, kind, output):
+        """The sends of an action's output: a forward's (Residual, idx), a backward's input gradients."""
+        if kind == "F":
+            if self.last:
+                return []
+            h, idx = output
+            tensors = [h.x, h.x0] + ([h.x_mid] if self.sends_mid else []) + [idx]
+            return [(dist.isend, t.detach().contiguous(), self.layout.pp_next) for t in tensors]
+        if self.first:
+            return []
+        return [(dist.isend, g.contiguous(), self.layout.pp_prev) for g in output]
 
     # --- compute on one micro-batch -------------------------------------------------
 
     def forward(self, i, inputs):
         """Stage forward of micro-batch i. Stage 0 embeds the ids; the others take (Residual, idx)
         received from the previous stage. Returns (Residual, idx), or the loss on the last stage."""
-        m = self.model
-        if self.s == 0:
+        model = self.model
+        if self.first:
             idx = self.xs[i]
-            h = m.embed(idx)
+            h = model.embed(idx)
         else:
             h, idx = inputs
             for t in (h.x, h.x0, h.x_mid):
                 if t is not None:
                     t.requires_grad_(True)
         self._saved_inputs[i] = h
-        h = m.run_blocks(h, idx, self.start, self.end)
-        if self.s == self.p - 1:
-            loss = m.head(h, self.ys[i])
+        h = model.run_blocks(h, idx, self.start, self.end)
+        if self.last:
+            loss = model.head(h, self.ys[i])
             self.total_loss += loss.detach()
-            out = loss / self.m
+            out = loss / self.num_microbatches
         else:
             out = (h, idx)
         self._saved_outputs[i] = out
@@ -277,69 +254,54 @@ class Pipeline:
         stage). Returns the gradients of its inputs, to send to the previous stage."""
         out = self._saved_outputs.pop(i)
         inputs = self._saved_inputs.pop(i)
-        if self.s == self.p - 1:
+        if self.last:
             torch.autograd.backward(out)
         else:
             h = out[0]
             outs = [h.x, h.x0] + ([h.x_mid] if self.sends_mid else [])
             torch.autograd.backward(outs, grads)
-        if self.s == 0:
+        if self.first:
             return None
         return [inputs.x.grad, inputs.x0.grad] + ([inputs.x_mid.grad] if self.receives_mid else [])
 
-    def _oldest_unfinished(self):
-        return min(self._saved_outputs)
-
-    # --- the schedules ------------------------------------------------------------
+    # --- one training step ----------------------------------------------------------
 
     def train_step(self, batches):
-        """Forward and backward of the m micro-batches [(x, y), ...] (x on stage 0, y on the last
-        stage, None elsewhere); gradients accumulate into .grad. Returns the mean loss on every stage."""
+        """Forward and backward of the micro-batches [(x, y), ...] (x on stage 0, y on the last stage, None
+        elsewhere) in the order actions(stage) lists; gradients accumulate into .grad. Returns the mean loss
+        on every stage.
+        Where a forward meets a backward (1F1B's steady state, GPipe's turn), the one's send and the other's
+        receive go to the same neighbour and are posted together: with NCCL, posted one after the other,
+        the two stages can each wait on the other's kernel."""
         self.device = next(self.model.parameters()).device
         self.xs = [b[0] for b in batches]
         self.ys = [b[1] for b in batches]
         self._saved_inputs, self._saved_outputs = {}, {}
         self.total_loss = torch.zeros((), device=self.device)
-        if self.schedule == "gpipe":
-            self._gpipe()
-        else:
-            self._one_f_one_b()
-        assert not self._saved_outputs, "schedule left micro-batches without a backward"
-        return self._broadcast_loss(self.total_loss / self.m)
-
-    def _gpipe(self):
-        outs = []
-        for i in range(self.m):
-            out = self.forward(i, self.recv_forward())
-            self.send_forward(out)
-            outs.append(out)
-        for i in range(self.m):
-            self.send_backward(self.backward(i, self.recv_backward(outs[i])))
-
-    def _one_f_one_b(self):
-        warmup = min(self.p - self.s - 1, self.m)
-        steady = self.m - warmup
-        for i in range(warmup):  # fill the pipeline
-            out = self.forward(i, self.recv_forward())
-            self.send_forward(out)
-        inputs = self.recv_forward() if steady > 0 else None
-        for k in range(steady):  # one forward (micro-batch warmup+k), one backward (micro-batch k)
-            out = self.forward(warmup + k, inputs)
-            grads = self.send_forward_recv_backward(out)
-            input_grads = self.backward(k, grads)
-            if k == steady - 1:
-                self.send_backward(input_grads)
+        actions = self.actions(self.stage)
+        recv, inputs = self._recv_ops(actions[0])
+        _p2p(recv)
+        for k, (kind, i) in enumerate(actions):
+            output = self.forward(i, inputs) if kind == "F" else self.backward(i, inputs)
+            send = self._send_ops(kind, output)
+            following = actions[k + 1] if k + 1 < len(actions) else None
+            if following is None:
+                _p2p(send)
+                break
+            recv, inputs = self._recv_ops(following)
+            if following[0] != kind:
+                _p2p(send + recv)
             else:
-                inputs = self.send_backward_recv_forward(input_grads)
-        for i in range(steady, self.m):  # drain: the backwards of the warm-up micro-batches
-            out = self._saved_outputs[i]
-            self.send_backward(self.backward(i, self.recv_backward(out)))
+                _p2p(send)
+                _p2p(recv)
+        assert not self._saved_outputs, "schedule left micro-batches without a backward"
+        return self._broadcast_loss(self.total_loss / self.num_microbatches)
 
     def _broadcast_loss(self, loss):
         """The loss lives on the last stage: send it to every stage of this pipeline."""
         L = self.layout
         loss = loss.detach().clone()
-        dist.broadcast(loss, src=grid_rank(L, L.dp_rank, L.tp_rank, self.p - 1), group=L.pp_group)
+        dist.broadcast(loss, src=grid_rank(L, L.dp_rank, L.tp_rank, self.num_stages - 1), group=L.pp_group)
         return loss
 
     # --- evaluation -------------------------------------------------------------
@@ -348,13 +310,14 @@ class Pipeline:
     def forward_loss(self, x, y):
         """Per-token losses of one batch through all stages (forward only); None except on the last stage."""
         self.device = next(self.model.parameters()).device
-        m = self.model
-        if self.s == 0:
-            h, idx = m.embed(x), x
+        model = self.model
+        if self.first:
+            h, idx = model.embed(x), x
         else:
-            h, idx = self.recv_forward()
-        h = m.run_blocks(h, idx, self.start, self.end)
-        if self.s == self.p - 1:
-            return m.head(h, y, loss_reduction="none")
-        self.send_forward((h, idx))
+            recv, (h, idx) = self._recv_ops(("F", None))
+            _p2p(recv)
+        h = model.run_blocks(h, idx, self.start, self.end)
+        if self.last:
+            return model.head(h, y, loss_reduction="none")
+        _p2p(self._send_ops("F", (h, idx)))
         return None

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from nanochat.softcap_ce import softcap, reduce_losses
+from nanochat.kernels.softcap_ce import softcap, reduce_losses
 
 
 # -----------------------------------------------------------------------------

@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 
 from nanochat.common import print0
-from nanochat.gpt import build_model, tune_wgrad_splits, set_wgrad_splits
+from nanochat.gpt import build_model
+from nanochat import kernels
 from nanochat.optim import MuonAdamW
 from nanochat.dataloader import DataLoader
 from nanochat import checkpoint_manager as ckpt
@@ -58,17 +59,17 @@ def apply_parallelism(model, layout, sequence_parallel=False, num_microbatches=1
     if layout.pp_size == 1:
         return None
     from nanochat.pipeline_parallel import Pipeline
-    return Pipeline(model, layout, num_microbatches, micro_batch_size, pp_schedule)
+    return Pipeline(model, layout, num_microbatches, micro_batch_size, pp_schedule, sequence_parallel)
 
 
 def tune_weight_gradients(model, layout, tokens, dtype):
-    """Per weight shape, whether a split-K weight gradient is faster on this GPU (gpt.Linear), for
+    """Per weight shape, whether a split-K weight gradient is faster on this GPU (kernels.Linear), for
     micro-batches of `tokens` tokens; rank 0's choice, so that every rank computes alike. Returns the
     choice {(out, in): (split, ms plain, ms split)}."""
-    splits = [tune_wgrad_splits(model, tokens, dtype)]
+    splits = [kernels.tune_wgrad_splits(model, tokens, dtype)]
     if layout.world_size > 1:
         dist.broadcast_object_list(splits, src=0)
-    set_wgrad_splits(model, splits[0])
+    kernels.set_wgrad_splits(model, splits[0])
     return splits[0]
 
 

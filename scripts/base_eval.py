@@ -23,6 +23,7 @@ from nanochat.dataset import check_data, DataError
 from nanochat.loss_eval import evaluate_bpb
 from nanochat.core_eval import find_eval_bundle, evaluate_core, EvalBundleError
 from nanochat import report
+from nanochat import kernels
 
 
 def core_table(core):
@@ -56,7 +57,9 @@ def main():
     parser.add_argument("--skip-core", action="store_true", help="do not evaluate CORE")
     parser.add_argument("--skip-bpb", action="store_true", help="do not evaluate bits per byte")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (under torchrun); any checkpoint loads at any TP")
+    parser.add_argument("--kernels", type=str, default=None, choices=kernels.MODES, help="auto: fast kernels where they apply; reference: the plain PyTorch math everywhere (default: NANOCHAT_KERNELS, else auto)")
     args = parser.parse_args()
+    kernels.set_mode(args.kernels)
 
     try:
         layout, device = compute_init(args.device_type, tp=args.tp)

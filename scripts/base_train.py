@@ -31,7 +31,8 @@ import torch
 
 from nanochat.common import (compute_init, compute_cleanup, print0, print_rank, get_compute_dtype, get_peak_flops,
                              device_name, all_reduce_max, fail)
-from nanochat.gpt import GPTConfig, config_for_depth, window_sizes, prepare_attention, GPT
+from nanochat.gpt import GPTConfig, config_for_depth, window_sizes, GPT
+from nanochat import kernels
 from nanochat.dataloader import reshard_states
 from nanochat.dataset import DataError, check_data
 from nanochat.tokenizer import get_tokenizer, get_token_bytes, TokenizerError
@@ -92,6 +93,7 @@ parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree"
 parser.add_argument("--pp-schedule", type=str, default="1f1b", choices=["gpipe", "1f1b"], help="pipeline schedule")
 parser.add_argument("--pp-print-schedule", action="store_true", help="print the pipeline schedule table at start")
 # fp8, L3
+parser.add_argument("--kernels", type=str, default=None, choices=kernels.MODES, help="auto: fast kernels where they apply; reference: the plain PyTorch math everywhere (default: NANOCHAT_KERNELS, else auto)")
 parser.add_argument("--fp8", action="store_true", help="fp8 training linears through torchao, tensorwise scaling (CUDA, SM89+)")
 parser.add_argument("--l3-after-layers", type=str, default="", help="blocks followed by an L3 layer (one table as keys and values), e.g. 4,8")
 parser.add_argument("--l3-n-emb", type=int, default=0, help="rows of the L3 tables (0 = 16 per vocabulary entry)")
@@ -99,6 +101,7 @@ parser.add_argument("--l3-d-up", type=int, default=0, help="L3 up-projection wid
 parser.add_argument("--l3-k-max", type=int, default=512, help="most table rows one token may own")
 args = parser.parse_args()
 user_config = vars(args).copy()
+kernels.set_mode(args.kernels)
 
 # -----------------------------------------------------------------------------
 # Processes, device, dtype
@@ -290,7 +293,7 @@ if resume_meta is not None:
         print0(f"data: resharded the data position from dp {len(resume_meta['dataloader_states'])} to dp {layout.dp_size}")
     loader_state = states[layout.dp_rank]
 
-print0(f"attention: {prepare_attention(config, device, dtype)}")
+print0(f"attention: {kernels.prepare_attention(config, window_sizes(config), device, dtype)}")
 train_model = training.compile_for_training(model, pipeline) if use_compile else model
 trainer = training.Trainer(model, train_model, pipeline, optimizer, layout, fp8=fp8_active,
                            sequence_parallel=args.sequence_parallel)

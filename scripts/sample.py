@@ -17,6 +17,7 @@ from nanochat.checkpoint_manager import CheckpointError, load_model
 from nanochat.tokenizer import get_tokenizer, TokenizerError
 from nanochat.engine import generate, SAMPLE_PROMPTS
 from nanochat import report
+from nanochat import kernels
 
 parser = argparse.ArgumentParser(description="Sample completions from a base model")
 parser.add_argument("--model-tag", type=str, default=None, help="checkpoint folder (default: the most recent one)")
@@ -30,7 +31,9 @@ parser.add_argument("--top-k", type=int, default=50, help="sample among the k mo
 parser.add_argument("--seed", type=int, default=42, help="sampling seed (same seed, same completions)")
 parser.add_argument("--device-type", type=str, default="", help="cuda|cpu|mps (default: autodetect)")
 parser.add_argument("--report", action="store_true", help="write the samples to the report")
+parser.add_argument("--kernels", type=str, default=None, choices=kernels.MODES, help="auto: fast kernels where they apply; reference: the plain PyTorch math everywhere (default: NANOCHAT_KERNELS, else auto)")
 args = parser.parse_args()
+kernels.set_mode(args.kernels)
 
 if args.num_samples < 1 or args.max_tokens < 1 or args.temperature < 0:
     sys.exit("ERROR: --num-samples and --max-tokens must be positive and --temperature at least 0")

@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanochat import flash_attention
-from nanochat.flash_attention import flash_attention as fa_op, reference_attention
-from nanochat.gpt import _dense_mask
+from nanochat.kernels import flash_attention
+from nanochat.kernels.flash_attention import flash_attention as fa_op, math_attention
+from nanochat.kernels.sdpa import dense_mask
 
 
 def _inputs(B=2, T=12, Hq=4, Hkv=2, D=16, dtype=torch.float32, device="cpu", seed=0):
@@ -24,9 +24,9 @@ def _inputs(B=2, T=12, Hq=4, Hkv=2, D=16, dtype=torch.float32, device="cpu", see
 
 
 def _sdpa(q, k, v, window):
-    """What gpt.attention computes without FA4: SDPA over (B, H, T, D) with an explicit causal band."""
+    """What kernels.attention computes without FA4: SDPA over (B, H, T, D) with an explicit causal band."""
     T = q.size(1)
-    mask = _dense_mask(T, T, window, q.device)
+    mask = dense_mask(T, T, window, q.device)
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
                                          enable_gqa=True)
     return out.transpose(1, 2)
@@ -96,7 +96,7 @@ def test_kernels_match_reference_on_gpu(window):
     out.backward(dout)
     got = [out.detach()] + [t.grad.clone() for t in (q, k, v)]
     qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
-    ref, ref_lse = reference_attention(qf, kf, vf, window)
+    ref, ref_lse = math_attention(qf, kf, vf, window)
     ref.backward(dout.float())
     torch.testing.assert_close(lse, ref_lse, rtol=1e-3, atol=1e-3)
     for g, r in zip(got, [ref] + [t.grad for t in (qf, kf, vf)]):

@@ -145,7 +145,8 @@ def check_kernels():
     """Run with TRITON_INTERPRET=1 (set before Triton is imported): the fused fp8 products (Triton) against
     their PyTorch versions, alone and inside _Fp8MLP, with ragged tiles (K = 48 or 96 against BLOCK_K = 128)
     and more tiles than the interpreter's 4 programs; in float16, as the interpreter mishandles bfloat16."""
-    from nanochat import fp8, relu_square_mm as rsm
+    from nanochat import fp8
+    from nanochat.kernels import relu_square_mm as rsm
     for C, M in ((96, 300), (48, 200)):
         mlp, x, dout = mlp_case(C, M)
         x8, x_inv = fp8.to_fp8(x.half(), fp8.E4M3)

@@ -4,8 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanochat import gpt
-from nanochat.gpt import GPT, GPTConfig, config_for_depth, build_model, window_sizes, attention, has_value_embed
+from nanochat import kernels
+from nanochat.kernels import splitk, attention
+from nanochat.gpt import GPT, GPTConfig, config_for_depth, build_model, window_sizes, has_value_embed
 
 
 @pytest.mark.parametrize("depth,expected", [(12, 286e6), (20, 897e6), (24, 1.38e9), (26, 1.68e9)])
@@ -157,13 +158,13 @@ def test_split_weight_gradient_matches_autograd(monkeypatch, split):
         return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     plain_loss, plain = loss_and_grads()
-    assert gpt.tune_wgrad_splits(model, 128, torch.float32) == {}  # CPU: nothing to tune
-    tunable = gpt._tunable_linears(model)
+    assert kernels.tune_wgrad_splits(model, 128, torch.float32) == {}  # CPU: nothing to tune
+    tunable = kernels.tunable_linears(model)
     assert len(tunable) == 4 * 4  # q, attention proj, MLP fc and proj per block (k, v are 64 wide; not the lm_head)
-    gpt.set_wgrad_splits(model, {tuple(m.weight.shape): (split, 0.0, 0.0) for m in tunable})
+    kernels.set_wgrad_splits(model, {tuple(m.weight.shape): (split, 0.0, 0.0) for m in tunable})
     calls = []
-    real = gpt.weight_grad
-    monkeypatch.setattr(gpt, "weight_grad", lambda dy, x, s: calls.append(s) or real(dy, x, s))
+    real = splitk.weight_grad
+    monkeypatch.setattr(splitk, "weight_grad", lambda dy, x, s: calls.append(s) or real(dy, x, s))
     split_loss, split_grads = loss_and_grads()
     assert calls == [split] * len(tunable)
     assert torch.equal(plain_loss, split_loss)
@@ -172,10 +173,10 @@ def test_split_weight_gradient_matches_autograd(monkeypatch, split):
         torch.testing.assert_close(split_grads[name], plain[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
-def test_relu_square_keeps_only_its_output():
+def test_relu_square_keeps_only_its_output(monkeypatch):
     """ReLU^2's backward rebuilds relu(h) as sqrt(relu(h)^2): the same gradients as autograd's through
-    F.relu(h).square(), and the backward keeps one (tokens, 4C) tensor a layer (relu(h)^2, which c_proj needs
-    for its weight gradient anyway), where autograd keeps relu(h) as well."""
+    F.relu(h).square() (the reference, --kernels reference), and the backward keeps one (tokens, 4C) tensor a
+    layer (relu(h)^2, which c_proj needs for its weight gradient anyway), where autograd keeps relu(h) as well."""
     model = perturbed_model()
     idx = torch.randint(0, 256, (3, 64))
 
@@ -190,16 +191,10 @@ def test_relu_square_keeps_only_its_output():
         return loss.detach(), grads, len(saved)
 
     loss, grads, hidden_saved = loss_grads_and_hidden_saved()
-    for block in model.blocks:
-        block.mlp.act = AutogradReluSquare()
+    monkeypatch.setattr(kernels, "mode", "reference")
     plain_loss, plain, plain_hidden = loss_grads_and_hidden_saved()
     assert torch.equal(loss, plain_loss) and grads.keys() == plain.keys()
     for name in plain:
         torch.testing.assert_close(grads[name], plain[name], rtol=1e-5, atol=1e-7, msg=name)
     n_layer = len(model.blocks)
     assert plain_hidden == 2 * n_layer and hidden_saved == n_layer
-
-
-class AutogradReluSquare(torch.nn.Module):
-    def forward(self, h):
-        return torch.nn.functional.relu(h).square()

@@ -19,8 +19,8 @@ def rel_err(a, ref):
 
 def check_kernels():
     """Run with TRITON_INTERPRET=1 (set before Triton is imported)."""
-    from nanochat import relu_square_mm as rsm
-    from nanochat.gpt import MLP, GPTConfig, _FusedMLP
+    from nanochat.kernels import relu_square_mm as rsm
+    from nanochat.gpt import MLP, GPTConfig
     g = torch.Generator().manual_seed(0)
     # (tokens, C, weight-gradient splits): ragged tiles in every dimension (K = 40 or 96 against BLOCK_K = 64),
     # more tiles than the interpreter's 4 programs, and split weight gradients
@@ -39,7 +39,7 @@ def check_kernels():
         x16 = x.half().requires_grad_()
         w_fc = mlp.c_fc.weight.detach().half().requires_grad_()
         w_proj = mlp.c_proj.weight.detach().half().requires_grad_()
-        out = _FusedMLP.apply(x16, w_fc, w_proj, fc_split, proj_split)
+        out = rsm.FusedMLP.apply(x16, w_fc, w_proj, fc_split, proj_split)
         out.backward(dout.half())
         assert out.dtype == torch.float16 and out.shape == (M, C)
         errors = [rel_err(out, ref)] + [rel_err(mine, r) for mine, r in zip((x16.grad, w_fc.grad, w_proj.grad), ref_grads)]
@@ -65,23 +65,24 @@ def test_fused_mlp_matches_the_module_path_under_triton_interpreter():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the bf16 kernels on the GPU)")
-def test_fused_mlp_in_bf16_on_cuda():
+def test_fused_mlp_in_bf16_on_cuda(monkeypatch):
     """On the GPU in bf16, the fused path is as close to float32 math as the module path is."""
     from nanochat.gpt import MLP, GPTConfig
+    from nanochat.kernels import relu_square_mm as rsm
     torch.manual_seed(0)
     mlp = MLP(GPTConfig(n_embd=256)).cuda()
     torch.nn.init.normal_(mlp.c_fc.weight, std=256 ** -0.5)
     torch.nn.init.normal_(mlp.c_proj.weight, std=1024 ** -0.5)
     x = torch.randn(2, 300, 256, device="cuda")
     dout = torch.randn(2, 300, 256, device="cuda")
+    supported = rsm.supported
 
     def run(dtype, fused):
         mlp.zero_grad()
         xr = x.to(dtype).detach().requires_grad_()
-        mlp.fused_kernels_take = lambda x: fused
+        monkeypatch.setattr(rsm, "supported", supported if fused else lambda x: False)
         out = mlp(xr)
         out.backward(dout.to(dtype))
-        del mlp.fused_kernels_take
         return [out, xr.grad, mlp.c_fc.weight.grad.clone(), mlp.c_proj.weight.grad.clone()]
 
     ref = run(torch.float32, False)
@@ -90,17 +91,23 @@ def test_fused_mlp_in_bf16_on_cuda():
         assert rel_err(f, r) < 1.5 * rel_err(m, r) + 1e-3, (rel_err(f, r), rel_err(m, r))
 
 
-def test_fused_path_is_for_plain_modules_on_cuda():
-    """On CPU, and whenever tensor parallelism (or rowwise fp8) has swapped a module, MLP takes the module path."""
+def test_fused_path_is_for_plain_modules(monkeypatch):
+    """Where the kernels apply (CUDA, faked here), MLP takes the fused path with its own Linears, and the module
+    path once tensor parallelism (or rowwise fp8) has swapped one of them."""
     from nanochat.gpt import MLP, GPTConfig
+    from nanochat.kernels import relu_square_mm as rsm
     mlp = MLP(GPTConfig(n_embd=64))
-    assert not mlp.fused_kernels_take(torch.randn(4, 64))
-    if torch.cuda.is_available():
-        x = torch.randn(4, 64, device="cuda", dtype=torch.bfloat16)
-        mlp.cuda()
-        assert mlp.fused_kernels_take(x)
-        mlp.c_proj = torch.nn.Linear(256, 64, bias=False).cuda()  # e.g. a row-parallel swap
-        assert not mlp.fused_kernels_take(x)
+    x = torch.randn(4, 64)
+    calls = []
+    monkeypatch.setattr(rsm.FusedMLP, "apply", lambda *args: calls.append(len(args)) or torch.zeros(4, 64))
+    mlp(x)
+    assert calls == []  # on CPU: not supported
+    monkeypatch.setattr(rsm, "supported", lambda x: True)
+    mlp(x)
+    assert calls == [5]
+    mlp.c_proj = torch.nn.Linear(256, 64, bias=False)  # e.g. a row-parallel swap
+    mlp(x)
+    assert calls == [5]
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from triton_interpreter import needs_triton, run_under_interpreter
 
 def check_kernels():
     """Run with TRITON_INTERPRET=1 (set before Triton is imported)."""
-    from nanochat.rotary_norm import rotary_norm_op, reference_rotary_norm, rotary_tables
+    from nanochat.kernels.rotary import rotary_norm_op, reference_rotary_norm, rotary_tables
     g = torch.Generator().manual_seed(0)
     # (B, T, H, D, position of the first token): one head vector per program's tail, GQA-like head counts,
     # a head_dim whose half is not a power of two, and a KV-cache-like offset into the tables
@@ -46,7 +46,7 @@ def test_kernels_match_float64_under_triton_interpreter():
 
 def test_rotation_and_norm_commute():
     """The model's math: rotating then norming equals norming then rotating (the rotation keeps the norm)."""
-    from nanochat.rotary_norm import reference_rotary_norm, apply_rotary, rotary_tables
+    from nanochat.kernels.rotary import reference_rotary_norm, apply_rotary, rotary_tables
     import torch.nn.functional as F
     x = torch.randn(2, 9, 3, 16, dtype=torch.float64)
     cos, sin = (t[:, :9].double() for t in rotary_tables(9, 16))

@@ -28,7 +28,7 @@ import torch
 
 from nanochat.gpt import GPTConfig, GPT, window_sizes
 from nanochat.tokenizer import Tokenizer, SPECIAL_TOKENS
-from nanochat.softcap_ce import CAP
+from nanochat.kernels.softcap_ce import CAP
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODEL_FILES = ["configuration_nanochat.py", "modeling_nanochat.py"]

@@ -10,10 +10,10 @@ in its graph as one opaque node instead of tracing into the package.
 Sliding windows run natively (the kernels skip the tiles outside the band), so one kernel serves both the
 L and the S layers, in the (B, T, H, D) layout the projections produce (no transposed copies).
 
-gpt.attention uses it where `supports(...)`: the package imports, the GPU is sm90 or sm100, the inputs are
-half precision. Anywhere else the op runs the same math in PyTorch (fp32 scores), which is what the CPU tests
-check its plumbing with: shapes, the window convention, the log-sum-exp, the gradients through the
-registered backward.
+kernels.attention uses it where `takes(q)`: the package imports, the GPU is sm90 or sm100, the inputs are
+half precision. Anywhere else the op runs the same math in PyTorch (fp32 scores: math_attention), which is
+what the CPU tests check its plumbing with: shapes, the window convention, the log-sum-exp, the gradients
+through the registered backward.
 """
 
 import functools
@@ -37,7 +37,7 @@ def _fa4():
     return interface
 
 
-_available = {}  # device -> bool; gpt.prepare_attention asks before torch.compile traces, so a trace sees a lookup
+_available = {}  # device -> bool; kernels.prepare_attention asks before torch.compile traces, so a trace sees a lookup
 
 
 def supports(device, dtype, head_dim):
@@ -48,6 +48,11 @@ def supports(device, dtype, head_dim):
         _available[device] = (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] in (9, 10)
                               and _fa4() is not None)
     return _available[device] and dtype in (torch.bfloat16, torch.float16) and 8 <= head_dim <= 128 and head_dim % 8 == 0
+
+
+def takes(q):
+    """Whether the kernels take q (B, H, T, D) here (a CUDA tensor the GPU and the package support)."""
+    return q.is_cuda and supports(q.device, q.dtype, q.size(-1))
 
 
 def _left(window, T):
@@ -70,14 +75,14 @@ def _expand(t, heads):
     return t.repeat_interleave(heads // t.size(2), dim=2)  # GQA: each kv head serves heads/Hkv query heads
 
 
-def reference_attention(q, k, v, window):
+def math_attention(q, k, v, window):
     """The op's forward in PyTorch: (out, lse) as the kernels return them."""
     p, lse = _probabilities(q, _expand(k, q.size(2)), window)
     out = torch.einsum("bhqk,bkhd->bqhd", p, _expand(v, q.size(2)).float())
     return out.to(q.dtype).contiguous(), lse.contiguous()
 
 
-def reference_attention_backward(dout, q, k, v, out, window):
+def math_attention_backward(dout, q, k, v, out, window):
     """The op's backward in PyTorch, as flash kernels compute it (recomputing P):
     dV = P^T dO, dS = P * (dO V^T - rowsum(dO * O)), dQ = dS K / sqrt(D), dK = dS^T Q / sqrt(D);
     under GQA the query heads that share a kv head add their dK and dV."""
@@ -100,7 +105,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: i
         out, lse = _fa4()._flash_attn_fwd(q, k, v, causal=True, window_size_left=_left(window, q.size(1)),
                                           return_lse=True)
         return out, lse
-    return reference_attention(q, k, v, window)
+    return math_attention(q, k, v, window)
 
 
 @torch.library.custom_op("nanochat::flash_attention_backward", mutates_args=())
@@ -108,7 +113,7 @@ def flash_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
                              lse: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if q.is_cuda:
         return _fa4()._flash_attn_bwd(q, k, v, out, dout, lse, causal=True, window_size_left=_left(window, q.size(1)))
-    return reference_attention_backward(dout, q, k, v, out, window)
+    return math_attention_backward(dout, q, k, v, out, window)
 
 
 @flash_attention.register_fake

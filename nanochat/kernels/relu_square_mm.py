@@ -6,11 +6,11 @@ The MLP's ReLU^2 inside its matmuls (CUDA: Triton, with Hopper's TMA loads and s
 
 As separate kernels, ReLU^2 costs one more pass over the (tokens, 4C) activation each way: the product
 writes h, ReLU^2 reads it and writes y (forward); the product writes dy @ W_proj, ReLU^2's backward reads
-it and y and writes dh. The GPUs train at their power limit (dev/LOG.md, session 9), so these bytes cost
+it and y and writes dh. The GPUs train at their power limit (dev/LOG.md), so these bytes cost
 both time and power that the matmuls' clock could have had. Here each product's tile is
 finished in registers, from the fp32 accumulator (no bf16 rounding of h or of dy @ W_proj in between).
 relu(h) = sqrt(y) is why the backward needs only y, which c_proj keeps anyway for its weight gradient
-(gpt._ReluSquare has the same trick for the unfused path).
+(relu_square below has the same trick for the unfused path).
 
 With fp8 operands (fp8.Fp8MLP: e4m3 x and weights, e5m2 dy), the same kernel scales the accumulator by
 the product of the two operands' inverse scales before the epilogue, stores 16-bit values, and also returns
@@ -19,23 +19,28 @@ their amax, which the next fp8 cast needs for its scale (so no separate amax pas
 The kernel is persistent: one program per SM walks the output tiles, grouped along M so that the tiles
 running at once share their rows of A in L2.
 
-Elsewhere (CPU, MPS, no Triton, shapes TMA cannot describe) gpt.MLP runs the PyTorch path; tests check
-the kernels against it through Triton's interpreter (TRITON_INTERPRET=1).
+Without the kernels (CPU, MPS, no Triton, shapes TMA cannot describe, or tensor parallelism's Linears) the
+MLP runs relu_square between its two Linears: relu(h)^2 as an autograd function that keeps only its output for
+the backward. The reference (the kernels switched off) is F.relu(h).square() under autograd. Tests check the
+kernels against the PyTorch path through Triton's interpreter (TRITON_INTERPRET=1).
 """
 
 import torch
+import torch.nn.functional as F
+
+from nanochat.kernels.splitk import weight_grad
 
 try:
     import triton
     import triton.language as tl
     from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # CPU-only installs: the PyTorch path in gpt.py is used
+except ImportError:  # CPU-only installs: relu_square between the Linears is used
     triton = None
 
 RELU_SQUARE, RELU_SQUARE_GRAD = 0, 1  # the two epilogues
 
 # per (epilogue, fp8 operands): (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_stages, num_warps), chosen on H200s
-# with dev/bench_relu_square_mm.py (dev/LOG.md, sessions 10 and 11)
+# with dev/bench_relu_square_mm.py (dev/LOG.md)
 CONFIGS = {(RELU_SQUARE, False): (128, 256, 64, 8, 3, 8), (RELU_SQUARE_GRAD, False): (128, 256, 64, 4, 3, 8),
            (RELU_SQUARE, True): (128, 256, 128, 8, 3, 8), (RELU_SQUARE_GRAD, True): (128, 256, 128, 4, 3, 8)}
 
@@ -113,9 +118,10 @@ def _sm_count(device):
 
 
 def supported(x):
-    """Whether the kernels take the activations x (..., C): Triton installed, 16-bit floats, and rows of a
-    multiple of 16 bytes, as TMA needs (the weights, (4C, C) and (C, 4C), follow)."""
-    return triton is not None and x.dtype in (torch.bfloat16, torch.float16) and x.size(-1) % 8 == 0
+    """Whether the kernels take the activations x (..., C): on CUDA with Triton installed, 16-bit floats, and
+    rows of a multiple of 16 bytes, as TMA needs (the weights, (4C, C) and (C, 4C), follow)."""
+    return (triton is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+            and x.size(-1) % 8 == 0)
 
 
 def _tma_ready(t):
@@ -135,7 +141,7 @@ def relu_square_input_grad(dy: torch.Tensor, w_proj: torch.Tensor, y: torch.Tens
     """(dy @ w_proj) * 2 sqrt(y): the gradient at ReLU^2's input, for dy (M, C) at c_proj's output,
     w_proj (C, 4C) and y (M, 4C) = ReLU^2's output."""
     # from a transposed copy of w_proj (13 MB at d20): the kernel then reads B as the forward does, (N, K);
-    # reading w_proj as it lies, (K, N), ran 9% slower at d20 on an H200, and as fast at d12 (dev/LOG.md, session 10)
+    # reading w_proj as it lies, (K, N), ran 9% slower at d20 on an H200, and as fast at d12 (dev/LOG.md)
     return _launch(_tma_ready(dy), w_proj.t().contiguous(), RELU_SQUARE_GRAD, y=_tma_ready(y))
 
 
@@ -173,3 +179,52 @@ def _(x8, w_fc8, scale, out_dtype):
 @relu_square_input_grad_fp8.register_fake
 def _(dy8, w_proj8_t, y, scale):
     return torch.empty_like(y, memory_format=torch.contiguous_format), scale.new_empty(())
+
+
+# ---- the MLP around the kernels, and without them ----
+
+class FusedMLP(torch.autograd.Function):
+    """c_proj(relu(c_fc(x))^2) for x (tokens, C), with ReLU^2 inside the products beside it: in the forward,
+    c_fc's; in the backward, c_proj's input gradient. It keeps what the unfused path keeps, x and
+    y = relu(h)^2, and splits the weight gradients as the Linears would (splitk.py)."""
+
+    @staticmethod
+    def forward(ctx, x, w_fc, w_proj, fc_split, proj_split):
+        y = fc_relu_square(x, w_fc)
+        ctx.save_for_backward(x, w_fc, w_proj, y)
+        ctx.splits = fc_split, proj_split
+        return y @ w_proj.t()
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, w_fc, w_proj, y = ctx.saved_tensors
+        fc_split, proj_split = ctx.splits
+        grad_h = relu_square_input_grad(grad_out, w_proj, y)
+        grad_x = grad_h @ w_fc if ctx.needs_input_grad[0] else None
+        return grad_x, weight_grad(grad_h, x, fc_split), weight_grad(grad_out, y, proj_split), None, None
+
+
+class _ReluSquare(torch.autograd.Function):
+    """relu(h)^2 that keeps only its output y for the backward, not h too: relu(h) = sqrt(y), so the gradient
+    2 relu(h) dy needs nothing else, and c_proj keeps y anyway for its weight gradient. One (tokens, 4C)
+    activation a layer instead of two: 12.5 GiB less at d20 and device batch 32, so d20 fits batch 64. In
+    bf16, sqrt(y) is relu(h) to within half of y's rounding error, finer than h's own bf16 rounding."""
+
+    @staticmethod
+    def forward(ctx, h):
+        y = F.relu(h).square()
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        (y,) = ctx.saved_tensors
+        return 2 * y.sqrt() * dy
+
+
+def relu_square(h):
+    return _ReluSquare.apply(h)
+
+
+def reference_relu_square(h):
+    return F.relu(h).square()

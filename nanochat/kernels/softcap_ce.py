@@ -5,7 +5,7 @@ The training loss: the lm_head's logits soft-capped to (-CAP, CAP) in fp32, then
     raw = x @ W^T                      z = CAP * tanh(raw / CAP)          loss_i = logsumexp(z_i) - z_i[t_i]
     d loss_i / d raw_ij = (softmax(z_i)_j - [j == t_i]) * (1 - (z_ij / CAP)^2)
 
-On CUDA, head_loss() does the lm_head matmul and the loss as one autograd function, around one Triton
+On CUDA, kernel_head_loss() does the lm_head matmul and the loss as one autograd function, around one Triton
 kernel. Each program takes one row of the (N, V) logits:
 - it reads the row once for the logsumexp (since |z| <= CAP, exp(z - CAP) never overflows, so no
   running maximum is needed: one sum per row) and writes the row's loss;
@@ -17,7 +17,7 @@ gradient. No fp32 copy of the logits is ever stored.
 The kernel is bound by instructions (two exponentials and a division per logit), not by HBM: saving a
 pass over memory alone saved nothing; fewer instructions per logit did (H200, 65,536 x 32,768 bf16,
 dev/bench_softcap_ce.py: loss only 1.95 ms, loss and gradient 3.57 ms; the first version of this kernel
-4.18 ms, session 3's forward and backward kernels 4.45 ms).
+4.18 ms, an earlier pair of forward and backward kernels 4.45 ms).
 
 Elsewhere (CPU, MPS) the same math runs in PyTorch; tests check the kernel against it through Triton's
 interpreter (TRITON_INTERPRET=1) where Triton is installed.
@@ -141,18 +141,22 @@ def reduce_losses(losses, targets, reduction):
     return losses.sum() / (targets != -1).sum()
 
 
-def head_loss(x, weight, targets, reduction="mean"):
+def supported(x):
+    """Whether the kernel takes the activations x: a CUDA tensor, with Triton installed."""
+    return triton is not None and x.is_cuda
+
+
+def reference_head_loss(x, weight, targets, reduction="mean"):
     """Soft-capped cross-entropy of the logits x @ weight^T: x (..., d) and weight (V, d) in the compute
     dtype, targets (...); ignore_index=-1; reduction 'mean' (over the targets that count), 'sum' or
-    'none' (fp32, shape of targets)."""
-    if triton is None or not x.is_cuda:
-        return reduce_losses(reference_loss(F.linear(x, weight), targets, "none"), targets, reduction)
-    return kernel_head_loss(x, weight, targets, reduction)
+    'none' (fp32, shape of targets). The PyTorch math (any device; autograd does the backward)."""
+    return reduce_losses(reference_loss(F.linear(x, weight), targets, "none"), targets, reduction)
 
 
 @torch.compiler.disable  # run eagerly: traced into a compiled graph, the in-place gradient would make
 def kernel_head_loss(x, weight, targets, reduction="mean"):  # AOTAutograd copy the logits first
-    """The Triton path (CUDA; tests also run it on CPU tensors under TRITON_INTERPRET=1)."""
+    """reference_head_loss through the Triton kernel (CUDA; tests also run it on CPU tensors under
+    TRITON_INTERPRET=1)."""
     flat_x = x.reshape(-1, x.size(-1))
     flat_targets = targets.reshape(-1).contiguous()
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):

@@ -10,7 +10,7 @@ reads x and dy and writes dx, recomputing r and the norm from x in registers. Th
 memory. What Inductor made of the PyTorch math took more: ~2 TB/s for the forward and three kernels
 for the backward. In the d20 training profile on an H200 it took 52 ms forward and ~63-89 ms backward a
 step; these kernels take 26.5 ms (4.05 TB/s) and 42.2 ms (3.8 TB/s). End to end, +2-4% tok/s at d12 and
-d20 (dev/LOG.md, session 6).
+d20 (dev/LOG.md).
 
 Backward, with n = r / sqrt(mean(r^2) + eps) = r * rstd and g = scale * dy:
     dr = rstd * (g - n * mean(g * n)),   dx = rotate^T(dr): (dr_i c - dr_{i+D/2} s, dr_i s + dr_{i+D/2} c)
@@ -48,7 +48,8 @@ def apply_rotary(x, cos, sin):
 
 
 def reference_rotary_norm(x, cos, sin, scale):
-    """The PyTorch math (any device; autograd does the backward)."""
+    """y = scale * rms_norm(rotate(x)) for x (B, T, H, D) and cos/sin (1, T, 1, D/2): the PyTorch math (any
+    device; autograd does the backward)."""
     return F.rms_norm(apply_rotary(x, cos, sin), (x.size(-1),), eps=EPS) * scale
 
 
@@ -94,6 +95,12 @@ if triton is not None:
         dr2 = rstd * (g2 - n2 * m)
         tl.store(dx_ptr + offsets, (dr1 * c - dr2 * s).to(dx_ptr.dtype.element_ty), mask=mask)
         tl.store(dx_ptr + offsets + HALF, (dr1 * s + dr2 * c).to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+def supported(x):
+    """Whether the kernels take x: a CUDA tensor, with Triton installed. (No gradient flows to cos/sin through
+    them: they are fixed tables.)"""
+    return triton is not None and x.is_cuda
 
 
 def _launch(kernel, x, cos, sin, *tensors, scale):
@@ -148,11 +155,3 @@ def _backward(ctx, dy):
 
 
 rotary_norm_op.register_autograd(_backward, setup_context=_setup_context)
-
-
-def rotary_norm(x, cos, sin, scale):
-    """y = scale * rms_norm(rotate(x)) for x (B, T, H, D) and cos/sin (1, T, 1, D/2): the Triton kernels on
-    CUDA (no gradient flows to cos/sin there: they are fixed tables), the PyTorch math elsewhere."""
-    if triton is None or not x.is_cuda:
-        return reference_rotary_norm(x, cos, sin, scale)
-    return rotary_norm_op(x, cos, sin, scale)

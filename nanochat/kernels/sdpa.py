@@ -1,0 +1,82 @@
+"""
+Attention in PyTorch's own kernels, for q (B, Hq, T, D) and k/v (B, Hkv, S, D): causal, each query seeing
+at most `window` keys (itself included). Training and prefill have S == T (causal from position 0);
+decoding with a KV cache has S > T: the queries sit at positions S-T .. S-1.
+
+- reference_attention: F.scaled_dot_product_attention as PyTorch dispatches it, with is_causal for the full
+  context and an explicit boolean mask for a window (simple and exact; any device, any length, KV caches).
+- cudnn_attention: full context on CUDA, SDPA pinned to cuDNN first (measured 526 vs 287 TFLOP/s for
+  SDPA's flash backend, causal, T=2048, hd=128, bf16, H200).
+- flex_attention: a sliding window on CUDA at the training length, FlexAttention with a block mask that
+  skips the masked blocks (a dense mask makes a window slower than the full context). Compiled for that
+  one shape, so other lengths (e.g. CORE's) take the reference instead of recompiling.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import sdpa_kernel, SDPBackend
+from torch.nn.attention.flex_attention import flex_attention as _flex, create_block_mask
+
+
+def dense_mask(T, S, window, device):
+    """Boolean (T, S) mask: causal and at most `window` tokens back (the token itself included)."""
+    q_pos = torch.arange(S - T, S, device=device)[:, None]
+    k_pos = torch.arange(S, device=device)[None, :]
+    return (k_pos <= q_pos) & (q_pos - k_pos < window)
+
+
+def reference_attention(q, k, v, window):
+    T, S = q.size(2), k.size(2)
+    gqa = q.size(1) != k.size(1)
+    if window >= S and T == S:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=dense_mask(T, S, window, q.device), enable_gqa=gqa)
+
+
+_CUDA_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+
+
+def cudnn_takes(q, window):
+    """Whether cudnn_attention serves this call (S == T): the full context on CUDA."""
+    return q.is_cuda and window >= q.size(2)
+
+
+def cudnn_attention(q, k, v):
+    """Full causal context, S == T."""
+    if q.size(1) != k.size(1):  # cuDNN/flash in SDPA want equal head counts: expand k/v
+        k, v = (t.repeat_interleave(q.size(1) // k.size(1), dim=1) for t in (k, v))
+    with sdpa_kernel(_CUDA_BACKENDS, set_priority=True):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+block_masks = {}  # (T, window, device) -> BlockMask, built by build_block_masks for the training length
+
+
+def build_block_masks(T, windows, device):
+    """The block masks of these sliding windows at length T (device indexed), for flex_attention."""
+    for window in windows:
+        key = (T, window, str(device))
+        if window < T and key not in block_masks:
+            block_masks[key] = create_block_mask(_sliding_causal(window), B=None, H=None, Q_LEN=T, KV_LEN=T,
+                                                 device=device)
+
+
+def _sliding_causal(window):
+    def mask(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx - kv_idx < window)
+    return mask
+
+
+def flex_takes(q, window):
+    """Whether flex_attention serves this call (S == T): on CUDA, with a block mask built for its length."""
+    return q.is_cuda and (q.size(2), window, str(q.device)) in block_masks
+
+
+# FlexAttention only runs fast compiled; compiled once here, it is also fast inside an eager model
+_flex_compiled = torch.compile(_flex, dynamic=False)
+
+
+def flex_attention(q, k, v, window):
+    """A sliding window at a length whose block mask was built (S == T)."""
+    return _flex_compiled(q, k, v, block_mask=block_masks[(q.size(2), window, str(q.device))],
+                          enable_gqa=q.size(1) != k.size(1))

@@ -1,0 +1,64 @@
+"""
+A manual split-K for weight gradients: dW = dy^T x over N tokens, computed as `split` products over slices of
+the tokens (one bmm) and summed. It pays for gradients with too few output tiles to fill the GPU's SMs in
+whole waves: on an H200, d20's MLP weights went from 598 to 742 TFLOP/s alone; no d12 weight gained.
+Whether it pays is measured per weight shape at start (tune), on CUDA only; the reference is split = 1,
+one plain product (which is what autograd computes through F.linear).
+"""
+
+import torch
+import torch.nn.functional as F
+
+from nanochat.common import cuda_time_ms
+
+
+def split_for(x, split):
+    """The split for x's rows (..., in): `split` if they divide evenly, else 1."""
+    return 1 if x.numel() // x.size(-1) % split else split
+
+
+def weight_grad(dy, x, split):
+    """dy^T @ x for dy (..., out), x (..., in) over their N leading rows: the sum of `split` products over
+    slices of the N rows."""
+    dy, x = dy.reshape(-1, dy.size(-1)), x.reshape(-1, x.size(-1))
+    if split == 1:
+        return dy.t() @ x
+    n = dy.size(0) // split
+    return torch.bmm(dy.view(split, n, -1).transpose(1, 2), x.view(split, n, -1)).sum(0)
+
+
+class SplitWeightGradLinear(torch.autograd.Function):
+    """F.linear(x, w) whose backward computes the weight gradient with weight_grad(..., split)."""
+
+    @staticmethod
+    def forward(ctx, x, w, split):
+        ctx.save_for_backward(x, w)
+        ctx.split = split
+        return F.linear(x, w)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        grad_x = dy @ w if ctx.needs_input_grad[0] else None
+        grad_w = weight_grad(dy, x, ctx.split)
+        return grad_x, grad_w, None
+
+
+@torch.no_grad()
+def tune(linears, tokens, dtype, splits=(1, 2, 4), repeats=10, margin=0.03):
+    """For each weight shape among `linears`, time the weight gradient of a micro-batch of `tokens` in
+    `dtype` at each split (median of `repeats` calls); a split is chosen only when it beats the plain
+    product by `margin`. Returns {(out, in): (split, ms plain, ms with the split)}. CUDA only: elsewhere {}."""
+    if not linears or linears[0].weight.device.type != "cuda":
+        return {}
+    chosen = {}
+    for shape in sorted({tuple(m.weight.shape) for m in linears}):
+        out_features, in_features = shape
+        dy = torch.randn(tokens, out_features, device="cuda", dtype=dtype)
+        x = torch.randn(tokens, in_features, device="cuda", dtype=dtype)
+        times = {s: cuda_time_ms(lambda: weight_grad(dy, x, s), repeats) for s in splits if tokens % s == 0}
+        best = min(times, key=times.get)
+        best = best if times[best] < times[1] * (1 - margin) else 1
+        chosen[shape] = (best, times[1], times[best])
+        del dy, x
+    return chosen
