@@ -277,6 +277,8 @@ class Pipeline:
         stage). Returns the gradients of its inputs, to send to the previous stage."""
         out = self._saved_outputs.pop(i)
         inputs = self._saved_inputs.pop(i)
+        if i == self.m - 1 and self.before_last_backward is not None:
+            self.before_last_backward()
         if self.s == self.p - 1:
             torch.autograd.backward(out)
         else:
@@ -292,9 +294,12 @@ class Pipeline:
 
     # --- the schedules ------------------------------------------------------------
 
-    def train_step(self, batches):
+    def train_step(self, batches, before_last_backward=None):
         """Forward and backward of the m micro-batches [(x, y), ...] (x on stage 0, y on the last
-        stage, None elsewhere); gradients accumulate into .grad. Returns the mean loss on every stage."""
+        stage, None elsewhere); gradients accumulate into .grad. before_last_backward (e.g. the
+        optimizer's prepare_last_backward) is called right before this stage's backward of the last
+        micro-batch. Returns the mean loss on every stage."""
+        self.before_last_backward = before_last_backward
         self.device = next(self.model.parameters()).device
         self.xs = [b[0] for b in batches]
         self.ys = [b[1] for b in batches]

@@ -53,7 +53,8 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _worker(rank, world, tp, pp, sequence_parallel, schedule, steps, port, out_dir, config_overrides, resume_from):
+def _worker(rank, world, tp, pp, sequence_parallel, schedule, steps, port, out_dir, config_overrides, resume_from,
+            overlap):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     if world > 1:
@@ -76,7 +77,8 @@ def _worker(rank, world, tp, pp, sequence_parallel, schedule, steps, port, out_d
         from nanochat.pipeline_parallel import Pipeline
         pipeline = Pipeline(model, layout, n_micro, MICRO_BATCH, schedule)
     names = {p: n for n, p in model.named_parameters()}
-    optimizer = MuonAdamW(model.param_groups(**LRS), names, dp_group=layout.dp_group, compute_dtype=torch.float32)
+    optimizer = MuonAdamW(model.param_groups(**LRS), names, dp_group=layout.dp_group, compute_dtype=torch.float32,
+                          overlap_grad_reduce=overlap)
     first_step = 0
     if resume_from is not None:
         model_state, optim_state, meta = ckpt.load_checkpoint(resume_from, device="cpu")
@@ -84,19 +86,22 @@ def _worker(rank, world, tp, pp, sequence_parallel, schedule, steps, port, out_d
         optimizer.load_full_state_dict(optim_state)
         first_step = meta["step"]
     batches = fixed_batches(steps)
-    losses = []
+    losses, overlapped = [], []
     for step in range(first_step, steps):
         rows = batches[step][layout.dp_rank * per_rank:(layout.dp_rank + 1) * per_rank]
         micro = [(rows[i:i + MICRO_BATCH, :-1], rows[i:i + MICRO_BATCH, 1:]) for i in range(0, per_rank, MICRO_BATCH)]
         if pipeline is not None:
-            loss = pipeline.train_step(micro)
+            loss = pipeline.train_step(micro, optimizer.prepare_last_backward)
         else:
             loss = torch.zeros(())
-            for x, y in micro:
+            for i, (x, y) in enumerate(micro):
+                if i == n_micro - 1:
+                    optimizer.prepare_last_backward()
                 l = model(x, y)
                 (l / n_micro).backward()
                 loss += l.detach() / n_micro
         optimizer.step()
+        overlapped.append(optimizer.launched_in_backward)
         optimizer.zero_grad(set_to_none=True)
         if layout.dp_size > 1:
             dist.all_reduce(loss, group=layout.dp_group)
@@ -118,7 +123,7 @@ def _worker(rank, world, tp, pp, sequence_parallel, schedule, steps, port, out_d
         eval_loss = eval_model(batches[0][:, :-1], batches[0][:, 1:]).item()
     model_state = ckpt.full_model_state(model)
     if layout.dp_rank == 0 and layout.tp_rank == 0:
-        torch.save({"losses": losses, "params": model_state, "eval_loss": eval_loss},
+        torch.save({"losses": losses, "params": model_state, "eval_loss": eval_loss, "overlapped": overlapped},
                    os.path.join(out_dir, f"stage{layout.pp_rank}.pt"))
     if world > 1:
         dist.barrier()
@@ -138,21 +143,24 @@ def _new_run_dir():
 
 
 def run_layout(dp=1, tp=1, pp=1, sequence_parallel=False, schedule="1f1b", steps=5, config_overrides=None,
-               resume_from=None, out_dir=None):
+               resume_from=None, out_dir=None, overlap=True):
     """Returns {"losses": [...], "params": {name: full tensor}, "eval_losses": [the whole-sequence loss
-    after training, from each stage's first rank], "dir": out_dir}."""
+    after training, from each stage's first rank], "overlapped": [per stage, per step: buckets whose
+    reduction the backward launched], "dir": out_dir}. overlap: the optimizer's
+    overlapped gradient reduction (a no-op at DP = 1)."""
     world = dp * tp * pp
     out_dir = out_dir or _new_run_dir()
-    args = (world, tp, pp, sequence_parallel, schedule, steps, _free_port(), out_dir, config_overrides or {}, resume_from)
+    args = (world, tp, pp, sequence_parallel, schedule, steps, _free_port(), out_dir, config_overrides or {}, resume_from, overlap)
     if world == 1:
         _worker(0, *args)
     else:
         mp.spawn(_worker, args=args, nprocs=world, join=True)
-    params, losses, eval_losses = {}, None, []
+    params, losses, eval_losses, overlapped = {}, None, [], []
     for s in range(pp):
         part = torch.load(os.path.join(out_dir, f"stage{s}.pt"), weights_only=True)
         params.update(part["params"])
         eval_losses.append(part["eval_loss"])
+        overlapped.append(part["overlapped"])
         if s == pp - 1:
             losses = part["losses"]
-    return {"losses": losses, "params": params, "eval_losses": eval_losses, "dir": out_dir}
+    return {"losses": losses, "params": params, "eval_losses": eval_losses, "overlapped": overlapped, "dir": out_dir}
