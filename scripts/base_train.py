@@ -4,6 +4,8 @@ Pretrain a base model. One dial, --depth; the scaling-law formulas pick the rest
     python -m scripts.base_train --depth=12
     torchrun --nproc_per_node=8 -m scripts.base_train --depth=20
     torchrun --nproc_per_node=4 -m scripts.base_train --depth=32 --tp=2 --pp=2
+    torchrun --nnodes=2 --node-rank=$NODE_RANK --nproc-per-node=8 --rdzv-backend=c10d \
+        --rdzv-endpoint=$HEAD_NODE:29500 -m scripts.base_train --depth=26   (on every node)
 
 The recipe (printed at start):
   horizon  D = --num-iterations * B, else --target-flops / FLOPs-per-token, else ratio * scaling params
@@ -28,12 +30,13 @@ import torch
 import torch.distributed as dist
 
 from nanochat.common import (compute_init, compute_cleanup, print0, print_rank, get_compute_dtype, get_peak_flops,
-                             device_name, all_reduce_max, fail)
+                             device_name, all_reduce_max, fail, barrier, hang_report_dir)
+from nanochat.watchdog import Watchdog
 from nanochat.gpt import (GPTConfig, config_for_depth, build_model, window_sizes, prepare_attention, GPT,
                          tune_wgrad_splits, set_wgrad_splits)
 from nanochat.optim import MuonAdamW
 from nanochat.dataloader import DataLoader, reshard_states
-from nanochat.dataset import DataError, check_data
+from nanochat.dataset import DataError, check_data, shard_listing
 from nanochat.tokenizer import get_tokenizer, get_token_bytes, TokenizerError
 from nanochat.loss_eval import evaluate_bpb
 from nanochat import checkpoint_manager as ckpt
@@ -90,6 +93,10 @@ parser.add_argument("--sequence-parallel", action="store_true", help="with --tp:
 parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
 parser.add_argument("--pp-schedule", type=str, default="1f1b", choices=["gpipe", "1f1b"], help="pipeline schedule")
 parser.add_argument("--pp-print-schedule", action="store_true", help="print the pipeline schedule table at start")
+parser.add_argument("--overlap-grad-reduce", type=int, default=1, choices=(0, 1),
+                    help="1: start each DP gradient reduction during the last micro-batch's backward (with DP > 1)")
+parser.add_argument("--dist-timeout", type=float, default=1800, help="seconds a collective or barrier may wait "
+                    "before the run fails with a hang report (the first step compiles; CORE and saves are uneven)")
 # fp8, L3
 parser.add_argument("--fp8", action="store_true", help="fp8 training linears through torchao (CUDA, SM89+)")
 parser.add_argument("--fp8-recipe", type=str, default="tensorwise", choices=["tensorwise", "rowwise"], help="torchao float8 scaling recipe")
@@ -107,10 +114,12 @@ user_config = vars(args).copy()
 # Processes, device, dtype
 
 try:
-    layout, device = compute_init(args.device_type, tp=args.tp, pp=args.pp)
+    layout, device = compute_init(args.device_type, tp=args.tp, pp=args.pp, timeout_s=args.dist_timeout)
 except (ValueError, RuntimeError) as e:
     fail(str(e))
 master = layout.rank == 0
+# what this rank is doing, reported if one phase outlasts --dist-timeout (multi-process runs only)
+watch = Watchdog(layout.rank, args.dist_timeout if layout.world_size > 1 else None, hang_report_dir())
 dtype = get_compute_dtype(device.type)
 use_compile = (device.type == "cuda") if args.compile < 0 else bool(args.compile)
 print0(f"world {layout.world_size} = dp {layout.dp_size} x tp {layout.tp_size} x pp {layout.pp_size}; "
@@ -137,8 +146,34 @@ try:
     data_dir = check_data(args.data_dir)
 except DataError as e:
     fail(str(e))
+if layout.world_size > 1:  # each node may read its own copy of the data, or a shared folder: same shards
+    listings = [None] * layout.world_size
+    dist.all_gather_object(listings, (os.uname().nodename, data_dir, shard_listing(data_dir)), group=layout.cpu_group)
+    differ = [f"rank {r} ({host}: {d})" for r, (host, d, lst) in enumerate(listings) if lst != listings[0][2]]
+    if differ:
+        fail(f"the data differs between ranks: {', '.join(differ)} do not see the shards of rank 0 "
+             f"({listings[0][0]}: {listings[0][1]}); give every node the same shards (a copy or a shared folder)")
 model_tag = args.model_tag or f"d{args.depth}"
 ckpt_dir = ckpt.checkpoint_dir(model_tag)
+if layout.world_size > 1 and args.save_every != 0:
+    # one rank per pipeline stage writes the checkpoint into ckpt_dir and every rank reads all of it on
+    # resume: the folder must be one file system for all nodes (a shared NANOCHAT_BASE_DIR). Say so now
+    # rather than at the resume.
+    probe = os.path.join(ckpt_dir, f".shared_probe_{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}")
+    if master:
+        os.makedirs(ckpt_dir, exist_ok=True)
+        open(probe, "w").close()
+    barrier(layout, "creating the checkpoint folder")
+    seen = [None] * layout.world_size
+    dist.all_gather_object(seen, (os.uname().nodename, os.path.exists(probe)), group=layout.cpu_group)
+    blind = sorted({host for host, ok in seen if not ok})
+    if master:
+        os.remove(probe)
+        if blind:
+            print0(f"WARNING: the checkpoint folder {ckpt_dir} (on {os.uname().nodename}) is not visible from "
+                   f"{', '.join(blind)}: checkpoints will be split over the nodes' disks and a resume cannot read "
+                   f"them. Point NANOCHAT_BASE_DIR at a shared file system, or copy the checkpoint to every node "
+                   f"before resuming.")
 
 resume_meta = None
 if args.resume_from_step >= 0:
@@ -277,7 +312,8 @@ else:
 names = {p: n for n, p in model.named_parameters()}
 groups = model.param_groups(args.embedding_lr * lr_scale, args.unembedding_lr * lr_scale, args.matrix_lr * lr_scale,
                             args.scalar_lr * lr_scale, weight_decay)
-optimizer = MuonAdamW(groups, names, dp_group=layout.dp_group, compute_dtype=dtype, compile=use_compile)
+optimizer = MuonAdamW(groups, names, dp_group=layout.dp_group, compute_dtype=dtype, compile=use_compile,
+                      overlap_grad_reduce=bool(args.overlap_grad_reduce))
 
 # the loop state and data position, fresh or from the checkpoint
 step, smooth_loss, total_time, min_val_bpb, val_bpb = 0, 0.0, 0.0, float("inf"), None
@@ -301,13 +337,18 @@ if resume_meta is not None:
 
 orig_model = model  # the uncompiled module: checkpoints, sampling, CORE
 print0(f"attention: {prepare_attention(config, device, dtype)}")
-if use_compile and pipeline is None:
+if use_compile and pipeline is None and not optimizer.overlap:
     model = torch.compile(model, dynamic=False)
-elif use_compile:  # the schedule calls the pieces one micro-batch at a time: compile each block and the loss
-    for i in range(pipeline.start, pipeline.end):
+elif use_compile:
+    # the pipeline schedule calls the pieces one micro-batch at a time, and overlapped gradient reduction
+    # needs each block's gradients when its backward ends (a whole-model graph yields them all at its
+    # end): compile each block and the loss
+    for i in (range(pipeline.start, pipeline.end) if pipeline is not None else range(config.n_layer)):
         model.blocks[i].compile(dynamic=False)
     model.criterion.compile(dynamic=False)
-    print0("note: under --pp > 1 each block and the loss are compiled separately (the schedule's sends and receives stay eager)")
+    print0("note: each block and the loss are compiled separately" +
+           (" (the schedule's sends and receives stay eager)" if pipeline is not None else " (overlapped gradient reduction)"))
+print0(f"DP gradient reduction: {'overlapped with the last micro-batch backward' if optimizer.overlap else 'after the backward'}")
 
 reads_data = pipeline is None or layout.is_first_stage or layout.is_last_stage
 
@@ -372,9 +413,11 @@ def next_batches():
 def forward_backward(batches):
     """Mean loss over the micro-batches, gradients accumulated into .grad (the same on every rank)."""
     if pipeline is not None:
-        return pipeline.train_step(batches)
+        return pipeline.train_step(batches, optimizer.prepare_last_backward)
     total = torch.zeros((), device=device)
-    for x, y in batches:
+    for i, (x, y) in enumerate(batches):
+        if i == grad_accum - 1:
+            optimizer.prepare_last_backward()
         loss = model(x, y)
         (loss / grad_accum).backward()
         total += loss.detach()
@@ -520,6 +563,7 @@ while True:
     # the checkpoint comes before CORE and sampling, so a failure there cannot lose the weights) ---
     val_bpb = None
     if args.eval_tokens > 0 and (last_step or (args.eval_every > 0 and step % args.eval_every == 0 and step > 0)):
+        watch.phase("val bpb (loss all-reduces; PP: stage p2p)", step)
         val_bpb = evaluate_val_bpb()
         min_val_bpb = min(min_val_bpb, val_bpb)
         print0(f"step {step:05d} | val bpb: {val_bpb:.6f}")
@@ -528,21 +572,26 @@ while True:
         if master:
             with open(history_path, "a") as f:
                 f.write(f"{step},{smooth_loss / (1 - 0.9 ** max(1, step)):.6f},{val_bpb:.6f}\n")
+    watch.collective("stop-flag all-reduce (all ranks)")
     stop_now = all_reduce_max(float(stop_requested), device) > 0
     if args.save_every != 0 and (last_step or stop_now or (args.save_every > 0 and step > 0 and step % args.save_every == 0
                                                            and step != args.resume_from_step)):
+        watch.phase("checkpoint save (state gathers, barriers)", step)
         save_checkpoint(step)
     if stop_now:
         break
+    watch.phase("CORE / samples (eval bundle download on local rank 0, count all-reduces)", step)
     core_and_samples(step)
     if last_step:
         break
 
     # --- one optimizer step ---
     t0 = time.time()
+    watch.phase("data: next batches", step)
     batches, state = next_batches()
     if state is not None:
         last_state = state
+    watch.phase("forward/backward (TP collectives, PP p2p, DP reductions launched by the last backward)", step)
     loss = forward_backward(batches)
     lrm = lr_multiplier(step)
     for group in optimizer.param_groups:
@@ -550,9 +599,11 @@ while True:
         if group["kind"] == "muon":
             group["momentum"] = muon_momentum(step)
             group["weight_decay"] = muon_weight_decay(step)
+    watch.phase("optimizer step (DP reduce-scatters / all-reduces and all-gathers, TP gathers)", step)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     if layout.dp_size > 1:  # report the mean over DP ranks
+        watch.collective("loss all-reduce over DP")
         dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=layout.dp_group)
         loss = loss / layout.dp_size
     loss_value = loss.item()  # also synchronizes the device, so dt is honest
@@ -580,6 +631,14 @@ while True:
     if master and step % 10 == 0:
         with open(history_path, "a") as f:
             f.write(f"{step},{debiased:.6f},\n")
+    if step == start_step:  # the first step compiled (at its own pace on each rank): start timing together
+        watch.phase("barrier after the compile warm-up (first step)", step)
+        watch.collective("barrier: compile warm-up")
+        try:
+            barrier(layout, "the first step (compile warm-up)")
+        except RuntimeError as e:
+            print_rank(layout, f"ERROR: {e}")
+            sys.exit(1)
     step += 1
     # the collector walks every Python object: once at the start, then only rarely
     if step == 1:
@@ -614,6 +673,7 @@ if master and step == num_iterations:
         "mfu (%)": round(mfu, 2) if mfu is not None else "n/a", "peak memory (GiB)": round(peak_mem, 2) if peak_mem else "n/a",
         "epoch": epoch, "crop fraction": round(crop, 4) if crop is not None else "n/a",
     }])
+watch.stop()
 if wandb_run:
     wandb_run.finish()
 if train_loader is not None:
