@@ -5,9 +5,11 @@ Every rank keeps one small record: the step, the phase (e.g. "forward/backward",
 reductions", "checkpoint save"), when that phase began, and the last collective the training script
 named. A daemon thread looks at it every few seconds; when one phase has lasted longer than the
 timeout (--dist-timeout), it writes the record and the Python stack of every thread to stderr and to
-<report_dir>/rank<R>.txt, once per phase. That names both sides of a hang: the rank that stalls (a
-slow download or compile, a deadlock) and the ranks waiting for it inside a collective, which on gloo
-then fail with gloo's own timeout error.
+<report_dir>/rank<R>.txt, once per phase; if the phase still has not ended at twice the timeout, it
+reports again and ends the process (exit status 1), so that torchrun stops the others: a gloo
+collective may wait forever on a peer that stopped. An uncaught exception (e.g. gloo's timeout error in a
+collective) writes the same record before its traceback. That names both sides of a hang: the rank
+that stalls (a slow download or compile, a deadlock) and the ranks waiting for it in a collective.
 
 On NCCL, PyTorch's flight recorder keeps the last collectives of every process group (sequence
 number, op, sizes, state) and dumps them when its watchdog times out; enable_flight_recorder() turns it
@@ -44,6 +46,12 @@ class Watchdog:
         if timeout_s is not None:
             self._poll_s = poll_s or min(10.0, max(0.5, timeout_s / 10))
             threading.Thread(target=self._watch, name="nanochat-watchdog", daemon=True).start()
+            previous_hook = sys.excepthook
+
+            def report_then_raise(kind, value, tb):
+                self.report(f"FAILED with {kind.__name__} in")
+                previous_hook(kind, value, tb)
+            sys.excepthook = report_then_raise
 
     def phase(self, name, step=None):
         """This rank starts doing `name` (at optimizer step `step`)."""
@@ -64,15 +72,17 @@ class Watchdog:
 
     def _watch(self):
         while not self._stop.wait(self._poll_s):
-            key = (self.step, self.phase_name, self.since)
-            if time.time() - self.since > self.timeout_s and key != self._reported:
+            key, waited = (self.step, self.phase_name, self.since), time.time() - self.since
+            if waited > self.timeout_s and key != self._reported:
                 self._reported = key
-                self.report()
+                self.report(f"HANG? longer than --dist-timeout {self.timeout_s:g}s in")
+            elif waited > 2 * self.timeout_s and key == self._reported:
+                self.report(f"GIVING UP (exit 1) after twice --dist-timeout {self.timeout_s:g}s in")
+                os._exit(1)
 
-    def report(self):
+    def report(self, reason):
         """Write the record and every thread's stack to stderr and to report_dir/rank<R>.txt."""
-        header = (f"HANG? {self.describe()} (longer than --dist-timeout {self.timeout_s:g}s). "
-                  f"Every rank writes such a report; compare their steps and phases.")
+        header = f"{reason} {self.describe()}. Every rank writes such a report; compare their steps and phases."
         print(header, file=sys.stderr, flush=True)
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         os.makedirs(self.report_dir, exist_ok=True)

@@ -600,9 +600,11 @@ while True:
             group["momentum"] = muon_momentum(step)
             group["weight_decay"] = muon_weight_decay(step)
     watch.phase("optimizer step (DP reduce-scatters / all-reduces and all-gathers, TP gathers)", step)
+    watch.collective("DP gradient reductions and parameter all-gathers (optimizer.step)")
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     if layout.dp_size > 1:  # report the mean over DP ranks
+        watch.phase("loss all-reduce over DP", step)
         watch.collective("loss all-reduce over DP")
         dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=layout.dp_group)
         loss = loss / layout.dp_size
