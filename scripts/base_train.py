@@ -4,8 +4,8 @@ Pretrain a base model. One dial, --depth; the scaling-law formulas pick the rest
     python -m scripts.base_train --depth=12
     torchrun --nproc_per_node=8 -m scripts.base_train --depth=20
     torchrun --nproc_per_node=4 -m scripts.base_train --depth=32 --tp=2 --pp=2
-    torchrun --nnodes=2 --node-rank=$NODE_RANK --nproc-per-node=8 --rdzv-backend=c10d \
-        --rdzv-endpoint=$HEAD_NODE:29500 -m scripts.base_train --depth=26   (on every node)
+    torchrun --nnodes=2 --nproc-per-node=8 --rdzv-backend=c10d --rdzv-endpoint=$HEAD_NODE:29500 \
+        --rdzv-id=d26 -m scripts.base_train --depth=26                        (the same on every node)
 
 The recipe (printed at start):
   horizon  D = --num-iterations * B, else --target-flops / FLOPs-per-token, else ratio * scaling params
