@@ -128,21 +128,26 @@ def test_a_stalled_rank_gives_hang_reports_not_a_silent_hang(env, tmp_path):
                 p.wait()
 
 
-def test_watchdog_reports_a_phase_that_outlasts_the_timeout(tmp_path):
-    """The stalled rank's side: its own record and stacks, once per phase, and nothing while phases move on."""
-    from nanochat.watchdog import Watchdog
-    watch = Watchdog(3, timeout_s=0.3, report_dir=str(tmp_path), poll_s=0.05)
-    try:
-        watch.phase("forward/backward", step=7)
-        watch.collective("loss all-reduce over DP")
-        time.sleep(1.0)
-        path = tmp_path / "rank3.txt"
-        text = path.read_text()
-        assert "HANG? longer than --dist-timeout 0.3s in rank 3: step 7, phase 'forward/backward'" in text and "last collective: loss all-reduce over DP" in text
-        assert text.count("HANG?") == 1  # once per phase
-        for _ in range(5):  # a phase that moves on in time is never reported
-            watch.phase("optimizer step", step=8)
-            time.sleep(0.1)
-        assert path.read_text().count("HANG?") == 1
-    finally:
-        watch.stop()
+def test_watchdog_reports_a_stalled_phase_then_ends_the_process(tmp_path):
+    """The stalled rank's side (in a process of its own: the watchdog ends it): its record and stacks
+    once the phase outlasts the timeout, nothing while phases move on, exit status 1 at twice the timeout."""
+    script = f"""
+import time
+from nanochat.watchdog import Watchdog
+watch = Watchdog(3, timeout_s=0.5, report_dir={str(tmp_path)!r}, poll_s=0.05)
+for step in range(10):  # phases that move on in time are never reported
+    watch.phase("optimizer step", step=step)
+    time.sleep(0.1)
+watch.phase("forward/backward", step=7)
+watch.collective("loss all-reduce over DP")
+time.sleep(30)
+"""
+    t0 = time.time()
+    p = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1 and time.time() - t0 < 20, (p.returncode, p.stderr[-3000:])
+    text = (tmp_path / "rank3.txt").read_text()
+    record = "rank 3: step 7, phase 'forward/backward'"
+    assert f"HANG? longer than --dist-timeout 0.5s in {record}" in text
+    assert "last collective: loss all-reduce over DP" in text and 'File "<string>"' in text  # the stacks
+    assert f"GIVING UP (exit 1) after twice --dist-timeout 0.5s in {record}" in p.stderr
+    assert text.count("HANG?") == 1 and "optimizer step" not in text
