@@ -8,6 +8,7 @@ overridable with NANOCHAT_DTYPE=float32|bfloat16. Weights stay fp32; modules cas
 
 import os
 import sys
+import datetime
 import statistics
 from dataclasses import dataclass
 
@@ -126,6 +127,7 @@ class Layout:
     pp_group: object = None
     pp_prev: int = -1  # global rank of the previous / next pipeline stage, -1 at the ends
     pp_next: int = -1
+    cpu_group: object = None  # gloo group of all ranks for host-side waits (None: the default group is gloo)
 
     @property
     def is_first_stage(self):
@@ -191,8 +193,10 @@ def is_distributed():
     return all(k in os.environ for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
 
 
-def compute_init(device_type="", tp=1, pp=1, seed=42):
-    """Set up device, seeds and (under torchrun) the process groups. Returns (layout, device)."""
+def compute_init(device_type="", tp=1, pp=1, seed=42, timeout_s=None):
+    """Set up device, seeds and (under torchrun) the process groups, whose collectives fail after
+    timeout_s seconds (None: PyTorch's default). Under NCCL the flight recorder is on (nanochat.watchdog)
+    and a gloo group of all ranks serves host-side waits (barrier). Returns (layout, device)."""
     device_type = device_type or autodetect_device_type()
     if device_type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device-type=cuda but no CUDA device is visible; use --device-type=cpu")
@@ -204,14 +208,19 @@ def compute_init(device_type="", tp=1, pp=1, seed=42):
         torch.backends.cudnn.allow_tf32 = True
     if is_distributed():
         rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+        timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
         if device_type == "cuda":
+            from nanochat.watchdog import enable_flight_recorder
+            enable_flight_recorder(hang_report_dir())
             device = torch.device("cuda", local_rank)
             torch.cuda.set_device(device)
-            dist.init_process_group(backend="nccl", device_id=device)
+            dist.init_process_group(backend="nccl", device_id=device, timeout=timeout)
         else:
             device = torch.device(device_type)
-            dist.init_process_group(backend="gloo")
+            dist.init_process_group(backend="gloo", timeout=timeout)
         layout = build_layout(rank, world_size, local_rank, tp, pp)
+        if device_type == "cuda":
+            layout.cpu_group = dist.new_group(backend="gloo", timeout=timeout)
         dist.barrier()
     else:
         if tp * pp > 1:
@@ -221,6 +230,25 @@ def compute_init(device_type="", tp=1, pp=1, seed=42):
         device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device(device_type)
         layout = build_layout(0, 1, 0)
     return layout, device
+
+
+def hang_report_dir():
+    """Where ranks write hang reports and NCCL flight-recorder dumps (per node when the base dir is)."""
+    return os.path.join(get_base_dir(), "hang_reports")
+
+
+def barrier(layout, what):
+    """Every rank waits here (on the host, gloo) for the others. A rank that does not arrive within the
+    collective timeout makes the others fail with a message naming `what`, not a silent hang."""
+    if layout.world_size == 1:
+        return
+    try:
+        dist.barrier(group=layout.cpu_group)
+    except RuntimeError as e:
+        raise RuntimeError(f"rank {layout.rank} waited longer than the collective timeout (--dist-timeout) at the "
+                           f"barrier after {what}: another rank did not arrive. Its log and hang report "
+                           f"({hang_report_dir()}) say what it was doing; if it was only slow, raise --dist-timeout. "
+                           f"({str(e).splitlines()[0]})") from None
 
 
 def compute_cleanup():

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 import torch.distributed as dist
 
-from nanochat.common import get_base_dir, print0
+from nanochat.common import get_base_dir, print0, barrier
 
 # The public DCLM eval bundle (the CORE tasks in this layout); NANOCHAT_EVAL_BUNDLE_URL overrides it.
 EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
@@ -132,18 +132,22 @@ def _find_or_download(path):
 
 def find_eval_bundle(path=None, layout=None):
     """The bundle folder: `path` when given, else $NANOCHAT_BASE_DIR/eval_bundle, downloaded there when
-    absent. Under torchrun rank 0 looks (and downloads) first and tells the others if it failed."""
+    absent. Under torchrun local rank 0 of every node looks (and downloads) first while the node's other
+    ranks wait at a barrier (the base dir may be per node or shared); a failure reaches every rank."""
     if layout is None or layout.world_size == 1:
         return _find_or_download(path)
-    error = [None]
-    if layout.rank == 0:
+    error = None
+    if layout.local_rank == 0:
         try:
             _find_or_download(path)
         except EvalBundleError as e:
-            error[0] = str(e)
-    dist.broadcast_object_list(error, src=0)
-    if error[0] is not None:
-        raise EvalBundleError(error[0])
+            error = str(e)
+    barrier(layout, "the CORE eval bundle download (local rank 0 of each node)")
+    errors = [None] * layout.world_size
+    dist.all_gather_object(errors, error, group=layout.cpu_group)
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise EvalBundleError(first)
     return _find_or_download(path)
 
 

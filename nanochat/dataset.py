@@ -93,6 +93,12 @@ def check_data(data_dir=None):
     return data_dir
 
 
+def shard_listing(data_dir):
+    """(name, row groups, rows) of every shard of a folder: ranks that read their own copies (one per
+    node) must see the same listing, or DP ranks would stride over different lists."""
+    return [(os.path.basename(f), _open(f).num_row_groups, _open(f).metadata.num_rows) for f in list_parquet_files(data_dir)]
+
+
 def read_row_group(path, index):
     """The documents (strings) of one row group."""
     try:

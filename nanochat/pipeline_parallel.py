@@ -266,10 +266,11 @@ class Pipeline:
 
     # --- one training step ----------------------------------------------------------
 
-    def train_step(self, batches):
+    def train_step(self, batches, before_last_backward=None):
         """Forward and backward of the micro-batches [(x, y), ...] (x on stage 0, y on the last stage, None
         elsewhere) in the order actions(stage) lists; gradients accumulate into .grad. Returns the mean loss
-        on every stage.
+        on every stage. before_last_backward (the optimizer's prepare_last_backward, for overlapped DP
+        gradient reduction) is called right before this stage's backward of the last micro-batch.
         Where a forward meets a backward (1F1B's steady state, GPipe's turn), the one's send and the other's
         receive go to the same neighbour and are posted together: with NCCL, posted one after the other,
         the two stages can each wait on the other's kernel."""
@@ -282,6 +283,8 @@ class Pipeline:
         recv, inputs = self._recv_ops(actions[0])
         _p2p(recv)
         for k, (kind, i) in enumerate(actions):
+            if kind == "B" and i == self.num_microbatches - 1 and before_last_backward is not None:
+                before_last_backward()
             output = self.forward(i, inputs) if kind == "F" else self.backward(i, inputs)
             send = self._send_ops(kind, output)
             following = actions[k + 1] if k + 1 < len(actions) else None

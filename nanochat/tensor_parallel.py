@@ -57,10 +57,6 @@ def gather_full(t, p):
     return torch.cat(parts, dim=p.tp_dim)
 
 
-def gather_full_grad(p):
-    return gather_full(p.grad, p)
-
-
 def local_shard(t, p):
     """This rank's slice of a full tensor `t` shaped like the whole of p."""
     if not is_sharded(p):
@@ -69,11 +65,12 @@ def local_shard(t, p):
     return t.chunk(p.tp_size, dim=p.tp_dim)[rank]
 
 
-def reduce_partial_grad(p):
+def reduce_partial_grad(p, grad):
     """Under sequence parallelism a replicated parameter used on this rank's slice of the sequence
-    gets only part of its gradient: sum the parts over the TP group."""
+    gets only part of its gradient: sum the parts (`grad`, p's gradient or its DP-reduced copy) over
+    the TP group, in place."""
     if getattr(p, "tp_partial_grad", False):
-        dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=p.tp_group)
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=p.tp_group)
 
 
 # -----------------------------------------------------------------------------

@@ -5,6 +5,7 @@ functions, so the tests check what the product runs.
 
 Setup, in the order a run calls it:
   build_model_for_training  the model: L3 tables allocated from the data (fresh runs), fp8 linears
+  check_ranks_agree         several nodes: the same shards everywhere, one checkpoint folder for all
   apply_parallelism         tensor parallelism, then this rank's pipeline stage
   tune_weight_gradients     CUDA: per weight shape, split-K weight gradients where they are faster
   make_optimizer            Muon + AdamW over the model's parameter groups
@@ -15,6 +16,7 @@ The loop:
   Trainer                   one training step, evaluation mode, the checkpoint save
 """
 
+import os
 import math
 import time
 import contextlib
@@ -23,11 +25,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from nanochat.common import print0
+from nanochat.common import print0, barrier
 from nanochat.gpt import build_model
 from nanochat import kernels
 from nanochat.optim import MuonAdamW
 from nanochat.dataloader import DataLoader
+from nanochat.dataset import shard_listing
 from nanochat import checkpoint_manager as ckpt
 
 # -----------------------------------------------------------------------------
@@ -73,24 +76,58 @@ def tune_weight_gradients(model, layout, tokens, dtype):
     return splits[0]
 
 
+def check_ranks_agree(layout, data_dir, ckpt_dir, saves):
+    """Several nodes: every rank must see the same shards (a copy per node or a shared folder), else DP
+    ranks would stride over different lists (raises ValueError naming the ranks). Checkpoints are written
+    by one rank per stage and read by every rank on resume, so ckpt_dir must be one file system for all:
+    returns a warning naming the hosts that cannot see it (None when they all can, or nothing is saved)."""
+    listings = [None] * layout.world_size
+    dist.all_gather_object(listings, (os.uname().nodename, data_dir, shard_listing(data_dir)), group=layout.cpu_group)
+    differ = [f"rank {r} ({host}: {d})" for r, (host, d, lst) in enumerate(listings) if lst != listings[0][2]]
+    if differ:
+        raise ValueError(f"the data differs between ranks: {', '.join(differ)} do not see the shards of rank 0 "
+                         f"({listings[0][0]}: {listings[0][1]}); give every node the same shards (a copy or a shared folder)")
+    if not saves:
+        return None
+    probe = os.path.join(ckpt_dir, f".shared_probe_{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}")
+    if layout.rank == 0:
+        os.makedirs(ckpt_dir, exist_ok=True)
+        open(probe, "w").close()
+    barrier(layout, "creating the checkpoint folder")
+    seen = [None] * layout.world_size
+    dist.all_gather_object(seen, (os.uname().nodename, os.path.exists(probe)), group=layout.cpu_group)
+    if layout.rank == 0:  # every rank has looked: the gather above completed
+        os.remove(probe)
+    blind = sorted({host for host, ok in seen if not ok})
+    if not blind:
+        return None
+    return (f"WARNING: the checkpoint folder {ckpt_dir} (on {os.uname().nodename}) is not visible from "
+            f"{', '.join(blind)}: checkpoints will be split over the nodes' disks and a resume cannot read them. "
+            f"Point NANOCHAT_BASE_DIR at a shared file system, or copy the checkpoint to every node before resuming.")
+
+
 def make_optimizer(model, layout, dtype, embedding_lr, unembedding_lr, matrix_lr, scalar_lr, weight_decay,
-                   compile=False):
+                   compile=False, overlap_grad_reduce=False):
     names = {p: n for n, p in model.named_parameters()}
     groups = model.param_groups(embedding_lr, unembedding_lr, matrix_lr, scalar_lr, weight_decay)
-    return MuonAdamW(groups, names, dp_group=layout.dp_group, compute_dtype=dtype, compile=compile)
+    return MuonAdamW(groups, names, dp_group=layout.dp_group, compute_dtype=dtype, compile=compile,
+                     overlap_grad_reduce=overlap_grad_reduce)
 
 
-def compile_for_training(model, pipeline):
+def compile_for_training(model, pipeline, per_block=False):
     """torch.compile for the training step. Without a pipeline the whole model is one graph (returned:
     the step calls it; the uncompiled module stays for checkpoints, sampling and CORE). Under a pipeline
-    the schedule calls the pieces one micro-batch at a time: each block of this stage and the loss are
-    compiled in place, the schedule's sends and receives stay eager."""
-    if pipeline is None:
+    the schedule calls the pieces one micro-batch at a time, and overlapped gradient reduction
+    (per_block) needs each block's gradients when its backward ends, where a whole-model graph yields them
+    all at its end: then each block (of this stage) and the loss are compiled in place."""
+    if pipeline is None and not per_block:
         return torch.compile(model, dynamic=False)
-    for i in range(pipeline.start, pipeline.end):
+    blocks = range(pipeline.start, pipeline.end) if pipeline is not None else range(len(model.blocks))
+    for i in blocks:
         model.blocks[i].compile(dynamic=False)
     model.criterion.compile(dynamic=False)
-    print0("note: under --pp > 1 each block and the loss are compiled separately (the schedule's sends and receives stay eager)")
+    print0("note: each block and the loss are compiled separately" +
+           (" (the schedule's sends and receives stay eager)" if pipeline is not None else " (overlapped gradient reduction)"))
     return model
 
 
@@ -174,10 +211,12 @@ class Trainer:
         cleared. Returns (the loss: mean over micro-batches and DP ranks, a device tensor, so nothing here
         waits for the GPU; the LR multiplier)."""
         if self.pipeline is not None:
-            loss = self.pipeline.train_step(batches)
+            loss = self.pipeline.train_step(batches, self.optimizer.prepare_last_backward)
         else:
             loss = torch.zeros((), device=batches[0][0].device)
-            for x, y in batches:  # gradients accumulate in .grad; the last micro-batch's backward completes them
+            for i, (x, y) in enumerate(batches):  # gradients accumulate in .grad
+                if i == len(batches) - 1:  # this backward completes them: DP reductions may start during it
+                    self.optimizer.prepare_last_backward()
                 micro_loss = self.train_model(x, y)
                 (micro_loss / len(batches)).backward()
                 loss += micro_loss.detach()

@@ -4,6 +4,8 @@ Pretrain a base model. One dial, --depth; the scaling-law formulas pick the rest
     python -m scripts.base_train --depth=12
     torchrun --nproc_per_node=8 -m scripts.base_train --depth=20
     torchrun --nproc_per_node=4 -m scripts.base_train --depth=32 --tp=2 --pp=2
+    torchrun --nnodes=2 --nproc-per-node=8 --rdzv-backend=c10d --rdzv-endpoint=$HEAD_NODE:29500 \
+        --rdzv-id=d26 -m scripts.base_train --depth=26                        (the same on every node)
 
 The recipe (printed at start):
   horizon  D = --num-iterations * B, else --target-flops / FLOPs-per-token, else ratio * scaling params
@@ -30,7 +32,8 @@ import argparse
 import torch
 
 from nanochat.common import (compute_init, compute_cleanup, print0, print_rank, get_compute_dtype, get_peak_flops,
-                             device_name, all_reduce_max, fail)
+                             device_name, all_reduce_max, fail, barrier, hang_report_dir)
+from nanochat.watchdog import Watchdog
 from nanochat.gpt import GPTConfig, config_for_depth, window_sizes, GPT
 from nanochat import kernels
 from nanochat.dataloader import reshard_states
@@ -92,6 +95,11 @@ parser.add_argument("--sequence-parallel", action="store_true", help="with --tp:
 parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
 parser.add_argument("--pp-schedule", type=str, default="1f1b", choices=["gpipe", "1f1b"], help="pipeline schedule")
 parser.add_argument("--pp-print-schedule", action="store_true", help="print the pipeline schedule table at start")
+parser.add_argument("--overlap-grad-reduce", type=int, default=-1, choices=(-1, 0, 1),
+                    help="1: start each DP gradient reduction during the last micro-batch's backward (blocks are then "
+                         "compiled one by one); 0: after the backward; -1: 1 when the run spans several nodes")
+parser.add_argument("--dist-timeout", type=float, default=1800, help="seconds a collective or barrier may wait "
+                    "before the run fails with a hang report (the first step compiles; CORE and saves are uneven)")
 # fp8, L3
 parser.add_argument("--kernels", type=str, default=None, choices=kernels.MODES, help="auto: fast kernels where they apply; reference: the plain PyTorch math everywhere (default: NANOCHAT_KERNELS, else auto)")
 parser.add_argument("--fp8", action="store_true", help="fp8 training linears through torchao, tensorwise scaling (CUDA, SM89+)")
@@ -107,10 +115,12 @@ kernels.set_mode(args.kernels)
 # Processes, device, dtype
 
 try:
-    layout, device = compute_init(args.device_type, tp=args.tp, pp=args.pp)
+    layout, device = compute_init(args.device_type, tp=args.tp, pp=args.pp, timeout_s=args.dist_timeout)
 except (ValueError, RuntimeError) as e:
     fail(str(e))
 master = layout.rank == 0
+# what this rank is doing, reported if one phase outlasts --dist-timeout (multi-process runs only)
+watch = Watchdog(layout.rank, args.dist_timeout if layout.world_size > 1 else None, hang_report_dir())
 dtype = get_compute_dtype(device.type)
 use_compile = (device.type == "cuda") if args.compile < 0 else bool(args.compile)
 print0(f"world {layout.world_size} = dp {layout.dp_size} x tp {layout.tp_size} x pp {layout.pp_size}; "
@@ -133,6 +143,13 @@ except DataError as e:
     fail(str(e))
 model_tag = args.model_tag or f"d{args.depth}"
 ckpt_dir = ckpt.checkpoint_dir(model_tag)
+if layout.world_size > 1:  # several nodes: the same shards on every rank, one checkpoint folder for all
+    try:
+        warning = training.check_ranks_agree(layout, data_dir, ckpt_dir, saves=args.save_every != 0)
+    except ValueError as e:
+        fail(str(e))
+    if warning:
+        print0(warning)
 
 resume_meta = None
 if args.resume_from_step >= 0:
@@ -265,8 +282,11 @@ if layout.world_size > 1:
     print_rank(layout, f"local parameters: {local_params:,}")
 else:
     print0(f"local parameters: {local_params:,}")
+multi_node = int(os.environ.get("LOCAL_WORLD_SIZE", layout.world_size)) < layout.world_size
+overlap = args.overlap_grad_reduce == 1 or (args.overlap_grad_reduce == -1 and multi_node)
 optimizer = training.make_optimizer(model, layout, dtype, args.embedding_lr * lr_scale, args.unembedding_lr * lr_scale,
-                                    args.matrix_lr * lr_scale, args.scalar_lr * lr_scale, weight_decay, compile=use_compile)
+                                    args.matrix_lr * lr_scale, args.scalar_lr * lr_scale, weight_decay, compile=use_compile,
+                                    overlap_grad_reduce=overlap)
 
 # the loop state and data position, fresh or from the checkpoint
 step, smooth_loss, total_time, min_val_bpb, val_bpb = 0, 0.0, 0.0, float("inf"), None
@@ -294,7 +314,8 @@ if resume_meta is not None:
     loader_state = states[layout.dp_rank]
 
 print0(f"attention: {kernels.prepare_attention(config, window_sizes(config), device, dtype)}")
-train_model = training.compile_for_training(model, pipeline) if use_compile else model
+train_model = training.compile_for_training(model, pipeline, per_block=optimizer.overlap) if use_compile else model
+print0(f"DP gradient reduction: {'overlapped with the last micro-batch backward' if optimizer.overlap else 'after the backward'}")
 trainer = training.Trainer(model, train_model, pipeline, optimizer, layout, fp8=fp8_active,
                            sequence_parallel=args.sequence_parallel)
 
@@ -353,6 +374,7 @@ while True:
     # --- validation bits per byte ---
     val_bpb = None
     if args.eval_tokens > 0 and (last_step or (args.eval_every > 0 and step % args.eval_every == 0 and step > 0)):
+        watch.phase("val bpb (loss all-reduces; PP: stage p2p)", step)
         if reads_data:
             val_loader = training.make_loader(tokenizer, "val", args.device_batch_size, args.max_seq_len, device,
                                               layout, data_dir)
@@ -371,9 +393,11 @@ while True:
                 f.write(f"{step},{smooth_loss / (1 - 0.9 ** max(1, step)):.6f},{val_bpb:.6f}\n")
 
     # --- checkpoint: at the end, every --save-every steps, or when asked to stop ---
+    watch.collective("stop-flag all-reduce (all ranks)")
     stop_now = all_reduce_max(float(stop_requested), device) > 0
     if args.save_every != 0 and (last_step or stop_now or (args.save_every > 0 and step > 0 and step % args.save_every == 0
                                                            and step != args.resume_from_step)):
+        watch.phase("checkpoint save (state gathers, barriers)", step)
         loop_state = {"step": step, "smooth_loss": smooth_loss, "total_time": total_time, "min_val_bpb": min_val_bpb}
         trainer.save_checkpoint(ckpt_dir, step, last_state, {"model_config": config.to_dict(), "user_config": user_config,
                                                              "loop_state": loop_state,
@@ -386,6 +410,7 @@ while True:
     do_core = args.core_metric_every > 0 and (last_step or (step > 0 and step % args.core_metric_every == 0))
     do_sample = args.sample_every > 0 and (last_step or (step > 0 and step % args.sample_every == 0))
     if do_core or do_sample:
+        watch.phase("CORE / samples (eval bundle download on local rank 0, count all-reduces)", step)
         eval_model = trainer.whole_model()
         with trainer.evaluating():
             if do_core:
@@ -410,9 +435,11 @@ while True:
 
     # --- one optimizer step ---
     t0 = time.time()
+    watch.phase("data: next batches", step)
     batches, state = training.next_batches(train_loader, grad_accum)
     if state is not None:
         last_state = state
+    watch.phase("training step (TP collectives, PP p2p, DP reductions, optimizer all-gathers)", step)
     loss, lrm = trainer.step(batches, schedule, step)
     loss_value = loss.item()  # also synchronizes the device, so dt is honest
     dt = time.time() - t0
@@ -439,6 +466,14 @@ while True:
     if master and step % 10 == 0:
         with open(history_path, "a") as f:
             f.write(f"{step},{debiased:.6f},\n")
+    if step == start_step:  # the first step compiled (at its own pace on each rank): start timing together
+        watch.phase("barrier after the compile warm-up (first step)", step)
+        watch.collective("barrier: compile warm-up")
+        try:
+            barrier(layout, "the first step (compile warm-up)")
+        except RuntimeError as e:
+            print_rank(layout, f"ERROR: {e}")
+            sys.exit(1)
     step += 1
     # the collector walks every Python object: once at the start, then only rarely
     if step == 1:
@@ -473,6 +508,7 @@ if master and step == num_iterations:
         "mfu (%)": round(mfu, 2) if mfu is not None else "n/a", "peak memory (GiB)": round(peak_mem, 2) if peak_mem else "n/a",
         "epoch": epoch, "crop fraction": round(crop, 4) if crop is not None else "n/a",
     }])
+watch.stop()
 if wandb_run:
     wandb_run.finish()
 if train_loader is not None:

@@ -54,7 +54,8 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _worker(rank, world, tp, pp, sequence_parallel, schedule, steps, port, out_dir, config_overrides, resume_from):
+def _worker(rank, world, tp, pp, sequence_parallel, schedule, steps, port, out_dir, config_overrides, resume_from,
+            overlap):
     """One process of the run: base_train's setup and step (nanochat.training), on the fixed batches."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -71,7 +72,7 @@ def _worker(rank, world, tp, pp, sequence_parallel, schedule, steps, port, out_d
     per_rank = GLOBAL_BATCH // layout.dp_size
     n_micro = per_rank // MICRO_BATCH
     pipeline = training.apply_parallelism(model, layout, sequence_parallel, n_micro, MICRO_BATCH, schedule)
-    optimizer = training.make_optimizer(model, layout, torch.float32, **LRS)
+    optimizer = training.make_optimizer(model, layout, torch.float32, **LRS, overlap_grad_reduce=overlap)
     trainer = training.Trainer(model, model, pipeline, optimizer, layout, sequence_parallel=sequence_parallel)
     schedule_of_steps = training.Schedule(steps, LRS["weight_decay"], warmup_steps=0, warmdown_ratio=0.0)
     first_step = 0
@@ -81,12 +82,13 @@ def _worker(rank, world, tp, pp, sequence_parallel, schedule, steps, port, out_d
         optimizer.load_full_state_dict(optim_state)
         first_step = meta["step"]
     batches = fixed_batches(steps)
-    losses = []
+    losses, overlapped = [], []
     for step in range(first_step, steps):
         rows = batches[step][layout.dp_rank * per_rank:(layout.dp_rank + 1) * per_rank]
         micro = [(rows[i:i + MICRO_BATCH, :-1], rows[i:i + MICRO_BATCH, 1:]) for i in range(0, per_rank, MICRO_BATCH)]
         loss, _ = trainer.step(micro, schedule_of_steps, step)
         losses.append(loss.item())
+        overlapped.append(optimizer.launched_in_backward)
         if step + 1 == steps // 2 and out_dir is not None:  # a mid-run checkpoint, saved as base_train saves
             trainer.save_checkpoint(os.path.join(out_dir, "ckpt"), step + 1, None, {})
     # the loss of whole sequences, as CORE and sampling see the model: pipeline and sequence-parallel
@@ -96,7 +98,7 @@ def _worker(rank, world, tp, pp, sequence_parallel, schedule, steps, port, out_d
         eval_loss = eval_model(batches[0][:, :-1], batches[0][:, 1:]).item()
     model_state = ckpt.full_model_state(model)
     if layout.dp_rank == 0 and layout.tp_rank == 0:
-        torch.save({"losses": losses, "params": model_state, "eval_loss": eval_loss},
+        torch.save({"losses": losses, "params": model_state, "eval_loss": eval_loss, "overlapped": overlapped},
                    os.path.join(out_dir, f"stage{layout.pp_rank}.pt"))
     if world > 1:
         dist.barrier()
@@ -116,21 +118,24 @@ def _new_run_dir():
 
 
 def run_layout(dp=1, tp=1, pp=1, sequence_parallel=False, schedule="1f1b", steps=5, config_overrides=None,
-               resume_from=None, out_dir=None):
+               resume_from=None, out_dir=None, overlap=True):
     """Returns {"losses": [...], "params": {name: full tensor}, "eval_losses": [the whole-sequence loss
-    after training, from each stage's first rank], "dir": out_dir}."""
+    after training, from each stage's first rank], "overlapped": [per stage, per step: buckets whose
+    reduction the backward launched], "dir": out_dir}. overlap: the optimizer's overlapped gradient
+    reduction (a no-op at DP = 1)."""
     world = dp * tp * pp
     out_dir = out_dir or _new_run_dir()
-    args = (world, tp, pp, sequence_parallel, schedule, steps, _free_port(), out_dir, config_overrides or {}, resume_from)
+    args = (world, tp, pp, sequence_parallel, schedule, steps, _free_port(), out_dir, config_overrides or {}, resume_from, overlap)
     if world == 1:
         _worker(0, *args)
     else:
         mp.spawn(_worker, args=args, nprocs=world, join=True)
-    params, losses, eval_losses = {}, None, []
+    params, losses, eval_losses, overlapped = {}, None, [], []
     for s in range(pp):
         part = torch.load(os.path.join(out_dir, f"stage{s}.pt"), weights_only=True)
         params.update(part["params"])
         eval_losses.append(part["eval_loss"])
+        overlapped.append(part["overlapped"])
         if s == pp - 1:
             losses = part["losses"]
-    return {"losses": losses, "params": params, "eval_losses": eval_losses, "dir": out_dir}
+    return {"losses": losses, "params": params, "eval_losses": eval_losses, "overlapped": overlapped, "dir": out_dir}

@@ -43,8 +43,27 @@ def test_tp2_sequence_parallel(reference):
     assert_same_run(run_layout(tp=2, sequence_parallel=True), reference)
 
 
+def test_dp4(reference):  # one matrix of every Muon round per rank, one micro-batch per step
+    assert_same_run(run_layout(dp=4), reference)
+
+
 def test_dp2_tp2(reference):
     assert_same_run(run_layout(dp=2, tp=2), reference)
+
+
+@pytest.mark.parametrize("layout", [dict(dp=2), dict(dp=2, pp=2)], ids=["dp2", "dp2_pp2"])
+def test_overlapped_grad_reduce_gives_the_same_run(layout):
+    """The reductions launched from the last micro-batch's backward give the same numbers as those
+    launched in step(); and from the second step on (the first agrees on the order) the backward
+    launches some of them on every stage."""
+    on = run_layout(steps=3, **layout)
+    off = run_layout(steps=3, overlap=False, **layout)
+    assert on["losses"] == off["losses"]
+    for name, p in off["params"].items():
+        assert torch.equal(on["params"][name], p), name
+    for stage in on["overlapped"]:
+        assert stage[0] == 0 and all(n > 0 for n in stage[1:]), on["overlapped"]
+    assert all(n == 0 for stage in off["overlapped"] for n in stage)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

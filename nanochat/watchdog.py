@@ -1,0 +1,94 @@
+"""
+Hang diagnostics: what each rank was doing when a run stops making progress.
+
+Every rank keeps one small record: the step, the phase (e.g. "forward/backward", "optimizer step: DP
+reductions", "checkpoint save"), when that phase began, and the last collective the training script
+named. A daemon thread looks at it every few seconds; when one phase has lasted longer than the
+timeout (--dist-timeout), it writes the record and the Python stack of every thread to stderr and to
+<report_dir>/rank<R>.txt, once per phase; if the phase still has not ended at twice the timeout, it
+reports again and ends the process (exit status 1), so that torchrun stops the others: a gloo
+collective may wait forever on a peer that stopped. An uncaught exception (e.g. gloo's timeout error in a
+collective) writes the same record before its traceback. That names both sides of a hang: the rank
+that stalls (a slow download or compile, a deadlock) and the ranks waiting for it in a collective.
+
+On NCCL, PyTorch's flight recorder keeps the last collectives of every process group (sequence
+number, op, sizes, state) and dumps them when its watchdog times out; enable_flight_recorder() turns it
+on, writing <report_dir>/nccl_trace_rank_<R>, unless the user set the variables. Read the dumps with
+`torchfrtrace <report_dir> -j` (torch.distributed.flight_recorder): it names the collective where the
+ranks diverged.
+"""
+
+import os
+import sys
+import time
+import threading
+import faulthandler
+
+
+def enable_flight_recorder(report_dir):
+    """PyTorch's NCCL flight recorder: record each group's last collectives, dump them on a timeout.
+    Must run before the NCCL process group is created. Variables the user set are kept."""
+    os.makedirs(report_dir, exist_ok=True)
+    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+    os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", os.path.join(report_dir, "nccl_trace_rank_"))
+
+
+class Watchdog:
+    """The record of one rank, and the thread that reports a phase outlasting `timeout_s` (None: keep
+    the record only, e.g. in one process, where nothing can wait on another rank)."""
+
+    def __init__(self, rank, timeout_s, report_dir, poll_s=None):
+        self.rank, self.timeout_s, self.report_dir = rank, timeout_s, report_dir
+        self.step, self.phase_name, self.since, self.last_collective = None, "start-up", time.time(), "none yet"
+        self._reported = None  # the (step, phase, since) already reported
+        self._stop = threading.Event()
+        if timeout_s is not None:
+            self._poll_s = poll_s or min(10.0, max(0.5, timeout_s / 10))
+            threading.Thread(target=self._watch, name="nanochat-watchdog", daemon=True).start()
+            previous_hook = sys.excepthook
+
+            def report_then_raise(kind, value, tb):
+                self.report(f"FAILED with {kind.__name__} in")
+                previous_hook(kind, value, tb)
+            sys.excepthook = report_then_raise
+
+    def phase(self, name, step=None):
+        """This rank starts doing `name` (at optimizer step `step`)."""
+        self.phase_name, self.since = name, time.time()
+        if step is not None:
+            self.step = step
+
+    def collective(self, name):
+        """The script is about to enter the collective `name` (e.g. 'barrier: compile warm-up')."""
+        self.last_collective = name
+
+    def describe(self):
+        return (f"rank {self.rank}: step {self.step}, phase '{self.phase_name}' for {time.time() - self.since:.0f}s, "
+                f"last collective: {self.last_collective}")
+
+    def stop(self):
+        self._stop.set()
+
+    def _watch(self):
+        while not self._stop.wait(self._poll_s):
+            key, waited = (self.step, self.phase_name, self.since), time.time() - self.since
+            if waited > self.timeout_s and key != self._reported:
+                self._reported = key
+                self.report(f"HANG? longer than --dist-timeout {self.timeout_s:g}s in")
+            elif waited > 2 * self.timeout_s and key == self._reported:
+                self.report(f"GIVING UP (exit 1) after twice --dist-timeout {self.timeout_s:g}s in")
+                os._exit(1)
+
+    def report(self, reason):
+        """Write the record and every thread's stack to stderr and to report_dir/rank<R>.txt."""
+        header = f"{reason} {self.describe()}. Every rank writes such a report; compare their steps and phases."
+        print(header, file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        os.makedirs(self.report_dir, exist_ok=True)
+        path = os.path.join(self.report_dir, f"rank{self.rank}.txt")
+        with open(path, "a") as f:
+            f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {header}\n")
+            f.flush()
+            faulthandler.dump_traceback(file=f, all_threads=True)
+        print(f"rank {self.rank}: hang report written to {path}", file=sys.stderr, flush=True)

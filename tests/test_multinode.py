@@ -1,0 +1,153 @@
+"""Two torchrun agents on localhost standing for two nodes (c10d rendezvous, gloo, CPU): the same
+losses as one node with as many processes, per-node data copies and base dirs, and a rank that stops
+making progress produces hang reports instead of a silent hang."""
+
+import os
+import sys
+import time
+import shutil
+import signal
+import subprocess
+
+from conftest import run_script, parse_losses, TINY_MODEL, REPO
+from parallel_harness import _free_port
+
+TRAIN = ["--device-batch-size", "2", "--total-batch-size", "512", "--warmup-steps", "2", "--num-iterations", "3",
+         "--eval-every", "-1", "--save-every", "0"] + TINY_MODEL
+SAMPLE = os.path.join(REPO, "nanochat", "sample_data")
+
+
+def start_node(node_rank, nproc, port, args, env, log_dir):
+    """One torchrun agent as node `node_rank` of 2; stdout and stderr go to files in log_dir."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node_rank}",
+           f"--nproc-per-node={nproc}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+           "-m", "scripts.base_train"] + args
+    out = open(os.path.join(log_dir, f"node{node_rank}.out"), "w")
+    err = open(os.path.join(log_dir, f"node{node_rank}.err"), "w")
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=err, text=True)
+
+
+def read(log_dir, node, stream):
+    with open(os.path.join(log_dir, f"node{node}.{stream}")) as f:
+        return f.read()
+
+
+def run_two_nodes(nproc, args, envs, log_dir, timeout=300):
+    """Both agents to the end; returns (stdout, stderr) of both together."""
+    port = _free_port()
+    nodes = [start_node(n, nproc, port, args, envs[n], log_dir) for n in range(2)]
+    try:
+        for p in nodes:
+            p.wait(timeout=timeout)
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                p.kill()
+    out = read(log_dir, 0, "out") + read(log_dir, 1, "out")
+    err = read(log_dir, 0, "err") + read(log_dir, 1, "err")
+    assert all(p.returncode == 0 for p in nodes), f"STDOUT:\n{out[-6000:]}\nSTDERR:\n{err[-6000:]}"
+    return out, err
+
+
+def node_local_envs(env, tmp_path):
+    """Each node its own base dir (a copy of the tokenizer) and its own copy of the data."""
+    envs = []
+    for n in range(2):
+        base = tmp_path / f"node{n}_base"
+        shutil.copytree(os.path.join(env["NANOCHAT_BASE_DIR"], "tokenizer"), base / "tokenizer")
+        data = tmp_path / f"node{n}_data"
+        shutil.copytree(SAMPLE, data)
+        envs.append(dict(env, NANOCHAT_BASE_DIR=str(base), NANOCHAT_DATA_DIR=str(data)))
+    return envs
+
+
+def test_two_nodes_dp2_with_node_local_data_match_one_node(env, tmp_path):
+    one = parse_losses(run_script("scripts.base_train", TRAIN, env, nproc=2).stdout)
+    envs = node_local_envs(env, tmp_path)
+    out, _ = run_two_nodes(1, TRAIN + ["--save-every", "-1", "--model-tag", "two_nodes"], envs, str(tmp_path))
+    assert len(one) == 3 and parse_losses(out) == one
+    assert "world 2 = dp 2 x tp 1 x pp 1" in out
+    # node-local base dirs: rank 0 warns that the other node cannot see the checkpoint folder
+    assert "is not visible from" in out
+    # a node whose copy of the data differs (one more shard) is refused at the start, naming the ranks
+    first = sorted(f for f in os.listdir(SAMPLE) if f.endswith(".parquet"))[0]
+    shutil.copy(os.path.join(SAMPLE, first), os.path.join(envs[1]["NANOCHAT_DATA_DIR"], "0_extra.parquet"))
+    port = _free_port()
+    nodes = [start_node(n, 1, port, TRAIN, envs[n], str(tmp_path)) for n in range(2)]
+    for p in nodes:
+        p.wait(timeout=300)
+    out = read(str(tmp_path), 0, "out") + read(str(tmp_path), 1, "out")
+    assert any(p.returncode != 0 for p in nodes)
+    assert "the data differs between ranks" in out and "give every node the same shards" in out
+
+
+def test_two_nodes_dp2_tp2_shared_folder_match_one_node(env, tmp_path):
+    args = TRAIN + ["--tp", "2"]
+    one = parse_losses(run_script("scripts.base_train", args, env, nproc=4).stdout)
+    out, _ = run_two_nodes(2, args, [env, env], str(tmp_path))
+    assert len(one) == 3 and parse_losses(out) == one
+    assert "world 4 = dp 2 x tp 2 x pp 1" in out
+
+
+def _children(pid):
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(c) for c in f.read().split()]
+
+
+def test_a_stalled_rank_gives_hang_reports_not_a_silent_hang(env, tmp_path):
+    """Node 1's training process is stopped (SIGSTOP) after the first steps: node 0's rank reports its
+    step, phase and last collective (and its stacks) once it has waited --dist-timeout, and ends at
+    twice that, instead of waiting forever."""
+    envs = node_local_envs(env, tmp_path)
+    args = TRAIN + ["--num-iterations", "1000", "--dist-timeout", "10"]
+    port = _free_port()
+    nodes = [start_node(n, 1, port, args, envs[n], str(tmp_path)) for n in range(2)]
+    stopped = None
+    try:
+        deadline = time.time() + 240
+        while "step 00002/" not in read(str(tmp_path), 0, "out") + read(str(tmp_path), 1, "out"):
+            assert time.time() < deadline and all(p.poll() is None for p in nodes), "training did not start"
+            time.sleep(0.5)
+        stopped = _children(nodes[1].pid)[0]
+        os.kill(stopped, signal.SIGSTOP)
+        nodes[0].wait(timeout=120)  # bounded: the waiting side must end by itself
+        assert nodes[0].returncode != 0
+        err = read(str(tmp_path), 0, "err")
+        assert "HANG? longer than --dist-timeout 10s in rank " in err and ", phase '" in err, err[-4000:]
+        assert "GIVING UP (exit 1) after twice --dist-timeout 10s" in err, err[-4000:]
+        reports = os.path.join(envs[0]["NANOCHAT_BASE_DIR"], "hang_reports")
+        (name,) = [f for f in os.listdir(reports) if f.startswith("rank")]
+        text = open(os.path.join(reports, name)).read()
+        assert ", phase '" in text and "last collective: " in text and 'File "' in text  # the record and the stacks
+    finally:
+        if stopped is not None:
+            os.kill(stopped, signal.SIGKILL)
+        for p in nodes:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def test_watchdog_reports_a_stalled_phase_then_ends_the_process(tmp_path):
+    """The stalled rank's side (in a process of its own: the watchdog ends it): its record and stacks
+    once the phase outlasts the timeout, nothing while phases move on, exit status 1 at twice the timeout."""
+    script = f"""
+import time
+from nanochat.watchdog import Watchdog
+watch = Watchdog(3, timeout_s=0.5, report_dir={str(tmp_path)!r}, poll_s=0.05)
+for step in range(10):  # phases that move on in time are never reported
+    watch.phase("optimizer step", step=step)
+    time.sleep(0.1)
+watch.phase("forward/backward", step=7)
+watch.collective("loss all-reduce over DP")
+time.sleep(30)
+"""
+    t0 = time.time()
+    p = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1 and time.time() - t0 < 20, (p.returncode, p.stderr[-3000:])
+    text = (tmp_path / "rank3.txt").read_text()
+    record = "rank 3: step 7, phase 'forward/backward'"
+    assert f"HANG? longer than --dist-timeout 0.5s in {record}" in text
+    assert "last collective: loss all-reduce over DP" in text and 'File "<string>"' in text  # the stacks
+    assert f"GIVING UP (exit 1) after twice --dist-timeout 0.5s in {record}" in p.stderr
+    assert text.count("HANG?") == 1 and "optimizer step" not in text
