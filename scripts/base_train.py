@@ -46,7 +46,7 @@ B_REF = 2 ** 19  # the reference batch (tokens) at which LRs and weight decay we
 
 parser = argparse.ArgumentParser(description="Pretrain a base model")
 # runtime
-parser.add_argument("--run", type=str, default="dummy", help="wandb run name ('dummy' = no wandb)")
+parser.add_argument("--wandb-run", type=str, default="dummy", help="wandb run name ('dummy' = no wandb)")
 parser.add_argument("--device-type", type=str, default="", help="cuda|cpu|mps (default: autodetect)")
 parser.add_argument("--data-dir", type=str, default=None, help="folder of parquet shards (default: NANOCHAT_DATA_DIR or base_data)")
 # model
@@ -457,9 +457,9 @@ signal.signal(signal.SIGTERM, request_stop)
 signal.signal(signal.SIGINT, request_stop)
 
 wandb_run = None
-if args.run != "dummy" and master:
+if args.wandb_run != "dummy" and master:
     import wandb
-    wandb_run = wandb.init(project="nanochat", name=args.run, config=user_config)
+    wandb_run = wandb.init(project="nanochat", name=args.wandb_run, config=user_config)
 
 peak_flops = get_peak_flops(device_name(device.type)) if device.type == "cuda" else None
 history_path = os.path.join(report.report_dir(), "train_loss.csv") if master else None

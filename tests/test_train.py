@@ -99,7 +99,8 @@ def test_sigterm_saves_then_exits(env):
 
 
 def test_dp2_torchrun_then_resume_at_dp1(env):
-    args = TRAIN + ["--num-iterations", "4", "--save-every", "2", "--model-tag", "dp2", "--eval-every", "-1",
+    """The README's torchrun line (torchrun reads the script's flags too: `--run=NAME` once matched its --run-path)."""
+    args = TRAIN + ["--num-iterations", "4", "--save-every", "2", "--model-tag=dp2", "--wandb-run=dummy", "--eval-every", "-1",
                     "--device-batch-size", "2"]
     p = run_script("scripts.base_train", args, env, nproc=2)
     assert p.stdout.count("local parameters: ") == 2
