@@ -9,10 +9,7 @@ import subprocess
 
 import pytest
 
-from conftest import run_script, TINY_MODEL, REPO
-
-BUNDLE = os.path.join(os.path.dirname(REPO), "shared", "eval_bundle")
-needs_bundle = pytest.mark.skipif(not os.path.isdir(BUNDLE), reason=f"no local CORE bundle at {BUNDLE} (../shared/eval_bundle)")
+from conftest import run_script, TINY_MODEL, REPO, CORE_BUNDLE as BUNDLE, CORE_TASKS
 TAG = "evaltest"
 EVAL = ["--model-tag", TAG, "--eval-bundle", BUNDLE, "--max-per-task", "4", "--eval-tokens", "512",
         "--device-batch-size", "4"]
@@ -44,31 +41,29 @@ def single_run(base_dir, checkpoint):
     return p.stdout, rows, section
 
 
-@needs_bundle
 def test_base_eval_table_core_csv_and_report(single_run):
     from nanochat.core_eval import load_bundle
     stdout, rows, section = single_run
     tasks, missing = load_bundle(BUNDLE)
-    assert len(tasks) == 20 and sorted(missing) == ["coqa", "squad"]
+    assert [t.label for t in tasks] == CORE_TASKS and missing == ["absent"]
     for t in tasks:  # the table: every task that ran, 4 items each
         assert re.search(rf"^\| {t.label} \| 4 \| \d\.\d{{4}} \| -?\d\.\d{{4}} \|$", stdout, re.M), t.label
-    assert "missing (no data file in the bundle, left out of CORE): squad, coqa" in stdout
+    assert "missing (no data file in the bundle, left out of CORE): absent" in stdout
     m = CORE_LINE.search(stdout)
-    assert m and m.group(1, 2) == ("20", "22")
+    assert m and m.group(1, 2) == ("3", "4")
     assert re.search(r"^train bpb: \d+\.\d{6}$", stdout, re.M) and re.search(r"^val bpb: \d+\.\d{6}$", stdout, re.M)
     # the CSV: one row per task, then CORE = the mean of the centered accuracies
     assert rows[0] == ["task", "accuracy", "centered"]
     assert [r[0] for r in rows[1:-1]] == [t.label for t in tasks] and rows[-1][:2] == ["CORE", ""]
     centered = [float(r[2]) for r in rows[1:-1]]
-    assert float(rows[-1][2]) == pytest.approx(sum(centered) / 20, abs=1e-5)
+    assert float(rows[-1][2]) == pytest.approx(sum(centered) / 3, abs=1e-5)
     assert f"{float(rows[-1][2]):.4f}" == m.group(3)
     # the report section carries the keys the summary reads, and the table
     for key in ("train bpb", "val bpb", "CORE"):
         assert re.search(rf"^- {key}: -?\d", section, re.M), key
-    assert "| task | items | accuracy | centered |" in section and "| hellaswag | 4 |" in section
+    assert "| task | items | accuracy | centered |" in section and "| capitals | 4 |" in section
 
 
-@needs_bundle
 def test_base_eval_data_parallel_matches_one_process(base_dir, checkpoint, single_run):
     p = run_script("scripts.base_eval", EVAL + ["--skip-bpb"], script_env(base_dir), nproc=2)
     assert CORE_LINE.search(p.stdout).group(0) == CORE_LINE.search(single_run[0]).group(0)
