@@ -98,13 +98,17 @@ def find_last_step(ckpt_dir):
     return steps[-1]
 
 
+def delete_checkpoint(ckpt_dir, step):
+    """The meta first (so the step stops counting as saved before its tensors go), then the tensor files."""
+    os.remove(os.path.join(ckpt_dir, f"meta_{step:06d}.json"))
+    for path in glob.glob(os.path.join(ckpt_dir, f"model_{step:06d}*.pt")) + glob.glob(os.path.join(ckpt_dir, f"optim_{step:06d}*.pt")):
+        os.remove(path)
+
+
 def prune_checkpoints(ckpt_dir, keep_last):
-    """Delete all but the newest keep_last checkpoints: the meta first (so a step stops counting as saved
-    before its tensors go), then the step's model and optimizer files."""
+    """Delete all but the newest keep_last checkpoints."""
     for step in saved_steps(ckpt_dir)[:-keep_last]:
-        os.remove(os.path.join(ckpt_dir, f"meta_{step:06d}.json"))
-        for path in glob.glob(os.path.join(ckpt_dir, f"model_{step:06d}*.pt")) + glob.glob(os.path.join(ckpt_dir, f"optim_{step:06d}*.pt")):
-            os.remove(path)
+        delete_checkpoint(ckpt_dir, step)
 
 
 def _damaged(path, step, why):

@@ -16,26 +16,26 @@ The recipe (printed at start):
 
 import os
 import gc
+import atexit
 import contextlib
-import sys
 import math
 import time
 import json
-import signal
 import argparse
 
 import torch
 import torch.distributed as dist
 
 from nanochat.common import (compute_init, compute_cleanup, print0, print_rank, get_compute_dtype, get_peak_flops,
-                             device_name, all_reduce_max, fail)
+                             device_name, all_reduce_max, fail, install_stop_handlers, stop_agreed, Interrupted,
+                             available_memory, estimate_train_memory)
 from nanochat.gpt import (GPTConfig, config_for_depth, build_model, window_sizes, prepare_attention, GPT,
                          tune_wgrad_splits, set_wgrad_splits)
 from nanochat.optim import MuonAdamW
 from nanochat.dataloader import DataLoader, reshard_states
 from nanochat.dataset import DataError, check_data
 from nanochat.tokenizer import get_tokenizer, get_token_bytes, TokenizerError
-from nanochat.loss_eval import evaluate_bpb
+from nanochat.loss_eval import evaluate_bpb, default_eval_tokens
 from nanochat import checkpoint_manager as ckpt
 from nanochat import report
 
@@ -75,12 +75,14 @@ parser.add_argument("--warmdown-ratio", type=float, default=0.65, help="fraction
 parser.add_argument("--final-lr-frac", type=float, default=0.05, help="LR multiplier at the end of warmdown")
 # evaluation, sampling, checkpoints
 parser.add_argument("--eval-every", type=int, default=250, help="val bpb every N steps (-1 = only at the end)")
-parser.add_argument("--eval-tokens", type=int, default=20 * 524288, help="tokens of validation data per evaluation (0 = no evaluation)")
+parser.add_argument("--eval-tokens", type=int, default=-1, help="tokens of validation data per evaluation (0 = no evaluation; "
+                                                                  "-1 = 20 x 2^19 on a GPU, 2^18 elsewhere)")
 parser.add_argument("--core-metric-every", type=int, default=2000, help="CORE every N steps (-1 = never)")
 parser.add_argument("--core-metric-max-per-task", type=int, default=500, help="items per CORE task during training")
 parser.add_argument("--eval-bundle", type=str, default=None, help="CORE bundle folder (default: download)")
 parser.add_argument("--sample-every", type=int, default=2000, help="print completions every N steps (-1 = never)")
 parser.add_argument("--save-every", type=int, default=-1, help="checkpoint every N steps (-1 = only at the end, 0 = never)")
+parser.add_argument("--keep-last", type=int, default=-1, help="keep only the newest N checkpoints of the model tag (-1 = all)")
 parser.add_argument("--resume-from-step", type=int, default=-1, help="resume from this checkpoint step (-1 = start fresh)")
 parser.add_argument("--model-tag", type=str, default=None, help="checkpoint folder name (default: d<depth>)")
 parser.add_argument("--compile", type=int, default=-1, help="torch.compile the model and optimizer (-1 = on CUDA only)")
@@ -123,6 +125,9 @@ if args.device_batch_size < 1:
     fail(f"--device-batch-size must be at least 1 (got {args.device_batch_size})")
 if args.core_metric_max_per_task == 0 or args.core_metric_max_per_task < -1:
     fail("--core-metric-max-per-task must be a positive number of items, or -1 for all")
+if args.keep_last == 0 or args.keep_last < -1:
+    fail("--keep-last must be a positive number of checkpoints, or -1 to keep all")
+eval_tokens = default_eval_tokens(device.type) if args.eval_tokens < 0 else args.eval_tokens
 
 # -----------------------------------------------------------------------------
 # Tokenizer, model config (from the checkpoint when resuming)
@@ -144,6 +149,10 @@ resume_meta = None
 if args.resume_from_step >= 0:
     try:
         resume_meta = ckpt.load_meta(ckpt_dir, args.resume_from_step)
+    except ckpt.CheckpointError as e:
+        fail(str(e))
+    try:
+        ckpt.check_tokenizer(resume_meta, tokenizer, ckpt_dir)
     except ckpt.CheckpointError as e:
         fail(str(e))
     config = GPTConfig.from_dict(resume_meta["model_config"])
@@ -216,6 +225,18 @@ if args.pp > 1 and grad_accum < args.pp:
     fail(f"pipeline parallelism needs at least pp={args.pp} micro-batches per step, got {grad_accum} "
          f"(= {total_batch_size:,} / {tokens_per_micro:,}); lower --device-batch-size or raise --total-batch-size")
 
+if device.type == "cpu":  # a CPU that runs out of memory kills the process without a word: refuse first
+    per_process = estimate_train_memory(param_counts["total"], config.n_layer, config.n_embd, config.vocab_size,
+                                        args.device_batch_size * args.max_seq_len)
+    need, have = per_process * int(os.environ.get("LOCAL_WORLD_SIZE", 1)), available_memory()
+    if have is not None and need > have:
+        fits = [b for b in (2 ** i for i in range(12)) if b < args.device_batch_size and
+                estimate_train_memory(param_counts["total"], config.n_layer, config.n_embd, config.vocab_size,
+                                      b * args.max_seq_len) * int(os.environ.get("LOCAL_WORLD_SIZE", 1)) <= have]
+        fail(f"training on the CPU with micro-batches of {args.device_batch_size} x {args.max_seq_len} tokens needs about "
+             f"{need / 2**30:.1f} GiB, and {have / 2**30:.1f} GiB is available: lower --device-batch-size"
+             + (f" (about {fits[-1]} fits)" if fits else "") + " or --max-seq-len, or train a smaller --depth")
+
 print0(f"parameters: {param_counts['total']:,} total | {param_counts['scaling']:,} scaling | "
        f"{param_counts['embeddings']:,} embeddings" + (f" | {param_counts['l3 tables (sparse)']:,} L3 sparse, "
                                                        f"{param_counts['active']:,} active" if config.l3_after_layers else ""))
@@ -224,6 +245,9 @@ print0(f"horizon: {D:,} tokens = {num_iterations:,} steps x {total_batch_size:,}
        f"tokens/scaling param = {D / num_scaling_params:.2f}; D_ref = {D_REF:,.0f}")
 print0(f"batch: {total_batch_size:,} tokens = {args.device_batch_size} x {args.max_seq_len} x dp {layout.dp_size} x "
        f"grad accum {grad_accum}" + ("" if args.total_batch_size > 0 else " (Power Lines: 2^19 * (D_opt/D_ref)^0.383)"))
+if args.warmup_steps > num_iterations:
+    print0(f"note: --warmup-steps {args.warmup_steps} is longer than the run ({num_iterations} steps): the LR never "
+           f"reaches its peak (lower --warmup-steps)")
 print0(f"LR scale sqrt(B/2^19) = {lr_scale:.4f}; Muon weight decay = {args.weight_decay} x {lr_scale:.4f} x "
        f"D_ref/D {D_REF / D:.4f} = {weight_decay:.5f}; total FLOPs {flops_per_token * D:.4e}")
 
@@ -359,14 +383,18 @@ def muon_weight_decay(it):
 
 
 def next_batches():
-    """grad_accum micro-batches (x, y) and the data state after the last one."""
+    """grad_accum micro-batches (x, y), the data state after the last one, and the message of a data
+    error (a shard that cannot be read) or None."""
     if train_loader is None:
-        return [(None, None)] * grad_accum, None
+        return [(None, None)] * grad_accum, None, None
     batches = []
-    for _ in range(grad_accum):
-        x, y, state = next(train_loader)
-        batches.append((x, y))
-    return batches, state
+    try:
+        for _ in range(grad_accum):
+            x, y, state = next(train_loader)
+            batches.append((x, y))
+    except DataError as e:
+        return None, None, str(e)
+    return batches, state, None
 
 
 def forward_backward(batches):
@@ -397,16 +425,17 @@ def eval_loss_fn(x, y):
 
 
 def evaluate_val_bpb():
-    steps = max(1, args.eval_tokens // (args.device_batch_size * args.max_seq_len * layout.dp_size))
+    steps = max(1, eval_tokens // (args.device_batch_size * args.max_seq_len * layout.dp_size))
     loader = make_loader("val") if reads_data else None
     batches = loader if loader is not None else iter(lambda: (None, None), 0)
     model.eval()
-    with bf16_eval():
-        bpb = evaluate_bpb(eval_loss_fn, batches, steps, token_bytes, layout)
-    model.train()
-    if loader is not None:
-        loader.close()
-    return bpb
+    try:
+        with bf16_eval():
+            return evaluate_bpb(eval_loss_fn, batches, steps, token_bytes, layout, label="val bpb")
+    finally:  # also when a stop (Interrupted) or a data error ends it
+        model.train()
+        if loader is not None:
+            loader.close()
 
 
 def gather_data_states():
@@ -421,8 +450,16 @@ def gather_data_states():
 
 
 def save_checkpoint(at_step):
-    """Full tensors: TP shards gathered; each pipeline stage writes its own part; meta last."""
+    """Full tensors: TP shards gathered; each pipeline stage writes its own part; meta last. Weights that
+    are not finite are not saved: the run stops instead, so a diverged run never becomes the latest
+    checkpoint (nor what a resume, base_eval or sample would pick up)."""
     t0 = time.time()
+    bad = ckpt.nonfinite_tensors(orig_model.state_dict())
+    if all_reduce_max(float(len(bad) > 0), device) > 0:
+        if bad:
+            print_rank(layout, f"weights that are not finite: {', '.join(bad[:3])}")
+        fail(f"the weights are not finite at step {at_step} (the run diverged): not saving; try a lower LR, or resume "
+             f"from an earlier checkpoint")
     states = gather_data_states()
     writer = layout.dp_rank == 0 and layout.tp_rank == 0
     model_state = ckpt.full_model_state(orig_model, keep=writer)
@@ -435,26 +472,19 @@ def save_checkpoint(at_step):
         meta = {"model_config": config.to_dict(), "user_config": user_config, "dataloader_states": states,
                 "loop_state": {"step": at_step, "smooth_loss": smooth_loss, "total_time": total_time,
                                "min_val_bpb": min_val_bpb},
-                "layout": {"dp": layout.dp_size, "tp": layout.tp_size, "pp": layout.pp_size}}
+                "layout": {"dp": layout.dp_size, "tp": layout.tp_size, "pp": layout.pp_size},
+                "tokenizer_hash": tokenizer.hash}
         ckpt.save_meta(ckpt_dir, at_step, meta, layout.pp_size)
+        if args.keep_last > 0:
+            ckpt.prune_checkpoints(ckpt_dir, args.keep_last)
     if layout.world_size > 1:
         dist.barrier()
     print0(f"saved checkpoint for step {at_step} to {ckpt_dir} ({time.time() - t0:.1f}s)")
+    return at_step
 
 
-# Ctrl-C / SIGTERM: finish the current step, save, exit
-stop_requested = False
-
-
-def request_stop(signum, frame):
-    global stop_requested
-    if not stop_requested:
-        print(f"received signal {signum}: will save a checkpoint at the next step boundary and exit", flush=True)
-    stop_requested = True
-
-
-signal.signal(signal.SIGTERM, request_stop)
-signal.signal(signal.SIGINT, request_stop)
+# Ctrl-C / SIGTERM: stop at the next step boundary, or within seconds during an evaluation; save; exit 0
+install_stop_handlers()
 
 wandb_run = None
 if args.wandb_run != "dummy" and master:
@@ -479,6 +509,9 @@ last_state = loader_state
 mfu, tok_per_sec, epoch = None, 0.0, 1
 if device.type == "cuda":
     torch.cuda.reset_peak_memory_stats()
+core_status = "off (--core-metric-every -1)" if args.core_metric_every <= 0 else "not run"  # for the report
+
+
 def core_and_samples(at_step):
     """CORE and sample completions (uncompiled model, bf16). CORE runs on every rank (DP splits the
     items); every rank samples (under TP the forward is collective) and rank 0 prints. Under pipeline or
@@ -492,16 +525,20 @@ def core_and_samples(at_step):
     if pipeline is not None or args.sequence_parallel:
         eval_model = ckpt.gathered_model(orig_model, layout)
     eval_model.eval()
+    global core_status
     with bf16_eval():
         if do_core:
             from nanochat.core_eval import evaluate_core_for_training, EvalBundleError
+            core_status = "skipped: no CORE bundle (--eval-bundle DIR, or a network to download it)"
             try:
                 core = evaluate_core_for_training(eval_model, tokenizer, device, layout, args.eval_bundle,
                                                   args.core_metric_max_per_task)
             except EvalBundleError as e:  # a broken bundle must not end a training run
                 print0(f"step {at_step:05d} | CORE failed: {e}")
+                core_status = f"failed: {e}"
                 core = None
             if core is not None:
+                core_status = f"{core['core']:.4f} at step {at_step} ({core['tasks_run']}/{core['tasks_total']} tasks)"
                 print0(f"step {at_step:05d} | CORE ({core['tasks_run']}/{core['tasks_total']} tasks): {core['core']:.4f}")
                 if wandb_run:
                     wandb_run.log({"step": at_step, "core": core["core"]})
@@ -513,34 +550,66 @@ def core_and_samples(at_step):
     del eval_model
 
 
-start_step = step
+def write_history_row(at_step, loss_value, val):
+    """One row per step of train_loss.csv: every 10th step, and every step with a val bpb."""
+    if master:
+        with open(history_path, "a") as f:
+            f.write(f"{at_step},{loss_value:.6f}," + (f"{val:.6f}" if val is not None else "") + "\n")
+
+
+def stop_on_data_error(message):
+    """A shard that cannot be read mid-run (caught on one rank, agreed by all): save, then stop with its message."""
+    messages = [message]
+    if layout.world_size > 1:
+        messages = [None] * layout.world_size
+        dist.all_gather_object(messages, message)
+    if args.save_every != 0:
+        save_checkpoint(step)
+    fail(f"{next(m for m in messages if m)} (at step {step}; " +
+         (f"saved: resume with --resume-from-step {step} once the file is replaced)" if args.save_every != 0 else "not saved)"))
+
+
+start_step, saved_step = step, None
 while True:
     last_step = step == num_iterations
     # --- evaluation, checkpoint, CORE and samples (before the step: step 0 is the untrained model;
-    # the checkpoint comes before CORE and sampling, so a failure there cannot lose the weights) ---
+    # the checkpoint comes before CORE and sampling, so a failure there cannot lose the weights). A stop
+    # requested during an evaluation ends it within seconds (Interrupted); the checkpoint is still saved ---
     val_bpb = None
-    if args.eval_tokens > 0 and (last_step or (args.eval_every > 0 and step % args.eval_every == 0 and step > 0)):
-        val_bpb = evaluate_val_bpb()
+    if eval_tokens > 0 and (last_step or (args.eval_every > 0 and step % args.eval_every == 0 and step > 0)):
+        try:
+            val_bpb = evaluate_val_bpb()
+        except Interrupted:
+            pass
+        except DataError as e:
+            stop_on_data_error(str(e))
+    if val_bpb is not None:
         min_val_bpb = min(min_val_bpb, val_bpb)
         print0(f"step {step:05d} | val bpb: {val_bpb:.6f}")
         if wandb_run:
             wandb_run.log({"step": step, "val/bpb": val_bpb})
-        if master:
-            with open(history_path, "a") as f:
-                f.write(f"{step},{smooth_loss / (1 - 0.9 ** max(1, step)):.6f},{val_bpb:.6f}\n")
-    stop_now = all_reduce_max(float(stop_requested), device) > 0
+    stop_now = stop_agreed(device)
     if args.save_every != 0 and (last_step or stop_now or (args.save_every > 0 and step > 0 and step % args.save_every == 0
                                                            and step != args.resume_from_step)):
-        save_checkpoint(step)
+        saved_step = save_checkpoint(step)
     if stop_now:
         break
-    core_and_samples(step)
+    try:
+        core_and_samples(step)
+    except Interrupted:
+        if args.save_every != 0 and saved_step != step:
+            save_checkpoint(step)
+        break
     if last_step:
+        if val_bpb is not None:
+            write_history_row(step, smooth_loss / (1 - 0.9 ** max(1, step)), val_bpb)
         break
 
     # --- one optimizer step ---
     t0 = time.time()
-    batches, state = next_batches()
+    batches, state, data_error = next_batches()
+    if all_reduce_max(float(data_error is not None), device) > 0:
+        stop_on_data_error(data_error)
     if state is not None:
         last_state = state
     loss = forward_backward(batches)
@@ -558,7 +627,11 @@ while True:
     loss_value = loss.item()  # also synchronizes the device, so dt is honest
     dt = time.time() - t0
     if not math.isfinite(loss_value):
-        fail(f"loss is {loss_value} at step {step}; stopping (try a lower LR, or resume from an earlier checkpoint)")
+        withdrawn = saved_step == step  # saved moments ago: its weights are the ones that gave this loss
+        if withdrawn and master:
+            ckpt.delete_checkpoint(ckpt_dir, step)
+        fail(f"loss is {loss_value} at step {step}; stopping" + (f" (deleted the checkpoint of step {step}: its weights give "
+             f"this loss)" if withdrawn else "") + "; try a lower LR, or resume from an earlier checkpoint")
 
     smooth_loss = 0.9 * smooth_loss + 0.1 * loss_value
     debiased = smooth_loss / (1 - 0.9 ** (step + 1))
@@ -577,15 +650,17 @@ while True:
     if wandb_run and step % 10 == 0:
         wandb_run.log({"step": step, "train/loss": debiased, "train/lrm": lrm, "train/dt": dt, "train/tok_per_sec": tok_per_sec,
                        **({"train/mfu": mfu} if mfu is not None else {})})
-    if master and step % 10 == 0:
-        with open(history_path, "a") as f:
-            f.write(f"{step},{debiased:.6f},\n")
+    if step % 10 == 0 or val_bpb is not None:
+        write_history_row(step, debiased, val_bpb)
     step += 1
     # the collector walks every Python object: once at the start, then only rarely
     if step == 1:
         gc.collect()
         gc.freeze()
         gc.disable()
+        # frozen objects are never freed; at exit (a failure's included) extensions such as triton's nanobind
+        # would report them as leaked
+        atexit.register(gc.unfreeze)
     elif step % 5000 == 0:
         gc.collect()
 
@@ -598,8 +673,12 @@ if peak_mem is not None and layout.world_size > 1:  # ranks differ (pipeline sta
                        f"{torch.cuda.memory_allocated() / 2**30:.2f} GiB")
 if val_bpb is not None:
     print0(f"Validation bpb: {val_bpb:.6f}")
-print0(f"minimum validation bpb: {min_val_bpb:.6f}; training time: {total_time / 60:.2f} min" +
-       (f"; peak memory: {peak_mem:.2f} GiB" if peak_mem else ""))
+summary = ([f"minimum validation bpb: {min_val_bpb:.6f}"] if math.isfinite(min_val_bpb) else []) + \
+          ([f"training time: " + (f"{total_time / 60:.2f} min" if total_time >= 60 else f"{total_time:.1f}s")]
+           if total_time > 0 else []) + \
+          ([f"peak memory: {peak_mem:.2f} GiB"] if peak_mem else [])
+if summary:
+    print0("; ".join(summary))
 if master and step == num_iterations:
     crop = train_loader.stats["crop_fraction"] if train_loader is not None else None
     report.log_section("Base model training", [user_config, {
@@ -609,7 +688,9 @@ if master and step == num_iterations:
         "training FLOPs": f"{flops_per_token * D:.4e}", "Muon weight decay": weight_decay, "LR scale": lr_scale,
         "layout": f"dp {layout.dp_size} x tp {layout.tp_size} x pp {layout.pp_size}",
         "gpus used": layout.world_size if device.type == "cuda" else 0,
-        "final validation bpb": val_bpb, "minimum validation bpb": min_val_bpb,
+        "final validation bpb": val_bpb if val_bpb is not None else "not measured",
+        "CORE during training": core_status,
+        "minimum validation bpb": min_val_bpb if math.isfinite(min_val_bpb) else "not measured",
         "training time (min)": round(total_time / 60, 3), "tok/sec (last step)": round(tok_per_sec),
         "mfu (%)": round(mfu, 2) if mfu is not None else "n/a", "peak memory (GiB)": round(peak_mem, 2) if peak_mem else "n/a",
         "epoch": epoch, "crop fraction": round(crop, 4) if crop is not None else "n/a",
@@ -619,5 +700,3 @@ if wandb_run:
 if train_loader is not None:
     train_loader.close()
 compute_cleanup()
-if stop_requested:
-    sys.exit(0)
