@@ -12,6 +12,16 @@ launch() {
     fi
 }
 
+# logged LOG MODULE ARGS...: launch into LOG; when it fails, say so with the end of LOG (the error), then fail
+logged() {
+    local log="$1"; shift
+    if ! launch "$@" > "$log" 2>&1; then
+        echo "FAILED: $1 (full log: $log); its last lines:" >&2
+        tail -n 15 "$log" >&2
+        return 1
+    fi
+}
+
 # train_log_numbers LOG: "flops,params,scaling_params,tokens" as base_train printed them
 train_log_numbers() {
     local params scaling tokens flops
