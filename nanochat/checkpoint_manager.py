@@ -28,7 +28,7 @@ import pickle
 
 import torch
 
-from nanochat.common import get_base_dir, atomic_write_bytes, atomic_torch_save
+from nanochat.common import get_base_dir, atomic_write_bytes, atomic_torch_save, base_dir_hint
 
 
 class CheckpointError(RuntimeError):
@@ -181,18 +181,13 @@ def check_tokenizer(meta, tokenizer, ckpt_dir):
                               f"trained with (NANOCHAT_BASE_DIR of that run)")
 
 
-RUNCPU_BASE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "nanochat", "runcpu")  # runs/runcpu.sh's default
-
-
 def latest_model_tag(base_dir=None):
     """The most recently written tag folder under base_checkpoints/."""
     root = os.path.join(base_dir or get_base_dir(), "base_checkpoints")
     tags = [d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d))] if os.path.isdir(root) else []
     if not tags:
-        hint = (f"; runs/runcpu.sh saved its model under {RUNCPU_BASE_DIR}: NANOCHAT_BASE_DIR={RUNCPU_BASE_DIR} "
-                f"python -m scripts.<script>" if os.path.isdir(os.path.join(RUNCPU_BASE_DIR, "base_checkpoints")) else
-                "; runs/runcpu.sh saves under $NANOCHAT_BASE_DIR (default ~/.cache/nanochat/runcpu): set NANOCHAT_BASE_DIR to it")
-        raise CheckpointError(f"no checkpoints in {root}: train a model with `python -m scripts.base_train` first{hint}")
+        raise CheckpointError(f"no checkpoints in {root}: train a model with `python -m scripts.base_train` first"
+                              + base_dir_hint())
     return max(tags, key=lambda d: os.path.getmtime(os.path.join(root, d)))
 
 

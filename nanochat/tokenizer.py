@@ -16,7 +16,7 @@ import binascii
 
 import torch
 
-from nanochat.common import get_base_dir, atomic_write_bytes, atomic_torch_save
+from nanochat.common import get_base_dir, atomic_write_bytes, atomic_torch_save, base_dir_hint
 
 # GPT-4 style split, except that numbers split in groups of 1-2 digits (not 1-3): with a small
 # vocabulary, fewer number tokens leave room for more words.
@@ -95,8 +95,8 @@ class Tokenizer:
     def load(cls, directory):
         ranks_path, meta_path = os.path.join(directory, "tokenizer.tiktoken"), os.path.join(directory, "tokenizer.json")
         if not (os.path.exists(ranks_path) and os.path.exists(meta_path)):
-            raise TokenizerError(f"no tokenizer in {directory}: train one with "
-                                 f"`python -m scripts.tok_train` (or set NANOCHAT_BASE_DIR to where one was trained)")
+            raise TokenizerError(f"no tokenizer in {directory}: train one with `python -m scripts.tok_train`, or set "
+                                 f"NANOCHAT_BASE_DIR to where one was trained" + base_dir_hint())
         retrain = "train it again with `python -m scripts.tok_train` (checkpoints trained with the old one need it back)"
         ranks = {}
         with open(ranks_path, "rb") as f:

@@ -16,7 +16,7 @@ import csv
 import argparse
 
 from nanochat.common import (compute_init, compute_cleanup, print0, get_base_dir, get_compute_dtype, fail,
-                             install_stop_handlers, Interrupted)
+                             install_stop_handlers, Interrupted, cpu_memory_error)
 from nanochat.checkpoint_manager import load_model, CheckpointError
 from nanochat.tokenizer import get_tokenizer, get_token_bytes, TokenizerError
 from nanochat.dataloader import DataLoader
@@ -119,6 +119,9 @@ def evaluate(args, layout, device):
 
     if not args.skip_bpb:
         T = model.config.sequence_len
+        if device.type == "cpu" and (error := cpu_memory_error(sum(p.numel() for p in model.parameters()), model.config,
+                                                               args.device_batch_size, T, training=False)):
+            fail(error)
         eval_tokens = default_eval_tokens(device.type) if args.eval_tokens < 0 else args.eval_tokens
         steps = max(1, eval_tokens // (args.device_batch_size * T * layout.dp_size))
         for split in ("train", "val"):

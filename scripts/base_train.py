@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from nanochat.common import (compute_init, compute_cleanup, print0, print_rank, get_compute_dtype, get_peak_flops,
                              device_name, all_reduce_max, fail, install_stop_handlers, stop_agreed, Interrupted,
-                             available_memory, estimate_train_memory)
+                             cpu_memory_error)
 from nanochat.gpt import (GPTConfig, config_for_depth, build_model, window_sizes, prepare_attention, GPT,
                          tune_wgrad_splits, set_wgrad_splits)
 from nanochat.optim import MuonAdamW
@@ -225,17 +225,8 @@ if args.pp > 1 and grad_accum < args.pp:
     fail(f"pipeline parallelism needs at least pp={args.pp} micro-batches per step, got {grad_accum} "
          f"(= {total_batch_size:,} / {tokens_per_micro:,}); lower --device-batch-size or raise --total-batch-size")
 
-if device.type == "cpu":  # a CPU that runs out of memory kills the process without a word: refuse first
-    per_process = estimate_train_memory(param_counts["total"], config.n_layer, config.n_embd, config.vocab_size,
-                                        args.device_batch_size * args.max_seq_len)
-    need, have = per_process * int(os.environ.get("LOCAL_WORLD_SIZE", 1)), available_memory()
-    if have is not None and need > have:
-        fits = [b for b in (2 ** i for i in range(12)) if b < args.device_batch_size and
-                estimate_train_memory(param_counts["total"], config.n_layer, config.n_embd, config.vocab_size,
-                                      b * args.max_seq_len) * int(os.environ.get("LOCAL_WORLD_SIZE", 1)) <= have]
-        fail(f"training on the CPU with micro-batches of {args.device_batch_size} x {args.max_seq_len} tokens needs about "
-             f"{need / 2**30:.1f} GiB, and {have / 2**30:.1f} GiB is available: lower --device-batch-size"
-             + (f" (about {fits[-1]} fits)" if fits else "") + " or --max-seq-len, or train a smaller --depth")
+if device.type == "cpu" and (error := cpu_memory_error(param_counts["total"], config, args.device_batch_size, args.max_seq_len)):
+    fail(error)
 
 print0(f"parameters: {param_counts['total']:,} total | {param_counts['scaling']:,} scaling | "
        f"{param_counts['embeddings']:,} embeddings" + (f" | {param_counts['l3 tables (sparse)']:,} L3 sparse, "

@@ -100,3 +100,40 @@ def test_sample_reads_prompts_from_stdin(base_dir, checkpoint):
     assert p.returncode == 0, p.stderr
     lines = [l for l in p.stdout.splitlines() if l.startswith("--- [")]
     assert len(lines) == 2 and lines[0].startswith("--- [1/1] Hello") and lines[1].startswith("--- [1/1] World")
+
+
+def test_checkpoint_with_another_tokenizer_is_refused(base_dir, checkpoint, tmp_path):
+    """Another tokenizer of the same vocab size (two special tokens' ids swapped) would load and give garbage."""
+    import json
+    import shutil
+    other = tmp_path / "other"
+    shutil.copytree(os.path.join(base_dir, "tokenizer"), other / "tokenizer")
+    shutil.copytree(os.path.join(base_dir, "base_checkpoints", TAG), other / "base_checkpoints" / TAG)
+    meta_path = other / "tokenizer" / "tokenizer.json"
+    meta = json.loads(meta_path.read_text())
+    ids = meta["special_tokens"]
+    ids["<|user_start|>"], ids["<|user_end|>"] = ids["<|user_end|>"], ids["<|user_start|>"]
+    meta_path.write_text(json.dumps(meta))
+    for module, extra in (("scripts.sample", ["--prompt", "The"]), ("scripts.base_eval", ["--skip-core"])):
+        p = run_script(module, ["--model-tag", TAG] + extra, script_env(str(other)), check=False)
+        out = p.stdout + p.stderr
+        assert p.returncode == 1 and "Traceback" not in p.stderr, (module, out[-800:])
+        assert re.search(r"was trained with tokenizer [0-9a-f]{16}, but the tokenizer in .*other/tokenizer is [0-9a-f]{16}", out), module
+
+
+def test_sample_without_checkpoints_says_where_runcpu_put_them(base_dir, tmp_path):
+    import shutil
+    p = run_script("scripts.sample", ["--prompt", "The"], script_env(str(tmp_path)), check=False)
+    out = p.stdout + p.stderr  # nothing at all: the tokenizer is missing first
+    assert p.returncode == 1 and "no tokenizer in" in out and "runs/runcpu.sh keeps its tokenizer and checkpoints under" in out
+    shutil.copytree(os.path.join(base_dir, "tokenizer"), tmp_path / "tokenizer")
+    p = run_script("scripts.sample", ["--prompt", "The"], script_env(str(tmp_path)), check=False)
+    out = p.stdout + p.stderr
+    assert p.returncode == 1 and "no checkpoints in" in out and "runs/runcpu.sh keeps its tokenizer and checkpoints under" in out
+
+
+def test_base_eval_skip_core_is_said_in_the_report(base_dir, checkpoint):
+    run_script("scripts.base_eval", ["--model-tag", TAG, "--skip-core", "--eval-tokens", "512", "--device-batch-size", "4"],
+               script_env(base_dir))
+    with open(os.path.join(base_dir, "report", "base-model-evaluation.md")) as f:
+        assert "- CORE: skipped (--skip-core)" in f.read()

@@ -105,11 +105,12 @@ def test_damaged_tokenizer_is_named(tmp_path):
 
 
 def test_cpu_memory_estimate_grows_with_the_micro_batch():
-    from nanochat.common import estimate_train_memory
-    small = estimate_train_memory(37_000_000, 4, 256, 32768, 4 * 512)
+    from nanochat.common import estimate_memory
+    small = estimate_memory(37_000_000, 4, 256, 32768, 4 * 512)
     assert 0.8 * 2**30 < small - 2**30 < 2.0 * 2**30  # measured: ~1.25 GiB peak for this one (d4, 2048 tokens)
-    big = estimate_train_memory(37_000_000, 4, 256, 32768, 32 * 2048)  # the old CPU defaults: tens of GiB
+    big = estimate_memory(37_000_000, 4, 256, 32768, 32 * 2048)  # the old CPU defaults: tens of GiB
     assert big > 30 * 2**30
+    assert 0.6 * 2**30 < estimate_memory(37_000_000, 4, 256, 32768, 4 * 512, training=False) - 2**30 < 1.2 * 2**30  # ~0.83
 
 
 def test_progress_speaks_only_for_long_loops(capsys):

@@ -23,7 +23,7 @@ def bash(script, env, timeout=900):
 def test_speedrun_cpu_scale_report(tmp_path, env):
     e = dict(env, NANOCHAT_BASE_DIR=str(tmp_path), PYTHON=sys.executable, NPROC="1", DEPTH="2", MODEL_TAG="tiny",
              DEVICE_BATCH_SIZE="8", NANOCHAT_DATA_DIR=SAMPLE_DATA, EVAL_BUNDLE=BUNDLE,
-             TOK_ARGS="--vocab-size 1024 --max-chars 3000000", TRAIN_ARGS=TINY + " --num-iterations 12 --eval-every 6",
+             TOK_ARGS="--vocab-size 1024 --max-chars 3000000", TRAIN_ARGS=TINY + " --num-iterations 12 --eval-every 5",
              EVAL_ARGS="--max-per-task 4 --eval-tokens 8192")
     out = bash("speedrun.sh", e)
     report = open(tmp_path / "report" / "report.md").read()
@@ -31,7 +31,10 @@ def test_speedrun_cpu_scale_report(tmp_path, env):
                     "## Base model training", "## Base model evaluation", "## Base model samples", "## Stage wall times",
                     "git commit:", "cost at", "| capitals |"):
         assert section in report, section
-    assert "## Loss curve" in report  # a figure, or the note that matplotlib is missing
+    assert "![loss curve](loss_curve.png)" in report and os.path.exists(tmp_path / "report" / "loss_curve.png")
+    rows = list(csv.DictReader(open(tmp_path / "report" / "train_loss.csv")))
+    assert [r["step"] for r in rows] == ["0", "5", "10", "12"]  # one row per step (step 10: its loss and val bpb)
+    assert all(r["val_bpb"] for r in rows[1:]) and not rows[0]["val_bpb"]
     # the numbers in the report are the ones the stages printed
     val_bpb = re.search(r"^val bpb: ([\d.]+)$", out, re.M).group(1)
     core = re.search(r"^CORE \(3/4 tasks\): (-?[\d.]+)$", out, re.M).group(1)
@@ -70,3 +73,11 @@ def test_scaling_laws_and_miniseries_small(tmp_path, env, base_dir):
     rows = list(csv.DictReader(open(os.path.join(base_dir, "miniseries.csv"))))
     assert len(rows) == 1 and rows[0]["depth"] == "2" and float(rows[0]["val_bpb"]) > 0 and rows[0]["core"] != ""
     assert float(rows[0]["flops"]) > 0
+
+
+def test_a_failing_run_prints_its_error(tmp_path, env):
+    e = dict(env, PYTHON=sys.executable, NANOCHAT_BASE_DIR=str(tmp_path), DEPTHS="2", FLOPS="1e11",
+             TRAIN_ARGS="--no-such-flag")
+    p = subprocess.run(["bash", "runs/scaling_laws.sh"], cwd=REPO, env=e, capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0
+    assert "FAILED: scripts.base_train" in p.stderr and "unrecognized arguments: --no-such-flag" in p.stderr, p.stderr

@@ -38,6 +38,7 @@ def test_log_line_format(env):
     p = run_script("scripts.base_train", TRAIN + ["--num-iterations", "3", "--model-tag", "fmt", "--warmup-steps", "5"], env)
     assert "note: --warmup-steps 5 is longer than the run (3 steps)" in p.stdout
     assert "nanobind" not in p.stderr  # no leak report at exit (the collector was frozen with triton imported)
+    assert p.stdout.count("NOTICE: no parquet shards") == 1
     assert "training time" not in p.stdout and "minimum validation bpb: 4" in p.stdout  # nothing timed in 3 steps
     lines = [l for l in p.stdout.splitlines() if l.startswith("step 00001/")]
     assert len(lines) == 1
@@ -137,6 +138,7 @@ def test_dp2_torchrun_then_resume_at_dp1(env):
     p = run_script("scripts.base_train", args, env, nproc=2)
     assert p.stdout.count("local parameters: ") == 2
     assert "[dp=0]" in p.stdout and "[dp=1]" in p.stdout
+    assert p.stdout.count("NOTICE: no parquet shards") == 1  # the sample-data notice once per run, not per process
     assert len(parse_losses(p.stdout)) == 4
     meta = json.load(open(os.path.join(env["NANOCHAT_BASE_DIR"], "base_checkpoints", "dp2", "meta_000002.json")))
     assert [s["dp_rank"] for s in meta["dataloader_states"]] == [0, 1]
