@@ -124,8 +124,7 @@ def load_meta(ckpt_dir, step):
     try:
         with open(path) as f:
             meta = json.load(f)
-        meta["model_config"]
-    except (ValueError, KeyError, TypeError) as e:  # truncated or edited by hand
+    except ValueError as e:  # truncated or edited by hand
         raise _damaged(path, step, f"not a checkpoint's JSON: {type(e).__name__}: {e}") from None
     return meta
 
@@ -142,7 +141,7 @@ def _load_merged(ckpt_dir, step, kind, num_stages, device):
             raise CheckpointError(f"{path} holds objects other than tensors, which are not loaded (unpickling them could "
                                   f"run code); a checkpoint from base_train holds tensors only: use one saved by it") from None
         except (RuntimeError, EOFError, OSError) as e:  # a truncated or corrupt file
-            raise _damaged(path, step, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'unreadable'}") from None
+            raise _damaged(path, step, f"{type(e).__name__}: {str(e).split('. ')[0] or 'unreadable'}") from None
         if kind == "optim":  # {'adamw_step': n, 'params': {...}}
             merged.setdefault("params", {}).update(part["params"])
             merged["adamw_step"] = part["adamw_step"]

@@ -97,7 +97,7 @@ class Tokenizer:
         if not (os.path.exists(ranks_path) and os.path.exists(meta_path)):
             raise TokenizerError(f"no tokenizer in {directory}: train one with `python -m scripts.tok_train`, or set "
                                  f"NANOCHAT_BASE_DIR to where one was trained" + base_dir_hint())
-        retrain = "train it again with `python -m scripts.tok_train` (checkpoints trained with the old one need it back)"
+        retrain = "train it again with `python -m scripts.tok_train` (checkpoints of the old one will not match the new one)"
         ranks = {}
         with open(ranks_path, "rb") as f:
             for line_no, line in enumerate(f, 1):
