@@ -115,7 +115,7 @@ train() {
     local bundle=()
     [ -n "${EVAL_BUNDLE:-}" ] && bundle=(--eval-bundle "$EVAL_BUNDLE")
     launch scripts.base_train --depth="$DEPTH" --target-param-data-ratio="$RATIO" --device-batch-size="$DEVICE_BATCH_SIZE" \
-        --model-tag="$MODEL_TAG" --run="$RUN" ${fp8[@]+"${fp8[@]}"} ${bundle[@]+"${bundle[@]}"} \
+        --model-tag="$MODEL_TAG" --wandb-run="$RUN" ${fp8[@]+"${fp8[@]}"} ${bundle[@]+"${bundle[@]}"} \
         ${resume[@]+"${resume[@]}"} $TRAIN_ARGS
 }
 stage train train

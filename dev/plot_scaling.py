@@ -37,7 +37,7 @@ try:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 except ImportError:
-    print("plot skipped: matplotlib is not installed (pip install -e .[plot]); the table above is all there is")
+    print("plot skipped: matplotlib is not installed (pip install matplotlib); the table above is all there is")
     raise SystemExit(0)
 fig, ax = plt.subplots(figsize=(7, 4.5))
 for (path, depth), points in sorted(series.items(), key=lambda kv: kv[0][1]):

@@ -10,18 +10,25 @@ optim_..._stage<k>.pt); the loader merges them. The tensors are always whole, so
 at one (DP, TP, PP) layout loads at any other.
 
 Every file is written to a temporary name and renamed, and meta_<step>.json is written last: a step
-counts as saved only when its meta exists, so a kill during a save never damages an earlier one.
+counts as saved only when its meta exists, so a kill during a save never damages an earlier one. The
+temporary files an interrupted save leaves (<name>.tmp.<pid>) are removed at the next save.
 Loading uses torch.load(weights_only=True) and JSON: nothing arbitrary is unpickled.
+
+What can go wrong is caught where it happens, with one line naming the file: weights that are not finite
+are never saved (a diverged run must not become the latest checkpoint) and never loaded; a damaged or
+refused file says which step to delete; a checkpoint records its tokenizer's hash, and a checkpoint used
+with another tokenizer is an error that names both.
 """
 
 import os
 import re
 import glob
 import json
+import pickle
 
 import torch
 
-from nanochat.common import get_base_dir, atomic_write_bytes, atomic_torch_save
+from nanochat.common import get_base_dir, atomic_write_bytes, atomic_torch_save, base_dir_hint
 
 
 class CheckpointError(RuntimeError):
@@ -36,9 +43,36 @@ def _suffix(stage, num_stages):
     return "" if num_stages == 1 else f"_stage{stage}"
 
 
+def nonfinite_tensors(state):
+    """Names of the floating-point tensors of a state dict that hold a NaN or an infinity."""
+    return [name for name, t in state.items()
+            if torch.is_tensor(t) and t.is_floating_point() and not torch.isfinite(t).all()]
+
+
+def remove_stale_tmp(ckpt_dir):
+    """Delete the <file>.tmp.<pid> files of saves that were interrupted (their process is gone)."""
+    for path in glob.glob(os.path.join(ckpt_dir, "*.tmp.*")):
+        m = re.search(r"\.tmp\.(\d+)$", path)
+        if m and not _process_alive(int(m.group(1))):
+            os.remove(path)
+
+
+def _process_alive(pid):
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
 def save_stage_files(ckpt_dir, step, model_state, optim_state, stage=0, num_stages=1):
     """Write one pipeline stage's model and optimizer files (tensors must be full and on CPU)."""
     os.makedirs(ckpt_dir, exist_ok=True)
+    remove_stale_tmp(ckpt_dir)
     sfx = _suffix(stage, num_stages)
     atomic_torch_save(model_state, os.path.join(ckpt_dir, f"model_{step:06d}{sfx}.pt"))
     if optim_state is not None:
@@ -51,12 +85,35 @@ def save_meta(ckpt_dir, step, meta, num_stages=1):
     atomic_write_bytes(os.path.join(ckpt_dir, f"meta_{step:06d}.json"), json.dumps(meta, indent=2).encode())
 
 
+def saved_steps(ckpt_dir):
+    """The steps with a meta_<step>.json (the complete checkpoints), ascending."""
+    return sorted(int(m.group(1)) for f in glob.glob(os.path.join(ckpt_dir, "meta_*.json"))
+                  if (m := re.search(r"meta_(\d+)\.json$", f)))
+
+
 def find_last_step(ckpt_dir):
-    steps = [int(m.group(1)) for f in glob.glob(os.path.join(ckpt_dir, "meta_*.json"))
-             if (m := re.search(r"meta_(\d+)\.json$", f))]
+    steps = saved_steps(ckpt_dir)
     if not steps:
         raise CheckpointError(f"no checkpoint in {ckpt_dir} (looked for meta_*.json)")
-    return max(steps)
+    return steps[-1]
+
+
+def delete_checkpoint(ckpt_dir, step):
+    """The meta first (so the step stops counting as saved before its tensors go), then the tensor files."""
+    os.remove(os.path.join(ckpt_dir, f"meta_{step:06d}.json"))
+    for path in glob.glob(os.path.join(ckpt_dir, f"model_{step:06d}*.pt")) + glob.glob(os.path.join(ckpt_dir, f"optim_{step:06d}*.pt")):
+        os.remove(path)
+
+
+def prune_checkpoints(ckpt_dir, keep_last):
+    """Delete all but the newest keep_last checkpoints."""
+    for step in saved_steps(ckpt_dir)[:-keep_last]:
+        delete_checkpoint(ckpt_dir, step)
+
+
+def _damaged(path, step, why):
+    return CheckpointError(f"{path} is damaged ({why}): delete step {step}'s files (model_{step:06d}*, optim_{step:06d}*, "
+                           f"meta_{step:06d}.json) and use an earlier step")
 
 
 def load_meta(ckpt_dir, step):
@@ -64,8 +121,12 @@ def load_meta(ckpt_dir, step):
     if not os.path.exists(path):
         available = sorted(int(re.search(r"(\d+)", os.path.basename(f)).group(1)) for f in glob.glob(os.path.join(ckpt_dir, "meta_*.json")))
         raise CheckpointError(f"no checkpoint for step {step} in {ckpt_dir}; saved steps: {available or 'none'}")
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+    except ValueError as e:  # truncated or edited by hand
+        raise _damaged(path, step, f"not a checkpoint's JSON: {type(e).__name__}: {e}") from None
+    return meta
 
 
 def _load_merged(ckpt_dir, step, kind, num_stages, device):
@@ -74,7 +135,13 @@ def _load_merged(ckpt_dir, step, kind, num_stages, device):
         path = os.path.join(ckpt_dir, f"{kind}_{step:06d}{_suffix(stage, num_stages)}.pt")
         if not os.path.exists(path):
             raise CheckpointError(f"checkpoint step {step} is incomplete: {path} is missing")
-        part = torch.load(path, map_location=device, weights_only=True)
+        try:
+            part = torch.load(path, map_location=device, weights_only=True)
+        except pickle.UnpicklingError:  # an object other than tensors, dicts and numbers: never unpickled
+            raise CheckpointError(f"{path} holds objects other than tensors, which are not loaded (unpickling them could "
+                                  f"run code); a checkpoint from base_train holds tensors only: use one saved by it") from None
+        except (RuntimeError, EOFError, OSError) as e:  # a truncated or corrupt file
+            raise _damaged(path, step, f"{type(e).__name__}: {str(e).split('. ')[0] or 'unreadable'}") from None
         if kind == "optim":  # {'adamw_step': n, 'params': {...}}
             merged.setdefault("params", {}).update(part["params"])
             merged["adamw_step"] = part["adamw_step"]
@@ -84,13 +151,33 @@ def _load_merged(ckpt_dir, step, kind, num_stages, device):
 
 
 def load_checkpoint(ckpt_dir, step=None, device="cpu", load_optimizer=True):
-    """(model_state, optim_state or None, meta) for a step (default: the latest)."""
+    """(model_state, optim_state or None, meta) for a step (default: the latest). Weights that are not
+    finite are refused."""
     step = find_last_step(ckpt_dir) if step is None else step
     meta = load_meta(ckpt_dir, step)
     n = meta.get("num_stages", 1)
     model_state = _load_merged(ckpt_dir, step, "model", n, device)
+    bad = nonfinite_tensors(model_state)
+    if bad:
+        earlier = [s for s in saved_steps(ckpt_dir) if s < step]
+        raise CheckpointError(f"checkpoint step {step} in {ckpt_dir} has weights that are not finite ({', '.join(bad[:3])}"
+                              f"{', ...' if len(bad) > 3 else ''}): the run had diverged; use an earlier step "
+                              f"(saved: {earlier or 'none'}) with --step / --resume-from-step")
     optim_state = _load_merged(ckpt_dir, step, "optim", n, device) if load_optimizer else None
     return model_state, optim_state, meta
+
+
+def check_tokenizer(meta, tokenizer, ckpt_dir):
+    """The checkpoint must be used with the tokenizer it was trained with: another one of the same vocab
+    size would load and give wrong bpb and garbage samples. Checkpoints from before the hash was recorded
+    are accepted as they are (the vocab size still has to fit the weights)."""
+    saved = meta.get("tokenizer_hash")
+    if saved is None:
+        return
+    if saved != tokenizer.hash:
+        raise CheckpointError(f"the checkpoint in {ckpt_dir} (step {meta['step']}) was trained with tokenizer {saved}, "
+                              f"but the tokenizer in {tokenizer.directory} is {tokenizer.hash}: use the tokenizer it was "
+                              f"trained with (NANOCHAT_BASE_DIR of that run)")
 
 
 def latest_model_tag(base_dir=None):
@@ -98,14 +185,17 @@ def latest_model_tag(base_dir=None):
     root = os.path.join(base_dir or get_base_dir(), "base_checkpoints")
     tags = [d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d))] if os.path.isdir(root) else []
     if not tags:
-        raise CheckpointError(f"no checkpoints in {root}: train a model with `python -m scripts.base_train` first")
+        raise CheckpointError(f"no checkpoints in {root}: train a model with `python -m scripts.base_train` first"
+                              + base_dir_hint())
     return max(tags, key=lambda d: os.path.getmtime(os.path.join(root, d)))
 
 
-def load_model(model_tag=None, step=None, device="cpu", compute_dtype=torch.float32, base_dir=None, layout=None):
+def load_model(model_tag=None, step=None, device="cpu", compute_dtype=torch.float32, base_dir=None, layout=None,
+               tokenizer=None):
     """Build a GPT from a checkpoint for evaluation or sampling (the latest tag and step unless given).
     With a layout of TP > 1 the full weights are loaded, then sharded for this rank, so a checkpoint
-    from any training layout evaluates at any TP. Returns (model, meta); meta["model_tag"] is the tag."""
+    from any training layout evaluates at any TP. `tokenizer`: the one to use with it, checked against
+    the checkpoint's. Returns (model, meta); meta["model_tag"] is the tag."""
     from nanochat.gpt import GPTConfig, build_model
     model_tag = model_tag or latest_model_tag(base_dir)
     ckpt_dir = checkpoint_dir(model_tag, base_dir)
@@ -114,6 +204,8 @@ def load_model(model_tag=None, step=None, device="cpu", compute_dtype=torch.floa
         tags = sorted(os.listdir(root)) if os.path.isdir(root) else []
         raise CheckpointError(f"no checkpoints for model tag {model_tag!r} in {root}; tags found: {tags or 'none'}")
     model_state, _, meta = load_checkpoint(ckpt_dir, step, device="cpu", load_optimizer=False)
+    if tokenizer is not None:
+        check_tokenizer(meta, tokenizer, ckpt_dir)
     config = GPTConfig.from_dict(meta["model_config"])
     model = build_model(config, device, compute_dtype)
     load_model_state(model, model_state)

@@ -1,6 +1,8 @@
 """
 Things every script needs: where files live, which device and dtype to compute in, the torchrun
-process groups (DP x TP x PP), rank-aware printing, the peak FLOP/s table for MFU, and a CUDA timer.
+process groups (DP x TP x PP), rank-aware printing, the peak FLOP/s table for MFU, a CUDA timer,
+Ctrl-C / SIGTERM as a request to stop that long loops poll, progress lines for long loops, and the
+memory a CPU run may use.
 
 The compute dtype is decided once, here: bf16 on GPUs that have fast bf16 (SM80+), fp32 elsewhere,
 overridable with NANOCHAT_DTYPE=float32|bfloat16. Weights stay fp32; modules cast to it.
@@ -8,6 +10,8 @@ overridable with NANOCHAT_DTYPE=float32|bfloat16. Weights stay fp32; modules cas
 
 import os
 import sys
+import time
+import signal
 import datetime
 import statistics
 from dataclasses import dataclass
@@ -24,6 +28,17 @@ def get_base_dir():
     base = os.environ.get("NANOCHAT_BASE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "nanochat")
     os.makedirs(base, exist_ok=True)
     return base
+
+
+RUNCPU_BASE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "nanochat", "runcpu")  # runs/runcpu.sh's default
+
+
+def base_dir_hint():
+    """For "not found" messages: where runs/runcpu.sh keeps its files, unless that is the base dir in use."""
+    if os.path.abspath(get_base_dir()) == RUNCPU_BASE_DIR:
+        return ""
+    return (f" (runs/runcpu.sh keeps its tokenizer and checkpoints under {RUNCPU_BASE_DIR}: "
+            f"run with NANOCHAT_BASE_DIR={RUNCPU_BASE_DIR} to use them)")
 
 
 def atomic_write_bytes(path, data: bytes):
@@ -300,3 +315,108 @@ def cuda_time_ms(fn, repeats=20, warmup=3):
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+# -----------------------------------------------------------------------------
+# Stopping: Ctrl-C and SIGTERM become a request that the training loop and the evaluations poll, so that
+# a run stops within seconds at any time (evaluation included) and saves its checkpoint on the way out
+
+
+class Interrupted(Exception):
+    """A stop was requested (Ctrl-C or SIGTERM) while a long operation polled stop_point()."""
+
+
+_stop_signal = None
+
+
+def install_stop_handlers():
+    """Ctrl-C and SIGTERM set the stop request instead of killing the process."""
+    def request_stop(signum, frame):
+        global _stop_signal
+        if _stop_signal is None:
+            print(f"received signal {signum}: stopping at the next step or evaluation batch", flush=True)
+        _stop_signal = signum
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+
+
+def stop_requested():
+    return _stop_signal is not None
+
+
+def stop_agreed(device):
+    """Whether any rank was asked to stop (a collective: every rank must call it at the same point)."""
+    return all_reduce_max(float(stop_requested()), device) > 0
+
+
+def stop_point(device=None):
+    """Raise Interrupted when a stop was requested. With a device, every rank must call it equally often:
+    the ranks agree (a signal reaches them at slightly different times); without one, this rank alone."""
+    if (stop_agreed(device) if device is not None else stop_requested()):
+        raise Interrupted()
+
+
+# -----------------------------------------------------------------------------
+# Progress of long loops
+
+
+class Progress:
+    """Prints `label: i/total (rate, ETA)` on rank 0 at most every `every` seconds, so that a loop longer
+    than a few seconds is never silent and a short one prints nothing."""
+
+    def __init__(self, label, total, unit="batches", every=10.0):
+        self.label, self.total, self.unit, self.every = label, total, unit, every
+        self.t0 = self.last = time.time()
+
+    def update(self, done):
+        now = time.time()
+        if now - self.last < self.every or done >= self.total:
+            return
+        self.last = now
+        rate = done / (now - self.t0)
+        eta = (self.total - done) / rate if rate > 0 else float("inf")
+        print0(f"{self.label}: {done}/{self.total} {self.unit} ({now - self.t0:.0f}s, about {eta:.0f}s left)")
+
+
+# -----------------------------------------------------------------------------
+# Memory
+
+
+def available_memory():
+    """Bytes of memory this process can still use (Linux: MemAvailable), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def estimate_memory(num_params, n_layer, n_embd, vocab_size, tokens, training=True):
+    """Bytes a CPU process needs, roughly (measured on CPU, depth 4-8, fp32), plus 1 GiB for the rest.
+    Training: 16 per parameter (weights, gradients, two optimizer states) and, per token of a micro-batch,
+    18 x vocab (the logits and their gradient) + 96 x layers x width (activations kept for the backward).
+    Evaluation: 4 per parameter and, per token, 14 x vocab + 16 x layers x width."""
+    if training:
+        return 16 * num_params + tokens * (18 * vocab_size + 96 * n_layer * n_embd) + 2**30
+    return 4 * num_params + tokens * (14 * vocab_size + 16 * n_layer * n_embd) + 2**30
+
+
+def cpu_memory_error(num_params, config, batch_size, seq_len, training=True):
+    """None when `batch_size` sequences of `seq_len` tokens fit in the memory available to the processes of
+    this machine (or it is unknown); else the message, with a batch size that fits. A CPU that runs out of
+    memory kills the process without a word, so the scripts refuse first."""
+    processes = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    have = available_memory()
+
+    def need(b):
+        return processes * estimate_memory(num_params, config.n_layer, config.n_embd, config.vocab_size, b * seq_len, training)
+    if have is None or need(batch_size) <= have:
+        return None
+    fits = [b for b in (2 ** i for i in range(12)) if b < batch_size and need(b) <= have]
+    return (f"{'training' if training else 'evaluating'} on the CPU with micro-batches of {batch_size} x {seq_len} tokens "
+            f"needs about {need(batch_size) / 2**30:.1f} GiB, and {have / 2**30:.1f} GiB is available: lower "
+            f"--device-batch-size" + (f" (about {fits[-1]} fits)" if fits else "") +
+            (" or --max-seq-len, or train a smaller --depth" if training else ""))

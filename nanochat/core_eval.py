@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 import torch.distributed as dist
 
-from nanochat.common import get_base_dir, print0, barrier
+from nanochat.common import get_base_dir, print0, barrier, stop_point, Progress
 
 # The public DCLM eval bundle (the CORE tasks in this layout); NANOCHAT_EVAL_BUNDLE_URL overrides it.
 EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
@@ -367,7 +367,16 @@ def evaluate_task(model, tokenizer, task, records, device, max_per_task=-1, layo
         if cache is not None:
             cache[key] = items
     correct = 0
+    # a stop request ends a long task within a batch in one process; under torchrun the ranks run different
+    # numbers of batches, so they agree on stopping once per task (evaluate_core)
+    alone = layout is None or layout.world_size == 1
+    progress = Progress(f"  {task.label}", len(items), unit="items")
+    done = 0
     for batch in item_batches(items, batch_tokens):
+        if alone:
+            stop_point()
+        progress.update(done)
+        done += len(batch)
         mean_losses, exact = score_rows(model, [r for it in batch for r in it.rows],
                                         [s for it in batch for s in it.starts], device)
         offset = 0
@@ -404,7 +413,9 @@ def evaluate_core(model, tokenizer, device, bundle_dir, max_per_task=-1, layout=
            + (f"; no data file for {len(missing)}: {', '.join(missing)}" if missing else ""))
     records_by_path = cache.setdefault("records", {}) if cache is not None else {}
     results = {}
+    distributed = layout is not None and layout.world_size > 1
     for task in tasks:
+        stop_point(device if distributed else None)
         t0 = time.time()
         if task.path not in records_by_path:
             records_by_path[task.path] = load_records(task)

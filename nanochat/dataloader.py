@@ -24,7 +24,8 @@ import threading
 import numpy as np
 import torch
 
-from nanochat.dataset import resolve_data_dir, split_files, list_row_groups, read_row_group, DataError
+from nanochat.dataset import (resolve_data_dir, split_files, list_row_groups, read_row_group, row_group_rows,
+                              no_text_error, DataError)
 
 
 class BestFitPacker:
@@ -35,12 +36,17 @@ class BestFitPacker:
         self.tokenizer, self.B, self.T = tokenizer, B, T
         self.bos = tokenizer.get_bos_token_id()
         self.dp_rank, self.dp_size = dp_rank, dp_size
-        self.buffer_docs, self.keep_remainder, self.threads = buffer_docs, keep_remainder, tokenizer_threads
+        self.keep_remainder, self.threads = keep_remainder, tokenizer_threads
         data_dir = resolve_data_dir(data_dir, quiet=(split == "val"))
-        self.row_groups = list_row_groups(split_files(data_dir, split))
+        self.files = split_files(data_dir, split)
+        self.row_groups = list_row_groups(self.files)
         if len(self.row_groups) == 0:
             raise DataError(f"the {split} shards in {data_dir} hold no row groups")
         self.N = len(self.row_groups)
+        # a buffer as large as the data would hold copies of the same documents from several epochs at
+        # once (a small shard read again and again): at most half of what this rank reads in an epoch
+        rows_per_rank = sum(row_group_rows(*rg) for rg in self.row_groups) // dp_size
+        self.buffer_docs = max(1, min(buffer_docs, rows_per_rank // 2))
         # the buffer: lengths sorted ascending, with the token arrays and references in the same order
         self.lengths, self.docs, self.refs = [], [], []
         self.g = dp_rank
@@ -52,9 +58,9 @@ class BestFitPacker:
     # --- reading ----------------------------------------------------------------
 
     def _tokenize_rows(self, g, rows=None):
-        """{row: int32 array of [bos] + tokens} for row group g (all rows, or the given ones)."""
+        """{row: int32 array of [bos] + tokens} for row group g (all rows with text, or the given ones)."""
         texts = read_row_group(*self.row_groups[g % self.N])
-        rows = range(len(texts)) if rows is None else sorted(set(rows))
+        rows = [r for r in range(len(texts)) if texts[r]] if rows is None else sorted(set(rows))
         ids = self.tokenizer.encode([texts[r] for r in rows], prepend=self.bos, num_threads=self.threads)
         return {r: np.asarray(x, dtype=np.int32) for r, x in zip(rows, ids)}
 
@@ -69,11 +75,15 @@ class BestFitPacker:
         return self.docs.pop(i), self.refs.pop(i)
 
     def _refill(self):
-        while len(self.docs) < self.buffer_docs:
+        reads = 0  # at most N row groups per refill: data with little text cannot fill the buffer
+        while len(self.docs) < self.buffer_docs and reads < self.N:
             for row, tokens in self._tokenize_rows(self.g).items():
                 self._insert(tokens, (self.g, row, 0))
                 self.tokens_in += len(tokens)
             self.g += self.dp_size
+            reads += 1
+        if not self.docs:
+            raise no_text_error(self.files)
 
     # --- packing ----------------------------------------------------------------
 

@@ -47,13 +47,22 @@ def resolve_data_dir(data_dir=None, allow_sample=True, quiet=False):
     data_dir = explicit or default_data_dir()
     if list_parquet_files(data_dir):
         return data_dir
+    if explicit and not os.path.isdir(data_dir):
+        source = "--data-dir" if data_dir == explicit and not os.environ.get("NANOCHAT_DATA_DIR") else "NANOCHAT_DATA_DIR"
+        raise DataError(f"the data folder {data_dir} does not exist ({source}): fix the path, or download shards "
+                        f"with `python -m nanochat.dataset -n 8`")
     if explicit or not allow_sample:
         raise DataError(f"no parquet shards in {data_dir}. Download some with `python -m nanochat.dataset -n 8`, "
                         f"or point --data-dir / NANOCHAT_DATA_DIR at a folder of parquet files with a `text` column")
-    if not quiet:
+    global _notice_shown
+    if not quiet and not _notice_shown and int(os.environ.get("RANK", 0)) == 0:  # once per run, not per process
         print(f"NOTICE: no parquet shards in {data_dir}; using the small bundled sample in {SAMPLE_DIR} "
               f"(Wikipedia, CC BY-SA). For real runs: `python -m nanochat.dataset -n 8` or --data-dir.", flush=True)
+        _notice_shown = True
     return SAMPLE_DIR
+
+
+_notice_shown = False
 
 
 @lru_cache(maxsize=None)
@@ -83,13 +92,24 @@ def list_row_groups(files):
     return [(f, i) for f in files for i in range(_open(f).num_row_groups)]
 
 
+def row_group_rows(path, index):
+    """The number of rows of a row group (from the footer: nothing is read)."""
+    return _open(path).metadata.row_group(index).num_rows
+
+
 def check_data(data_dir=None):
     """Resolve the data folder and open every shard once, so a bad file fails the run at the start
-    (naming the file), not hours later at the first evaluation. Returns the folder."""
+    (naming the file), not hours later at the first evaluation; the first row group of each split must
+    hold text. Returns the folder."""
     data_dir = resolve_data_dir(data_dir)
     for split in ("train", "val"):
-        if not list_row_groups(split_files(data_dir, split)):
+        row_groups = list_row_groups(split_files(data_dir, split))
+        if not row_groups:
             raise DataError(f"the {split} shards in {data_dir} hold no rows")
+        path, index = row_groups[0]
+        if not any(read_row_group(path, index)):
+            raise DataError(f"{path}: the `text` of every row of row group {index} is empty; a model cannot learn from "
+                            f"it. Check how the shard was written (one document per row in the `text` column)")
     return data_dir
 
 
@@ -108,6 +128,12 @@ def read_row_group(path, index):
     except Exception as e:
         raise DataError(f"cannot read row group {index} of {path} ({type(e).__name__}: {e}); the file may be corrupt") from None
     return table.column("text").to_pylist()
+
+
+def no_text_error(files):
+    names = ", ".join(os.path.basename(f) for f in files[:3]) + (", ..." if len(files) > 3 else "")
+    return DataError(f"the shards {names} in {os.path.dirname(files[0])} hold no text (every row's `text` is empty): "
+                     f"check how they were written (one document per row in the `text` column)")
 
 
 def iter_documents(files, start=0, step=1):

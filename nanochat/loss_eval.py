@@ -6,7 +6,8 @@ Bits per byte: a tokenizer-independent loss.
 
 Special tokens (<|bos|>, 0 bytes) and ignored targets (-1) count neither nats nor bytes. Every rank
 evaluates its own batches; the sums are reduced over the data-parallel group (and, with pipeline
-parallelism, sent from the last stage, which holds the losses, to the others).
+parallelism, sent from the last stage, which holds the losses, to the others). A long evaluation prints
+its progress and stops within a batch when Ctrl-C / SIGTERM asked the run to stop (common.stop_point).
 """
 
 import math
@@ -14,17 +15,30 @@ import math
 import torch
 import torch.distributed as dist
 
-from nanochat.common import grid_rank
+from nanochat.common import grid_rank, stop_point, Progress
+
+# The default tokens per evaluation: 20 batches of 2^19 on a GPU (seconds); on a CPU that would take hours
+EVAL_TOKENS_GPU = 20 * 524288
+EVAL_TOKENS_CPU = 2 ** 18
+
+
+def default_eval_tokens(device_type):
+    return EVAL_TOKENS_GPU if device_type == "cuda" else EVAL_TOKENS_CPU
 
 
 @torch.no_grad()
-def evaluate_bpb(loss_fn, batches, steps, token_bytes, layout=None):
+def evaluate_bpb(loss_fn, batches, steps, token_bytes, layout=None, label="bpb"):
     """loss_fn(x, y) -> per-token losses (any shape matching y), or None on a pipeline stage without
-    the head. batches yields (x, y, ...). token_bytes: int tensor, bytes per token id (0 = special)."""
+    the head. batches yields (x, y, ...). token_bytes: int tensor, bytes per token id (0 = special).
+    Raises common.Interrupted when a stop is requested (every rank at the same batch)."""
     device = token_bytes.device
     total_nats = torch.zeros((), dtype=torch.float64, device=device)
     total_bytes = torch.zeros((), dtype=torch.int64, device=device)
-    for _ in range(steps):
+    distributed = layout is not None and layout.world_size > 1
+    progress = Progress(label, steps)
+    for i in range(steps):
+        stop_point(device if distributed else None)
+        progress.update(i)
         x, y = next(batches)[:2]
         losses = loss_fn(x, y)
         if losses is None:

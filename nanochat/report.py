@@ -2,7 +2,8 @@
 The run report. Each stage appends its own section as a small markdown file under
 $NANOCHAT_BASE_DIR/report/ (so stages can run, fail and re-run independently); `generate()` stitches
 them into report.md with a header (environment, git commit, hardware, software), a summary table,
-a loss-curve figure (when matplotlib is installed) and the wall time and cost of the run.
+a loss-curve figure and the wall time and cost of the run. A stage that did not run, or skipped a
+part (CORE without a bundle, `--skip-core`), is said so in the report.
 
     python -m nanochat.report reset               # start a new report (writes the environment section)
     python -m nanochat.report stage NAME SECONDS  # record a stage's wall time
@@ -161,7 +162,7 @@ def plot_loss_curve(csv_path, png_path):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return "(loss-curve figure skipped: matplotlib is not installed; `pip install -e .[plot]`)"
+        return "(loss-curve figure skipped: matplotlib is not installed; `pip install matplotlib`)"
     steps, losses, val_steps, vals = [], [], [], []
     with open(csv_path) as f:
         for row in csv.DictReader(f):
@@ -220,6 +221,9 @@ def generate():
         rows.append((f"cost at ${GPU_HOUR_USD:.2f}/GPU-hour (NANOCHAT_GPU_HOUR_USD)",
                      f"${wall / 3600 * n_gpus * GPU_HOUR_USD:.2f} ({n_gpus} GPUs)" if n_gpus else "$0.00 (CPU run)"))
     out += ["## Summary", "", "| metric | value |", "| --- | --- |"] + [f"| {k} | {v} |" for k, v in rows] + [""]
+    absent = [t for t in SECTION_ORDER if slug(t) not in files]
+    if absent:
+        out += [f"Not in this report (the stage did not run, or did not finish): {', '.join(absent)}.", ""]
 
     # figure
     csv_path = os.path.join(d, "train_loss.csv")

@@ -11,10 +11,12 @@ Saved under $NANOCHAT_BASE_DIR/tokenizer/ in plain, non-executable files:
 import os
 import json
 import base64
+import hashlib
+import binascii
 
 import torch
 
-from nanochat.common import get_base_dir, atomic_write_bytes, atomic_torch_save
+from nanochat.common import get_base_dir, atomic_write_bytes, atomic_torch_save, base_dir_hint
 
 # GPT-4 style split, except that numbers split in groups of 1-2 digits (not 1-3): with a small
 # vocabulary, fewer number tokens leave room for more words.
@@ -49,6 +51,17 @@ class Tokenizer:
         self.enc = tiktoken.Encoding(name="nanochat", pat_str=pattern, mergeable_ranks=mergeable_ranks,
                                      special_tokens=special_tokens)
         self.bos_token_id = special_tokens["<|bos|>"]
+        self.directory = None  # the folder it was loaded from or saved to
+
+    @property
+    def hash(self):
+        """The tokenizer's identity: 16 hex digits of a SHA-256 over its merges, split pattern and special
+        tokens. Checkpoints record it (another tokenizer of the same vocab size would load silently)."""
+        h = hashlib.sha256(self.pattern.encode())
+        for tok, rank in sorted(self.mergeable_ranks.items(), key=lambda kv: kv[1]):
+            h.update(rank.to_bytes(4, "little") + len(tok).to_bytes(4, "little") + tok)
+        h.update(json.dumps(self.special_tokens, sort_keys=True).encode())
+        return h.hexdigest()[:16]
 
     # --- training and files ----------------------------------------------------
 
@@ -76,22 +89,33 @@ class Tokenizer:
         meta = {"pattern": self.pattern, "special_tokens": self.special_tokens}
         atomic_write_bytes(os.path.join(directory, "tokenizer.json"), json.dumps(meta, indent=2).encode())
         atomic_torch_save(self.token_bytes(), os.path.join(directory, "token_bytes.pt"))
+        self.directory = directory
 
     @classmethod
     def load(cls, directory):
         ranks_path, meta_path = os.path.join(directory, "tokenizer.tiktoken"), os.path.join(directory, "tokenizer.json")
         if not (os.path.exists(ranks_path) and os.path.exists(meta_path)):
-            raise TokenizerError(f"no tokenizer in {directory}: train one with "
-                                 f"`python -m scripts.tok_train` (or set NANOCHAT_BASE_DIR to where one was trained)")
+            raise TokenizerError(f"no tokenizer in {directory}: train one with `python -m scripts.tok_train`, or set "
+                                 f"NANOCHAT_BASE_DIR to where one was trained" + base_dir_hint())
+        retrain = "train it again with `python -m scripts.tok_train` (checkpoints of the old one will not match the new one)"
         ranks = {}
         with open(ranks_path, "rb") as f:
-            for line in f:
+            for line_no, line in enumerate(f, 1):
                 if line.strip():
-                    tok, rank = line.split()
-                    ranks[base64.b64decode(tok)] = int(rank)
-        with open(meta_path) as f:
-            meta = json.load(f)
-        return cls(ranks, meta["pattern"], meta["special_tokens"])
+                    try:
+                        tok, rank = line.split()
+                        ranks[base64.b64decode(tok, validate=True)] = int(rank)
+                    except (ValueError, binascii.Error):
+                        raise TokenizerError(f"{ranks_path} is damaged at line {line_no} (expected `base64 rank`): "
+                                             f"{retrain}") from None
+        try:
+            with open(meta_path) as f:
+                meta = json.load(f)
+            tokenizer = cls(ranks, meta["pattern"], meta["special_tokens"])
+        except (ValueError, KeyError, TypeError) as e:  # bad JSON, or merges that do not make a tokenizer
+            raise TokenizerError(f"the tokenizer in {directory} is damaged ({type(e).__name__}: {e}): {retrain}") from None
+        tokenizer.directory = directory
+        return tokenizer
 
     # --- encode / decode -------------------------------------------------------
 
@@ -152,4 +176,8 @@ def get_token_bytes(device="cpu", directory=None):
     path = os.path.join(directory, "token_bytes.pt")
     if not os.path.exists(path):
         raise TokenizerError(f"no token_bytes.pt in {directory}: train a tokenizer with `python -m scripts.tok_train`")
-    return torch.load(path, map_location=device, weights_only=True)
+    try:
+        return torch.load(path, map_location=device, weights_only=True)
+    except Exception as e:  # truncated, or not tensors
+        raise TokenizerError(f"{path} is damaged ({type(e).__name__}): train the tokenizer again with "
+                             f"`python -m scripts.tok_train`") from None

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from nanochat.common import print0, barrier
+from nanochat.common import print0, barrier, all_reduce_max
 from nanochat.gpt import build_model
 from nanochat import kernels
 from nanochat.optim import MuonAdamW
@@ -192,6 +192,13 @@ def next_batches(loader, n):
     return batches, state
 
 
+def write_history_row(path, step, loss, val_bpb=None):
+    """One row of train_loss.csv (step, smoothed loss, val bpb or empty); path None: not this rank's file."""
+    if path is not None:
+        with open(path, "a") as f:
+            f.write(f"{step},{loss:.6f}," + (f"{val_bpb:.6f}" if val_bpb is not None else "") + "\n")
+
+
 @dataclass
 class Trainer:
     """What one training process steps, evaluates and saves. model: the uncompiled module (checkpoints,
@@ -264,13 +271,21 @@ class Trainer:
             return ckpt.gathered_model(self.model, self.layout)
         return self.model
 
-    def save_checkpoint(self, ckpt_dir, step, data_state, meta):
+    def save_checkpoint(self, ckpt_dir, step, data_state, meta, keep_last=-1):
         """Write the checkpoint of `step`; a collective, every rank calls it. Full tensors: TP shards
         gathered, each pipeline stage writes its own files (from its DP 0 / TP 0 rank), then rank 0 writes
         meta_<step>.json last: `meta` plus every DP rank's data state (data_state: this rank's, None on
-        ranks that read no data) and the layout."""
+        ranks that read no data) and the layout; then only the newest keep_last checkpoints stay (-1: all).
+        Weights that are not finite on any rank are not saved (CheckpointError): a diverged run never
+        becomes the latest checkpoint."""
         t0 = time.time()
         L = self.layout
+        bad = ckpt.nonfinite_tensors(self.model.state_dict())
+        device = next(self.model.parameters()).device
+        if all_reduce_max(float(len(bad) > 0), device) > 0:
+            raise ckpt.CheckpointError(f"the weights are not finite at step {step} (the run diverged" +
+                                       (f"; e.g. {', '.join(bad[:3])}" if bad else " on another rank") +
+                                       "): not saving; try a lower LR, or resume from an earlier checkpoint")
         mine = data_state if L.tp_rank == 0 and L.is_first_stage else None
         if L.world_size == 1:
             data_states = [mine]
@@ -288,6 +303,8 @@ class Trainer:
         if L.rank == 0:
             meta = dict(meta, dataloader_states=data_states, layout={"dp": L.dp_size, "tp": L.tp_size, "pp": L.pp_size})
             ckpt.save_meta(ckpt_dir, step, meta, L.pp_size)
+            if keep_last > 0:
+                ckpt.prune_checkpoints(ckpt_dir, keep_last)
         if L.world_size > 1:
             dist.barrier()
         print0(f"saved checkpoint for step {step} to {ckpt_dir} ({time.time() - t0:.1f}s)")

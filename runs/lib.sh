@@ -1,11 +1,24 @@
 # Shell helpers shared by speedrun.sh and the runs/ scripts (sourced, not run).
 
-# launch MODULE ARGS...: a script on $NPROC processes (torchrun), or plainly when NPROC is 1
+# launch MODULE ARGS...: a script on $NPROC processes (torchrun), or plainly when NPROC is 1. torchrun reads
+# the options after the script too and stops at an abbreviation of its own (--run could be --run-path): `--`
+# ends its options, so every script flag reaches the script.
 launch() {
     if [ "${NPROC:-1}" -gt 1 ]; then
-        "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" -m "$@"
+        local module="$1"; shift
+        "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" -m "$module" -- "$@"
     else
         "$PYTHON" -m "$@"
+    fi
+}
+
+# logged LOG MODULE ARGS...: launch into LOG; when it fails, say so with the end of LOG (the error), then fail
+logged() {
+    local log="$1"; shift
+    if ! launch "$@" > "$log" 2>&1; then
+        echo "FAILED: $1 (full log: $log); its last lines:" >&2
+        tail -n 15 "$log" >&2
+        return 1
     fi
 }
 

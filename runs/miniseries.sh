@@ -30,9 +30,9 @@ source runs/lib.sh
 for depth in $DEPTHS; do
     tag="mini_d${depth}"
     echo "--- depth $depth (ratio $RATIO)"
-    launch scripts.base_train --depth="$depth" --target-param-data-ratio="$RATIO" --model-tag="$tag" \
-        --core-metric-every=-1 --sample-every=-1 $TRAIN_ARGS > "$LOGS/$tag.train.log" 2>&1
-    launch scripts.base_eval --model-tag="$tag" ${bundle[@]+"${bundle[@]}"} $EVAL_ARGS > "$LOGS/$tag.eval.log" 2>&1
+    logged "$LOGS/$tag.train.log" scripts.base_train --depth="$depth" --target-param-data-ratio="$RATIO" --model-tag="$tag" \
+        --core-metric-every=-1 --sample-every=-1 $TRAIN_ARGS
+    logged "$LOGS/$tag.eval.log" scripts.base_eval --model-tag="$tag" ${bundle[@]+"${bundle[@]}"} $EVAL_ARGS
     bpb=$(sed -nE 's/^val bpb: ([0-9.]+)$/\1/p' "$LOGS/$tag.eval.log")
     core=$(sed -nE 's/^CORE \([0-9]+\/[0-9]+ tasks\): (-?[0-9.]+)$/\1/p' "$LOGS/$tag.eval.log")
     echo "$depth,$(train_log_numbers "$LOGS/$tag.train.log"),$bpb,$core" | tee -a "$OUT"

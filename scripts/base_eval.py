@@ -15,12 +15,13 @@ import os
 import csv
 import argparse
 
-from nanochat.common import compute_init, compute_cleanup, print0, get_base_dir, get_compute_dtype, fail
+from nanochat.common import (compute_init, compute_cleanup, print0, get_base_dir, get_compute_dtype, fail,
+                             install_stop_handlers, Interrupted, cpu_memory_error)
 from nanochat.checkpoint_manager import load_model, CheckpointError
 from nanochat.tokenizer import get_tokenizer, get_token_bytes, TokenizerError
 from nanochat.dataloader import DataLoader
 from nanochat.dataset import check_data, DataError
-from nanochat.loss_eval import evaluate_bpb
+from nanochat.loss_eval import evaluate_bpb, default_eval_tokens
 from nanochat.core_eval import find_eval_bundle, evaluate_core, EvalBundleError
 from nanochat import report
 from nanochat import kernels
@@ -51,7 +52,7 @@ def main():
     parser.add_argument("--eval-bundle", type=str, default=None,
                         help="CORE bundle folder (default: $NANOCHAT_BASE_DIR/eval_bundle, downloaded when absent)")
     parser.add_argument("--max-per-task", type=int, default=-1, help="CORE: the first N items of each task (-1 = all)")
-    parser.add_argument("--eval-tokens", type=int, default=20 * 524288, help="bpb: tokens of each split")
+    parser.add_argument("--eval-tokens", type=int, default=-1, help="bpb: tokens of each split (-1 = 20 x 2^19 on a GPU, 2^18 elsewhere)")
     parser.add_argument("--device-batch-size", type=int, default=32, help="bpb: sequences per forward pass per process")
     parser.add_argument("--data-dir", type=str, default=None, help="bpb: folder of parquet shards (default as in base_train)")
     parser.add_argument("--skip-core", action="store_true", help="do not evaluate CORE")
@@ -65,7 +66,16 @@ def main():
         layout, device = compute_init(args.device_type, tp=args.tp)
     except (ValueError, RuntimeError) as e:
         fail(str(e))
+    install_stop_handlers()
+    try:
+        evaluate(args, layout, device)
+    except Interrupted:
+        fail("stopped by a signal during the evaluation; nothing was written")
+    compute_cleanup()
 
+
+def evaluate(args, layout, device):
+    """CORE, then bpb on train and val; the results to stdout, the CSV and the report."""
     if args.max_per_task == 0:
         fail("--max-per-task 0 evaluates nothing; give a positive count, or -1 for all items")
     # everything that can be missing is looked for before the long parts: the bundle first (offline
@@ -78,7 +88,8 @@ def main():
             data_dir = check_data(args.data_dir)
         tokenizer = get_tokenizer()
         token_bytes = get_token_bytes(device)
-        model, meta = load_model(args.model_tag, args.step, device, get_compute_dtype(device.type), layout=layout)
+        model, meta = load_model(args.model_tag, args.step, device, get_compute_dtype(device.type), layout=layout,
+                                 tokenizer=tokenizer)
         model_tag = meta["model_tag"]
     except (EvalBundleError, DataError, TokenizerError, CheckpointError, ValueError) as e:
         fail(str(e))
@@ -106,24 +117,32 @@ def main():
                       "missing tasks": ", ".join(core["missing"]) or "none",
                       "items per task": "all" if args.max_per_task < 0 else f"first {args.max_per_task}"})
         sections.append(table)
+    else:
+        items["CORE"] = "skipped (--skip-core)"
 
     if not args.skip_bpb:
         T = model.config.sequence_len
-        steps = max(1, args.eval_tokens // (args.device_batch_size * T * layout.dp_size))
+        if device.type == "cpu" and (error := cpu_memory_error(sum(p.numel() for p in model.parameters()), model.config,
+                                                               args.device_batch_size, T, training=False)):
+            fail(error)
+        eval_tokens = default_eval_tokens(device.type) if args.eval_tokens < 0 else args.eval_tokens
+        steps = max(1, eval_tokens // (args.device_batch_size * T * layout.dp_size))
         for split in ("train", "val"):
             try:
                 loader = DataLoader(tokenizer, args.device_batch_size, T, split, device, data_dir=data_dir,
                                     dp_rank=layout.dp_rank, dp_size=layout.dp_size)
-                bpb = evaluate_bpb(lambda x, y: model(x, y, loss_reduction="none"), loader, steps, token_bytes, layout)
+                bpb = evaluate_bpb(lambda x, y: model(x, y, loss_reduction="none"), loader, steps, token_bytes, layout,
+                                   label=f"{split} bpb")
             except DataError as e:
                 fail(str(e))
             loader.close()
             print0(f"{split} bpb: {bpb:.6f}")
             items[f"{split} bpb"] = bpb
         items["bpb tokens per split"] = steps * args.device_batch_size * T * layout.dp_size
+    else:
+        items["val bpb"] = "skipped (--skip-bpb)"
 
     report.log_section("Base model evaluation", [items] + sections)
-    compute_cleanup()
 
 
 if __name__ == "__main__":

@@ -26,20 +26,21 @@ import sys
 import math
 import time
 import json
-import signal
+import atexit
 import argparse
 
 import torch
 
 from nanochat.common import (compute_init, compute_cleanup, print0, print_rank, get_compute_dtype, get_peak_flops,
-                             device_name, all_reduce_max, fail, barrier, hang_report_dir)
+                             device_name, all_reduce_max, fail, barrier, hang_report_dir, install_stop_handlers, stop_agreed,
+                             Interrupted, cpu_memory_error)
 from nanochat.watchdog import Watchdog
 from nanochat.gpt import GPTConfig, config_for_depth, window_sizes, GPT
 from nanochat import kernels
 from nanochat.dataloader import reshard_states
 from nanochat.dataset import DataError, check_data
 from nanochat.tokenizer import get_tokenizer, get_token_bytes, TokenizerError
-from nanochat.loss_eval import evaluate_bpb
+from nanochat.loss_eval import evaluate_bpb, default_eval_tokens
 from nanochat import checkpoint_manager as ckpt
 from nanochat import report
 from nanochat import training
@@ -51,7 +52,7 @@ B_REF = 2 ** 19  # the reference batch (tokens) at which LRs and weight decay we
 
 parser = argparse.ArgumentParser(description="Pretrain a base model")
 # runtime
-parser.add_argument("--run", type=str, default="dummy", help="wandb run name ('dummy' = no wandb)")
+parser.add_argument("--wandb-run", type=str, default="dummy", help="wandb run name ('dummy' = no wandb)")
 parser.add_argument("--device-type", type=str, default="", help="cuda|cpu|mps (default: autodetect)")
 parser.add_argument("--data-dir", type=str, default=None, help="folder of parquet shards (default: NANOCHAT_DATA_DIR or base_data)")
 # model
@@ -80,12 +81,14 @@ parser.add_argument("--warmdown-ratio", type=float, default=0.65, help="fraction
 parser.add_argument("--final-lr-frac", type=float, default=0.05, help="LR multiplier at the end of warmdown")
 # evaluation, sampling, checkpoints
 parser.add_argument("--eval-every", type=int, default=250, help="val bpb every N steps (-1 = only at the end)")
-parser.add_argument("--eval-tokens", type=int, default=20 * 524288, help="tokens of validation data per evaluation (0 = no evaluation)")
+parser.add_argument("--eval-tokens", type=int, default=-1, help="tokens of validation data per evaluation (0 = no evaluation; "
+                                                                  "-1 = 20 x 2^19 on a GPU, 2^18 elsewhere)")
 parser.add_argument("--core-metric-every", type=int, default=2000, help="CORE every N steps (-1 = never)")
 parser.add_argument("--core-metric-max-per-task", type=int, default=500, help="items per CORE task during training")
 parser.add_argument("--eval-bundle", type=str, default=None, help="CORE bundle folder (default: download)")
 parser.add_argument("--sample-every", type=int, default=2000, help="print completions every N steps (-1 = never)")
 parser.add_argument("--save-every", type=int, default=-1, help="checkpoint every N steps (-1 = only at the end, 0 = never)")
+parser.add_argument("--keep-last", type=int, default=-1, help="keep only the newest N checkpoints of the model tag (-1 = all)")
 parser.add_argument("--resume-from-step", type=int, default=-1, help="resume from this checkpoint step (-1 = start fresh)")
 parser.add_argument("--model-tag", type=str, default=None, help="checkpoint folder name (default: d<depth>)")
 parser.add_argument("--compile", type=int, default=-1, help="torch.compile the model and optimizer (-1 = on CUDA only)")
@@ -155,6 +158,7 @@ resume_meta = None
 if args.resume_from_step >= 0:
     try:
         resume_meta = ckpt.load_meta(ckpt_dir, args.resume_from_step)
+        ckpt.check_tokenizer(resume_meta, tokenizer, ckpt_dir)
     except ckpt.CheckpointError as e:
         fail(str(e))
     config = GPTConfig.from_dict(resume_meta["model_config"])
@@ -207,6 +211,8 @@ if args.device_batch_size < 1:
     fail(f"--device-batch-size must be at least 1 (got {args.device_batch_size})")
 if args.core_metric_max_per_task == 0 or args.core_metric_max_per_task < -1:
     fail("--core-metric-max-per-task must be a positive number of items, or -1 for all")
+if args.keep_last == 0 or args.keep_last < -1:
+    fail("--keep-last must be a positive number of checkpoints, or -1 to keep all")
 if any(not 0 <= i < config.n_layer for i in config.l3_after_layers):
     fail(f"--l3-after-layers {args.l3_after_layers!r}: block indices must be in 0..{config.n_layer - 1}")
 try:
@@ -245,6 +251,8 @@ if args.pp > config.n_layer:
 if args.pp > 1 and grad_accum < args.pp:
     fail(f"pipeline parallelism needs at least pp={args.pp} micro-batches per step, got {grad_accum} "
          f"(= {total_batch_size:,} / {tokens_per_micro:,}); lower --device-batch-size or raise --total-batch-size")
+if device.type == "cpu" and (error := cpu_memory_error(param_counts["total"], config, args.device_batch_size, args.max_seq_len)):
+    fail(error)
 
 if resume_meta is not None:
     print0(f"resuming from step {args.resume_from_step} of {ckpt_dir}")
@@ -257,6 +265,9 @@ print0(f"horizon: {D:,} tokens = {num_iterations:,} steps x {total_batch_size:,}
        f"tokens/scaling param = {D / num_scaling_params:.2f}; D_ref = {D_REF:,.0f}")
 print0(f"batch: {total_batch_size:,} tokens = {args.device_batch_size} x {args.max_seq_len} x dp {layout.dp_size} x "
        f"grad accum {grad_accum}" + ("" if args.total_batch_size > 0 else " (Power Lines: 2^19 * (D_opt/D_ref)^0.383)"))
+if args.warmup_steps > num_iterations:
+    print0(f"note: --warmup-steps {args.warmup_steps} is longer than the run ({num_iterations} steps): the LR never "
+           f"reaches its peak (lower --warmup-steps)")
 print0(f"LR scale sqrt(B/2^19) = {lr_scale:.4f}; Muon weight decay = {args.weight_decay} x {lr_scale:.4f} x "
        f"D_ref/D {D_REF / D:.4f} = {weight_decay:.5f}; total FLOPs {flops_per_token * D:.4e}")
 
@@ -326,26 +337,16 @@ try:
                                         data_dir, grad_accum, loader_state, args.keep_remainder) if reads_data else None
 except DataError as e:
     fail(str(e))
-eval_steps = max(1, args.eval_tokens // tokens_per_micro)
+eval_tokens = default_eval_tokens(device.type) if args.eval_tokens < 0 else args.eval_tokens
+eval_steps = max(1, eval_tokens // tokens_per_micro)
 
-# Ctrl-C / SIGTERM: finish the current step, save, exit
-stop_requested = False
-
-
-def request_stop(signum, frame):
-    global stop_requested
-    if not stop_requested:
-        print(f"received signal {signum}: will save a checkpoint at the next step boundary and exit", flush=True)
-    stop_requested = True
-
-
-signal.signal(signal.SIGTERM, request_stop)
-signal.signal(signal.SIGINT, request_stop)
+# Ctrl-C / SIGTERM: stop at the next step boundary, or within seconds during an evaluation; save; exit 0
+install_stop_handlers()
 
 wandb_run = None
-if args.run != "dummy" and master:
+if args.wandb_run != "dummy" and master:
     import wandb
-    wandb_run = wandb.init(project="nanochat", name=args.run, config=user_config)
+    wandb_run = wandb.init(project="nanochat", name=args.wandb_run, config=user_config)
 
 peak_flops = get_peak_flops(device_name(device.type)) if device.type == "cuda" else None
 history_path = os.path.join(report.report_dir(), "train_loss.csv") if master else None
@@ -367,41 +368,56 @@ last_state = loader_state
 mfu, tok_per_sec, epoch = None, 0.0, 1
 if device.type == "cuda":
     torch.cuda.reset_peak_memory_stats()
-start_step = step
+core_status = "off (--core-metric-every -1)" if args.core_metric_every <= 0 else "not run"  # for the report
+run_meta = {"model_config": config.to_dict(), "user_config": user_config, "tokenizer_hash": tokenizer.hash}
+start_step, saved_step, data_error = step, None, None
 while True:
     last_step = step == num_iterations
+    # a stop requested during an evaluation ends it within seconds (Interrupted); a shard that cannot be read
+    # (data_error, agreed over the ranks) stops the run: either way the checkpoint of this step is saved first
+    interrupted = False
 
     # --- validation bits per byte ---
     val_bpb = None
-    if args.eval_tokens > 0 and (last_step or (args.eval_every > 0 and step % args.eval_every == 0 and step > 0)):
+    if eval_tokens > 0 and not data_error and (last_step or (args.eval_every > 0 and step % args.eval_every == 0 and step > 0)):
         watch.phase("val bpb (loss all-reduces; PP: stage p2p)", step)
         if reads_data:
             val_loader = training.make_loader(tokenizer, "val", args.device_batch_size, args.max_seq_len, device,
                                               layout, data_dir)
         else:  # a middle pipeline stage: its inputs come from the previous stage
             val_loader = iter(lambda: (None, None), 0)
-        with trainer.evaluating():
-            val_bpb = evaluate_bpb(trainer.eval_loss, val_loader, eval_steps, token_bytes, layout)
-        if reads_data:
-            val_loader.close()
+        try:
+            with trainer.evaluating():
+                val_bpb = evaluate_bpb(trainer.eval_loss, val_loader, eval_steps, token_bytes, layout, label="val bpb")
+        except Interrupted:
+            interrupted = True
+        except DataError as e:
+            data_error = str(e)
+        finally:
+            if reads_data:
+                val_loader.close()
+    if val_bpb is not None:
         min_val_bpb = min(min_val_bpb, val_bpb)
         print0(f"step {step:05d} | val bpb: {val_bpb:.6f}")
         if wandb_run:
             wandb_run.log({"step": step, "val/bpb": val_bpb})
-        if master:
-            with open(history_path, "a") as f:
-                f.write(f"{step},{smooth_loss / (1 - 0.9 ** max(1, step)):.6f},{val_bpb:.6f}\n")
 
     # --- checkpoint: at the end, every --save-every steps, or when asked to stop ---
     watch.collective("stop-flag all-reduce (all ranks)")
-    stop_now = all_reduce_max(float(stop_requested), device) > 0
-    if args.save_every != 0 and (last_step or stop_now or (args.save_every > 0 and step > 0 and step % args.save_every == 0
-                                                           and step != args.resume_from_step)):
+    stop_now = stop_agreed(device) or interrupted
+    loop_state = {"step": step, "smooth_loss": smooth_loss, "total_time": total_time, "min_val_bpb": min_val_bpb}
+    if args.save_every != 0 and (last_step or stop_now or data_error or
+                                 (args.save_every > 0 and step > 0 and step % args.save_every == 0 and step != args.resume_from_step)):
         watch.phase("checkpoint save (state gathers, barriers)", step)
-        loop_state = {"step": step, "smooth_loss": smooth_loss, "total_time": total_time, "min_val_bpb": min_val_bpb}
-        trainer.save_checkpoint(ckpt_dir, step, last_state, {"model_config": config.to_dict(), "user_config": user_config,
-                                                             "loop_state": loop_state,
-                                                             "tokens_seen": step * total_batch_size})
+        try:
+            trainer.save_checkpoint(ckpt_dir, step, last_state, dict(run_meta, loop_state=loop_state,
+                                                                     tokens_seen=step * total_batch_size), args.keep_last)
+        except ckpt.CheckpointError as e:  # weights that are not finite are never saved
+            fail(str(e))
+        saved_step = step
+    if data_error:
+        fail(f"{data_error} (at step {step}; " + (f"saved: resume with --resume-from-step {step} once the file is replaced)"
+                                                  if args.save_every != 0 else "not saved)"))
     if stop_now:
         break
 
@@ -412,31 +428,50 @@ while True:
     if do_core or do_sample:
         watch.phase("CORE / samples (eval bundle download on local rank 0, count all-reduces)", step)
         eval_model = trainer.whole_model()
-        with trainer.evaluating():
-            if do_core:
-                from nanochat.core_eval import evaluate_core_for_training, EvalBundleError
-                try:
-                    core = evaluate_core_for_training(eval_model, tokenizer, device, layout, args.eval_bundle,
-                                                      args.core_metric_max_per_task)
-                except EvalBundleError as e:  # a broken bundle must not end a training run
-                    print0(f"step {step:05d} | CORE failed: {e}")
-                    core = None
-                if core is not None:
-                    print0(f"step {step:05d} | CORE ({core['tasks_run']}/{core['tasks_total']} tasks): {core['core']:.4f}")
-                    if wandb_run:
-                        wandb_run.log({"step": step, "core": core["core"]})
-            if do_sample:
-                from nanochat.engine import sample_completions
-                for text in sample_completions(eval_model, tokenizer):
-                    print0(f"  sample: {text!r}")
+        try:
+            with trainer.evaluating():
+                if do_core:
+                    from nanochat.core_eval import evaluate_core_for_training, EvalBundleError
+                    core_status = "skipped: no CORE bundle (--eval-bundle DIR, or a network to download it)"
+                    try:
+                        core = evaluate_core_for_training(eval_model, tokenizer, device, layout, args.eval_bundle,
+                                                          args.core_metric_max_per_task)
+                    except EvalBundleError as e:  # a broken bundle must not end a training run
+                        print0(f"step {step:05d} | CORE failed: {e}")
+                        core_status, core = f"failed: {e}", None
+                    if core is not None:
+                        core_status = f"{core['core']:.4f} at step {step} ({core['tasks_run']}/{core['tasks_total']} tasks)"
+                        print0(f"step {step:05d} | CORE ({core['tasks_run']}/{core['tasks_total']} tasks): {core['core']:.4f}")
+                        if wandb_run:
+                            wandb_run.log({"step": step, "core": core["core"]})
+                if do_sample:
+                    from nanochat.engine import sample_completions
+                    for text in sample_completions(eval_model, tokenizer):
+                        print0(f"  sample: {text!r}")
+        except Interrupted:  # asked to stop during CORE: save this step (unless just saved), then stop
+            if args.save_every != 0 and saved_step != step:
+                trainer.save_checkpoint(ckpt_dir, step, last_state, dict(run_meta, loop_state=loop_state,
+                                                                         tokens_seen=step * total_batch_size), args.keep_last)
+            break
         del eval_model
     if last_step:
+        if val_bpb is not None:
+            training.write_history_row(history_path, step, smooth_loss / (1 - 0.9 ** max(1, step)), val_bpb)
         break
 
     # --- one optimizer step ---
     t0 = time.time()
     watch.phase("data: next batches", step)
-    batches, state = training.next_batches(train_loader, grad_accum)
+    try:
+        batches, state = training.next_batches(train_loader, grad_accum)
+    except DataError as e:
+        data_error = str(e)
+    if all_reduce_max(float(data_error is not None), device) > 0:  # on any rank: back to the top to save, then stop
+        messages = [data_error] * layout.world_size
+        if layout.world_size > 1:
+            dist.all_gather_object(messages, data_error)
+        data_error = next(m for m in messages if m)
+        continue
     if state is not None:
         last_state = state
     watch.phase("training step (TP collectives, PP p2p, DP reductions, optimizer all-gathers)", step)
@@ -444,7 +479,11 @@ while True:
     loss_value = loss.item()  # also synchronizes the device, so dt is honest
     dt = time.time() - t0
     if not math.isfinite(loss_value):
-        fail(f"loss is {loss_value} at step {step}; stopping (try a lower LR, or resume from an earlier checkpoint)")
+        withdrawn = saved_step == step  # saved moments ago: its weights are the ones that gave this loss
+        if withdrawn and master:
+            ckpt.delete_checkpoint(ckpt_dir, step)
+        fail(f"loss is {loss_value} at step {step}; stopping" + (f" (deleted the checkpoint of step {step}: its weights give "
+             f"this loss)" if withdrawn else "") + "; try a lower LR, or resume from an earlier checkpoint")
 
     smooth_loss = 0.9 * smooth_loss + 0.1 * loss_value
     debiased = smooth_loss / (1 - 0.9 ** (step + 1))
@@ -463,9 +502,8 @@ while True:
     if wandb_run and step % 10 == 0:
         wandb_run.log({"step": step, "train/loss": debiased, "train/lrm": lrm, "train/dt": dt, "train/tok_per_sec": tok_per_sec,
                        **({"train/mfu": mfu} if mfu is not None else {})})
-    if master and step % 10 == 0:
-        with open(history_path, "a") as f:
-            f.write(f"{step},{debiased:.6f},\n")
+    if step % 10 == 0 or val_bpb is not None:  # one row per step: every 10th, and every step with a val bpb
+        training.write_history_row(history_path, step, debiased, val_bpb)
     if step == start_step:  # the first step compiled (at its own pace on each rank): start timing together
         watch.phase("barrier after the compile warm-up (first step)", step)
         watch.collective("barrier: compile warm-up")
@@ -480,6 +518,9 @@ while True:
         gc.collect()
         gc.freeze()
         gc.disable()
+        # frozen objects are never freed; at exit (a failure's included) extensions such as triton's nanobind
+        # would report them as leaked
+        atexit.register(gc.unfreeze)
     elif step % 5000 == 0:
         gc.collect()
 
@@ -492,8 +533,12 @@ if peak_mem is not None and layout.world_size > 1:  # ranks differ (pipeline sta
                        f"{torch.cuda.memory_allocated() / 2**30:.2f} GiB")
 if val_bpb is not None:
     print0(f"Validation bpb: {val_bpb:.6f}")
-print0(f"minimum validation bpb: {min_val_bpb:.6f}; training time: {total_time / 60:.2f} min" +
-       (f"; peak memory: {peak_mem:.2f} GiB" if peak_mem else ""))
+summary = ([f"minimum validation bpb: {min_val_bpb:.6f}"] if math.isfinite(min_val_bpb) else []) + \
+          ([f"training time: " + (f"{total_time / 60:.2f} min" if total_time >= 60 else f"{total_time:.1f}s")]
+           if total_time > 0 else []) + \
+          ([f"peak memory: {peak_mem:.2f} GiB"] if peak_mem else [])
+if summary:
+    print0("; ".join(summary))
 if master and step == num_iterations:
     crop = train_loader.stats["crop_fraction"] if train_loader is not None else None
     report.log_section("Base model training", [user_config, {
@@ -503,7 +548,9 @@ if master and step == num_iterations:
         "training FLOPs": f"{flops_per_token * D:.4e}", "Muon weight decay": weight_decay, "LR scale": lr_scale,
         "layout": f"dp {layout.dp_size} x tp {layout.tp_size} x pp {layout.pp_size}",
         "gpus used": layout.world_size if device.type == "cuda" else 0,
-        "final validation bpb": val_bpb, "minimum validation bpb": min_val_bpb,
+        "final validation bpb": val_bpb if val_bpb is not None else "not measured",
+        "CORE during training": core_status,
+        "minimum validation bpb": min_val_bpb if math.isfinite(min_val_bpb) else "not measured",
         "training time (min)": round(total_time / 60, 3), "tok/sec (last step)": round(tok_per_sec),
         "mfu (%)": round(mfu, 2) if mfu is not None else "n/a", "peak memory (GiB)": round(peak_mem, 2) if peak_mem else "n/a",
         "epoch": epoch, "crop fraction": round(crop, 4) if crop is not None else "n/a",
@@ -514,5 +561,3 @@ if wandb_run:
 if train_loader is not None:
     train_loader.close()
 compute_cleanup()
-if stop_requested:
-    sys.exit(0)

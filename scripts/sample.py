@@ -40,7 +40,7 @@ if args.num_samples < 1 or args.max_tokens < 1 or args.temperature < 0:
 _, device = compute_init(args.device_type)
 try:
     tokenizer = get_tokenizer()
-    model, meta = load_model(args.model_tag, args.step, device, get_compute_dtype(device.type))
+    model, meta = load_model(args.model_tag, args.step, device, get_compute_dtype(device.type), tokenizer=tokenizer)
     model_tag = meta["model_tag"]
 except (TokenizerError, CheckpointError) as e:
     sys.exit(f"ERROR: {e}")

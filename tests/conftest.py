@@ -8,7 +8,9 @@ import subprocess
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SHARED_WIKI = os.path.join(os.path.dirname(REPO), "shared", "data", "wiki")
+SAMPLE_DATA = os.path.join(REPO, "nanochat", "sample_data")  # the shards bundled with the package
+CORE_BUNDLE = os.path.join(REPO, "tests", "fixtures", "core_bundle")  # a small CORE bundle written for the tests
+CORE_TASKS = ["capitals", "pronouns", "counting"]  # one task of each type; the bundle also lists `absent`, with no file
 TINY_VOCAB = 1024
 
 

@@ -9,10 +9,7 @@ import subprocess
 
 import pytest
 
-from conftest import run_script, TINY_MODEL, REPO
-
-BUNDLE = os.path.join(os.path.dirname(REPO), "shared", "eval_bundle")
-needs_bundle = pytest.mark.skipif(not os.path.isdir(BUNDLE), reason=f"no local CORE bundle at {BUNDLE} (../shared/eval_bundle)")
+from conftest import run_script, TINY_MODEL, REPO, CORE_BUNDLE as BUNDLE, CORE_TASKS
 TAG = "evaltest"
 EVAL = ["--model-tag", TAG, "--eval-bundle", BUNDLE, "--max-per-task", "4", "--eval-tokens", "512",
         "--device-batch-size", "4"]
@@ -44,31 +41,29 @@ def single_run(base_dir, checkpoint):
     return p.stdout, rows, section
 
 
-@needs_bundle
 def test_base_eval_table_core_csv_and_report(single_run):
     from nanochat.core_eval import load_bundle
     stdout, rows, section = single_run
     tasks, missing = load_bundle(BUNDLE)
-    assert len(tasks) == 20 and sorted(missing) == ["coqa", "squad"]
+    assert [t.label for t in tasks] == CORE_TASKS and missing == ["absent"]
     for t in tasks:  # the table: every task that ran, 4 items each
         assert re.search(rf"^\| {t.label} \| 4 \| \d\.\d{{4}} \| -?\d\.\d{{4}} \|$", stdout, re.M), t.label
-    assert "missing (no data file in the bundle, left out of CORE): squad, coqa" in stdout
+    assert "missing (no data file in the bundle, left out of CORE): absent" in stdout
     m = CORE_LINE.search(stdout)
-    assert m and m.group(1, 2) == ("20", "22")
+    assert m and m.group(1, 2) == ("3", "4")
     assert re.search(r"^train bpb: \d+\.\d{6}$", stdout, re.M) and re.search(r"^val bpb: \d+\.\d{6}$", stdout, re.M)
     # the CSV: one row per task, then CORE = the mean of the centered accuracies
     assert rows[0] == ["task", "accuracy", "centered"]
     assert [r[0] for r in rows[1:-1]] == [t.label for t in tasks] and rows[-1][:2] == ["CORE", ""]
     centered = [float(r[2]) for r in rows[1:-1]]
-    assert float(rows[-1][2]) == pytest.approx(sum(centered) / 20, abs=1e-5)
+    assert float(rows[-1][2]) == pytest.approx(sum(centered) / 3, abs=1e-5)
     assert f"{float(rows[-1][2]):.4f}" == m.group(3)
     # the report section carries the keys the summary reads, and the table
     for key in ("train bpb", "val bpb", "CORE"):
         assert re.search(rf"^- {key}: -?\d", section, re.M), key
-    assert "| task | items | accuracy | centered |" in section and "| hellaswag | 4 |" in section
+    assert "| task | items | accuracy | centered |" in section and "| capitals | 4 |" in section
 
 
-@needs_bundle
 def test_base_eval_data_parallel_matches_one_process(base_dir, checkpoint, single_run):
     p = run_script("scripts.base_eval", EVAL + ["--skip-bpb"], script_env(base_dir), nproc=2)
     assert CORE_LINE.search(p.stdout).group(0) == CORE_LINE.search(single_run[0]).group(0)
@@ -105,3 +100,40 @@ def test_sample_reads_prompts_from_stdin(base_dir, checkpoint):
     assert p.returncode == 0, p.stderr
     lines = [l for l in p.stdout.splitlines() if l.startswith("--- [")]
     assert len(lines) == 2 and lines[0].startswith("--- [1/1] Hello") and lines[1].startswith("--- [1/1] World")
+
+
+def test_checkpoint_with_another_tokenizer_is_refused(base_dir, checkpoint, tmp_path):
+    """Another tokenizer of the same vocab size (two special tokens' ids swapped) would load and give garbage."""
+    import json
+    import shutil
+    other = tmp_path / "other"
+    shutil.copytree(os.path.join(base_dir, "tokenizer"), other / "tokenizer")
+    shutil.copytree(os.path.join(base_dir, "base_checkpoints", TAG), other / "base_checkpoints" / TAG)
+    meta_path = other / "tokenizer" / "tokenizer.json"
+    meta = json.loads(meta_path.read_text())
+    ids = meta["special_tokens"]
+    ids["<|user_start|>"], ids["<|user_end|>"] = ids["<|user_end|>"], ids["<|user_start|>"]
+    meta_path.write_text(json.dumps(meta))
+    for module, extra in (("scripts.sample", ["--prompt", "The"]), ("scripts.base_eval", ["--skip-core"])):
+        p = run_script(module, ["--model-tag", TAG] + extra, script_env(str(other)), check=False)
+        out = p.stdout + p.stderr
+        assert p.returncode == 1 and "Traceback" not in p.stderr, (module, out[-800:])
+        assert re.search(r"was trained with tokenizer [0-9a-f]{16}, but the tokenizer in .*other/tokenizer is [0-9a-f]{16}", out), module
+
+
+def test_sample_without_checkpoints_says_where_runcpu_put_them(base_dir, tmp_path):
+    import shutil
+    p = run_script("scripts.sample", ["--prompt", "The"], script_env(str(tmp_path)), check=False)
+    out = p.stdout + p.stderr  # nothing at all: the tokenizer is missing first
+    assert p.returncode == 1 and "no tokenizer in" in out and "runs/runcpu.sh keeps its tokenizer and checkpoints under" in out
+    shutil.copytree(os.path.join(base_dir, "tokenizer"), tmp_path / "tokenizer")
+    p = run_script("scripts.sample", ["--prompt", "The"], script_env(str(tmp_path)), check=False)
+    out = p.stdout + p.stderr
+    assert p.returncode == 1 and "no checkpoints in" in out and "runs/runcpu.sh keeps its tokenizer and checkpoints under" in out
+
+
+def test_base_eval_skip_core_is_said_in_the_report(base_dir, checkpoint):
+    run_script("scripts.base_eval", ["--model-tag", TAG, "--skip-core", "--eval-tokens", "512", "--device-batch-size", "4"],
+               script_env(base_dir))
+    with open(os.path.join(base_dir, "report", "base-model-evaluation.md")) as f:
+        assert "- CORE: skipped (--skip-core)" in f.read()

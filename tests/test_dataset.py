@@ -7,7 +7,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from nanochat import dataset
-from nanochat.dataset import DataError, list_parquet_files, split_files, list_row_groups, iter_documents, resolve_data_dir
+from nanochat.dataset import (DataError, list_parquet_files, split_files, list_row_groups, iter_documents, resolve_data_dir,
+                              check_data)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -61,16 +62,30 @@ def test_missing_text_column(tmp_path):
 def test_bundled_sample_fallback(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path))
     monkeypatch.delenv("NANOCHAT_DATA_DIR", raising=False)
+    monkeypatch.setattr(dataset, "_notice_shown", False)
     d = resolve_data_dir()
     assert d == dataset.SAMPLE_DIR
     assert "bundled sample" in capsys.readouterr().out
+    assert resolve_data_dir() == d and capsys.readouterr().out == ""  # the notice once per run
     assert len(list_parquet_files(d)) == 2
     docs = list(iter_documents(split_files(d, "val")))
     assert len(docs) == 96 and all(isinstance(t, str) and len(t) > 100 for t in docs)
     with pytest.raises(DataError, match="--data-dir"):
         resolve_data_dir(allow_sample=False)
+    (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match="no parquet shards"):  # a folder named explicitly must hold shards
         resolve_data_dir(str(tmp_path / "empty"))
+    with pytest.raises(DataError, match=r"the data folder .*nowhere does not exist \(--data-dir\)"):
+        resolve_data_dir(str(tmp_path / "nowhere"))
+
+
+def test_shards_of_empty_strings_are_refused(tmp_path):
+    """Rows whose text is "" would train on <|bos|> alone (and give val bpb inf): refused, naming the file."""
+    for i in range(2):
+        pq.write_table(pa.table({"text": [""] * 8}), os.path.join(tmp_path, f"s{i}.parquet"))
+    dataset._open.cache_clear()
+    with pytest.raises(DataError, match=r"s0.parquet: the `text` of every row of row group 0 is empty"):
+        check_data(str(tmp_path))
 
 
 def test_offline_download_fails_fast_with_directions(tmp_path):

@@ -1,6 +1,6 @@
 """The pipeline scripts end to end at CPU scale: speedrun.sh (the runcpu settings) writes a report whose
 numbers are the ones the stages printed and skips finished stages when re-run; scaling_laws.sh and
-miniseries.sh fill their CSVs on the wiki shards."""
+miniseries.sh fill their CSVs on the bundled sample (the CORE bundle is the tests' own small one)."""
 
 import os
 import re
@@ -9,9 +9,7 @@ import subprocess
 import sys
 
 
-from conftest import REPO, SHARED_WIKI
-
-BUNDLE = os.path.join(os.path.dirname(REPO), "shared", "eval_bundle")
+from conftest import REPO, SAMPLE_DATA, CORE_BUNDLE as BUNDLE
 TINY = ("--aspect-ratio 32 --head-dim 32 --max-seq-len 128 --window-pattern SL --device-batch-size 8 "
         "--total-batch-size 2048 --warmup-steps 3 --eval-tokens 8192")
 
@@ -23,23 +21,26 @@ def bash(script, env, timeout=900):
 
 
 def test_speedrun_cpu_scale_report(tmp_path, env):
-    assert os.path.isdir(BUNDLE), f"the CORE bundle is expected beside the repo at {BUNDLE}"
     e = dict(env, NANOCHAT_BASE_DIR=str(tmp_path), PYTHON=sys.executable, NPROC="1", DEPTH="2", MODEL_TAG="tiny",
-             DEVICE_BATCH_SIZE="8", NANOCHAT_DATA_DIR=os.path.join(REPO, "nanochat", "sample_data"), EVAL_BUNDLE=BUNDLE,
-             TOK_ARGS="--vocab-size 1024 --max-chars 3000000", TRAIN_ARGS=TINY + " --num-iterations 12 --eval-every 6",
+             DEVICE_BATCH_SIZE="8", NANOCHAT_DATA_DIR=SAMPLE_DATA, EVAL_BUNDLE=BUNDLE,
+             TOK_ARGS="--vocab-size 1024 --max-chars 3000000", TRAIN_ARGS=TINY + " --num-iterations 12 --eval-every 5",
              EVAL_ARGS="--max-per-task 4 --eval-tokens 8192")
     out = bash("speedrun.sh", e)
     report = open(tmp_path / "report" / "report.md").read()
     for section in ("## Summary", "## Environment", "## Tokenizer training", "## Tokenizer evaluation",
                     "## Base model training", "## Base model evaluation", "## Base model samples", "## Stage wall times",
-                    "git commit:", "cost at", "| hellaswag |"):
+                    "git commit:", "cost at", "| capitals |"):
         assert section in report, section
-    assert "## Loss curve" in report  # a figure, or the note that matplotlib is missing
+    assert "![loss curve](loss_curve.png)" in report and os.path.exists(tmp_path / "report" / "loss_curve.png")
+    rows = list(csv.DictReader(open(tmp_path / "report" / "train_loss.csv")))
+    assert [r["step"] for r in rows] == ["0", "5", "10", "12"]  # one row per step (step 10: its loss and val bpb)
+    assert all(r["val_bpb"] for r in rows[1:]) and not rows[0]["val_bpb"]
     # the numbers in the report are the ones the stages printed
     val_bpb = re.search(r"^val bpb: ([\d.]+)$", out, re.M).group(1)
-    core = re.search(r"^CORE \(20/22 tasks\): (-?[\d.]+)$", out, re.M).group(1)
+    core = re.search(r"^CORE \(3/4 tasks\): (-?[\d.]+)$", out, re.M).group(1)
     assert f"| val bpb | {val_bpb}" in report
-    assert re.search(rf"\| CORE \| {re.escape(core)}\d*", report), (core, report[:2000])
+    reported = re.search(r"^\| CORE \| (-?[\d.]+) \|$", report, re.M).group(1)  # 6 decimals, printed with 4
+    assert f"{float(reported):.4f}" == core, (reported, core)
     final = re.search(r"^Validation bpb: ([\d.]+)$", out, re.M).group(1)
     assert f"- final validation bpb: {final}" in report
     assert "- tokens trained: 24,576" in report  # 12 steps x 2048 tokens
@@ -54,7 +55,7 @@ def test_speedrun_cpu_scale_report(tmp_path, env):
 
 
 def test_scaling_laws_and_miniseries_small(tmp_path, env, base_dir):
-    e = dict(env, PYTHON=sys.executable, NANOCHAT_DATA_DIR=SHARED_WIKI, DEPTHS="2 3", FLOPS="1e11 3e11", TRAIN_ARGS=TINY)
+    e = dict(env, PYTHON=sys.executable, NANOCHAT_DATA_DIR=SAMPLE_DATA, DEPTHS="2 3", FLOPS="1e11 3e11", TRAIN_ARGS=TINY)
     bash("runs/scaling_laws.sh", e)
     rows = list(csv.DictReader(open(os.path.join(base_dir, "scaling_laws.csv"))))
     assert [(r["budget"], r["depth"]) for r in rows] == [("1e11", "2"), ("1e11", "3"), ("3e11", "2"), ("3e11", "3")]
@@ -72,3 +73,11 @@ def test_scaling_laws_and_miniseries_small(tmp_path, env, base_dir):
     rows = list(csv.DictReader(open(os.path.join(base_dir, "miniseries.csv"))))
     assert len(rows) == 1 and rows[0]["depth"] == "2" and float(rows[0]["val_bpb"]) > 0 and rows[0]["core"] != ""
     assert float(rows[0]["flops"]) > 0
+
+
+def test_a_failing_run_prints_its_error(tmp_path, env):
+    e = dict(env, PYTHON=sys.executable, NANOCHAT_BASE_DIR=str(tmp_path), DEPTHS="2", FLOPS="1e11",
+             TRAIN_ARGS="--no-such-flag")
+    p = subprocess.run(["bash", "runs/scaling_laws.sh"], cwd=REPO, env=e, capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0
+    assert "FAILED: scripts.base_train" in p.stderr and "unrecognized arguments: --no-such-flag" in p.stderr, p.stderr

@@ -1,6 +1,7 @@
 """base_train end to end on CPU: exact resume, clear errors, NaN stop, signal save, DP under torchrun."""
 
 import os
+import re
 import json
 import signal
 import subprocess
@@ -14,26 +15,31 @@ TRAIN = ["--device-batch-size", "4", "--total-batch-size", "512", "--warmup-step
 
 
 def test_exact_resume_is_bitwise(env):
-    full = run_script("scripts.base_train", TRAIN + ["--num-iterations", "20", "--save-every", "10", "--model-tag", "resume",
-                                                     "--eval-every", "-1"], env)
+    full = run_script("scripts.base_train", TRAIN + ["--num-iterations", "20", "--save-every", "5", "--keep-last", "2",
+                                                     "--model-tag", "resume", "--eval-every", "-1"], env)
     losses = parse_losses(full.stdout)
     assert sorted(losses) == list(range(20))
     assert losses[19] < losses[0]  # it learns
-    resumed = run_script("scripts.base_train", TRAIN + ["--num-iterations", "20", "--save-every", "10", "--model-tag", "resume",
-                                                        "--eval-every", "-1", "--resume-from-step", "10"], env)
+    ckpt_dir = os.path.join(env["NANOCHAT_BASE_DIR"], "base_checkpoints", "resume")
+    assert sorted(f for f in os.listdir(ckpt_dir) if f.startswith("meta_")) == ["meta_000015.json", "meta_000020.json"]
+    resumed = run_script("scripts.base_train", TRAIN + ["--num-iterations", "20", "--save-every", "5", "--model-tag", "resume",
+                                                        "--eval-every", "-1", "--resume-from-step", "15"], env)
     again = parse_losses(resumed.stdout)
-    assert sorted(again) == list(range(10, 20))
-    for s in range(10, 20):
+    assert sorted(again) == list(range(15, 20))
+    for s in range(15, 20):
         assert again[s] == losses[s], f"step {s}: {again[s]} != {losses[s]}"
     # the final checkpoint of both runs holds the same weights
-    ckpt_dir = os.path.join(env["NANOCHAT_BASE_DIR"], "base_checkpoints", "resume")
     assert os.path.exists(os.path.join(ckpt_dir, "meta_000020.json"))
     assert "Validation bpb:" in full.stdout and "Validation bpb:" in resumed.stdout
     assert full.stdout.split("Validation bpb:")[1].split()[0] == resumed.stdout.split("Validation bpb:")[1].split()[0]
 
 
 def test_log_line_format(env):
-    p = run_script("scripts.base_train", TRAIN + ["--num-iterations", "3", "--model-tag", "fmt"], env)
+    p = run_script("scripts.base_train", TRAIN + ["--num-iterations", "3", "--model-tag", "fmt", "--warmup-steps", "5"], env)
+    assert "note: --warmup-steps 5 is longer than the run (3 steps)" in p.stdout
+    assert "nanobind" not in p.stderr  # no leak report at exit (the collector was frozen with triton imported)
+    assert p.stdout.count("NOTICE: no parquet shards") == 1
+    assert "training time" not in p.stdout and "minimum validation bpb: 4" in p.stdout  # nothing timed in 3 steps
     lines = [l for l in p.stdout.splitlines() if l.startswith("step 00001/")]
     assert len(lines) == 1
     import re
@@ -77,6 +83,33 @@ def test_nan_loss_stops_with_step(env):
     assert "loss is nan at step" in p.stdout or "loss is inf at step" in p.stdout
 
 
+def test_diverged_weights_are_never_saved(env):
+    """Saving every step, the step whose weights went non-finite (its loss was still finite) stops the run
+    before it is saved: the latest checkpoint is the last good one, and sample loads it."""
+    p = run_script("scripts.base_train", TRAIN + ["--num-iterations", "6", "--scalar-lr", "1e30", "--model-tag", "diverge",
+                                                  "--eval-every", "-1", "--save-every", "1"], env, check=False)
+    assert p.returncode == 1 and "Traceback" not in p.stderr and "nanobind" not in p.stderr
+    assert ("the weights are not finite at step" in p.stdout or
+            re.search(r"loss is nan at step (\d+); stopping \(deleted the checkpoint of step \1", p.stdout)), p.stdout[-1500:]
+    from nanochat import checkpoint_manager as ckpt
+    d = os.path.join(env["NANOCHAT_BASE_DIR"], "base_checkpoints", "diverge")
+    for step in ckpt.saved_steps(d):
+        ckpt.load_checkpoint(d, step)  # raises on weights that are not finite
+
+
+def test_sample_and_eval_refuse_nonfinite_weights(env):
+    import torch
+    run_script("scripts.base_train", TRAIN + ["--num-iterations", "1", "--model-tag", "poisoned", "--eval-every", "-1"], env)
+    path = os.path.join(env["NANOCHAT_BASE_DIR"], "base_checkpoints", "poisoned", "model_000001.pt")
+    state = torch.load(path, weights_only=True)
+    state["lm_head.weight"][0, 0] = float("nan")
+    torch.save(state, path)
+    for module, extra in (("scripts.sample", ["--prompt", "The"]), ("scripts.base_eval", ["--skip-core"])):
+        p = run_script(module, ["--model-tag", "poisoned"] + extra, env, check=False)
+        assert p.returncode == 1 and "Traceback" not in p.stderr, (module, p.stderr[-500:])
+        assert "has weights that are not finite (lm_head.weight): the run had diverged" in p.stdout + p.stderr, module
+
+
 def test_sigterm_saves_then_exits(env):
     cmd = [sys.executable, "-m", "scripts.base_train"] + TRAIN + ["--num-iterations", "100000", "--model-tag", "sig",
                                                                   "--eval-every", "-1"]
@@ -99,11 +132,13 @@ def test_sigterm_saves_then_exits(env):
 
 
 def test_dp2_torchrun_then_resume_at_dp1(env):
-    args = TRAIN + ["--num-iterations", "4", "--save-every", "2", "--model-tag", "dp2", "--eval-every", "-1",
+    """The README's torchrun line (torchrun reads the script's flags too: `--run=NAME` once matched its --run-path)."""
+    args = TRAIN + ["--num-iterations", "4", "--save-every", "2", "--model-tag=dp2", "--wandb-run=dummy", "--eval-every", "-1",
                     "--device-batch-size", "2"]
     p = run_script("scripts.base_train", args, env, nproc=2)
     assert p.stdout.count("local parameters: ") == 2
     assert "[dp=0]" in p.stdout and "[dp=1]" in p.stdout
+    assert p.stdout.count("NOTICE: no parquet shards") == 1  # the sample-data notice once per run, not per process
     assert len(parse_losses(p.stdout)) == 4
     meta = json.load(open(os.path.join(env["NANOCHAT_BASE_DIR"], "base_checkpoints", "dp2", "meta_000002.json")))
     assert [s["dp_rank"] for s in meta["dataloader_states"]] == [0, 1]
@@ -151,3 +186,57 @@ def test_l3_run_resumes_bitwise_with_its_allocation(env):
     assert sorted(again) == [2, 3]
     for s in (2, 3):
         assert again[s] == losses[s], f"step {s}: {again[s]} != {losses[s]}"
+
+
+def test_cpu_batch_that_cannot_fit_is_refused_with_the_flags_to_change(env):
+    # 8192 x 2048 tokens a micro-batch: hundreds of GiB; the kernel used to kill the run without a word
+    p = run_script("scripts.base_train", TINY_MODEL[:6] + ["--max-seq-len", "2048", "--device-batch-size", "8192",
+                                                          "--total-batch-size", str(8192 * 2048), "--num-iterations", "1"],
+                   env, check=False, timeout=120)
+    assert p.returncode == 1 and "Traceback" not in p.stderr
+    assert "training on the CPU with micro-batches of 8192 x 2048 tokens needs about" in p.stdout
+    assert "lower --device-batch-size" in p.stdout
+
+
+def test_corrupt_page_mid_training_saves_then_names_the_file(env, tmp_path):
+    """A shard whose footer is fine but whose later pages are not passes check_data and fails mid-run: the run
+    saves a checkpoint, then stops with one line naming the file."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from nanochat.dataset import SAMPLE_DIR
+    texts = pq.read_table(os.path.join(SAMPLE_DIR, "sample_00000.parquet")).column("text").to_pylist()[:64]
+    path = tmp_path / "a.parquet"
+    pq.write_table(pa.table({"text": texts}), path, row_group_size=8, compression="snappy")
+    meta = pq.ParquetFile(path).metadata
+    last = meta.row_group(meta.num_row_groups - 1).column(0)
+    start = last.dictionary_page_offset or last.data_page_offset
+    data = bytearray(path.read_bytes())
+    for i in range(start + 64, start + last.total_compressed_size - 64):  # the last row group's pages, not the footer
+        data[i] ^= 0x5A
+    path.write_bytes(bytes(data))
+    import shutil
+    shutil.copy(os.path.join(SAMPLE_DIR, "sample_00001.parquet"), tmp_path / "b.parquet")
+    p = run_script("scripts.base_train", TRAIN + ["--num-iterations", "200", "--data-dir", str(tmp_path), "--model-tag",
+                                                  "corrupt", "--eval-every", "-1"], env, check=False)
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    error = [l for l in p.stdout.splitlines() if l.startswith("ERROR: ")]
+    assert len(error) == 1 and "a.parquet" in error[0] and "resume with --resume-from-step" in error[0], p.stdout[-1500:]
+    assert "saved checkpoint for step" in p.stdout
+
+
+def test_sigterm_during_evaluation_stops_within_seconds_and_saves(env):
+    import time
+    cmd = [sys.executable, "-m", "scripts.base_train"] + TRAIN + ["--num-iterations", "100", "--model-tag", "sigeval",
+                                                                  "--eval-every", "3", "--eval-tokens", "100000000"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out = ""
+    while "step 00002/" not in out:  # the next thing is the step-3 evaluation: hours of it at 10^8 tokens
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read()
+        out += line
+    time.sleep(3)
+    t0 = time.time()
+    proc.send_signal(signal.SIGTERM)
+    rest, err = proc.communicate(timeout=60)
+    assert time.time() - t0 < 30 and proc.returncode == 0, err[-2000:]
+    assert "saved checkpoint for step 3" in out + rest and "Traceback" not in err

@@ -1,0 +1,123 @@
+"""Faults named, not traced: damaged checkpoints and tokenizers, weights that are not finite, a checkpoint
+used with another tokenizer, interrupted saves, pruning, and what the CPU can hold. Unit level (no script
+runs); the scripts' side is in test_train.py and test_base_eval.py."""
+
+import os
+import json
+import pickle
+
+import pytest
+import torch
+
+from nanochat import checkpoint_manager as ckpt
+from nanochat.tokenizer import Tokenizer, TokenizerError
+
+
+def save_step(d, step, weights):
+    ckpt.save_stage_files(str(d), step, weights, {"adamw_step": 1, "params": {}})
+    ckpt.save_meta(str(d), step, {"model_config": {}, "tokenizer_hash": "0123456789abcdef"})
+
+
+def test_damaged_checkpoint_files_are_named(tmp_path):
+    save_step(tmp_path, 1, {"w": torch.ones(4)})
+    model = tmp_path / "model_000001.pt"
+    model.write_bytes(model.read_bytes()[:100])  # truncated
+    with pytest.raises(ckpt.CheckpointError, match=r"model_000001.pt is damaged .*delete step 1's files"):
+        ckpt.load_checkpoint(str(tmp_path), 1)
+    save_step(tmp_path, 2, {"w": torch.ones(4)})
+    meta = tmp_path / "meta_000002.json"
+    meta.write_text(meta.read_text()[:20])
+    with pytest.raises(ckpt.CheckpointError, match=r"meta_000002.json is damaged \(not a checkpoint's JSON"):
+        ckpt.load_checkpoint(str(tmp_path), 2)
+
+
+class Payload:
+    def __reduce__(self):
+        return (print, ("this must never run",))
+
+
+def test_refused_pickle_says_why_not_weights_only_false(tmp_path):
+    save_step(tmp_path, 3, {"w": torch.ones(4)})
+    with open(tmp_path / "model_000003.pt", "wb") as f:
+        pickle.dump({"w": Payload()}, f, protocol=2)
+    with pytest.raises(ckpt.CheckpointError, match="holds objects other than tensors") as e:
+        ckpt.load_checkpoint(str(tmp_path), 3)
+    assert "weights_only" not in str(e.value)
+
+
+def test_nonfinite_weights_are_refused_at_load(tmp_path):
+    save_step(tmp_path, 4, {"w": torch.ones(4)})
+    save_step(tmp_path, 5, {"w": torch.tensor([1.0, float("nan")])})
+    assert ckpt.nonfinite_tensors({"w": torch.tensor([1.0, float("inf")]), "ok": torch.ones(2), "i": torch.ones(2, dtype=torch.int64)}) == ["w"]
+    with pytest.raises(ckpt.CheckpointError, match=r"step 5 .* not finite \(w\): the run had diverged; .*saved: \[4\]"):
+        ckpt.load_checkpoint(str(tmp_path))
+
+
+def test_stale_tmp_files_are_removed_at_the_next_save(tmp_path):
+    dead = 2 ** 22 + 12345  # above the default pid_max of 2^22: no such process
+    stale = tmp_path / f"model_000001.pt.tmp.{dead}"
+    stale.write_bytes(b"half a checkpoint")
+    live = tmp_path / f"model_000009.pt.tmp.{os.getpid()}"  # a save in progress (this process)
+    live.write_bytes(b"x")
+    save_step(tmp_path, 1, {"w": torch.ones(4)})
+    assert not stale.exists() and live.exists()
+
+
+def test_keep_last_prunes_the_oldest(tmp_path):
+    for step in (1, 2, 3, 4):
+        save_step(tmp_path, step, {"w": torch.ones(4)})
+    ckpt.prune_checkpoints(str(tmp_path), 2)
+    assert ckpt.saved_steps(str(tmp_path)) == [3, 4]
+    assert sorted(os.listdir(tmp_path)) == ["meta_000003.json", "meta_000004.json", "model_000003.pt", "model_000004.pt",
+                                            "optim_000003.pt", "optim_000004.pt"]
+
+
+def small_tokenizer(specials=("<|bos|>", "<|user_start|>")):
+    return Tokenizer({bytes([i]): i for i in range(256)}, r"\w+|\s+", {name: 256 + i for i, name in enumerate(specials)})
+
+
+def test_tokenizer_hash_identifies_it_and_a_mismatch_names_both(tmp_path):
+    a, b = small_tokenizer(), small_tokenizer(("<|user_start|>", "<|bos|>"))  # same vocab size, other ids
+    assert a.hash == small_tokenizer().hash and a.hash != b.hash and len(a.hash) == 16
+    a.save(str(tmp_path / "tok"))
+    assert Tokenizer.load(str(tmp_path / "tok")).hash == a.hash
+    b.directory = "/somewhere/tokenizer"
+    meta = {"step": 7, "tokenizer_hash": a.hash}
+    with pytest.raises(ckpt.CheckpointError, match=rf"trained with tokenizer {a.hash}, but the tokenizer in "
+                                                   rf"/somewhere/tokenizer is {b.hash}"):
+        ckpt.check_tokenizer(meta, b, "/ckpt")
+    ckpt.check_tokenizer(meta, a, "/ckpt")
+    ckpt.check_tokenizer({"step": 7}, b, "/ckpt")  # a checkpoint from before the hash: accepted
+
+
+def test_damaged_tokenizer_is_named(tmp_path):
+    d = tmp_path / "tok"
+    small_tokenizer().save(str(d))
+    path = d / "tokenizer.tiktoken"
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join(lines[:10] + ["@@notbase64 10"] + lines[11:]) + "\n")
+    with pytest.raises(TokenizerError, match=r"tokenizer.tiktoken is damaged at line 11 .*tok_train"):
+        Tokenizer.load(str(d))
+    small_tokenizer().save(str(d))
+    (d / "tokenizer.json").write_text('{"pattern": ')
+    with pytest.raises(TokenizerError, match=r"is damaged \(JSONDecodeError"):
+        Tokenizer.load(str(d))
+
+
+def test_cpu_memory_estimate_grows_with_the_micro_batch():
+    from nanochat.common import estimate_memory
+    small = estimate_memory(37_000_000, 4, 256, 32768, 4 * 512)
+    assert 0.8 * 2**30 < small - 2**30 < 2.0 * 2**30  # measured: ~1.25 GiB peak for this one (d4, 2048 tokens)
+    big = estimate_memory(37_000_000, 4, 256, 32768, 32 * 2048)  # the old CPU defaults: tens of GiB
+    assert big > 30 * 2**30
+    assert 0.6 * 2**30 < estimate_memory(37_000_000, 4, 256, 32768, 4 * 512, training=False) - 2**30 < 1.2 * 2**30  # ~0.83
+
+
+def test_progress_speaks_only_for_long_loops(capsys):
+    from nanochat.common import Progress
+    p = Progress("val bpb", 100, every=0.0)
+    p.update(50)
+    assert "val bpb: 50/100 batches" in capsys.readouterr().out
+    quiet = Progress("val bpb", 100)  # every 10 s: a short loop prints nothing
+    quiet.update(50)
+    assert capsys.readouterr().out == ""
