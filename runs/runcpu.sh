@@ -6,7 +6,7 @@
 #   bash runs/runcpu.sh
 #
 # Settings (environment): NANOCHAT_BASE_DIR (default ~/.cache/nanochat/runcpu), STEPS (default 60),
-# EVAL_BUNDLE (default ../shared/eval_bundle when present; without a local bundle CORE is skipped).
+# EVAL_BUNDLE (a local CORE bundle folder; without one CORE is skipped, and the report says so).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export NANOCHAT_BASE_DIR="${NANOCHAT_BASE_DIR:-$HOME/.cache/nanochat/runcpu}"
@@ -18,9 +18,6 @@ if [ ! -x .venv/bin/python ]; then
     .venv/bin/python -m pip install -q --upgrade pip
     .venv/bin/python -m pip install -q torch==2.13.0 || .venv/bin/python -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
     .venv/bin/python -m pip install -q -e ".[dev]"
-fi
-if [ -z "${EVAL_BUNDLE:-}" ] && [ -d ../shared/eval_bundle ]; then
-    EVAL_BUNDLE="$(cd ../shared/eval_bundle && pwd)"
 fi
 CORE_ARGS="--max-per-task 8"
 if [ -n "${EVAL_BUNDLE:-}" ]; then

@@ -13,7 +13,7 @@ pytest.importorskip("torchao.float8", reason="torchao is a declared dependency; 
 
 from nanochat.fp8 import is_eligible, convert_to_fp8, bf16_linears, _is_fp8, Fp8MLP, _Fp8MLP
 from nanochat.gpt import GPTConfig, build_model, Linear, MLP
-from triton_interpreter import needs_interpreter_loops, run_under_interpreter
+from triton_interpreter import needs_interpreter_37, run_under_interpreter
 
 
 def model():
@@ -177,7 +177,7 @@ def check_kernels():
     print("kernels ok")
 
 
-@needs_interpreter_loops
+@needs_interpreter_37
 def test_fp8_mlp_kernels_match_pytorch_under_triton_interpreter():
     run_under_interpreter(__file__)
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from triton_interpreter import needs_interpreter_loops, run_under_interpreter
+from triton_interpreter import needs_interpreter_37, run_under_interpreter
 
 
 def rel_err(a, ref):
@@ -59,7 +59,7 @@ def check_kernels():
     print("kernels ok")
 
 
-@needs_interpreter_loops
+@needs_interpreter_37
 def test_fused_mlp_matches_the_module_path_under_triton_interpreter():
     run_under_interpreter(__file__)
 

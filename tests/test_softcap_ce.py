@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from triton_interpreter import needs_triton, run_under_interpreter
+from triton_interpreter import needs_interpreter_37, run_under_interpreter
 
 
 def make_inputs(dtype, V, seed=0):
@@ -65,7 +65,7 @@ def check_kernels():
     print("kernels ok")
 
 
-@needs_triton
+@needs_interpreter_37
 def test_kernel_matches_float64_under_triton_interpreter():
     run_under_interpreter(__file__)
 
