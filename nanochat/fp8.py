@@ -1,6 +1,7 @@
 """
-fp8 training linears: torchao's float8 training (dynamic scaling, `tensorwise` or `rowwise`), and with
-tensorwise an MLP of our own that follows the same recipe with ReLU^2 fused into its products.
+fp8 training linears: torchao's float8 training with tensorwise dynamic scaling, and an MLP of our own that
+follows the same recipe with ReLU^2 fused into its products. (torchao's rowwise recipe measured 0.94x of bf16
+at d20 and was dropped on 2026-11-23: dev/LOG.md.)
 
 - Only Linear layers whose dims are multiples of 16 and at least 128 are converted (the fp8 matmul's
   shape rules; small layers gain nothing), and never the lm_head: the logits keep bf16 precision.
@@ -9,8 +10,8 @@ tensorwise an MLP of our own that follows the same recipe with ReLU^2 fused into
   with fp8 loads without it and vice versa.
 - Evaluation and sampling run in bf16: `bf16_linears(model)` swaps the fp8 modules for plain ones holding
   the very same weight Parameters, and restores them afterwards.
-- `tensorwise` is torchao's recipe with fast accumulation in all three matmuls (torchao: the forward's
-  only). `rowwise` is torchao's as it is.
+- The recipe is torchao's tensorwise one with fast accumulation in all three matmuls (torchao: the
+  forward's only).
 - Without CUDA (or an SM89+ GPU), or without torchao, --fp8 says so and training continues without it.
 It pays off only under torch.compile, which fuses the casts and amax reductions.
 
@@ -66,7 +67,7 @@ def fp8_unavailable_reason(device):
     return None
 
 
-def convert_to_fp8(model, recipe="tensorwise", device=None, force=False):
+def convert_to_fp8(model, device=None, force=False):
     """Convert eligible Linears in place. Returns the number converted (0 when fp8 is unavailable;
     `force` skips the device check, for tests on CPU)."""
     reason = None if force else fp8_unavailable_reason(device)
@@ -75,19 +76,17 @@ def convert_to_fp8(model, recipe="tensorwise", device=None, force=False):
         return 0
     from torchao.float8 import convert_to_float8_training, Float8LinearConfig
     from torchao.float8.config import Float8GemmConfig
-    config = Float8LinearConfig.from_recipe_name(recipe)
-    mlps = 0
-    if recipe == "tensorwise":
-        # torchao gives cuBLAS's fast fp8 accumulation (no periodic promotion to fp32) to the forward matmul
-        # only; the two backward ones get it too: +2.4-2.9% tok/s at d20, and the equal-steps d12 loss stays
-        # within the bf16 runs' spread (dev/LOG.md)
-        fast = Float8GemmConfig(use_fast_accum=True)
-        config = dataclasses.replace(config, gemm_config_grad_input=fast, gemm_config_grad_weight=fast)
-        mlps = len(_swap(model, lambda m: _rehouse(m, Fp8MLP) if type(m) is MLP and _mlp_is_eligible(m) else None))
+    config = Float8LinearConfig.from_recipe_name("tensorwise")
+    # torchao gives cuBLAS's fast fp8 accumulation (no periodic promotion to fp32) to the forward matmul
+    # only; the two backward ones get it too: +2.4-2.9% tok/s at d20, and the equal-steps d12 loss stays
+    # within the bf16 runs' spread (dev/LOG.md)
+    fast = Float8GemmConfig(use_fast_accum=True)
+    config = dataclasses.replace(config, gemm_config_grad_input=fast, gemm_config_grad_weight=fast)
+    mlps = len(_swap(model, lambda m: _rehouse(m, Fp8MLP) if type(m) is MLP and _mlp_is_eligible(m) else None))
     ours = {f"{name}.{linear}" for name, m in model.named_modules() if isinstance(m, Fp8MLP) for linear in ("c_fc", "c_proj")}
     convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: is_eligible(m, fqn) and fqn not in ours)
     converted = sum(1 for m in model.modules() if _is_fp8(m))
-    print(f"fp8 ({recipe}): converted {converted + 2 * mlps} Linear layers"
+    print(f"fp8 (tensorwise): converted {converted + 2 * mlps} Linear layers"
           + (f", {2 * mlps} of them in {mlps} MLPs with ReLU^2 fused into their fp8 products" if mlps else ""), flush=True)
     return converted + 2 * mlps
 

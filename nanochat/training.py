@@ -48,7 +48,7 @@ def build_model_for_training(config, device, dtype, layout, fp8=False, l3_data=N
     fp8_active = False
     if fp8:
         from nanochat.fp8 import convert_to_fp8
-        fp8_active = convert_to_fp8(model, "tensorwise", device) > 0
+        fp8_active = convert_to_fp8(model, device) > 0
     return model, fp8_active
 
 

@@ -32,7 +32,7 @@ def test_filter_picks_block_linears_only():
 def test_convert_then_swap_for_eval_shares_weights():
     m = model()
     params_before = {n: p for n, p in m.named_parameters()}
-    n = convert_to_fp8(m, "tensorwise", force=True)
+    n = convert_to_fp8(m, force=True)
     fp8 = {name for name, mod in m.named_modules() if _is_fp8(mod)}
     # torchao's Float8Linear for q, k, v and the attention's proj; the MLP's two in Fp8MLP
     assert n == 2 * 6 and len(fp8) == 2 * 4 and all(".attn." in name for name in fp8)
@@ -58,7 +58,7 @@ def test_convert_then_swap_for_eval_shares_weights():
 def test_checkpoints_load_across_fp8():
     from nanochat.checkpoint_manager import full_model_state, load_model_state
     plain, converted = model(), model()
-    convert_to_fp8(converted, "rowwise", force=True)
+    convert_to_fp8(converted, force=True)
     assert plain.state_dict().keys() == converted.state_dict().keys()
     with torch.no_grad():
         for p in converted.parameters():
@@ -67,23 +67,16 @@ def test_checkpoints_load_across_fp8():
     for (a, p), (b, q) in zip(plain.named_parameters(), converted.named_parameters()):
         assert torch.equal(p, q), a
     other = model()
-    convert_to_fp8(other, "tensorwise", force=True)
+    convert_to_fp8(other, force=True)
     load_model_state(other, full_model_state(plain))  # bf16 -> fp8
     assert all(torch.equal(p, q) for p, q in zip(other.parameters(), plain.parameters()))
 
 
 def test_no_cuda_falls_back_with_a_message(capsys):
     m = model()
-    assert convert_to_fp8(m, "tensorwise", torch.device("cpu")) == 0
+    assert convert_to_fp8(m, torch.device("cpu")) == 0
     assert "continuing without fp8" in capsys.readouterr().out
     assert not any(_is_fp8(mod) for mod in m.modules())
-
-
-def test_rowwise_is_torchaos_recipe_as_it_is():
-    m = model()
-    convert_to_fp8(m, "rowwise", force=True)
-    assert all(type(block.mlp) is MLP and _is_fp8(block.mlp.c_fc) for block in m.blocks)
-    assert [c.use_fast_accum for c in m.blocks[0].mlp.c_fc.linear_mm_config] == [True, False, False]
 
 
 def mlp_case(C=128, M=512, seed=0):
@@ -113,7 +106,7 @@ def fused_forward(mlp, kernels):
 def fp8_mlp(mlp):
     """A copy of mlp as convert_to_fp8 makes it (tensorwise)."""
     holder = torch.nn.Sequential(copy.deepcopy(mlp))
-    assert convert_to_fp8(holder, "tensorwise", force=True) == 2
+    assert convert_to_fp8(holder, force=True) == 2
     assert type(holder[0]) is Fp8MLP
     return holder[0]
 

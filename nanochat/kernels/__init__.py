@@ -131,8 +131,8 @@ def attention(q, k, v, window):
 
 
 def mlp(x, c_fc, c_proj):
-    """c_proj(relu(c_fc(x))^2). The fused kernels take the plain Linears only: tensor parallelism and rowwise
-    fp8 swap in their own, which take the module path (tensorwise fp8 replaces the whole MLP: fp8.Fp8MLP)."""
+    """c_proj(relu(c_fc(x))^2). The fused kernels take the plain Linears only: tensor parallelism swaps in its
+    own, which take the module path (fp8 replaces the whole MLP: fp8.Fp8MLP)."""
     if not fused():
         return c_proj(relu_square_mm.reference_relu_square(c_fc(x)))
     if type(c_fc) is Linear and type(c_proj) is Linear and relu_square_mm.supported(x):
