@@ -1,0 +1,103 @@
+"""
+An independent bits-per-byte check: score one checkpoint on fixed validation bytes using nothing of the
+harness's own evaluation code, only its model's logits and its tokenizer.
+
+The bytes: the first --docs documents of the parquet file --val that have at least --chars characters, each
+cut to exactly --chars characters. Each document is one row, [BOS] + its tokens, and every token after the
+BOS is scored (its cross-entropy from the model's logits, in fp32). Those tokens spell exactly the cut text,
+so
+
+    bpb = (sum of the scored tokens' losses in nats) / ln 2 / (UTF-8 bytes of the cut texts)
+
+It runs against either harness, this one or upstream nanochat, so that both are scored on the same bytes:
+--root is the checkout whose `nanochat` package is imported (put first on sys.path), --harness says how its
+checkpoints load.
+
+    python dev/score_bpb.py --harness ours --root . --checkpoint-dir $NANOCHAT_BASE_DIR/base_checkpoints/d12 \
+        --tokenizer-dir $NANOCHAT_BASE_DIR/tokenizer --val data/shard_00007.parquet
+    NANOCHAT_BASE_DIR=... python dev/score_bpb.py --harness upstream --root ../nanochat-92d63d4 \
+        --checkpoint-dir .../base_checkpoints/d12 --val data/shard_00007.parquet
+
+Run it as a file (not `-m`), so that the package imported is the one under --root. It prints one line,
+`SCORE bpb=... bytes=... tokens=... docs=...`.
+"""
+
+import os
+import sys
+import math
+import argparse
+
+parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("--harness", choices=["ours", "upstream"], required=True, help="how the checkpoint loads")
+parser.add_argument("--root", type=str, required=True, help="the checkout whose nanochat package to import")
+parser.add_argument("--checkpoint-dir", type=str, required=True, help="folder of model_<step>.pt files")
+parser.add_argument("--step", type=int, default=-1, help="checkpoint step (-1 = the last)")
+parser.add_argument("--tokenizer-dir", type=str, default=None,
+                    help="ours: the tokenizer folder (upstream reads $NANOCHAT_BASE_DIR/tokenizer)")
+parser.add_argument("--val", type=str, required=True, help="parquet file with a `text` column")
+parser.add_argument("--docs", type=int, default=1000, help="documents scored")
+parser.add_argument("--chars", type=int, default=5000, help="characters of each document scored (each must fit the model's context)")
+args = parser.parse_args()
+
+root = os.path.abspath(args.root)
+if not os.path.isdir(os.path.join(root, "nanochat")):
+    sys.exit(f"score_bpb: --root {root} has no nanochat package")
+sys.path.insert(0, root)
+
+import torch
+import torch.nn.functional as F
+import pyarrow.parquet as pq
+
+
+def validation_texts(path, docs, chars):
+    texts = []
+    for batch in pq.ParquetFile(path).iter_batches(columns=["text"]):
+        for text in batch.column(0).to_pylist():
+            if len(text) >= chars:
+                texts.append(text[:chars])
+                if len(texts) == docs:
+                    return texts
+    sys.exit(f"score_bpb: {path} has only {len(texts)} documents of >= {chars} characters (asked for {docs}): "
+             f"lower --docs or --chars")
+
+
+def load(device):
+    """(model, tokenizer, max sequence length), each harness in its own evaluation precision (bf16 on a GPU)"""
+    step = None if args.step < 0 else args.step
+    if args.harness == "ours":
+        from nanochat.checkpoint_manager import load_model
+        from nanochat.tokenizer import get_tokenizer
+        ckpt = os.path.abspath(args.checkpoint_dir)
+        base_dir, tag = os.path.dirname(os.path.dirname(ckpt)), os.path.basename(ckpt)
+        tokenizer = get_tokenizer(args.tokenizer_dir)
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        model, meta = load_model(tag, step, device, dtype, base_dir=base_dir, tokenizer=tokenizer)
+        return model, tokenizer, meta["model_config"]["sequence_len"]
+    from nanochat.checkpoint_manager import build_model, find_last_step
+    step = find_last_step(args.checkpoint_dir) if step is None else step
+    model, tokenizer, meta = build_model(args.checkpoint_dir, step, device, phase="eval")
+    return model, tokenizer, meta["model_config"]["sequence_len"]  # upstream casts to its COMPUTE_DTYPE itself
+
+
+def main():
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    texts = validation_texts(args.val, args.docs, args.chars)
+    model, tokenizer, seq_len = load(device)
+    bos = tokenizer.get_bos_token_id()
+    nats, tokens, n_bytes = 0.0, 0, 0
+    with torch.inference_mode():
+        for text in texts:
+            ids = tokenizer.encode(text, prepend=bos)
+            if len(ids) - 1 > seq_len:
+                sys.exit(f"score_bpb: a document of {args.chars} characters is {len(ids) - 1} tokens, more than the "
+                         f"model's {seq_len}: lower --chars")
+            x = torch.tensor(ids[:-1], device=device)[None]
+            y = torch.tensor(ids[1:], device=device)
+            logits = model(x)
+            nats += F.cross_entropy(logits[0].float(), y, reduction="sum").item()
+            tokens += y.numel()
+            n_bytes += len(text.encode("utf-8"))
+    print(f"SCORE bpb={nats / math.log(2) / n_bytes:.6f} bytes={n_bytes} tokens={tokens} docs={len(texts)}", flush=True)
+
+
+main()
