@@ -314,9 +314,14 @@ if resume_meta is not None:
         print0("the checkpoint holds weights only (no optimizer state): the optimizer starts fresh")
     else:
         optimizer.load_full_state_dict(optim_state)
+    if config.l3_after_layers:  # the saved allocation sets L3's FLOPs (MFU), counted on a whole meta model:
+        with torch.device("meta"):  # this rank's may be sharded (TP) or a single stage (PP)
+            meta_model = GPT(config)
+        for i, layer in meta_model.l3.items():
+            layer.rows_per_token = model_state[f"l3.{i}.rows_per_token"]
+        flops_per_token = meta_model.estimate_flops()
+        del meta_model
     del model_state, optim_state
-    if config.l3_after_layers and pipeline is None:  # the saved allocation sets L3's FLOPs (MFU)
-        flops_per_token = model.estimate_flops()
     loop = resume_meta["loop_state"]
     step, smooth_loss, total_time, min_val_bpb = loop["step"], loop["smooth_loss"], loop["total_time"], loop["min_val_bpb"]
     states = reshard_states(resume_meta["dataloader_states"], layout.dp_size)

@@ -91,3 +91,20 @@ def test_l3_checkpoint_pp2_resumes_at_pp1_and_back():
     _resume_matches(saved, pp=1, config_overrides=L3)
     saved1 = run_layout(pp=1, steps=6, config_overrides=L3)
     _resume_matches(saved1, pp=2, schedule="gpipe", config_overrides=L3)
+
+
+def test_base_train_l3_at_tp2_sequence_parallel_resumes_at_pp2(env):
+    """base_train itself: an L3 run at TP=2 with sequence parallelism (the allocation made once and
+    broadcast), resumed from its checkpoint as two pipeline stages; the resumed losses follow the run's."""
+    from conftest import run_script, parse_losses, TINY_MODEL
+    args = TINY_MODEL + ["--device-batch-size", "4", "--total-batch-size", "512", "--warmup-steps", "2",
+                         "--num-iterations", "4", "--save-every", "2", "--model-tag", "l3tp", "--eval-every", "-1",
+                         "--l3-after-layers", "0", "--l3-k-max", "8"]
+    full = run_script("scripts.base_train", args + ["--tp", "2", "--sequence-parallel"], env, nproc=2)
+    assert full.stdout.count("L3 allocation:") == 1
+    resumed = run_script("scripts.base_train", args + ["--pp", "2", "--resume-from-step", "2"], env, nproc=2)
+    assert "L3 allocation:" not in resumed.stdout
+    losses, again = parse_losses(full.stdout), parse_losses(resumed.stdout)
+    assert sorted(again) == [2, 3]
+    for s in (2, 3):
+        assert abs(again[s] - losses[s]) <= 1e-4 * losses[s], (s, again[s], losses[s])
