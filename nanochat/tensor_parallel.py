@@ -420,8 +420,8 @@ def parallelize(model, layout, sequence_parallel=False):
             block.resid_lambda.tp_partial_grad = True
             block.x0_lambda.tp_partial_grad = True
             block.resid_lambda.tp_group = block.x0_lambda.tp_group = group
-    for layer in model.l3.values():  # replicated (see the module docstring)
-        if sequence_parallel:  # each rank looks up its own tokens: partial gradients, summed over TP
+    if sequence_parallel:  # L3 layers stay replicated (module docstring): each rank looks up its own
+        for layer in model.l3.values():  # tokens, so their gradients are partial, summed over TP
             layer.token_share = TokenIdShare(group)
             for p in layer.parameters():
                 p.tp_partial_grad, p.tp_group = True, group
