@@ -59,6 +59,15 @@ training token reads ~270 rows, so a 32 x 2048 micro-batch has P ~ 17.5M.
   are data-dependent, which would break or recompile a graph anyway; W_up, the LayerNorm and W_mix
   around it still compile.
 
+Parallelism. Under tensor parallelism every parameter of the layer (tables, W_up, W_mix) is replicated
+on the ranks of a TP group, not sharded (tensor_parallel.py gives the numbers). Without sequence
+parallelism each TP rank runs the same layer on the same tokens, so the gradients agree on the ranks
+with no collective. With it, a rank's residual stream holds its share of the tokens: `token_share` then
+picks the same share of the token ids, the rank looks up only its own tokens (the lookup's work splits
+TP ways), and every parameter's gradient is partial, summed over the TP group in the optimizer
+(tp_partial_grad, as for the norms' lambdas). Under pipeline parallelism the layer after block i lives
+on the stage that owns block i, which receives the token ids with the residual stream.
+
 Dtypes follow gpt.py: parameters fp32, activations in the compute dtype (bf16 on GPU). The tables are
 cast to x.dtype for the matmuls (which accumulate in fp32), the softmax and the table-gradient
 accumulation run in fp32, and the output is in x.dtype.
@@ -429,6 +438,7 @@ class L3Layer(nn.Module):
         # mean rows a training token reads (token-frequency-weighted): what estimate_flops charges
         self.register_buffer("rows_per_token", torch.zeros((), dtype=torch.float32))
         self.path = "auto"  # or "blocked" / "padded", to force one (tests, benchmarks)
+        self.token_share = nn.Identity()  # sequence parallelism swaps in this rank's share of the token ids
 
     @classmethod
     def from_config(cls, config):
@@ -493,6 +503,7 @@ class L3Layer(nn.Module):
 
     def forward(self, x, idx):
         """x (B, T, d) hidden states, idx (B, T) token ids -> (B, T, d) to add to the residual stream."""
+        idx = self.token_share(idx)
         B, T, d = x.shape
         h = self.lookup(x.reshape(B * T, d), idx.reshape(B * T).long()).view(B, T, self.d_emb)
         u = F.layer_norm(self.w_up(h), (self.d_up,))

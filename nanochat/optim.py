@@ -13,7 +13,7 @@ Muon (every 2-D matrix in the blocks), per matrix G:
                                     U /= sqrt(v) + eps, then back to the norm of step 4
   6. apply:                         W -= lr * max(1, rows/cols)^0.5 * U + lr * wd * [U*W > 0] * W
                                     (cautious weight decay: only where update and weight agree in sign)
-Matrices of the same shape are stacked so one (compiled, on CUDA) call handles a group.
+Matrices of the same shape (and sharding) are stacked so one (compiled, on CUDA) call handles a group.
 
 Distributed (no DDP wrapper): the gradients are reduced over the DP group (SUM, then divide: gloo
 has no AVG everywhere), one collective per bucket. AdamW parameters of at least 1024 elements whose
@@ -25,7 +25,9 @@ is interleaved (r, r+W, ...), each rank orthogonalizes whole matrices, and the u
 and applied everywhere. Under tensor parallelism the rounds carry TP shards and each rank all-gathers
 only its own matrices over the TP group before Muon (sum over DP, then gather over TP: the same
 numbers on 1/W of the bytes), so Muon always sees the whole matrix and the result does not depend
-on the TP degree.
+on the TP degree. Replicated parameters that see only this rank's tokens under sequence parallelism
+(tp_partial_grad: the lambdas, L3's tables and matrices) have their DP-reduced gradients summed over
+the TP group before their update, AdamW and Muon alike.
 
 Overlap (overlap_grad_reduce): without it every reduction starts in step(), after the whole backward,
 and all of it is exposed. With it, the training step calls prepare_last_backward() right before the
@@ -165,8 +167,9 @@ class MuonAdamW(torch.optim.Optimizer):
                 continue
             by_shape = {}
             for p in group["params"]:
-                by_shape.setdefault((tuple(tp.full_shape(p)), getattr(p, "tp_dim", None)), []).append(p)
-            for (shape, _), params in by_shape.items():
+                key = (tuple(tp.full_shape(p)), getattr(p, "tp_dim", None), getattr(p, "tp_partial_grad", False))
+                by_shape.setdefault(key, []).append(p)
+            for (shape, _, _), params in by_shape.items():
                 self.muon_stacks.append(MuonStack(group, shape, params, self.dp_size, self.dp_rank))
         # the buckets, in the default launch order: Muon's first (they feed the most compute), then the
         # large AdamW tensors one by one, then the small ones as one flat buffer
@@ -441,6 +444,7 @@ class MuonStack:
         grads = self.local_grads
         if tp.is_sharded(p0):
             grads = torch.stack([tp.gather_full(grads[j], p0) for j in range(self.per_rank)])
+        tp.reduce_partial_grad(p0, grads)  # replicated matrices under sequence parallelism (L3): sum over TP
         if self.W > 1:
             grads.div_(self.W)
         momentum = torch.tensor(self.group["momentum"], dtype=torch.float32)

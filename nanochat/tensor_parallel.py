@@ -13,6 +13,27 @@ Tensor parallelism (Megatron-style), as small explicit pieces, applied to an ini
   split is of the flattened (B*T) token dim, rank k holding tokens [k, k+1) * B*T/tp viewed as
   (B, T/tp, D): every op between regions is per token, and dim 0 of a contiguous tensor goes through
   the collectives as it is (splitting dim 1 of (B, T, D) costs a transposed copy around each one)
+- L3 layers (l3.py) replicated: tables, W_up and W_mix whole on every TP rank. Numbers at d12 defaults
+  (tied table 2^19 x 768, a 32 x 2048 micro-batch of N = 65K tokens reading ~270 rows each, which the
+  blocked lookup computes as S ~ 61M score entries):
+    * a table sharded along d: every score K_t x sums over all of d, so the S fp32 scores (244 MB) are
+      all-reduced in the forward, again in the backward's recompute, and the score gradients once more:
+      ~0.7 GB per layer and micro-batch against 0.4 GB (4 x N x d bf16) for a whole block's all-reduces,
+      with one collective per chunk inside the lookup's loop;
+    * rows sharded by token (as the vocab-parallel embedding): one all-reduce of h (N x d, 100 MB) would
+      do, but the allocation is skewed and data-derived (1 to k_max = 512 rows per token): equal shards
+      cut tokens' rows across ranks (a softmax spread over ranks, in the hand-written backward too), and
+      shards on token boundaries have unequal, data-dependent shapes that a checkpoint would inherit;
+    * W_up / W_mix sharded Megatron-style: the LayerNorm over d_up needs its statistics all-reduced, and
+      W_mix reads [u ; x], a sharded u beside a replicated x, whose columns no single chunked dim splits.
+  Replicated, the layer needs no collective in the forward or backward; the price is memory, the table
+  and its gradient whole on every TP rank (1.6 GB fp32 each per d12 layer; the AdamW moments, 3.2 GB,
+  are split over DP only, as any large AdamW tensor's), and without sequence parallelism the work of
+  W_up / W_mix (9 d^2 parameters, 3/4 of a block's 12 d^2) on every rank: at d12, TP=2, one L3 layer,
+  6% more per-rank work than an even split. With sequence
+  parallelism each rank runs the layer on its own tokens (`token_share` picks their ids), so that work
+  splits too, and the partial gradients are summed over TP once per step (tp_partial_grad): one
+  all-reduce of the table gradient (1.6 GB fp32 at d12), as large as its DP reduction.
 
 A region starts with `RegionEnter` (f, or the sequence all-gather) placed at the model's `tp_enter`
 hook and ends inside the row-parallel linear (g, or the reduce-scatter). Every collective is one of the
@@ -199,6 +220,18 @@ class RegionEnter(nn.Module):
         return _CopyToTP.apply(x, self.group)
 
 
+class TokenIdShare(nn.Module):
+    """Sequence parallelism: this rank's share of the token ids (B, T) -> (B, T/tp), the same split as
+    the residual stream's, for layers that look up ids between TP regions (L3)."""
+
+    def __init__(self, group):
+        super().__init__()
+        self.group = group
+
+    def forward(self, idx):
+        return _my_tokens(idx.unsqueeze(-1), self.group).squeeze(-1)
+
+
 class SplitSequence(nn.Module):
     """After the embedding, with sequence parallelism: each rank keeps its share of the tokens."""
 
@@ -359,8 +392,6 @@ def check_tp_size(config, tp, sequence_parallel=False):
                      and (4 * config.n_embd) % d == 0]
             raise ValueError(f"--tp {tp} does not divide the {what} = {n}; valid --tp values for this model: {valid}. "
                              f"(head count = model_dim / head_dim: pick --depth/--aspect-ratio/--head-dim so it divides)")
-    if config.l3_after_layers:
-        raise ValueError("L3 layers do not support tensor parallelism yet; use --tp 1 with --l3-after-layers")
     if sequence_parallel and config.sequence_len % tp != 0:
         raise ValueError(f"--sequence-parallel needs --max-seq-len ({config.sequence_len}) divisible by --tp {tp}")
 
@@ -390,6 +421,11 @@ def parallelize(model, layout, sequence_parallel=False):
             block.resid_lambda.tp_partial_grad = True
             block.x0_lambda.tp_partial_grad = True
             block.resid_lambda.tp_group = block.x0_lambda.tp_group = group
+    if sequence_parallel:  # L3 layers stay replicated (module docstring): each rank looks up its own
+        for layer in model.l3.values():  # tokens, so their gradients are partial, summed over TP
+            layer.token_share = TokenIdShare(group)
+            for p in layer.parameters():
+                p.tp_partial_grad, p.tp_group = True, group
     model.wte = VocabParallelEmbedding(model.wte, layout)
     model.lm_head = VocabParallelLMHead(model.lm_head, layout, sequence_parallel)
     model.criterion = VocabParallelSoftcapCrossEntropy(config.vocab_size, layout)

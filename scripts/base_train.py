@@ -276,8 +276,17 @@ print0(f"LR scale sqrt(B/2^19) = {lr_scale:.4f}; Muon weight decay = {args.weigh
 
 model, fp8_active = training.build_model_for_training(config, device, dtype, layout, fp8=args.fp8,
                                                       l3_data=(tokenizer, data_dir) if resume_meta is None else None)
-if config.l3_after_layers and resume_meta is None:
-    flops_per_token = model.estimate_flops()  # with the real allocation (the meta model assumed k_max rows)
+if resume_meta is not None:  # the weights go into the whole model, before it is sharded or cut into stages
+    try:
+        weights_only = resume_meta.get("weights_only", False)  # e.g. imported by scripts.import_hf
+        model_state, optim_state, _ = ckpt.load_checkpoint(ckpt_dir, args.resume_from_step, device="cpu",
+                                                           load_optimizer=not weights_only)
+    except ckpt.CheckpointError as e:
+        fail(str(e))
+    ckpt.load_model_state(model, model_state)
+    del model_state
+if config.l3_after_layers:  # the real allocation, fresh or saved, sets L3's FLOPs (MFU) and the pipeline's
+    flops_per_token = model.estimate_flops()  # stage costs (the meta model assumed k_max rows)
 pipeline = training.apply_parallelism(model, layout, args.sequence_parallel, grad_accum, args.device_batch_size,
                                       args.pp_schedule)
 if pipeline is not None:
@@ -303,20 +312,11 @@ optimizer = training.make_optimizer(model, layout, dtype, args.embedding_lr * lr
 step, smooth_loss, total_time, min_val_bpb, val_bpb = 0, 0.0, 0.0, float("inf"), None
 loader_state = None
 if resume_meta is not None:
-    try:
-        weights_only = resume_meta.get("weights_only", False)  # e.g. imported by scripts.import_hf
-        model_state, optim_state, _ = ckpt.load_checkpoint(ckpt_dir, args.resume_from_step, device="cpu",
-                                                           load_optimizer=not weights_only)
-    except ckpt.CheckpointError as e:
-        fail(str(e))
-    ckpt.load_model_state(model, model_state)
     if weights_only:
         print0("the checkpoint holds weights only (no optimizer state): the optimizer starts fresh")
     else:
         optimizer.load_full_state_dict(optim_state)
-    del model_state, optim_state
-    if config.l3_after_layers and pipeline is None:  # the saved allocation sets L3's FLOPs (MFU)
-        flops_per_token = model.estimate_flops()
+    del optim_state
     loop = resume_meta["loop_state"]
     step, smooth_loss, total_time, min_val_bpb = loop["step"], loop["smooth_loss"], loop["total_time"], loop["min_val_bpb"]
     states = reshard_states(resume_meta["dataloader_states"], layout.dp_size)

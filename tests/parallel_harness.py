@@ -46,6 +46,19 @@ def leave_identity_init(model):
             block.x0_lambda.add_(torch.rand((), generator=g) * 0.1)
         model.backout_lambda.fill_(0.1)
         model.smear_lambda.fill_(0.1)
+        for layer in model.l3.values():  # W_mix starts at zero (a no-op layer): its tables would get no gradient
+            layer.w_mix.weight.copy_(torch.randn(layer.w_mix.weight.shape, generator=g) * 0.02)
+
+
+def allocate_l3(model):
+    """A fresh run's L3 allocation, as base_train makes it from the training data (l3.allocate_for_model):
+    LZW credits of the first fixed batches. Skewed, unlike the uniform split init_weights leaves, so a
+    resumed run that did not load the saved bounds would look up other rows."""
+    from nanochat.l3 import lzw_credits, allocate_rows
+    tokens = torch.cat([b.flatten() for b in fixed_batches(4)])
+    for layer in model.l3.values():
+        rows = allocate_rows(lzw_credits(tokens, layer.vocab_size), layer.n_emb, layer.k_max)
+        layer.set_allocation(rows, float(rows.mean()))
 
 
 def _free_port():
@@ -69,6 +82,8 @@ def _worker(rank, world, tp, pp, sequence_parallel, schedule, steps, port, out_d
     torch.manual_seed(0)
     model, _ = training.build_model_for_training(GPTConfig(**{**CONFIG, **config_overrides}), "cpu", torch.float32, layout)
     leave_identity_init(model)
+    if resume_from is None:
+        allocate_l3(model)
     per_rank = GLOBAL_BATCH // layout.dp_size
     n_micro = per_rank // MICRO_BATCH
     pipeline = training.apply_parallelism(model, layout, sequence_parallel, n_micro, MICRO_BATCH, schedule)
