@@ -131,15 +131,17 @@ def compile_for_training(model, pipeline, per_block=False, backend="inductor"):
     """torch.compile for the training step. Without a pipeline the whole model is one graph (returned:
     the step calls it; the uncompiled module stays for checkpoints, sampling and CORE). Under a pipeline
     the schedule calls the pieces one micro-batch at a time: this stage's blocks are one graph
-    (model.run_blocks, compiled in place; the loss is a second one), as they are inside the one-device
-    graph, rather than a graph per block: the elementwise ops where one block ends and the next begins
-    (residual add, lambda mix, the next norm) fuse, and each micro-batch pays one guard check and one
-    autograd node instead of one per block. Every micro-batch has the same shapes, so the first one
-    compiles and the rest of the run reuses it. Overlapped gradient reduction (per_block) needs each
-    block's gradients when its backward ends, where one graph yields them all at its end: then each block
-    (of this stage) and the loss are compiled in place. The schedule's sends and receives stay eager.
-    backend: torch.compile's (the tests use aot_eager: the same capture, guards and autograd split,
-    without code generation)."""
+    (model.run_blocks, compiled in place; the loss is a second one), the code the one-device graph
+    compiles between embedding and head, rather than a graph per block: the L3 layers placed after the
+    blocks are compiled too (a per-block compile leaves them eager), and the elementwise ops where one
+    block ends and the next begins (residual add, lambda mix, the next norm) fuse. The price is compile
+    time growing with the stage's blocks, where blocks of one kind (window, value embedding) share a
+    per-block graph (dev/bench_stage_compile.py measures both). Every micro-batch has the same shapes,
+    so the first one compiles and the rest of the run reuses it; the schedule's sends and receives stay
+    eager. Overlapped gradient reduction (per_block) needs each block's gradients when its backward
+    ends, where one graph yields them all at its end: then each block (of this stage) and the loss are
+    compiled in place. backend: torch.compile's (the tests use aot_eager: the same capture, guards and
+    autograd split, without code generation)."""
     if pipeline is None and not per_block:
         return torch.compile(model, dynamic=False, backend=backend)
     if per_block:
