@@ -32,6 +32,7 @@ from dataclasses import dataclass, asdict
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from nanochat import kernels
 from nanochat.kernels import Linear, rotary_tables
@@ -159,7 +160,18 @@ class MLP(nn.Module):
         return kernels.mlp(x, self.c_fc, self.c_proj)  # c_proj(relu(c_fc(x))^2)
 
 
+RECOMPUTE_MODES = ("none", "mlp", "block")
+
+
 class Block(nn.Module):
+    """Pre-norm attention and MLP around the residual stream. `recompute` (set by
+    training.apply_recompute; only while training with grad enabled) drops activations in the forward and
+    recomputes them in the backward (torch.utils.checkpoint): "mlp" keeps only the input of the
+    norm + MLP, "block" only the block's inputs. Under tensor parallelism the recomputed region's
+    collectives run again in the backward, in the same order on every rank."""
+
+    recompute = "none"
+
     def __init__(self, config, layer_idx):
         super().__init__()
         self.layer_idx = layer_idx
@@ -171,11 +183,27 @@ class Block(nn.Module):
         self.value_embed = nn.Embedding(config.vocab_size, kv_dim) if has_value_embed(layer_idx, config.n_layer) else None
 
     def forward(self, x, x0, idx, cos, sin, window, kv_cache=None):
+        recompute = self.recompute if self.training and torch.is_grad_enabled() else "none"
+        if recompute == "block":
+            return _checkpoint(self._forward, x, x0, idx, cos, sin, window, kv_cache, "none")
+        return self._forward(x, x0, idx, cos, sin, window, kv_cache, recompute)
+
+    def _forward(self, x, x0, idx, cos, sin, window, kv_cache, recompute):
         x = self.resid_lambda.to(x.dtype) * x + self.x0_lambda.to(x.dtype) * x0
         ve = self.value_embed(idx).to(x.dtype) if self.value_embed is not None else None
         x = x + self.attn(norm(x), ve, cos, sin, window, kv_cache)
-        x = x + self.mlp(norm(x))
-        return x
+        if recompute == "mlp":  # the norm inside the region: it keeps x, not x and norm(x)
+            return x + _checkpoint(self._norm_mlp, x)
+        return x + self._norm_mlp(x)
+
+    def _norm_mlp(self, x):
+        return self.mlp(norm(x))
+
+
+def _checkpoint(fn, *args):
+    # non-reentrant: works under torch.compile and with inputs that need no grad; no RNG state to keep
+    # (the model has no dropout or other randomness), so the recompute is the same computation
+    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
 
 
 class SoftcapCrossEntropy(nn.Module):

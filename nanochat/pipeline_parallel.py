@@ -23,8 +23,8 @@ Bubble fraction for both: (p - 1) / (m + p - 1).
 
 Evaluation: val bpb runs through the stages (forward_loss). CORE and sampling take sequences of any
 length, which fixed-shape messages cannot carry: base_train gathers a whole copy of the model onto every
-rank for them (checkpoint_manager.gathered_model). Under torch.compile each stage's blocks and the loss
-are compiled one by one; the messages and the schedule stay eager.
+rank for them (checkpoint_manager.gathered_model). Under torch.compile each stage's blocks are one graph
+and the loss another (training.compile_for_training says why); the messages and the schedule stay eager.
 
 Every message is a batch of isend/irecv posted together (torch.distributed.batch_isend_irecv): with
 NCCL a stage that sends to and receives from the same neighbour in one phase must post both at once,

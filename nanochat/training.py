@@ -9,6 +9,7 @@ Setup, in the order a run calls it:
   apply_parallelism         tensor parallelism, then this rank's pipeline stage
   tune_weight_gradients     CUDA: per weight shape, split-K weight gradients where they are faster
   make_optimizer            Muon + AdamW over the model's parameter groups
+  apply_recompute           activation recompute in the blocks (--recompute)
   compile_for_training      the module the step calls
   make_loader               best-fit packed batches of this DP rank
 The loop:
@@ -26,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from nanochat.common import print0, barrier, all_reduce_max
-from nanochat.gpt import build_model
+from nanochat.gpt import build_model, Block, RECOMPUTE_MODES
 from nanochat import kernels
 from nanochat.optim import MuonAdamW
 from nanochat.dataloader import DataLoader
@@ -114,20 +115,44 @@ def make_optimizer(model, layout, dtype, embedding_lr, unembedding_lr, matrix_lr
                      overlap_grad_reduce=overlap_grad_reduce)
 
 
-def compile_for_training(model, pipeline, per_block=False):
+def apply_recompute(model, mode):
+    """Activation recompute (--recompute): "none", "mlp" (each block's norm + MLP) or "block" (each whole
+    block) keeps only the region's inputs in the forward and runs it again in the backward. Set on the
+    blocks (this stage's, under a pipeline) before compile_for_training; the blocks apply it only in
+    training mode with grad enabled, so evaluation, CORE and sampling run as without it."""
+    if mode not in RECOMPUTE_MODES:
+        raise ValueError(f"--recompute {mode!r}: use one of {', '.join(RECOMPUTE_MODES)}")
+    for block in model.blocks:
+        if isinstance(block, Block):  # a pipeline stage holds Identities in place of the others' blocks
+            block.recompute = mode
+
+
+def compile_for_training(model, pipeline, per_block=False, backend="inductor"):
     """torch.compile for the training step. Without a pipeline the whole model is one graph (returned:
     the step calls it; the uncompiled module stays for checkpoints, sampling and CORE). Under a pipeline
-    the schedule calls the pieces one micro-batch at a time, and overlapped gradient reduction
-    (per_block) needs each block's gradients when its backward ends, where a whole-model graph yields them
-    all at its end: then each block (of this stage) and the loss are compiled in place."""
+    the schedule calls the pieces one micro-batch at a time: this stage's blocks are one graph
+    (model.run_blocks, compiled in place; the loss is a second one), the code the one-device graph
+    compiles between embedding and head, rather than a graph per block: the L3 layers placed after the
+    blocks are compiled too (a per-block compile leaves them eager), and the elementwise ops where one
+    block ends and the next begins (residual add, lambda mix, the next norm) fuse. The price is compile
+    time growing with the stage's blocks, where blocks of one kind (window, value embedding) share a
+    per-block graph (dev/bench_stage_compile.py measures both). Every micro-batch has the same shapes,
+    so the first one compiles and the rest of the run reuses it; the schedule's sends and receives stay
+    eager. Overlapped gradient reduction (per_block) needs each block's gradients when its backward
+    ends, where one graph yields them all at its end: then each block (of this stage) and the loss are
+    compiled in place. backend: torch.compile's (the tests use aot_eager: the same capture, guards and
+    autograd split, without code generation)."""
     if pipeline is None and not per_block:
-        return torch.compile(model, dynamic=False)
-    blocks = range(pipeline.start, pipeline.end) if pipeline is not None else range(len(model.blocks))
-    for i in blocks:
-        model.blocks[i].compile(dynamic=False)
-    model.criterion.compile(dynamic=False)
-    print0("note: each block and the loss are compiled separately" +
-           (" (the schedule's sends and receives stay eager)" if pipeline is not None else " (overlapped gradient reduction)"))
+        return torch.compile(model, dynamic=False, backend=backend)
+    if per_block:
+        blocks = range(pipeline.start, pipeline.end) if pipeline is not None else range(len(model.blocks))
+        for i in blocks:
+            model.blocks[i].compile(dynamic=False, backend=backend)
+        print0("note: each block and the loss are compiled separately (overlapped gradient reduction)")
+    else:
+        model.run_blocks = torch.compile(model.run_blocks, dynamic=False, backend=backend)
+        print0("note: this stage's blocks and the loss are compiled as two graphs (the schedule stays eager)")
+    model.criterion.compile(dynamic=False, backend=backend)
     return model
 
 

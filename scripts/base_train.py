@@ -92,6 +92,9 @@ parser.add_argument("--keep-last", type=int, default=-1, help="keep only the new
 parser.add_argument("--resume-from-step", type=int, default=-1, help="resume from this checkpoint step (-1 = start fresh)")
 parser.add_argument("--model-tag", type=str, default=None, help="checkpoint folder name (default: d<depth>)")
 parser.add_argument("--compile", type=int, default=-1, help="torch.compile the model and optimizer (-1 = on CUDA only)")
+parser.add_argument("--recompute", type=str, default="none", choices=["none", "mlp", "block"],
+                    help="activation recompute in training: none; mlp: each block's norm + MLP; block: each whole block "
+                         "(less activation memory for a second forward of the region)")
 # parallelism
 parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
 parser.add_argument("--sequence-parallel", action="store_true", help="with --tp: shard norms/residual along the sequence")
@@ -325,6 +328,7 @@ if resume_meta is not None:
     loader_state = states[layout.dp_rank]
 
 print0(f"attention: {kernels.prepare_attention(config, window_sizes(config), device, dtype)}")
+training.apply_recompute(model, args.recompute)
 train_model = training.compile_for_training(model, pipeline, per_block=optimizer.overlap) if use_compile else model
 print0(f"DP gradient reduction: {'overlapped with the last micro-batch backward' if optimizer.overlap else 'after the backward'}")
 trainer = training.Trainer(model, train_model, pipeline, optimizer, layout, fp8=fp8_active,

@@ -10,6 +10,7 @@ import socket
 import tempfile
 
 import torch
+import torch._dynamo
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -68,7 +69,7 @@ def _free_port():
 
 
 def _worker(rank, world, tp, pp, sequence_parallel, schedule, steps, port, out_dir, config_overrides, resume_from,
-            overlap):
+            overlap, recompute="none", compile_backend=None):
     """One process of the run: base_train's setup and step (nanochat.training), on the fixed batches."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -88,7 +89,11 @@ def _worker(rank, world, tp, pp, sequence_parallel, schedule, steps, port, out_d
     n_micro = per_rank // MICRO_BATCH
     pipeline = training.apply_parallelism(model, layout, sequence_parallel, n_micro, MICRO_BATCH, schedule)
     optimizer = training.make_optimizer(model, layout, torch.float32, **LRS, overlap_grad_reduce=overlap)
-    trainer = training.Trainer(model, model, pipeline, optimizer, layout, sequence_parallel=sequence_parallel)
+    training.apply_recompute(model, recompute)
+    train_model = model
+    if compile_backend is not None:
+        train_model = training.compile_for_training(model, pipeline, per_block=optimizer.overlap, backend=compile_backend)
+    trainer = training.Trainer(model, train_model, pipeline, optimizer, layout, sequence_parallel=sequence_parallel)
     schedule_of_steps = training.Schedule(steps, LRS["weight_decay"], warmup_steps=0, warmdown_ratio=0.0)
     first_step = 0
     if resume_from is not None:
@@ -97,13 +102,15 @@ def _worker(rank, world, tp, pp, sequence_parallel, schedule, steps, port, out_d
         optimizer.load_full_state_dict(optim_state)
         first_step = meta["step"]
     batches = fixed_batches(steps)
-    losses, overlapped = [], []
+    losses, overlapped, graphs = [], [], []
     for step in range(first_step, steps):
         rows = batches[step][layout.dp_rank * per_rank:(layout.dp_rank + 1) * per_rank]
         micro = [(rows[i:i + MICRO_BATCH, :-1], rows[i:i + MICRO_BATCH, 1:]) for i in range(0, per_rank, MICRO_BATCH)]
         loss, _ = trainer.step(micro, schedule_of_steps, step)
         losses.append(loss.item())
         overlapped.append(optimizer.launched_in_backward)
+        if compile_backend is not None:  # graphs compiled so far in this process: a recompile adds one
+            graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
         if step + 1 == steps // 2 and out_dir is not None:  # a mid-run checkpoint, saved as base_train saves
             trainer.save_checkpoint(os.path.join(out_dir, "ckpt"), step + 1, None, {})
     # the loss of whole sequences, as CORE and sampling see the model: pipeline and sequence-parallel
@@ -113,7 +120,8 @@ def _worker(rank, world, tp, pp, sequence_parallel, schedule, steps, port, out_d
         eval_loss = eval_model(batches[0][:, :-1], batches[0][:, 1:]).item()
     model_state = ckpt.full_model_state(model)
     if layout.dp_rank == 0 and layout.tp_rank == 0:
-        torch.save({"losses": losses, "params": model_state, "eval_loss": eval_loss, "overlapped": overlapped},
+        torch.save({"losses": losses, "params": model_state, "eval_loss": eval_loss, "overlapped": overlapped,
+                    "graphs": graphs},
                    os.path.join(out_dir, f"stage{layout.pp_rank}.pt"))
     if world > 1:
         dist.barrier()
@@ -133,24 +141,29 @@ def _new_run_dir():
 
 
 def run_layout(dp=1, tp=1, pp=1, sequence_parallel=False, schedule="1f1b", steps=5, config_overrides=None,
-               resume_from=None, out_dir=None, overlap=True):
+               resume_from=None, out_dir=None, overlap=True, recompute="none", compile_backend=None):
     """Returns {"losses": [...], "params": {name: full tensor}, "eval_losses": [the whole-sequence loss
     after training, from each stage's first rank], "overlapped": [per stage, per step: buckets whose
-    reduction the backward launched], "dir": out_dir}. overlap: the optimizer's overlapped gradient
-    reduction (a no-op at DP = 1)."""
+    reduction the backward launched], "graphs": [per stage, per step: graphs torch.compile made so far],
+    "dir": out_dir}. overlap: the optimizer's overlapped gradient reduction (a no-op at DP = 1).
+    recompute: --recompute's mode. compile_backend: train through compile_for_training with this
+    torch.compile backend (None: eager)."""
     world = dp * tp * pp
     out_dir = out_dir or _new_run_dir()
-    args = (world, tp, pp, sequence_parallel, schedule, steps, _free_port(), out_dir, config_overrides or {}, resume_from, overlap)
+    args = (world, tp, pp, sequence_parallel, schedule, steps, _free_port(), out_dir, config_overrides or {}, resume_from, overlap,
+            recompute, compile_backend)
     if world == 1:
         _worker(0, *args)
     else:
         mp.spawn(_worker, args=args, nprocs=world, join=True)
-    params, losses, eval_losses, overlapped = {}, None, [], []
+    params, losses, eval_losses, overlapped, graphs = {}, None, [], [], []
     for s in range(pp):
         part = torch.load(os.path.join(out_dir, f"stage{s}.pt"), weights_only=True)
         params.update(part["params"])
         eval_losses.append(part["eval_loss"])
         overlapped.append(part["overlapped"])
+        graphs.append(part["graphs"])
         if s == pp - 1:
             losses = part["losses"]
-    return {"losses": losses, "params": params, "eval_losses": eval_losses, "overlapped": overlapped, "dir": out_dir}
+    return {"losses": losses, "params": params, "eval_losses": eval_losses, "overlapped": overlapped, "graphs": graphs,
+            "dir": out_dir}

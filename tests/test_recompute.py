@@ -1,0 +1,131 @@
+"""Activation recompute (--recompute mlp|block) against none: the same losses and gradients, bitwise in
+eager fp32 on a CPU (the backward recomputes the region with the same ops on the same inputs, so every
+value is the one the first forward made), on one process and under TP=2 (sequence parallel: the regions'
+all-gathers and reduce-scatters run again) and PP=2; fewer saved activations; evaluation untouched; and
+the same under torch.compile (whole model and per block, one process and TP=2), within rounding (the
+compiled graphs of the modes are partitioned differently)."""
+
+import pytest
+import torch
+
+from nanochat import gpt, training
+from nanochat.gpt import GPTConfig
+from nanochat.common import build_layout
+from parallel_harness import CONFIG, leave_identity_init, fixed_batches, run_layout
+
+MODES = ("mlp", "block")
+
+
+def tiny_model(mode):
+    torch.manual_seed(0)
+    model, _ = training.build_model_for_training(GPTConfig(**CONFIG), "cpu", torch.float32, build_layout(0, 1, 0, 1, 1))
+    leave_identity_init(model)
+    training.apply_recompute(model, mode)
+    return model
+
+
+def loss_and_grads(model, call=None):
+    rows = fixed_batches(1)[0]
+    loss = (model if call is None else call)(rows[:, :-1], rows[:, 1:])
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def saved_bytes(model):
+    """Bytes the forward keeps for the backward (every tensor autograd saves, as packed)."""
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+    rows = fixed_batches(1)[0]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(rows[:, :-1], rows[:, 1:])
+    return total
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_recompute_gives_the_same_loss_and_gradients(mode):
+    ref_loss, ref_grads = loss_and_grads(tiny_model("none"))
+    loss, grads = loss_and_grads(tiny_model(mode))
+    assert torch.equal(loss, ref_loss)
+    for name, g in ref_grads.items():
+        assert torch.equal(grads[name], g), (mode, name, (grads[name] - g).abs().max())
+
+
+def test_recompute_keeps_fewer_activations():
+    """The checkpointed regions keep only their inputs: block < mlp < none. (With checkpointing inside
+    the hooks, a region's own saves go to its recompute, not to this count.)"""
+    none, mlp, block = (saved_bytes(tiny_model(m)) for m in ("none", "mlp", "block"))
+    assert block < mlp < none, (none, mlp, block)
+
+
+def test_evaluation_does_not_recompute(monkeypatch):
+    """Eval mode, or no grad (sampling, CORE, val bpb), never checkpoints, and gives the same numbers."""
+    calls = []
+    real = gpt._checkpoint
+    monkeypatch.setattr(gpt, "_checkpoint", lambda *a: calls.append(1) or real(*a))
+    rows = fixed_batches(1)[0]
+    ref = tiny_model("none").eval()(rows[:, :-1], rows[:, 1:], loss_reduction="none")
+    model = tiny_model("block")
+    with torch.no_grad():  # train mode, no grad
+        assert torch.equal(model(rows[:, :-1], rows[:, 1:], loss_reduction="none"), ref)
+    model.eval()  # eval mode, grad enabled
+    assert torch.equal(model(rows[:, :-1], rows[:, 1:], loss_reduction="none"), ref)
+    assert not calls
+    model.train()
+    model(rows[:, :-1], rows[:, 1:])
+    assert len(calls) == CONFIG["n_layer"]  # and training does, once per block
+
+
+def test_unknown_mode_is_a_clear_error():
+    with pytest.raises(ValueError, match="--recompute 'attn'"):
+        training.apply_recompute(tiny_model("none"), "attn")
+
+
+@pytest.mark.parametrize("per_block", [False, True], ids=["whole_model", "per_block"])
+def test_recompute_under_compile(per_block):
+    """torch.compile traces the checkpoints (aot_eager: the capture and the autograd split that decides
+    what the backward recomputes, without code generation, which the CPU would take minutes for)."""
+    ref_loss, ref_grads = loss_and_grads(tiny_model("none"))
+    model = tiny_model("block" if per_block else "mlp")
+    compiled = training.compile_for_training(model, None, per_block=per_block, backend="aot_eager")
+    loss, grads = loss_and_grads(model, compiled)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
+_references = {}
+
+
+def reference(**layout):
+    """The run without recompute, once per layout."""
+    key = tuple(sorted(layout.items()))
+    if key not in _references:
+        _references[key] = run_layout(steps=3, **layout)
+    return _references[key]
+
+
+# each run starts processes, so a few pairs rather than every one: the whole block under TP, where
+# attention's collectives run again too; the MLP under TP compiled (whole model, aot_eager) and under PP
+@pytest.mark.parametrize("layout, mode, backend", [
+    (dict(tp=2, sequence_parallel=True), "block", None),
+    (dict(tp=2, sequence_parallel=True), "mlp", "aot_eager"),
+    (dict(pp=2), "mlp", None),
+], ids=["tp2_sp_block", "tp2_sp_mlp_compiled", "pp2_mlp"])
+def test_recompute_under_parallelism(layout, mode, backend):
+    ref = reference(**layout)
+    run = run_layout(steps=3, recompute=mode, compile_backend=backend, **layout)
+    if backend is None:  # eager: bitwise
+        assert run["losses"] == ref["losses"], (run["losses"], ref["losses"])
+        for name, p in ref["params"].items():
+            assert torch.equal(run["params"][name], p), name
+    else:
+        for a, b in zip(run["losses"], ref["losses"], strict=True):
+            assert abs(a - b) / abs(b) <= 1e-5, (run["losses"], ref["losses"])
+        for name, p in ref["params"].items():
+            torch.testing.assert_close(run["params"][name], p, rtol=0, atol=1e-5, msg=name)
+        assert run["graphs"][0] == [run["graphs"][0][0]] * 3  # no recompiles after the first step
+    assert run["eval_losses"] == ref["eval_losses"]
