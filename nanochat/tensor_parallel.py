@@ -18,6 +18,10 @@ A region starts with `RegionEnter` (f, or the sequence all-gather) placed at the
 hook and ends inside the row-parallel linear (g, or the reduce-scatter). Every collective is one of the
 small autograd functions below.
 
+fp8 (fp8.py, converted before parallelize): a column- or row-parallel linear made from an fp8.Fp8Linear keeps
+its `fp8` flag and runs fp8.fp8_linear, whose scales of sharded tensors take the global amax over the TP group;
+an fp8.Fp8MLP keeps its fused product on the shards and leaves the region through c_proj.reduce.
+
 A sharded parameter carries three attributes: `tp_dim` (the dim it is split along), `tp_group` and
 `tp_size`. Parameters without them are whole on every rank. The optimizer and the checkpoint code use
 the helpers at the top of this file to go between shards and full tensors; with TP=1 they are identities.
