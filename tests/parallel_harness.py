@@ -129,8 +129,7 @@ def run_layout(dp=1, tp=1, pp=1, sequence_parallel=False, schedule="1f1b", steps
     n_embd >= 128 for any to be eligible)."""
     world = dp * tp * pp
     out_dir = out_dir or _new_run_dir()
-    args = (world, tp, pp, sequence_parallel, schedule, steps, _free_port(), out_dir, config_overrides or {}, resume_from,
-            overlap, fp8)
+    args = (world, tp, pp, sequence_parallel, schedule, steps, _free_port(), out_dir, config_overrides or {}, resume_from, overlap, fp8)
     if world == 1:
         _worker(0, *args)
     else:
