@@ -18,7 +18,9 @@ The recipe is torchao's tensorwise one (its casts: scale = fp8 max / amax, in fp
 activations and weights, e5m2 for gradients) with cuBLAS's fast accumulation in all three products (torchao:
 the forward's only; the backward's too measured +2.4-2.9% tok/s at d20 with the equal-steps d12 loss within
 the bf16 runs' spread, dev/LOG.md). Two autograd Functions implement it, on torchao's casts (to_fp8) and
-torch._scaled_mm (scaled_mm); tests check both against torchao's Float8Linear:
+torch._scaled_mm (scaled_mm); tests check both against torchao's Float8Linear. (Float8Linear itself was used
+until 2026-11-23: it replaces whole nn.Linear modules, and tensor parallelism's linears are our own, so one
+Function now serves whole weights and TP shards alike.)
 
 _Fp8Linear, any linear x W^T (fp8_linear; Fp8Linear is the Linear that calls it):
 
@@ -54,10 +56,13 @@ all-gather) and the row-parallel output gradient (after g's backward, or the all
 reduce-scatter's backward). Each element is then cast exactly as at TP=1, and TP=2 reproduces TP=1 up to
 the order of the sums in the sharded products. Cost: per block and micro-batch 12 scalar all-reduces
 (forward: 4 attention weights, c_proj's input, 2 MLP weights, y; backward: dq, dk, dv, dh), latency without
-bandwidth, beside the 4 (tokens x n_embd) all-reduces TP already makes (f and g, attention and MLP).
+bandwidth, beside the 4 (tokens x n_embd) collectives per block TP makes anyway (f and g, or the sequence
+all-gather and reduce-scatter, around attention and the MLP).
 Local scales (each shard its own amax) cost no all-reduce and are valid math too (the partial products
-are un-scaled before they are summed), but the numbers then depend on the TP degree: a run does not
-reproduce at another layout, and a checkpoint resumed at another TP continues on another trajectory.
+are un-scaled before they are summed), but the numbers then depend on the TP degree: at TP=2 the outputs
+and gradients of the sharded products are 5.6e-2 (relative) from TP=1's where global scales give < 1e-5
+(tests/test_fp8_parallel.py), a run does not reproduce at another layout, and a checkpoint resumed at
+another TP continues on another trajectory.
 Global was chosen for that (the parallel layouts' bar is equality with one device); the weights' 6 could
 become one all-reduce per step (weights change only in the optimizer) if the GPU says they cost.
 """
