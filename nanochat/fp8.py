@@ -1,6 +1,6 @@
 """
-fp8 training linears: torchao's float8 training with tensorwise dynamic scaling, and an MLP of our own that
-follows the same recipe with ReLU^2 fused into its products. (torchao's rowwise recipe measured 0.94x of bf16
+fp8 training linears, tensorwise: every eligible linear's product runs in fp8 with one dynamic scale per
+tensor, on one device and under tensor parallelism alike. (torchao's rowwise recipe measured 0.94x of bf16
 at d20 and was dropped on 2026-11-23: dev/LOG.md.)
 
 - Only Linear layers whose dims are multiples of 16 and at least 128 are converted (the fp8 matmul's
@@ -8,19 +8,30 @@ at d20 and was dropped on 2026-11-23: dev/LOG.md.)
 - The weights stay the same fp32 Parameters, cast to fp8 (as are the activations and the output
   gradients) around each matmul. So a checkpoint has the same keys with or without fp8, and one saved
   with fp8 loads without it and vice versa.
-- Evaluation and sampling run in bf16: `bf16_linears(model)` swaps the fp8 modules for plain ones holding
-  the very same weight Parameters, and restores them afterwards.
-- The recipe is torchao's tensorwise one with fast accumulation in all three matmuls (torchao: the
-  forward's only).
+- Each converted module (Fp8Linear, Fp8MLP, and the tensor-parallel linears made from them) has an `fp8`
+  flag. Evaluation and sampling run in bf16: `bf16_linears(model)` turns the flags off (the same modules
+  run their plain products on the same weights) and back on afterwards.
 - Without CUDA (or an SM89+ GPU), or without torchao, --fp8 says so and training continues without it.
 It pays off only under torch.compile, which fuses the casts and amax reductions.
 
-The MLP with tensorwise scaling is Fp8MLP, not torchao's: c_proj(relu(c_fc(x))^2) as one autograd
-Function. With torchao's Float8Linear for c_fc and c_proj, ReLU^2 stays between them as separate passes over
-the (tokens, 4C) activation: c_fc writes h, an amax pass and a cast pass read it; in the backward, c_proj's
-product writes its input gradient, and passes for ReLU^2's gradient, its amax and its cast read it again.
-Fp8MLP puts ReLU^2 inside the products, as relu_square_mm.FusedMLP does in bf16 (kernels/relu_square_mm.py, whose
-kernel also returns the amax of what it writes):
+The recipe is torchao's tensorwise one (its casts: scale = fp8 max / amax, in fp32, saturated; e4m3 for
+activations and weights, e5m2 for gradients) with cuBLAS's fast accumulation in all three products (torchao:
+the forward's only; the backward's too measured +2.4-2.9% tok/s at d20 with the equal-steps d12 loss within
+the bf16 runs' spread, dev/LOG.md). Two autograd Functions implement it, on torchao's casts (to_fp8) and
+torch._scaled_mm (scaled_mm); tests check both against torchao's Float8Linear. (Float8Linear itself was used
+until 2026-11-23: it replaces whole nn.Linear modules, and tensor parallelism's linears are our own, so one
+Function now serves whole weights and TP shards alike.)
+
+_Fp8Linear, any linear x W^T (fp8_linear; Fp8Linear is the Linear that calls it):
+
+    forward:   x, W -> e4m3;  out = x W^T                   _scaled_mm
+    backward:  dout -> e5m2;  dx = dout W, dW = dout^T x    _scaled_mm, the same fp8 x and W
+
+_Fp8MLP, the MLP c_proj(relu(c_fc(x))^2) as one Function. With two fp8 linears, ReLU^2 would stay between
+them as separate passes over the (tokens, 4C) activation: c_fc writes h, an amax pass and a cast pass read it;
+in the backward, c_proj's product writes its input gradient, and passes for ReLU^2's gradient, its amax and its
+cast read it again. Fp8MLP puts ReLU^2 inside the products, as relu_square_mm.FusedMLP does in bf16
+(kernels/relu_square_mm.py, whose kernel also returns the amax of what it writes):
 
     forward:   x, W_fc, W_proj -> e4m3
                y = relu(x W_fc^T)^2                fused, with amax(y)
@@ -29,22 +40,41 @@ kernel also returns the amax of what it writes):
                dh = (dout W_proj) * 2 sqrt(y)      fused, with amax(dh); relu(h) = sqrt(y)
                dx = (dh -> e5m2) W_fc              _scaled_mm, as are the two weight gradients
 
-It keeps x in e4m3 and y in bf16 for the backward. The casts are torchao's: scale = fp8 max / amax, in
-fp32, saturated. Each matmul gives both operands K-major (Hopper's fp8 rule), so the backward makes
-transposed fp8 copies of dh, dout, x and y. Off CUDA (tests), and with the kernels switched off (--kernels
-reference), the two fused products run in PyTorch; tests check the kernels against them through Triton's
-interpreter, and the module against torchao's.
+It keeps x in e4m3 and y in bf16 for the backward. Each matmul gives both operands K-major (Hopper's fp8
+rule), so the backward makes transposed fp8 copies of its operands. Off CUDA (tests), and with the kernels
+switched off (--kernels reference), the two fused products run in PyTorch; tests check the kernels against
+them through Triton's interpreter.
+
+Scales under tensor parallelism. A tensorwise scale is one amax per tensor, and a shard's amax is not the
+whole tensor's. The tensors a rank holds only a shard of take the GLOBAL amax, an all-reduce MAX of one fp32
+over the TP group (to_fp8's `group`):
+    the weights (column-parallel: cut along outputs; row-parallel: along inputs),
+    the row-parallel input (attention's heads before c_proj, the MLP's hidden y: cut along features),
+    the column-parallel output gradient (dq, dk, dv, the MLP's dh: cut along features).
+The rest are whole on every rank and need nothing: the column-parallel input (after f, or the sequence
+all-gather) and the row-parallel output gradient (after g's backward, or the all-gather that is the
+reduce-scatter's backward). Each element is then cast exactly as at TP=1, and TP=2 reproduces TP=1 up to
+the order of the sums in the sharded products. Cost: per block and micro-batch 12 scalar all-reduces
+(forward: 4 attention weights, c_proj's input, 2 MLP weights, y; backward: dq, dk, dv, dh), latency without
+bandwidth, beside the 4 (tokens x n_embd) collectives per block TP makes anyway (f and g, or the sequence
+all-gather and reduce-scatter, around attention and the MLP).
+Local scales (each shard its own amax) cost no all-reduce and are valid math too (the partial products
+are un-scaled before they are summed), but the numbers then depend on the TP degree: at TP=2 the outputs
+and gradients of the sharded products are 5.6e-2 (relative) from TP=1's where global scales give < 1e-5
+(tests/test_fp8_parallel.py), a run does not reproduce at another layout, and a checkpoint resumed at
+another TP continues on another trajectory.
+Global was chosen for that (the parallel layouts' bar is equality with one device); the weights' 6 could
+become one all-reduce per step (weights change only in the optimizer) if the GPU says they cost.
 """
 
-import dataclasses
 import importlib.util
 from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
+import torch.distributed._functional_collectives as funcol
 
-from nanochat.kernels import Linear, fused, relu_square_mm
-from nanochat.gpt import MLP
+from nanochat.kernels import Linear, fused, relu_square_mm, mlp as plain_mlp
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2  # activations and weights; gradients
 
@@ -68,97 +98,142 @@ def fp8_unavailable_reason(device):
 
 
 def convert_to_fp8(model, device=None, force=False):
-    """Convert eligible Linears in place. Returns the number converted (0 when fp8 is unavailable;
-    `force` skips the device check, for tests on CPU)."""
+    """Convert eligible Linears in place, before tensor parallelism (parallelize keeps each linear's fp8
+    flag in its sharded twin): the MLPs to Fp8MLP, the other eligible Linears to Fp8Linear, on the same
+    weight Parameters. Returns the number of Linears converted (0 when fp8 is unavailable; `force` skips the
+    device check, for tests on CPU)."""
+    from nanochat.gpt import MLP  # here: gpt.py imports modules (l3.py) that may import tensor_parallel, which imports this one
     reason = None if force else fp8_unavailable_reason(device)
     if reason:
         print(f"WARNING: --fp8 requested but {reason}; continuing without fp8", flush=True)
         return 0
-    from torchao.float8 import convert_to_float8_training, Float8LinearConfig
-    from torchao.float8.config import Float8GemmConfig
-    config = Float8LinearConfig.from_recipe_name("tensorwise")
-    # torchao gives cuBLAS's fast fp8 accumulation (no periodic promotion to fp32) to the forward matmul
-    # only; the two backward ones get it too: +2.4-2.9% tok/s at d20, and the equal-steps d12 loss stays
-    # within the bf16 runs' spread (dev/LOG.md)
-    fast = Float8GemmConfig(use_fast_accum=True)
-    config = dataclasses.replace(config, gemm_config_grad_input=fast, gemm_config_grad_weight=fast)
-    mlps = len(_swap(model, lambda m: _rehouse(m, Fp8MLP) if type(m) is MLP and _mlp_is_eligible(m) else None))
-    ours = {f"{name}.{linear}" for name, m in model.named_modules() if isinstance(m, Fp8MLP) for linear in ("c_fc", "c_proj")}
-    convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: is_eligible(m, fqn) and fqn not in ours)
-    converted = sum(1 for m in model.modules() if _is_fp8(m))
-    print(f"fp8 (tensorwise): converted {converted + 2 * mlps} Linear layers"
-          + (f", {2 * mlps} of them in {mlps} MLPs with ReLU^2 fused into their fp8 products" if mlps else ""), flush=True)
-    return converted + 2 * mlps
+    mlps = _swap(model, lambda parent, name, m: _fp8_mlp(m) if type(m) is MLP and _mlp_is_eligible(m) else None)
+    linears = _swap(model, lambda parent, name, m: _fp8_linear_module(m) if type(m) is Linear and is_eligible(m, name)
+                    and not isinstance(parent, Fp8MLP) else None)
+    n = len(linears) + 2 * len(mlps)
+    print(f"fp8 (tensorwise): converted {n} Linear layers" + (f", {2 * len(mlps)} of them in {len(mlps)} MLPs "
+          "with ReLU^2 fused into their fp8 products" if mlps else ""), flush=True)
+    return n
 
 
 def _mlp_is_eligible(mlp):
     return is_eligible(mlp.c_fc, "c_fc") and is_eligible(mlp.c_proj, "c_proj")
 
 
-def _rehouse(module, cls):
-    """A cls instance holding module's children (the same objects: nothing is copied)."""
-    new = cls.__new__(cls)
-    torch.nn.Module.__init__(new)
-    for name, child in module.named_children():
+def _fp8_mlp(mlp):
+    """An Fp8MLP holding the MLP's children (the same Linears and tp_enter: nothing is copied)."""
+    new = Fp8MLP()
+    for name, child in mlp.named_children():
         setattr(new, name, child)
+    new.fp8 = True
     return new
 
 
-def _is_fp8(module):
-    return type(module).__name__ == "Float8Linear"
+def _fp8_linear_module(linear):
+    """An Fp8Linear on the Linear's own weight Parameter."""
+    new = Fp8Linear.__new__(Fp8Linear)
+    torch.nn.Module.__init__(new)
+    new.in_features, new.out_features = linear.in_features, linear.out_features
+    new.weight, new.bias, new.fp8 = linear.weight, None, True
+    return new
 
 
 def _swap(model, make):
-    """Replace modules by make(module) where it returns one; returns the (parent, name, old) list."""
+    """Replace each module by make(its parent, its qualified name, it) where that returns one; returns the
+    replaced modules."""
     swapped = []
-    for parent in list(model.modules()):
+    for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
-            new = make(child)
+            new = make(parent, f"{parent_name}.{name}" if parent_name else name, child)
             if new is not None:
                 setattr(parent, name, new)
-                swapped.append((parent, name, child))
+                swapped.append(child)
     return swapped
-
-
-def _as_bf16(module):
-    if isinstance(module, Fp8MLP):
-        return _rehouse(module, MLP)
-    if not _is_fp8(module):
-        return None
-    lin = Linear.__new__(Linear)
-    torch.nn.Module.__init__(lin)
-    lin.in_features, lin.out_features = module.in_features, module.out_features
-    lin.weight = module.weight  # the same Parameter: nothing is copied
-    lin.bias = None
-    return lin
 
 
 @contextmanager
 def bf16_linears(model):
-    """Run the block in bf16: fp8 Linears are temporarily replaced by plain Linears on the same weights,
-    and each Fp8MLP by a plain MLP holding the same Linears."""
-    swapped = _swap(model, _as_bf16)
+    """Run the block in bf16: every fp8 module's flag is off inside it (the same modules and weights run
+    their plain products), and back on afterwards."""
+    on = [m for m in model.modules() if getattr(m, "fp8", False)]
+    for m in on:
+        m.fp8 = False
     try:
         yield model
     finally:
-        for parent, name, old in swapped:
-            setattr(parent, name, old)
+        for m in on:
+            m.fp8 = True
 
 
-# ---- the tensorwise MLP (see the module docstring) ----
+# ---- casts and products ----
 
-def to_fp8(t, dtype, amax=None):
+def to_fp8(t, dtype, amax=None, group=None):
     """torchao's tensorwise cast: t * scale saturated to dtype, scale = dtype's max / amax(t) in fp32.
+    `group`: the process group t is a shard over; the amax is then the whole tensor's (all-reduce MAX).
     Returns the fp8 data and 1 / scale, which undoes it in a product."""
     from torchao.float8.float8_utils import amax_to_scale, to_fp8_saturated
-    scale = amax_to_scale(t.abs().max() if amax is None else amax, dtype)
+    amax = global_amax(t.abs().max() if amax is None else amax, group)
+    scale = amax_to_scale(amax, dtype)
     return to_fp8_saturated(t.float() * scale, dtype), scale.reciprocal()
+
+
+def global_amax(amax, group):
+    """The largest of every rank's amax over the group (functional: it traces under torch.compile); amax
+    itself without a group."""
+    if group is None:
+        return amax
+    return torch.as_tensor(funcol.all_reduce(amax, "max", group))
 
 
 def scaled_mm(a, b, a_inv, b_inv, out_dtype):
     """a @ b^T for fp8 a (M, K) and b (N, K), both K-major, times a_inv * b_inv; fast accumulation."""
     return torch._scaled_mm(a, b.t(), scale_a=a_inv, scale_b=b_inv, out_dtype=out_dtype, use_fast_accum=True)
 
+
+# ---- the linear ----
+
+class _Fp8Linear(torch.autograd.Function):
+    """x (M, K) @ w (N, K)^T; the groups: over which x, w and the output gradient are sharded (None: whole)."""
+
+    @staticmethod
+    def forward(ctx, x, w, x_group, w_group, dout_group):
+        x8, x_inv = to_fp8(x, E4M3, group=x_group)
+        w8, w_inv = to_fp8(w, E4M3, group=w_group)
+        ctx.save_for_backward(x8, x_inv, w8, w_inv)
+        ctx.dout_group, ctx.w_dtype = dout_group, w.dtype
+        return scaled_mm(x8, w8, x_inv, w_inv, x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x8, x_inv, w8, w_inv = ctx.saved_tensors
+        dout8, dout_inv = to_fp8(grad_out, E5M2, group=ctx.dout_group)
+        grad_x = scaled_mm(dout8, w8.t().contiguous(), dout_inv, w_inv, grad_out.dtype)
+        grad_w = scaled_mm(dout8.t().contiguous(), x8.t().contiguous(), dout_inv, x_inv, ctx.w_dtype)
+        return grad_x, grad_w, None, None, None
+
+
+def fp8_linear(x, weight):
+    """x @ weight^T in tensorwise fp8, for a whole weight or a tensor-parallel shard of one: its tp_dim says
+    which tensors are shards (0, column-parallel: the weight and the output gradient; 1, row-parallel: the
+    weight and the input), whose scales take the global amax over its tp_group. Token counts that are not a
+    multiple of 16 (fp8 products need every dim one; never training's, B x 2048) take the plain product."""
+    rows = x.reshape(-1, x.size(-1))
+    if rows.size(0) % 16:
+        return F.linear(x, weight.to(x.dtype))
+    group, dim = getattr(weight, "tp_group", None), getattr(weight, "tp_dim", None)
+    out = _Fp8Linear.apply(rows, weight, group if dim == 1 else None, group, group if dim == 0 else None)
+    return out.view(*x.shape[:-1], out.size(-1))
+
+
+class Fp8Linear(Linear):
+    """A Linear whose product runs in tensorwise fp8 (fp8_linear) while `fp8` is on (made by convert_to_fp8
+    on the Linear's own weight)."""
+
+    def forward(self, x):
+        return fp8_linear(x, self.weight) if self.fp8 else super().forward(x)
+
+
+# ---- the MLP (see the module docstring) ----
 
 def fc_relu_square(x8, w_fc8, scale, out_dtype, kernels):
     """relu(x8 @ w_fc8^T * scale)^2 in out_dtype and its amax: the Triton kernel, or PyTorch (`kernels` False)."""
@@ -177,15 +252,18 @@ def relu_square_input_grad(dy8, w_proj8_t, y, scale, kernels):
 
 
 class _Fp8MLP(torch.autograd.Function):
+    """The MLP on x (M, C); group: the TP group W_fc, W_proj, y and dh are shards over (None: whole)."""
+
     @staticmethod
-    def forward(ctx, x, w_fc, w_proj, kernels):
+    def forward(ctx, x, w_fc, w_proj, kernels, group):
         x8, x_inv = to_fp8(x, E4M3)
-        w_fc8, w_fc_inv = to_fp8(w_fc, E4M3)
+        w_fc8, w_fc_inv = to_fp8(w_fc, E4M3, group=group)
         y, y_amax = fc_relu_square(x8, w_fc8, x_inv * w_fc_inv, x.dtype, kernels)
+        y_amax = global_amax(y_amax, group)
         y8, y_inv = to_fp8(y, E4M3, y_amax)
-        w_proj8, w_proj_inv = to_fp8(w_proj, E4M3)
+        w_proj8, w_proj_inv = to_fp8(w_proj, E4M3, group=group)
         ctx.save_for_backward(x8, x_inv, w_fc8, w_fc_inv, w_proj8, w_proj_inv, y, y_amax)
-        ctx.kernels, ctx.w_dtype = kernels, w_fc.dtype
+        ctx.kernels, ctx.w_dtype, ctx.group = kernels, w_fc.dtype, group
         return scaled_mm(y8, w_proj8, y_inv, w_proj_inv, x.dtype)
 
     @staticmethod
@@ -193,25 +271,29 @@ class _Fp8MLP(torch.autograd.Function):
         x8, x_inv, w_fc8, w_fc_inv, w_proj8, w_proj_inv, y, y_amax = ctx.saved_tensors
         dout8, dout_inv = to_fp8(grad_out, E5M2)
         grad_h, grad_h_amax = relu_square_input_grad(dout8, w_proj8.t().contiguous(), y, dout_inv * w_proj_inv, ctx.kernels)
-        dh8, dh_inv = to_fp8(grad_h, E5M2, grad_h_amax)
+        dh8, dh_inv = to_fp8(grad_h, E5M2, grad_h_amax, ctx.group)
         grad_x = scaled_mm(dh8, w_fc8.t().contiguous(), dh_inv, w_fc_inv, grad_out.dtype)
         grad_w_fc = scaled_mm(dh8.t().contiguous(), x8.t().contiguous(), dh_inv, x_inv, ctx.w_dtype)
-        y8, y_inv = to_fp8(y, E4M3, y_amax)  # c_proj's input again, cast as in the forward
+        y8, y_inv = to_fp8(y, E4M3, y_amax)  # c_proj's input again, cast as in the forward (global amax saved)
         grad_w_proj = scaled_mm(dout8.t().contiguous(), y8.t().contiguous(), dout_inv, y_inv, ctx.w_dtype)
-        return grad_x, grad_w_fc, grad_w_proj, None
+        return grad_x, grad_w_fc, grad_w_proj, None, None
 
 
-class Fp8MLP(MLP):
-    """The MLP in tensorwise fp8 with ReLU^2 fused into its products (_Fp8MLP), on the MLP's own c_fc and
-    c_proj Linears (made by _rehouse: the same weights and checkpoint keys; tp_enter rides along for the way
-    back). The Triton kernels run on CUDA for 16-bit activations; elsewhere, and in reference mode
-    (nanochat.kernels' switch), the PyTorch products do.
+class Fp8MLP(torch.nn.Module):
+    """gpt.MLP in tensorwise fp8 with ReLU^2 fused into its products (_Fp8MLP) while `fp8` is on, holding
+    the MLP's own children (the same weights and checkpoint keys). Under tensor parallelism they are the
+    column-parallel c_fc, the row-parallel c_proj and the region's entry tp_enter; the product is then this
+    rank's partial sum, which c_proj.reduce sums over the TP group. The Triton kernels run on CUDA for 16-bit
+    activations; elsewhere, and in reference mode (nanochat.kernels' switch), the PyTorch products do.
     The weight gradients are products over the tokens, and fp8 products need every dim a multiple of 16:
-    other token counts (never training's, B x 2048) take the bf16 path."""
+    other token counts (never training's, B x 2048) take the plain path, as does `fp8` off."""
 
     def forward(self, x):
+        x = self.tp_enter(x)
         rows = x.reshape(-1, x.size(-1))
-        if rows.size(0) % 16:
-            return super().forward(x)
+        if not self.fp8 or rows.size(0) % 16:
+            return plain_mlp(x, self.c_fc, self.c_proj)
         use_kernels = fused() and relu_square_mm.supported(x)
-        return _Fp8MLP.apply(rows, self.c_fc.weight, self.c_proj.weight, use_kernels).view_as(x)
+        group = getattr(self.c_fc.weight, "tp_group", None)
+        out = _Fp8MLP.apply(rows, self.c_fc.weight, self.c_proj.weight, use_kernels, group).view_as(x)
+        return out if group is None else self.c_proj.reduce(out)

@@ -39,6 +39,10 @@ A region starts with `RegionEnter` (f, or the sequence all-gather) placed at the
 hook and ends inside the row-parallel linear (g, or the reduce-scatter). Every collective is one of the
 small autograd functions below.
 
+fp8 (fp8.py, converted before parallelize): a column- or row-parallel linear made from an fp8.Fp8Linear keeps
+its `fp8` flag and runs fp8.fp8_linear, whose scales of sharded tensors take the global amax over the TP group;
+an fp8.Fp8MLP keeps its fused product on the shards and leaves the region through c_proj.reduce.
+
 A sharded parameter carries three attributes: `tp_dim` (the dim it is split along), `tp_group` and
 `tp_size`. Parameters without them are whole on every rank. The optimizer and the checkpoint code use
 the helpers at the top of this file to go between shards and full tensors; with TP=1 they are identities.
@@ -51,6 +55,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from nanochat.kernels.softcap_ce import softcap, reduce_losses
+from nanochat.fp8 import fp8_linear
 
 
 # -----------------------------------------------------------------------------
@@ -254,29 +259,43 @@ def _shard_parameter(full, dim, layout):
     return p
 
 
+def _linear(module, x):
+    """x @ W^T for a sharded linear: in fp8 (global scales, fp8.py) when it was made from an fp8 one."""
+    if module.fp8:
+        return fp8_linear(x, module.weight)
+    return F.linear(x, module.weight.to(x.dtype))
+
+
 class ColumnParallelLinear(nn.Module):
     """y_local = x W_local^T with W cut along its outputs (rows). The input must already be inside
-    the TP region (RegionEnter); the output stays sharded (local heads / hidden units)."""
+    the TP region (RegionEnter); the output stays sharded (local heads / hidden units). Keeps the fp8 flag
+    of the linear it is made from (fp8.Fp8Linear)."""
 
     def __init__(self, linear, layout):
         super().__init__()
         self.weight = _shard_parameter(linear.weight, 0, layout)
+        self.fp8 = getattr(linear, "fp8", False)
 
     def forward(self, x):
-        return F.linear(x, self.weight.to(x.dtype))
+        return _linear(self, x)
 
 
 class RowParallelLinear(nn.Module):
     """y = sum over ranks of x_local W_local^T with W cut along its inputs (columns): leaves the TP
-    region with g (all-reduce) or, with sequence parallelism, a reduce-scatter along the sequence."""
+    region with g (all-reduce) or, with sequence parallelism, a reduce-scatter along the sequence.
+    Keeps the fp8 flag of the linear it is made from (fp8.Fp8Linear)."""
 
     def __init__(self, linear, layout, sequence_parallel):
         super().__init__()
         self.weight = _shard_parameter(linear.weight, 1, layout)
         self.group, self.sequence_parallel = layout.tp_group, sequence_parallel
+        self.fp8 = getattr(linear, "fp8", False)
 
     def forward(self, x):
-        partial = F.linear(x, self.weight.to(x.dtype))
+        return self.reduce(_linear(self, x))
+
+    def reduce(self, partial):
+        """Leave the TP region with this rank's partial output (also fp8.Fp8MLP's, whose product is its own)."""
         if self.sequence_parallel:
             return _ScatterSequence.apply(partial, self.group)
         return _ReduceFromTP.apply(partial, self.group)

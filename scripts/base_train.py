@@ -108,7 +108,7 @@ parser.add_argument("--dist-timeout", type=float, default=1800, help="seconds a 
                     "before the run fails with a hang report (the first step compiles; CORE and saves are uneven)")
 # fp8, L3
 parser.add_argument("--kernels", type=str, default=None, choices=kernels.MODES, help="auto: fast kernels where they apply; reference: the plain PyTorch math everywhere (default: NANOCHAT_KERNELS, else auto)")
-parser.add_argument("--fp8", action="store_true", help="fp8 training linears through torchao, tensorwise scaling (CUDA, SM89+)")
+parser.add_argument("--fp8", action="store_true", help="fp8 training linears, torchao's tensorwise recipe (CUDA, SM89+, torchao); any --tp/--pp")
 parser.add_argument("--l3-after-layers", type=str, default="", help="blocks followed by an L3 layer (one table as keys and values), e.g. 4,8")
 parser.add_argument("--l3-n-emb", type=int, default=0, help="rows of the L3 tables (0 = 16 per vocabulary entry)")
 parser.add_argument("--l3-d-up", type=int, default=0, help="L3 up-projection width (0 = 4 * model_dim)")
@@ -239,8 +239,6 @@ if total_batch_size % tokens_per_micro != 0:
          f"= {args.device_batch_size} x {args.max_seq_len} x {layout.dp_size} = {tokens_per_micro:,}; "
          f"change --device-batch-size or --total-batch-size (a power of 2 works with powers of 2)")
 grad_accum = total_batch_size // tokens_per_micro
-if args.fp8 and args.tp > 1:
-    fail("--fp8 with --tp > 1 is not supported yet (torchao's Float8Linear would replace the sharded linears)")
 if args.sequence_parallel and args.tp == 1:
     fail("--sequence-parallel needs --tp > 1")
 if args.tp > 1:

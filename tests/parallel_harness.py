@@ -69,7 +69,7 @@ def _free_port():
 
 
 def _worker(rank, world, tp, pp, sequence_parallel, schedule, steps, port, out_dir, config_overrides, resume_from,
-            overlap, recompute="none", compile_backend=None):
+            overlap, recompute="none", compile_backend=None, fp8=False):
     """One process of the run: base_train's setup and step (nanochat.training), on the fixed batches."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -82,6 +82,9 @@ def _worker(rank, world, tp, pp, sequence_parallel, schedule, steps, port, out_d
     layout = build_layout(rank, world, rank, tp, pp)
     torch.manual_seed(0)
     model, _ = training.build_model_for_training(GPTConfig(**{**CONFIG, **config_overrides}), "cpu", torch.float32, layout)
+    if fp8:  # forced on CPU: the products run on emulated fp8 operands (torch._scaled_mm's CPU path)
+        from nanochat.fp8 import convert_to_fp8
+        convert_to_fp8(model, force=True)
     leave_identity_init(model)
     if resume_from is None:
         allocate_l3(model)
@@ -93,7 +96,7 @@ def _worker(rank, world, tp, pp, sequence_parallel, schedule, steps, port, out_d
     train_model = model
     if compile_backend is not None:
         train_model = training.compile_for_training(model, pipeline, per_block=optimizer.overlap, backend=compile_backend)
-    trainer = training.Trainer(model, train_model, pipeline, optimizer, layout, sequence_parallel=sequence_parallel)
+    trainer = training.Trainer(model, train_model, pipeline, optimizer, layout, fp8=fp8, sequence_parallel=sequence_parallel)
     schedule_of_steps = training.Schedule(steps, LRS["weight_decay"], warmup_steps=0, warmdown_ratio=0.0)
     first_step = 0
     if resume_from is not None:
@@ -114,9 +117,9 @@ def _worker(rank, world, tp, pp, sequence_parallel, schedule, steps, port, out_d
         if step + 1 == steps // 2 and out_dir is not None:  # a mid-run checkpoint, saved as base_train saves
             trainer.save_checkpoint(os.path.join(out_dir, "ckpt"), step + 1, None, {})
     # the loss of whole sequences, as CORE and sampling see the model: pipeline and sequence-parallel
-    # layouts evaluate the gathered whole copy base_train builds for them
+    # layouts evaluate the gathered whole copy base_train builds for them; with fp8, in bf16 as base_train does
     eval_model = trainer.whole_model()
-    with torch.no_grad():
+    with torch.no_grad(), trainer.evaluating():
         eval_loss = eval_model(batches[0][:, :-1], batches[0][:, 1:]).item()
     model_state = ckpt.full_model_state(model)
     if layout.dp_rank == 0 and layout.tp_rank == 0:
@@ -141,17 +144,18 @@ def _new_run_dir():
 
 
 def run_layout(dp=1, tp=1, pp=1, sequence_parallel=False, schedule="1f1b", steps=5, config_overrides=None,
-               resume_from=None, out_dir=None, overlap=True, recompute="none", compile_backend=None):
+               resume_from=None, out_dir=None, overlap=True, recompute="none", compile_backend=None, fp8=False):
     """Returns {"losses": [...], "params": {name: full tensor}, "eval_losses": [the whole-sequence loss
     after training, from each stage's first rank], "overlapped": [per stage, per step: buckets whose
     reduction the backward launched], "graphs": [per stage, per step: graphs torch.compile made so far],
     "dir": out_dir}. overlap: the optimizer's overlapped gradient reduction (a no-op at DP = 1).
     recompute: --recompute's mode. compile_backend: train through compile_for_training with this
-    torch.compile backend (None: eager)."""
+    torch.compile backend (None: eager). fp8: the eligible linears in fp8 (emulated on CPU; the model
+    needs n_embd >= 128 for any to be eligible)."""
     world = dp * tp * pp
     out_dir = out_dir or _new_run_dir()
     args = (world, tp, pp, sequence_parallel, schedule, steps, _free_port(), out_dir, config_overrides or {}, resume_from, overlap,
-            recompute, compile_backend)
+            recompute, compile_backend, fp8)
     if world == 1:
         _worker(0, *args)
     else:

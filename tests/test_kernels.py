@@ -41,7 +41,7 @@ def fake_kernels(monkeypatch, calls, available=True, fa4=True):
     def fused_mlp(x, w_fc, w_proj, fc_split, proj_split):
         return F.relu(x @ w_fc.t()).square() @ w_proj.t()
 
-    def fp8_mlp(x, w_fc, w_proj, use_kernels):
+    def fp8_mlp(x, w_fc, w_proj, use_kernels, group):
         calls.append(f"fp8 kernels={use_kernels}")
         return fused_mlp(x, w_fc, w_proj, 1, 1)
 
@@ -93,7 +93,7 @@ def test_reference_mode_runs_no_kernel_where_all_would_apply(monkeypatch):
     assert calls == []
     assert kernels.prepare_attention(CONFIG, window_sizes(CONFIG), "cpu", torch.float32) == "SDPA (reference)"
     # fp8's MLP (tensorwise) runs its products in PyTorch
-    fp8_mlp = fp8._rehouse(MLP(CONFIG), fp8.Fp8MLP)
+    fp8_mlp = fp8._fp8_mlp(MLP(CONFIG))
     fp8_mlp(torch.randn(16, CONFIG.n_embd))
     assert calls == ["fp8 kernels=False"]
     # what auto runs on CPU (no kernel applies): the same loss
@@ -126,7 +126,7 @@ def test_auto_mode_picks_every_kernel_where_it_applies(monkeypatch):
     train_step(tiny_model())
     assert calls.count("cuDNN") == 1 and calls.count("Flex") == 1 and "FA4" not in calls
     # fp8's MLP uses its Triton products
-    fp8._rehouse(MLP(CONFIG), fp8.Fp8MLP)(torch.randn(16, CONFIG.n_embd))
+    fp8._fp8_mlp(MLP(CONFIG))(torch.randn(16, CONFIG.n_embd))
     assert calls[-1] == "fp8 kernels=True"
 
 
