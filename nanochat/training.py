@@ -234,7 +234,7 @@ class Trainer:
     pipeline: object
     optimizer: MuonAdamW
     layout: object
-    fp8: bool = False               # fp8 linears in training: evaluation swaps in bf16 ones (same weights)
+    fp8: bool = False               # fp8 linears in training: evaluation turns their fp8 flags off (bf16)
     sequence_parallel: bool = False
 
     def step(self, batches, schedule, it):
@@ -272,19 +272,19 @@ class Trainer:
         self.model.eval()
         if self.fp8:
             from nanochat.fp8 import bf16_linears
-            swap = bf16_linears(self.model)
+            in_bf16 = bf16_linears(self.model)
         else:
-            swap = contextlib.nullcontext()
+            in_bf16 = contextlib.nullcontext()
         try:
-            with swap:
+            with in_bf16:
                 yield
         finally:
             self.model.train()
 
     def eval_loss(self, x, y):
         """Per-token losses for bits per byte (inside evaluating()): through the pipeline under PP (None
-        on stages without the head); with fp8 on the uncompiled model, whose swapped bf16 linears the
-        compiled graph does not know."""
+        on stages without the head); with fp8 on the uncompiled model: the compiled graph was traced with
+        the fp8 flags on."""
         if self.pipeline is not None:
             return self.pipeline.forward_loss(x, y)
         return (self.model if self.fp8 else self.train_model)(x, y, loss_reduction="none")

@@ -35,7 +35,7 @@ from nanochat.common import (compute_init, compute_cleanup, print0, print_rank, 
                              device_name, all_reduce_max, fail, barrier, hang_report_dir, install_stop_handlers, stop_agreed,
                              Interrupted, cpu_memory_error)
 from nanochat.watchdog import Watchdog
-from nanochat.gpt import GPTConfig, config_for_depth, window_sizes, GPT
+from nanochat.gpt import GPTConfig, config_for_depth, window_sizes, GPT, RECOMPUTE_MODES
 from nanochat import kernels
 from nanochat.dataloader import reshard_states
 from nanochat.dataset import DataError, check_data
@@ -92,7 +92,7 @@ parser.add_argument("--keep-last", type=int, default=-1, help="keep only the new
 parser.add_argument("--resume-from-step", type=int, default=-1, help="resume from this checkpoint step (-1 = start fresh)")
 parser.add_argument("--model-tag", type=str, default=None, help="checkpoint folder name (default: d<depth>)")
 parser.add_argument("--compile", type=int, default=-1, help="torch.compile the model and optimizer (-1 = on CUDA only)")
-parser.add_argument("--recompute", type=str, default="none", choices=["none", "mlp", "block"],
+parser.add_argument("--recompute", type=str, default="none", choices=RECOMPUTE_MODES,
                     help="activation recompute in training: none; mlp: each block's norm + MLP; block: each whole block "
                          "(less activation memory for a second forward of the region)")
 # parallelism

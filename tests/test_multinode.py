@@ -96,8 +96,8 @@ def _children(pid):
 
 def test_a_stalled_rank_gives_hang_reports_not_a_silent_hang(env, tmp_path):
     """Node 1's training process is stopped (SIGSTOP) after the first steps: node 0's rank reports its
-    step, phase and last collective (and its stacks) once it has waited --dist-timeout, and ends at
-    twice that, instead of waiting forever."""
+    step, phase and last collective (and its stacks) once it has waited --dist-timeout, and ends by itself
+    (at twice that at the latest) instead of waiting forever."""
     envs = node_local_envs(env, tmp_path)
     args = TRAIN + ["--num-iterations", "1000", "--dist-timeout", "10"]
     port = _free_port()
@@ -113,8 +113,11 @@ def test_a_stalled_rank_gives_hang_reports_not_a_silent_hang(env, tmp_path):
         nodes[0].wait(timeout=120)  # bounded: the waiting side must end by itself
         assert nodes[0].returncode != 0
         err = read(str(tmp_path), 0, "err")
-        assert "HANG? longer than --dist-timeout 10s in rank " in err and ", phase '" in err, err[-4000:]
-        assert "GIVING UP (exit 1) after twice --dist-timeout 10s" in err, err[-4000:]
+        # the watchdog's report at --dist-timeout, or the same record from gloo's own timeout error (also
+        # --dist-timeout: whichever comes first), then the end: the watchdog's at twice it, or the error's
+        assert ("HANG? longer than --dist-timeout 10s in rank " in err or "FAILED with RuntimeError in rank " in err) \
+            and ", phase '" in err, err[-4000:]
+        assert "GIVING UP (exit 1) after twice --dist-timeout 10s" in err or "FAILED with RuntimeError in rank " in err, err[-4000:]
         reports = os.path.join(envs[0]["NANOCHAT_BASE_DIR"], "hang_reports")
         (name,) = [f for f in os.listdir(reports) if f.startswith("rank")]
         text = open(os.path.join(reports, name)).read()
