@@ -129,11 +129,12 @@ def start(side, flags, tag, eval_tokens):
     print(f"== {tag} ({side}): {' '.join(cmd[2:])}", flush=True)
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, cwd=tree(side), env=side_env(side), stdout=log, stderr=subprocess.STDOUT)
-    return dict(side=side, tag=tag, proc=proc, log=log, t0=time.time())
+    return dict(side=side, tag=tag, proc=proc, log=log, t0=time.time(), fp8="--fp8" in flags)
 
 
-def finish(run):
-    """Wait for a run; parse its log into a result row (None if it failed)."""
+def finish(run, warmup=0):
+    """Wait for a run; parse its log into a result row (None if it failed), with the median step time over
+    the steps from `warmup` on."""
     try:
         run["proc"].wait(timeout=max(1, args.timeout - (time.time() - run["t0"])))
     except subprocess.TimeoutExpired:
@@ -141,19 +142,21 @@ def finish(run):
         run["proc"].wait()
     run["log"].close()
     text = open(run["log"].name).read()
-    steps = [(int(n), float(dt), float(tok.replace(",", ""))) for n, dt, tok in
-             re.findall(r"^step (\d+)/\d+ .*?\| dt: ([\d.]+) ?ms \| tok/sec: ([\d,]+)", text, re.M)]
+    steps = [(int(n), float(dt)) for n, dt in re.findall(r"^step (\d+)/\d+ .*?\| dt: ([\d.]+) ?ms", text, re.M)]
+    timed = [dt for n, dt in steps if n >= warmup]
     bpb = re.findall(r"Validation bpb: ([\d.]+)", text)
     decay = re.findall(r"Muon weight decay = .* = ([\d.]+)", text) or re.findall(r"Scaling weight decay from [\d.]+ to ([\d.]+)", text)
-    ok = run["proc"].returncode == 0 and steps
-    tail = " / ".join(text.strip().splitlines()[-3:])
-    if not ok:
-        print(f"   {run['tag']}: failed (exit {run['proc'].returncode}): {tail}", flush=True)
+    peak = re.search(r"peak memory: ([\d.]+) GiB", text)
+    if run["proc"].returncode != 0 or not timed:
+        print(f"   {run['tag']}: failed (exit {run['proc'].returncode}): {' / '.join(text.strip().splitlines()[-3:])}", flush=True)
         return None
-    row = dict(side=run["side"], tag=run["tag"], log=run["log"].name, steps=steps[-1][0] + 1,
-               val_bpb=float(bpb[-1]) if bpb else None, muon_decay=float(decay[0]) if decay else None,
-               attention=(re.findall(r"^attention: (.*)$", text, re.M) or [""])[0])
-    return row
+    if run["fp8"] and "continuing without fp8" in text:  # base_train fell back to bf16: not this run's setting
+        print(f"   {run['tag']}: failed: --fp8 fell back to bf16", flush=True)
+        return None
+    return dict(side=run["side"], tag=run["tag"], log=run["log"].name, steps=steps[-1][0] + 1,
+                step_ms=statistics.median(timed), steps_timed=len(timed), peak_gib=float(peak.group(1)) if peak else None,
+                val_bpb=float(bpb[-1]) if bpb else None, muon_decay=float(decay[0]) if decay else None,
+                attention=(re.findall(r"^attention: (.*)$", text, re.M) or [""])[0])
 
 
 def drop_checkpoint(row):
@@ -199,31 +202,24 @@ def speed():
     sides = ["upstream", "ours"] + (["ours+FA4"] if fa4_path else [])
     for depth in [int(d) for d in args.depths.split(",") if d]:
         n_steps, warmup = SPEED_STEPS.get(depth, (10, 4))
-        best_ours = None
+        ours_rows = []  # this depth's runs of ours without FA4: the fastest batch is the one FA4 and fp8 use
         for side in sides + (["ours+FA4 fp8" if fa4_path else "ours fp8"] if depth >= 20 else []):
-            tried = batches.get(depth, [32]) if side in ("upstream", "ours") else [best_ours]
+            tried = batches.get(depth, [32]) if side in ("upstream", "ours") else \
+                [max(ours_rows, key=lambda r: r["tok_s"])["device_batch"] if ours_rows else batches.get(depth, [32])[0]]
             for b in tried:
                 flags = [f"--depth={depth}", "--window-pattern=L", f"--device-batch-size={b}",
                          f"--total-batch-size={RECIPE_BATCH}", f"--num-iterations={n_steps}"] + (["--fp8"] if "fp8" in side else [])
                 run = start(side.replace(" fp8", ""), flags, f"speed_{side.replace(' ', '_').replace('+', '_')}_d{depth}_b{b}", 0)
-                row = finish(run)
+                row = finish(run, warmup)
                 if row is None:
                     continue
-                text = open(row["log"]).read()
-                if "fp8" in side and "continuing without fp8" in text:
-                    print("   fp8 fell back to bf16: not recorded", flush=True)
-                    continue
-                timed = [float(dt) for n, dt in re.findall(r"^step (\d+)/\d+ .*?\| dt: ([\d.]+) ?ms", text, re.M) if int(n) >= warmup]
-                step_ms = statistics.median(timed)
-                row.update(part="speed", side=side, depth=depth, device_batch=b, step_ms=step_ms,
-                           tok_s=RECIPE_BATCH / step_ms * 1000, steps_timed=len(timed),
-                           peak_gib=float(m.group(1)) if (m := re.search(r"peak memory: ([\d.]+) GiB", text)) else None)
-                print(f"   {row['tok_s']:,.0f} tok/s ({step_ms:.1f} ms/step, {len(timed)} steps timed; {row['attention']})", flush=True)
+                row.update(part="speed", side=side, depth=depth, device_batch=b, tok_s=RECIPE_BATCH / row["step_ms"] * 1000)
+                print(f"   {row['tok_s']:,.0f} tok/s ({row['step_ms']:.1f} ms/step, {row['steps_timed']} steps timed; "
+                      f"{row['attention']})", flush=True)
                 record(row)
                 drop_checkpoint(row)
-            if side == "ours":
-                rows = [r for r in load_results() if r["part"] == "speed" and r["side"] == "ours" and r["depth"] == depth]
-                best_ours = max(rows, key=lambda r: r["tok_s"])["device_batch"] if rows else batches.get(depth, [32])[0]
+                if side == "ours":
+                    ours_rows.append(row)
 
 
 def run_queue(jobs, keep=lambda row: False):
@@ -293,7 +289,7 @@ def walltime_part():
                  f"--total-batch-size={RECIPE_BATCH}", f"--num-iterations={n}"]
         name = "ours" if side.startswith("ours") else "upstream"
         per_side.append([(side, flags, f"wall_{name}_{i}_{stamp}", "walltime",
-                          dict(setting=f"{args.wall_seconds:.0f} s", step_ms=best["step_ms"])) for i in range(args.runs)])
+                          dict(setting=f"{args.wall_seconds:.0f} s", calibration_step_ms=best["step_ms"])) for i in range(args.runs)])
     run_queue([j for pair in zip(*per_side) for j in pair])
 
 
