@@ -27,6 +27,7 @@ attributes of the blocks, so tensor parallelism swaps them for sharded ones in p
 """
 
 import math
+import functools
 from dataclasses import dataclass, asdict
 
 import torch
@@ -160,15 +161,17 @@ class MLP(nn.Module):
         return kernels.mlp(x, self.c_fc, self.c_proj)  # c_proj(relu(c_fc(x))^2)
 
 
-RECOMPUTE_MODES = ("none", "mlp", "block")
+RECOMPUTE_MODES = ("none", "mlp", "selective", "block")
 
 
 class Block(nn.Module):
     """Pre-norm attention and MLP around the residual stream. `recompute` (set by
     training.apply_recompute; only while training with grad enabled) drops activations in the forward and
     recomputes them in the backward (torch.utils.checkpoint): "mlp" keeps only the input of the
-    norm + MLP, "block" only the block's inputs. Under tensor parallelism the recomputed region's
-    collectives run again in the backward, in the same order on every rank."""
+    norm + MLP, "block" only the block's inputs, "selective" the block's inputs and the attention
+    kernel's output (kernels.ATTENTION_OPS): per byte kept, attention is the costliest op to run again,
+    and without it the recompute is projections and elementwise ops. Under tensor parallelism the
+    recomputed region's collectives run again in the backward, in the same order on every rank."""
 
     recompute = "none"
 
@@ -184,8 +187,9 @@ class Block(nn.Module):
 
     def forward(self, x, x0, idx, cos, sin, window, kv_cache=None):
         recompute = self.recompute if self.training and torch.is_grad_enabled() else "none"
-        if recompute == "block":
-            return _checkpoint(self._forward, x, x0, idx, cos, sin, window, kv_cache, "none")
+        if recompute in ("block", "selective"):
+            keep = kernels.ATTENTION_OPS if recompute == "selective" else ()
+            return _checkpoint(self._forward, x, x0, idx, cos, sin, window, kv_cache, "none", keep=keep)
         return self._forward(x, x0, idx, cos, sin, window, kv_cache, recompute)
 
     def _forward(self, x, x0, idx, cos, sin, window, kv_cache, recompute):
@@ -200,10 +204,15 @@ class Block(nn.Module):
         return self.mlp(norm(x))
 
 
-def _checkpoint(fn, *args):
+def _checkpoint(fn, *args, keep=()):
+    """fn(*args), its activations dropped and recomputed in the backward, but for the outputs of the ops in
+    `keep`, which the forward saves and the recompute reuses (selective checkpointing)."""
     # non-reentrant: works under torch.compile and with inputs that need no grad; no RNG state to keep
     # (the model has no dropout or other randomness), so the recompute is the same computation
-    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
+    context = {}
+    if keep:
+        context["context_fn"] = functools.partial(torch.utils.checkpoint.create_selective_checkpoint_contexts, list(keep))
+    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False, **context)
 
 
 class SoftcapCrossEntropy(nn.Module):

@@ -1,4 +1,4 @@
-"""Activation recompute (--recompute mlp|block) against none: the same losses and gradients, bitwise in
+"""Activation recompute (--recompute mlp|selective|block) against none: the same losses and gradients, bitwise in
 eager fp32 on a CPU (the backward recomputes the region with the same ops on the same inputs, so every
 value is the one the first forward made), on one process and under TP=2 (sequence parallel: the regions'
 all-gathers and reduce-scatters run again) and PP=2; fewer saved activations; evaluation untouched; and
@@ -7,13 +7,14 @@ compiled graphs of the modes are partitioned differently)."""
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from nanochat import gpt, training
+from nanochat import gpt, kernels, training
 from nanochat.gpt import GPTConfig
 from nanochat.common import build_layout
 from parallel_harness import CONFIG, leave_identity_init, fixed_batches, run_layout
 
-MODES = ("mlp", "block")
+MODES = ("mlp", "selective", "block")
 
 
 def tiny_model(mode):
@@ -56,16 +57,40 @@ def test_recompute_gives_the_same_loss_and_gradients(mode):
 
 def test_recompute_keeps_fewer_activations():
     """The checkpointed regions keep only their inputs: block < mlp < none. (With checkpointing inside
-    the hooks, a region's own saves go to its recompute, not to this count.)"""
+    the hooks, a region's own saves go to its recompute, not to this count; selective checkpointing keeps
+    its outputs in its own cache, out of the hooks' sight: the next test.)"""
     none, mlp, block = (saved_bytes(tiny_model(m)) for m in ("none", "mlp", "block"))
     assert block < mlp < none, (none, mlp, block)
+
+
+class CountAttention(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func in kernels.ATTENTION_OPS
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("mode, recomputed", [("block", CONFIG["n_layer"]), ("selective", 0)])
+def test_selective_keeps_the_attention_output(mode, recomputed):
+    """The attention kernel runs once per layer in the forward; in the backward, "block" runs it again
+    per layer and "selective" not at all (its saved output serves the recompute)."""
+    model = tiny_model(mode)
+    rows = fixed_batches(1)[0]
+    with CountAttention() as forward:
+        loss = model(rows[:, :-1], rows[:, 1:])
+    with CountAttention() as backward:
+        loss.backward()
+    assert (forward.calls, backward.calls) == (CONFIG["n_layer"], recomputed)
 
 
 def test_evaluation_does_not_recompute(monkeypatch):
     """Eval mode, or no grad (sampling, CORE, val bpb), never checkpoints, and gives the same numbers."""
     calls = []
     real = gpt._checkpoint
-    monkeypatch.setattr(gpt, "_checkpoint", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(gpt, "_checkpoint", lambda *a, **k: calls.append(1) or real(*a, **k))
     rows = fixed_batches(1)[0]
     ref = tiny_model("none").eval()(rows[:, :-1], rows[:, 1:], loss_reduction="none")
     model = tiny_model("block")
@@ -84,12 +109,13 @@ def test_unknown_mode_is_a_clear_error():
         training.apply_recompute(tiny_model("none"), "attn")
 
 
-@pytest.mark.parametrize("per_block", [False, True], ids=["whole_model", "per_block"])
-def test_recompute_under_compile(per_block):
+@pytest.mark.parametrize("per_block, mode", [(False, "mlp"), (False, "selective"), (True, "block")],
+                         ids=["whole_model_mlp", "whole_model_selective", "per_block_block"])
+def test_recompute_under_compile(per_block, mode):
     """torch.compile traces the checkpoints (aot_eager: the capture and the autograd split that decides
     what the backward recomputes, without code generation, which the CPU would take minutes for)."""
     ref_loss, ref_grads = loss_and_grads(tiny_model("none"))
-    model = tiny_model("block" if per_block else "mlp")
+    model = tiny_model(mode)
     compiled = training.compile_for_training(model, None, per_block=per_block, backend="aot_eager")
     loss, grads = loss_and_grads(model, compiled)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
@@ -108,13 +134,13 @@ def reference(**layout):
     return _references[key]
 
 
-# each run starts processes, so a few pairs rather than every one: the whole block under TP, where
-# attention's collectives run again too; the MLP under TP compiled (whole model, aot_eager) and under PP
+# each run starts processes, so a few pairs rather than every one: the whole block (selective: but for
+# the attention output) under TP, where attention's collectives run again too; the MLP under TP compiled (whole model, aot_eager) and under PP
 @pytest.mark.parametrize("layout, mode, backend", [
-    (dict(tp=2, sequence_parallel=True), "block", None),
+    (dict(tp=2, sequence_parallel=True), "selective", None),
     (dict(tp=2, sequence_parallel=True), "mlp", "aot_eager"),
     (dict(pp=2), "mlp", None),
-], ids=["tp2_sp_block", "tp2_sp_mlp_compiled", "pp2_mlp"])
+], ids=["tp2_sp_selective", "tp2_sp_mlp_compiled", "pp2_mlp"])
 def test_recompute_under_parallelism(layout, mode, backend):
     ref = reference(**layout)
     run = run_layout(steps=3, recompute=mode, compile_backend=backend, **layout)

@@ -113,6 +113,18 @@ def prepare_attention(config, window_sizes, device, dtype):
     return "SDPA (cuDNN)" + (" + FlexAttention for the sliding windows" if windowed else "")
 
 
+# the ops that compute attention, on every path above: what --recompute selective keeps (gpt.Block) rather
+# than runs again in the backward. (FlexAttention is not among them: a higher-order op, which selective
+# checkpointing does not take; with it, the windowed layers' attention is recomputed as in "block".)
+ATTENTION_OPS = (
+    torch.ops.nanochat.flash_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+)
+
+
 def attention(q, k, v, window):
     """Causal attention, each query seeing at most `window` keys (itself included), q (B, Hq, T, D) and k/v
     (B, Hkv, S, D); S > T when decoding with a KV cache, which takes the reference."""
