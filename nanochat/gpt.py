@@ -168,10 +168,10 @@ class Block(nn.Module):
     """Pre-norm attention and MLP around the residual stream. `recompute` (set by
     training.apply_recompute; only while training with grad enabled) drops activations in the forward and
     recomputes them in the backward (torch.utils.checkpoint): "mlp" keeps only the input of the
-    norm + MLP, "block" only the block's inputs, "selective" the block's inputs and the attention
-    kernel's output (kernels.ATTENTION_OPS): per byte kept, attention is the costliest op to run again,
-    and without it the recompute is projections and elementwise ops. Under tensor parallelism the
-    recomputed region's collectives run again in the backward, in the same order on every rank."""
+    norm + MLP, "block" only the block's inputs, "selective" the block's inputs and the outputs of
+    the attention kernel and the fused ReLU^2 product (kernels.SELECTIVE_KEEPS), the ops that cost the
+    most to run again per byte kept. Under tensor parallelism the recomputed region's collectives run
+    again in the backward, in the same order on every rank."""
 
     recompute = "none"
 
@@ -188,7 +188,7 @@ class Block(nn.Module):
     def forward(self, x, x0, idx, cos, sin, window, kv_cache=None):
         recompute = self.recompute if self.training and torch.is_grad_enabled() else "none"
         if recompute in ("block", "selective"):
-            keep = kernels.ATTENTION_OPS if recompute == "selective" else ()
+            keep = kernels.SELECTIVE_KEEPS if recompute == "selective" else ()
             return _checkpoint(self._forward, x, x0, idx, cos, sin, window, kv_cache, "none", keep=keep)
         return self._forward(x, x0, idx, cos, sin, window, kv_cache, recompute)
 

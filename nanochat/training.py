@@ -117,7 +117,8 @@ def make_optimizer(model, layout, dtype, embedding_lr, unembedding_lr, matrix_lr
 
 def apply_recompute(model, mode):
     """Activation recompute (--recompute): "none", "mlp" (each block's norm + MLP) or "block" (each whole
-    block) keeps only the region's inputs in the forward and runs it again in the backward. Set on the
+    block) keeps only the region's inputs in the forward and runs it again in the backward; "selective"
+    runs the whole block again but keeps the outputs of its attention and fused ReLU^2 product. Set on the
     blocks (this stage's, under a pipeline) before compile_for_training; the blocks apply it only in
     training mode with grad enabled, so evaluation, CORE and sampling run as without it."""
     if mode not in RECOMPUTE_MODES:

@@ -93,8 +93,9 @@ parser.add_argument("--resume-from-step", type=int, default=-1, help="resume fro
 parser.add_argument("--model-tag", type=str, default=None, help="checkpoint folder name (default: d<depth>)")
 parser.add_argument("--compile", type=int, default=-1, help="torch.compile the model and optimizer (-1 = on CUDA only)")
 parser.add_argument("--recompute", type=str, default="none", choices=RECOMPUTE_MODES,
-                    help="activation recompute in training: none; mlp: each block's norm + MLP; block: each whole block "
-                         "(less activation memory for a second forward of the region)")
+                    help="activation recompute in training: none; selective: each block but its attention and MLP "
+                         "first product; mlp: each block's norm + MLP; block: each whole block (less activation "
+                         "memory for a second forward of the region)")
 # parallelism
 parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
 parser.add_argument("--sequence-parallel", action="store_true", help="with --tp: shard norms/residual along the sequence")

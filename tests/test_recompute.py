@@ -63,27 +63,46 @@ def test_recompute_keeps_fewer_activations():
     assert block < mlp < none, (none, mlp, block)
 
 
-class CountAttention(TorchDispatchMode):
+class CountKept(TorchDispatchMode):
+    """Calls of the ops that --recompute selective keeps: attention, and the fused ReLU^2 product."""
+
     def __init__(self):
         super().__init__()
-        self.calls = 0
+        self.calls = {"attention": 0, "relu_square": 0}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.calls += func in kernels.ATTENTION_OPS
+        if func in kernels.SELECTIVE_KEEPS:
+            self.calls["relu_square" if "relu_square" in str(func) else "attention"] += 1
         return func(*args, **(kwargs or {}))
 
 
+@pytest.fixture
+def fused_mlp_on_cpu(monkeypatch):
+    """The MLP through relu_square_mm.FusedMLP, as on a GPU, with its two products in plain PyTorch."""
+    from nanochat.kernels import relu_square_mm
+    for name, fn in [("fc_relu_square", lambda x, w: torch.relu(x @ w.t()).square()),
+                     ("relu_square_input_grad", lambda dy, w, y: (dy @ w) * 2 * y.sqrt())]:
+        getattr(relu_square_mm, name).register_kernel("cpu")(fn)
+    monkeypatch.setattr(relu_square_mm, "supported", lambda x: True)
+
+
 @pytest.mark.parametrize("mode, recomputed", [("block", CONFIG["n_layer"]), ("selective", 0)])
-def test_selective_keeps_the_attention_output(mode, recomputed):
-    """The attention kernel runs once per layer in the forward; in the backward, "block" runs it again
-    per layer and "selective" not at all (its saved output serves the recompute)."""
+def test_selective_keeps_attention_and_relu_square(fused_mlp_on_cpu, mode, recomputed):
+    """The kept ops run once per layer in the forward; in the backward, "block" runs them again per layer
+    and "selective" not at all (their saved outputs serve the recompute), with the same loss and gradients."""
+    ref_loss, ref_grads = loss_and_grads(tiny_model("none"))
     model = tiny_model(mode)
     rows = fixed_batches(1)[0]
-    with CountAttention() as forward:
+    with CountKept() as forward:
         loss = model(rows[:, :-1], rows[:, 1:])
-    with CountAttention() as backward:
+    with CountKept() as backward:
         loss.backward()
-    assert (forward.calls, backward.calls) == (CONFIG["n_layer"], recomputed)
+    n = CONFIG["n_layer"]
+    assert forward.calls == {"attention": n, "relu_square": n}
+    assert backward.calls == {"attention": recomputed, "relu_square": recomputed}
+    assert torch.equal(loss.detach(), ref_loss)
+    for name, p in model.named_parameters():
+        assert torch.equal(p.grad, ref_grads[name]), name
 
 
 def test_evaluation_does_not_recompute(monkeypatch):

@@ -113,15 +113,20 @@ def prepare_attention(config, window_sizes, device, dtype):
     return "SDPA (cuDNN)" + (" + FlexAttention for the sliding windows" if windowed else "")
 
 
-# the ops that compute attention, on every path above: what --recompute selective keeps (gpt.Block) rather
-# than runs again in the backward. (FlexAttention is not among them: a higher-order op, which selective
-# checkpointing does not take; with it, the windowed layers' attention is recomputed as in "block".)
-ATTENTION_OPS = (
+# what --recompute selective keeps rather than runs again in the backward (gpt.Block): the outputs of the ops
+# that cost the most to recompute per byte kept, the attention kernel (on every path above) and the fused
+# ReLU^2 product (relu_square_mm.py: the MLP's first matmul, in bf16 or fp8). The rest of the block (norms,
+# q/k/v and output projections, rotary, the value-embedding gate) runs again. The unfused MLP (tensor
+# parallelism, reference mode, CPU) has no one op to keep: there the MLP's first product runs again too.
+# FlexAttention, a higher-order op, is not among them: with it the windowed layers' attention runs again.
+SELECTIVE_KEEPS = (
     torch.ops.nanochat.flash_attention.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.nanochat.fc_relu_square.default,
+    torch.ops.nanochat.fc_relu_square_fp8.default,
 )
 
 
