@@ -14,7 +14,7 @@ gradient accumulation), at base_train's default LRs, and a table of:
                at least the compiled graph's, so the compiled step fits at least this batch
 The ratios answer: which mode cuts activation memory by how much, for how much time.
 
-    python -m dev.bench_recompute                                  # d20 and d26, none/mlp/block (H200: ~6 min)
+    python -m dev.bench_recompute                                  # d20 and d26, every mode (H200: ~9 min)
     python -m dev.bench_recompute --depths 26 --modes none,block --device-batch-size 8
     python -m dev.bench_recompute --depths 2 --seq-len 64 --device-batch-size 2 --batches 1,2 --steps 2   # CPU smoke
 
