@@ -30,10 +30,10 @@ Tensor parallelism (Megatron-style), as small explicit pieces, applied to an ini
   and its gradient whole on every TP rank (1.6 GB fp32 each per d12 layer; the AdamW moments, 3.2 GB,
   are split over DP only, as any large AdamW tensor's), and without sequence parallelism the work of
   W_up / W_mix (9 d^2 parameters, 3/4 of a block's 12 d^2) on every rank: at d12, TP=2, one L3 layer,
-  6% more per-rank work than an even split. With sequence
-  parallelism each rank runs the layer on its own tokens (`token_share` picks their ids), so that work
-  splits too, and the partial gradients are summed over TP once per step (tp_partial_grad): one
-  all-reduce of the table gradient (1.6 GB fp32 at d12), as large as its DP reduction.
+  6% more per-rank work than an even split. With sequence parallelism each rank runs the layer on its
+  own tokens (`token_share` picks their ids), so that work splits too, and the partial gradients are
+  summed over TP once per step (tp_partial_grad): one all-reduce of the table gradient (1.6 GB fp32 at
+  d12), as large as its DP reduction.
 
 A region starts with `RegionEnter` (f, or the sequence all-gather) placed at the model's `tp_enter`
 hook and ends inside the row-parallel linear (g, or the reduce-scatter). Every collective is one of the
