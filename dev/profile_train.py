@@ -1,22 +1,21 @@
 """
 Where does a training step's GPU time go? Builds the model, optimizer and data as base_train does,
-runs a few warm-up steps (compilation), then profiles a few steps with torch.profiler and prints the
-kernels by total GPU time, grouped into matmuls, attention, optimizer and the rest; the wall time
-of the same steps, so the gap (GPU idle: host syncs, launch overhead, eager code) shows; and where that
-idle time sits: each stretch with no kernel running is charged to the part of the step (data, forward,
-backward, optimizer, step end) and the host operation that the CPU was in when the GPU ran dry.
+runs a few warm-up steps (compilation), then profiles a few steps with torch.profiler and prints
+dev/trace_report.py's tables: kernels by GPU time, the idle time beside them, and where it sits (by part
+of the step: data, train step (the forward and the step's glue), backward, optimizer, step end).
+To profile another training script the same way (upstream nanochat's), see dev/profile_script.py.
 
     python -m dev.profile_train --depth 12 --window-pattern L --data-dir DIR [--fp8] [--l3-after-layers 5]
 """
 
 import os
-import json
 import time
 import argparse
 import tempfile
-from collections import defaultdict
 
 import torch
+
+from dev import trace_report
 
 from nanochat.common import compute_init, get_compute_dtype
 from nanochat.gpt import config_for_depth, window_sizes
@@ -86,93 +85,4 @@ with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, tor
 trace_path = args.trace or os.path.join(tempfile.mkdtemp(), "trace.json")
 prof.export_chrome_trace(trace_path)
 loader.close()
-trace = json.load(open(trace_path))["traceEvents"]
-kernels = sorted((e for e in trace if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
-n = args.active
-
-
-def group_of(name):
-    low = name.lower()
-    if any(s in low for s in ("attn", "attention", "fmha", "flex", "cudnn")):  # first: FA4's names hold "cutlass"
-        return "attention"
-    if any(s in low for s in ("gemm", "matmul", "mm_", "cutlass", "sm90_xmma", "nvjet")):
-        return "matmul"
-    if "nccl" in low:
-        return "communication"
-    if "memcpy" in low or "memset" in low:
-        return "memcpy/memset"
-    return "elementwise/reduction (triton, aten)"
-
-
-# --- kernel time: by group and by kernel ---
-by_kernel, calls, groups = defaultdict(float), defaultdict(int), defaultdict(float)
-for k in kernels:
-    by_kernel[k["name"]] += k["dur"]
-    calls[k["name"]] += 1
-    groups[group_of(k["name"])] += k["dur"]
-total = sum(by_kernel.values())
-print(f"wall time per step: {wall_ms:.1f} ms; GPU kernel time per step: {total / n / 1000:.1f} ms over "
-      f"{len(kernels) // n} kernel launches; idle {wall_ms - total / n / 1000:.1f} ms")
-for g, t in sorted(groups.items(), key=lambda kv: -kv[1]):
-    print(f"  {g:<40} {t / n / 1000:9.1f} ms  {100 * t / total:5.1f}%")
-print(f"\n{'kernel':<100} {'ms/step':>9} {'%':>6} {'calls':>7}")
-for name, t in sorted(by_kernel.items(), key=lambda kv: -kv[1])[:args.top]:
-    print(f"{name[:100]:<100} {t / n / 1000:9.2f} {100 * t / total:6.1f} {calls[name] // n:7d}")
-
-# --- idle time: the part of the step, and the host op, that the CPU was in when the GPU ran dry ---
-# host events of every thread (the backward runs on autograd's own thread)
-cpu = sorted((e for e in trace if e.get("cat") in ("cpu_op", "user_annotation") and e.get("ph") == "X"), key=lambda e: e["ts"])
-LABELS = {"data", "train step", "step end"}
-
-
-def part_of(names):
-    """The part of the step that open host events with these names belong to: torch's own labels tell
-    the optimizer and the backward (on autograd's thread); the rest of the train step is the forward."""
-    if any(n.startswith("Optimizer.") for n in names):
-        return "optimizer"
-    if any(n.startswith("autograd::engine::evaluate_function") for n in names):
-        return "backward"
-    if "train step" in names:
-        return "forward"
-    return next((n for n in names if n in LABELS), "(outside)")
-
-
-class HostContext:
-    """For increasing times ts: the part of the step and the innermost host op running at ts (a sweep
-    over the host events, sorted by start)."""
-
-    def __init__(self, events):
-        self.events, self.next, self.open = events, 0, []
-
-    def at(self, ts):
-        while self.next < len(self.events) and self.events[self.next]["ts"] <= ts:
-            self.open.append(self.events[self.next])
-            self.next += 1
-        self.open = [e for e in self.open if e["ts"] + e["dur"] >= ts]
-        part = part_of([e["name"] for e in self.open])
-        ops = [e for e in self.open if e["name"] not in LABELS]
-        op = min(ops, key=lambda e: e["dur"])["name"] if ops else "(no op)"
-        return part, op
-
-
-host_context = HostContext(cpu).at
-by_part, by_op, gaps = defaultdict(float), defaultdict(float), []
-busy_until = kernels[0]["ts"] + kernels[0]["dur"]
-for k in kernels[1:]:
-    gap = k["ts"] - busy_until
-    if gap > 5:  # microseconds; shorter gaps are the launch queue's own spacing
-        part, op = host_context(busy_until)
-        by_part[part] += gap
-        by_op[(part, op)] += gap
-        gaps.append((gap, part, op))
-    busy_until = max(busy_until, k["ts"] + k["dur"])
-print(f"\nGPU idle per step, by part of the step ({len(gaps) / n:.0f} gaps over 5 us per step, "
-      f"{sum(g for g, _, _ in gaps) / n / 1000:.1f} ms in all):")
-for part, t in sorted(by_part.items(), key=lambda kv: -kv[1]):
-    print(f"  {part:<12} {t / n / 1000:8.2f} ms")
-print("by the host op the CPU was in when the GPU ran dry (top 15):")
-for (part, op), t in sorted(by_op.items(), key=lambda kv: -kv[1])[:15]:
-    print(f"  {t / n / 1000:8.2f} ms  {part:<10} {op[:90]}")
-print("largest single gaps:")
-for gap, part, op in sorted(gaps, reverse=True)[:8]:
-    print(f"  {gap / 1000:8.2f} ms  {part:<10} {op[:90]}")
+trace_report.report(trace_path, args.active, wall_ms, args.top, labels={"data", "train step", "step end"})

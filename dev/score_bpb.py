@@ -2,12 +2,18 @@
 An independent bits-per-byte check: score one checkpoint on fixed validation bytes using nothing of the
 harness's own evaluation code, only its model's logits and its tokenizer.
 
-The bytes: the first --docs documents of the parquet file --val that have at least --chars characters, each
-cut to exactly --chars characters. Each document is one row, [BOS] + its tokens, and every token after the
-BOS is scored (its cross-entropy from the model's logits, in fp32). Those tokens spell exactly the cut text,
-so
+The bytes: the first --docs documents of the parquet file --val (only those of at least --min-chars
+characters, if given), one row each: [BOS] + the document's first --chars characters, or, where those
+are more tokens than the model's context, the longest prefix of them that fits. Every token after the
+BOS is scored (its cross-entropy from the model's logits, in fp32). Those tokens spell exactly the text
+kept, so
 
-    bpb = (sum of the scored tokens' losses in nats) / ln 2 / (UTF-8 bytes of the cut texts)
+    bpb = (sum of the scored tokens' losses in nats) / ln 2 / (UTF-8 bytes of the texts kept)
+
+The default (--chars 0: no cut but the context) scores each document's head as far as one row holds it,
+which is what a harness's packed rows of whole documents hold too; --min-chars N --chars N scores the
+same number of characters of every document. It also prints the loss by position in the row, since a
+token late in a long document is easier than one near its start.
 
 It runs against either harness, this one or upstream nanochat, so that both are scored on the same bytes:
 --root is the checkout whose `nanochat` package is imported (put first on sys.path), --harness says how its
@@ -18,8 +24,8 @@ checkpoints load.
     NANOCHAT_BASE_DIR=... python dev/score_bpb.py --harness upstream --root ../nanochat-92d63d4 \
         --checkpoint-dir .../base_checkpoints/d12 --val data/shard_00007.parquet
 
-Run it as a file (not `-m`), so that the package imported is the one under --root. It prints one line,
-`SCORE bpb=... bytes=... tokens=... docs=...`.
+Run it as a file (not `-m`), so that the package imported is the one under --root. It prints
+`SCORE bpb=... bytes=... tokens=... docs=... fitted=...` (fitted: documents cut to fit the context).
 """
 
 import os
@@ -36,7 +42,8 @@ parser.add_argument("--tokenizer-dir", type=str, default=None,
                     help="ours: the tokenizer folder (upstream reads $NANOCHAT_BASE_DIR/tokenizer)")
 parser.add_argument("--val", type=str, required=True, help="parquet file with a `text` column")
 parser.add_argument("--docs", type=int, default=1000, help="documents scored")
-parser.add_argument("--chars", type=int, default=5000, help="characters of each document scored (each must fit the model's context)")
+parser.add_argument("--min-chars", type=int, default=0, help="skip documents shorter than this (0 = none)")
+parser.add_argument("--chars", type=int, default=0, help="characters of each document kept at most (0 = as many as the context holds)")
 args = parser.parse_args()
 
 root = os.path.abspath(args.root)
@@ -49,16 +56,28 @@ import torch.nn.functional as F
 import pyarrow.parquet as pq
 
 
-def validation_texts(path, docs, chars):
+def validation_texts(path, docs, min_chars, chars):
     texts = []
     for batch in pq.ParquetFile(path).iter_batches(columns=["text"]):
         for text in batch.column(0).to_pylist():
-            if len(text) >= chars:
-                texts.append(text[:chars])
+            if text and len(text) >= min_chars:
+                texts.append(text[:chars] if chars > 0 else text)
                 if len(texts) == docs:
                     return texts
-    sys.exit(f"score_bpb: {path} has only {len(texts)} documents of >= {chars} characters (asked for {docs}): "
-             f"lower --docs or --chars")
+    sys.exit(f"score_bpb: {path} has only {len(texts)} documents of >= {max(1, min_chars)} characters (asked for {docs}): "
+             f"lower --docs or --min-chars")
+
+
+def fit(text, tokenizer, bos, seq_len):
+    """[BOS] + the tokens of the longest prefix of text that is at most seq_len tokens, and that prefix."""
+    ids = tokenizer.encode(text, prepend=bos)
+    if len(ids) - 1 <= seq_len:
+        return ids, text
+    lo, hi = 0, len(text)  # the longest prefix that fits has lo characters: fits(lo), not fits(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if len(tokenizer.encode(text[:mid])) <= seq_len else (lo, mid)
+    return tokenizer.encode(text[:lo], prepend=bos), text[:lo]
 
 
 def load(device):
@@ -79,25 +98,34 @@ def load(device):
     return model, tokenizer, meta["model_config"]["sequence_len"]  # upstream casts to its COMPUTE_DTYPE itself
 
 
+POSITION_EDGES = (0, 128, 512, 1024, 1536)  # the loss-by-position buckets, in tokens from the row's start
+
+
 def main():
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    texts = validation_texts(args.val, args.docs, args.chars)
+    texts = validation_texts(args.val, args.docs, args.min_chars, args.chars)
     model, tokenizer, seq_len = load(device)
     bos = tokenizer.get_bos_token_id()
-    nats, tokens, n_bytes = 0.0, 0, 0
+    nats, tokens, n_bytes, fitted = 0.0, 0, 0, 0
+    by_position = torch.zeros(len(POSITION_EDGES), 2, dtype=torch.float64)  # (nats, tokens) per bucket
     with torch.inference_mode():
         for text in texts:
-            ids = tokenizer.encode(text, prepend=bos)
-            if len(ids) - 1 > seq_len:
-                sys.exit(f"score_bpb: a document of {args.chars} characters is {len(ids) - 1} tokens, more than the "
-                         f"model's {seq_len}: lower --chars")
+            ids, kept = fit(text, tokenizer, bos, seq_len)
+            fitted += len(kept) < len(text)
             x = torch.tensor(ids[:-1], device=device)[None]
             y = torch.tensor(ids[1:], device=device)
-            logits = model(x)
-            nats += F.cross_entropy(logits[0].float(), y, reduction="sum").item()
+            losses = F.cross_entropy(model(x)[0].float(), y, reduction="none").double().cpu()
+            nats += losses.sum().item()
             tokens += y.numel()
-            n_bytes += len(text.encode("utf-8"))
-    print(f"SCORE bpb={nats / math.log(2) / n_bytes:.6f} bytes={n_bytes} tokens={tokens} docs={len(texts)}", flush=True)
+            n_bytes += len(kept.encode("utf-8"))
+            for i, lo in enumerate(POSITION_EDGES):
+                hi = POSITION_EDGES[i + 1] if i + 1 < len(POSITION_EDGES) else seq_len
+                part = losses[lo:hi]
+                by_position[i] += torch.tensor([part.sum().item(), part.numel()], dtype=torch.float64)
+    print("loss by position (nats per token): " + ", ".join(
+        f"{lo}-: {s / n:.4f} ({int(n):,})" for lo, (s, n) in zip(POSITION_EDGES, by_position.tolist()) if n))
+    print(f"SCORE bpb={nats / math.log(2) / n_bytes:.6f} bytes={n_bytes} tokens={tokens} docs={len(texts)} fitted={fitted}",
+          flush=True)
 
 
 main()

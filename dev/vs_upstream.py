@@ -22,7 +22,9 @@ Parts (--parts, comma-separated; all by default):
   steps that takes --wall-seconds at its step time from the speed part (the same attention as this run).
   That time excludes compilation (the warm-up steps) and evaluation; each side's own schedule and decay.
 - bpb: an independent check of both sides' val bpb (dev/score_bpb.py: the same validation bytes, each model's
-  logits only) on the final checkpoint of each side's first equal-steps run.
+  logits only) on the final checkpoint of each side's first equal-steps run, on two selections of text: each
+  document's head as far as the context holds it (what packed rows of whole documents hold), and the first
+  5,000 characters of documents that have them.
 Quality runs do not depend on timing, so --parallel of them share the GPU at once (their compilation
 overlaps); speed runs always run alone.
 
@@ -293,6 +295,12 @@ def walltime_part():
     run_queue([j for pair in zip(*per_side) for j in pair])
 
 
+SCORER_SELECTIONS = {  # dev/score_bpb.py's text, two ways (its docstring)
+    "heads": [],  # each document's head, as far as one row of the context holds it
+    "5000 chars": ["--min-chars=5000", "--chars=5000"],  # the first 5,000 characters of documents that have them
+}
+
+
 def bpb_part():
     val = os.path.join(data_dir, sorted(f for f in os.listdir(data_dir) if f.endswith(".parquet"))[-1])
     rows = load_results()
@@ -304,18 +312,23 @@ def bpb_part():
         run = runs[0]
         harness = "upstream" if side == "upstream" else "ours"
         ckpt = os.path.join(work, harness, "base_checkpoints", run["tag"])
-        cmd = [sys.executable, os.path.join(ours, "dev", "score_bpb.py"), "--harness", harness, "--root", tree(side),
-               "--checkpoint-dir", ckpt, "--val", val] + (["--tokenizer-dir", os.path.join(work, "ours", "tokenizer")] if harness == "ours" else [])
-        print(f"== scoring {run['tag']}: {' '.join(cmd[1:])}", flush=True)
-        p = subprocess.run(cmd, cwd=tree(side), env=side_env(side), capture_output=True, text=True, timeout=args.timeout)
-        m = re.search(r"SCORE bpb=([\d.]+) bytes=(\d+) tokens=(\d+) docs=(\d+)", p.stdout)
-        if p.returncode != 0 or not m:
-            print(f"   failed: {(p.stdout + p.stderr).strip().splitlines()[-3:]}", flush=True)
-            continue
-        row = dict(part="bpb", side=side, tag=run["tag"], own_bpb=run["val_bpb"], score_bpb=float(m.group(1)),
-                   bytes=int(m.group(2)), tokens=int(m.group(3)), docs=int(m.group(4)))
-        print(f"   own {row['own_bpb']:.4f}, independent {row['score_bpb']:.4f} ({row['tokens']:,} tokens, {row['bytes']:,} bytes)", flush=True)
-        record(row)
+        for selection, flags in SCORER_SELECTIONS.items():
+            cmd = [sys.executable, os.path.join(ours, "dev", "score_bpb.py"), "--harness", harness, "--root", tree(side),
+                   "--checkpoint-dir", ckpt, "--val", val] + flags + \
+                (["--tokenizer-dir", os.path.join(work, "ours", "tokenizer")] if harness == "ours" else [])
+            print(f"== scoring {run['tag']}: {' '.join(cmd[1:])}", flush=True)
+            p = subprocess.run(cmd, cwd=tree(side), env=side_env(side), capture_output=True, text=True, timeout=args.timeout)
+            m = re.search(r"SCORE bpb=([\d.]+) bytes=(\d+) tokens=(\d+) docs=(\d+) fitted=(\d+)", p.stdout)
+            if p.returncode != 0 or not m:
+                print(f"   failed: {(p.stdout + p.stderr).strip().splitlines()[-3:]}", flush=True)
+                continue
+            positions = re.search(r"^loss by position.*$", p.stdout, re.M)
+            row = dict(part="bpb", side=side, tag=run["tag"], selection=selection, own_bpb=run["val_bpb"],
+                       score_bpb=float(m.group(1)), bytes=int(m.group(2)), tokens=int(m.group(3)), docs=int(m.group(4)),
+                       fitted=int(m.group(5)), by_position=positions.group(0) if positions else "")
+            print(f"   own {row['own_bpb']:.4f}, independent {row['score_bpb']:.4f} ({row['tokens']:,} tokens, "
+                  f"{row['bytes']:,} bytes, {row['fitted']} documents cut to the context)\n   {row['by_position']}", flush=True)
+            record(row)
 
 
 # -----------------------------------------------------------------------------
@@ -364,8 +377,9 @@ def report():
             print(f"| {label} | {side} | {spread(vals)} | {', '.join(f'{v:.4f}' for v in vals)} | "
                   f"{runs[0]['muon_decay']} | {', '.join(str(r['steps']) for r in runs)} |")
     for r in [r for r in rows if r["part"] == "bpb"]:
-        print(f"\nindependent bpb, {r['side']} ({r['tag']}): own {r['own_bpb']:.4f}, scorer {r['score_bpb']:.4f}, "
-              f"difference {r['own_bpb'] - r['score_bpb']:+.4f} ({r['docs']} docs, {r['bytes']:,} bytes, {r['tokens']:,} tokens)")
+        print(f"\nindependent bpb, {r['side']} ({r['tag']}, {r.get('selection', '5000 chars')}): own {r['own_bpb']:.4f}, "
+              f"scorer {r['score_bpb']:.4f}, difference {r['own_bpb'] - r['score_bpb']:+.4f} ({r['docs']} docs, "
+              f"{r['bytes']:,} bytes, {r['tokens']:,} tokens)")
 
 
 if args.report:
