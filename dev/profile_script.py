@@ -50,7 +50,7 @@ state = dict(step=0, t0=None, wall_ms=None)
 
 def synchronize():
     if torch.cuda.is_available():
-        synchronize()
+        torch.cuda.synchronize()
 
 
 def after_step(optimizer, *_):

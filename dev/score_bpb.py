@@ -2,7 +2,7 @@
 An independent bits-per-byte check: score one checkpoint on fixed validation bytes using nothing of the
 harness's own evaluation code, only its model's logits and its tokenizer.
 
-The bytes: the first --docs documents of the parquet file --val (only those of at least --min-chars
+The bytes: the first --docs documents of the parquet file --val (0: all of them) (only those of at least --min-chars
 characters, if given), one row each: [BOS] + the document's first --chars characters, or, where those
 are more tokens than the model's context, the longest prefix of them that fits. Every token after the
 BOS is scored (its cross-entropy from the model's logits, in fp32). Those tokens spell exactly the text
@@ -41,7 +41,7 @@ parser.add_argument("--step", type=int, default=-1, help="checkpoint step (-1 = 
 parser.add_argument("--tokenizer-dir", type=str, default=None,
                     help="ours: the tokenizer folder (upstream reads $NANOCHAT_BASE_DIR/tokenizer)")
 parser.add_argument("--val", type=str, required=True, help="parquet file with a `text` column")
-parser.add_argument("--docs", type=int, default=1000, help="documents scored")
+parser.add_argument("--docs", type=int, default=1000, help="documents scored (0 = every document of --val)")
 parser.add_argument("--min-chars", type=int, default=0, help="skip documents shorter than this (0 = none)")
 parser.add_argument("--chars", type=int, default=0, help="characters of each document kept at most (0 = as many as the context holds)")
 args = parser.parse_args()
@@ -64,6 +64,8 @@ def validation_texts(path, docs, min_chars, chars):
                 texts.append(text[:chars] if chars > 0 else text)
                 if len(texts) == docs:
                     return texts
+    if docs == 0 and texts:
+        return texts
     sys.exit(f"score_bpb: {path} has only {len(texts)} documents of >= {max(1, min_chars)} characters (asked for {docs}): "
              f"lower --docs or --min-chars")
 
@@ -107,23 +109,29 @@ def main():
     model, tokenizer, seq_len = load(device)
     bos = tokenizer.get_bos_token_id()
     nats, tokens, n_bytes, fitted = 0.0, 0, 0, 0
+    by_kind = {"whole": [0.0, 0], "cut": [0.0, 0]}  # (nats, bytes) of documents scored whole, and cut
     by_position = torch.zeros(len(POSITION_EDGES), 2, dtype=torch.float64)  # (nats, tokens) per bucket
     with torch.inference_mode():
         for text in texts:
             ids, kept = fit(text, tokenizer, bos, seq_len)
             fitted += len(kept) < len(text)
+            kind = by_kind["cut" if len(kept) < len(text) or 0 < args.chars <= len(kept) else "whole"]
             x = torch.tensor(ids[:-1], device=device)[None]
             y = torch.tensor(ids[1:], device=device)
             losses = F.cross_entropy(model(x)[0].float(), y, reduction="none").double().cpu()
             nats += losses.sum().item()
             tokens += y.numel()
             n_bytes += len(kept.encode("utf-8"))
+            kind[0] += losses.sum().item()
+            kind[1] += len(kept.encode("utf-8"))
             for i, lo in enumerate(POSITION_EDGES):
                 hi = POSITION_EDGES[i + 1] if i + 1 < len(POSITION_EDGES) else seq_len
                 part = losses[lo:hi]
                 by_position[i] += torch.tensor([part.sum().item(), part.numel()], dtype=torch.float64)
     print("loss by position (nats per token): " + ", ".join(
         f"{lo}-: {s / n:.4f} ({int(n):,})" for lo, (s, n) in zip(POSITION_EDGES, by_position.tolist()) if n))
+    print("bpb of documents scored whole / cut: " + ", ".join(
+        f"{k} {n / math.log(2) / b:.4f} ({b:,} bytes)" for k, (n, b) in by_kind.items() if b))
     print(f"SCORE bpb={nats / math.log(2) / n_bytes:.6f} bytes={n_bytes} tokens={tokens} docs={len(texts)} fitted={fitted}",
           flush=True)
 

@@ -297,6 +297,7 @@ def walltime_part():
 
 SCORER_SELECTIONS = {  # dev/score_bpb.py's text, two ways (its docstring)
     "heads": [],  # each document's head, as far as one row of the context holds it
+    "heads, all documents": ["--docs=0"],  # the same over the whole validation file
     "5000 chars": ["--min-chars=5000", "--chars=5000"],  # the first 5,000 characters of documents that have them
 }
 
@@ -323,11 +324,13 @@ def bpb_part():
                 print(f"   failed: {(p.stdout + p.stderr).strip().splitlines()[-3:]}", flush=True)
                 continue
             positions = re.search(r"^loss by position.*$", p.stdout, re.M)
+            kinds = re.search(r"^bpb of documents.*$", p.stdout, re.M)
             row = dict(part="bpb", side=side, tag=run["tag"], selection=selection, own_bpb=run["val_bpb"],
                        score_bpb=float(m.group(1)), bytes=int(m.group(2)), tokens=int(m.group(3)), docs=int(m.group(4)),
-                       fitted=int(m.group(5)), by_position=positions.group(0) if positions else "")
+                       fitted=int(m.group(5)), by_position=positions.group(0) if positions else "",
+                       by_kind=kinds.group(0) if kinds else "")
             print(f"   own {row['own_bpb']:.4f}, independent {row['score_bpb']:.4f} ({row['tokens']:,} tokens, "
-                  f"{row['bytes']:,} bytes, {row['fitted']} documents cut to the context)\n   {row['by_position']}", flush=True)
+                  f"{row['bytes']:,} bytes, {row['fitted']} documents cut to the context)\n   {row['by_position']}\n   {row['by_kind']}", flush=True)
             record(row)
 
 
