@@ -61,7 +61,7 @@ parser.add_argument("--fa4-path", type=str, default=None,
                     help="PYTHONPATH entries (os.pathsep-separated) that provide flash-attn-4, for the 'ours+FA4' rows")
 parser.add_argument("--parts", type=str, default="speed,steps,walltime,bpb", help="which parts to run (see above)")
 parser.add_argument("--depths", type=str, default="12,20", help="speed: depths")
-parser.add_argument("--device-batches", type=str, default="12=32/64,20=16/32", help="speed: device batches tried per depth")
+parser.add_argument("--device-batches", type=str, default="12=32/64/128,20=32/64", help="speed: device batches tried per depth (each side keeps its fastest)")
 parser.add_argument("--runs", type=int, default=3, help="quality: runs per setting")
 parser.add_argument("--wall-seconds", type=float, default=120, help="walltime: seconds of training per run")
 parser.add_argument("--parallel", type=int, default=3, help="quality: runs sharing the GPU at once")
@@ -155,10 +155,15 @@ def finish(run, warmup=0):
     if run["fp8"] and "continuing without fp8" in text:  # base_train fell back to bf16: not this run's setting
         print(f"   {run['tag']}: failed: --fp8 fell back to bf16", flush=True)
         return None
+    attention = (re.findall(r"^attention: (.*)$", text, re.M) or [""])[0]
+    if run["side"].endswith("FA4") and attention != "FlashAttention-4":  # --fa4-path did not provide a working FA4
+        print(f"   {run['tag']}: failed: it ran {attention or 'unknown attention'}, not FlashAttention-4 "
+              f"(check that --fa4-path imports: PYTHONPATH=... python -c 'import flash_attn.cute')", flush=True)
+        return None
     return dict(side=run["side"], tag=run["tag"], log=run["log"].name, steps=steps[-1][0] + 1,
                 step_ms=statistics.median(timed), steps_timed=len(timed), peak_gib=float(peak.group(1)) if peak else None,
                 val_bpb=float(bpb[-1]) if bpb else None, muon_decay=float(decay[0]) if decay else None,
-                attention=(re.findall(r"^attention: (.*)$", text, re.M) or [""])[0])
+                attention=attention)
 
 
 def drop_checkpoint(row):
