@@ -1,0 +1,45 @@
+"""dev/trace_report.py on a hand-made trace: kernels grouped by kind, idle gaps charged to the part of the step
+and the host op that was running when the GPU ran dry."""
+
+import json
+
+from dev import trace_report
+
+
+def kernel(name, ts, dur):
+    return {"cat": "kernel", "name": name, "ts": ts, "dur": dur, "ph": "X"}
+
+
+def host(name, ts, dur):
+    return {"cat": "cpu_op", "name": name, "ts": ts, "dur": dur, "ph": "X"}
+
+
+def test_groups_and_idle(tmp_path, capsys):
+    events = [
+        kernel("nvjet_sm90_tst_gemm", 0, 1000),
+        kernel("cudnn_generated_fort_native_sdpa_fprop", 1000, 500),
+        kernel("triton_poi_fused_add", 1500, 100),
+        # 400 us idle while the optimizer's host code runs, then 50 us while the backward does
+        kernel("triton_poi_fused_lerp", 2000, 100),
+        kernel("nvjet_sm90_tst_gemm", 2150, 1000),
+        host("Optimizer.step#MuonAdamW.step", 1550, 500),
+        host("aten::copy_", 1590, 50),
+        host("autograd::engine::evaluate_function: MmBackward0", 2080, 100),
+    ]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    trace_report.report(str(path), 1, 3.2)
+    out = capsys.readouterr().out
+    assert "GPU kernel time per step: 2.7 ms over 5 kernel launches" in out
+    lines = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ") and "ms" in line}
+    assert "2.0 ms" in lines["matmul"] and "0.5 ms" in lines["attention"]
+    assert "(2 gaps over 5 us per step, 0.5 ms in all)" in out
+    assert "0.40 ms  optimizer      aten::copy_" in out
+    assert "0.05 ms  backward" in out
+
+
+def test_cpu_trace_has_no_kernels(tmp_path, capsys):
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": [host("aten::mm", 0, 10)]}))
+    trace_report.report(str(path), 2, 12.5)
+    assert "no GPU kernels" in capsys.readouterr().out
