@@ -2,8 +2,8 @@
 An independent bits-per-byte check: score one checkpoint on fixed validation bytes using nothing of the
 harness's own evaluation code, only its model's logits and its tokenizer.
 
-The bytes: the first --docs documents of the parquet file --val (0: all of them) (only those of at least --min-chars
-characters, if given), one row each: [BOS] + the document's first --chars characters, or, where those
+The bytes: the first --docs documents of the parquet file --val (0: all of them; with --min-chars, only
+documents of at least that many characters), one row each: [BOS] + the document's first --chars characters, or, where those
 are more tokens than the model's context, the longest prefix of them that fits. Every token after the
 BOS is scored (its cross-entropy from the model's logits, in fp32). Those tokens spell exactly the text
 kept, so
@@ -12,8 +12,8 @@ kept, so
 
 The default (--chars 0: no cut but the context) scores each document's head as far as one row holds it,
 which is what a harness's packed rows of whole documents hold too; --min-chars N --chars N scores the
-same number of characters of every document. It also prints the loss by position in the row, since a
-token late in a long document is easier than one near its start.
+same number of characters of every document. It also prints the loss by position in the row and the bpb
+of documents scored whole and cut, since how far into its documents a text reaches moves the mean.
 
 It runs against either harness, this one or upstream nanochat, so that both are scored on the same bytes:
 --root is the checkout whose `nanochat` package is imported (put first on sys.path), --harness says how its
@@ -119,11 +119,10 @@ def main():
             x = torch.tensor(ids[:-1], device=device)[None]
             y = torch.tensor(ids[1:], device=device)
             losses = F.cross_entropy(model(x)[0].float(), y, reduction="none").double().cpu()
-            nats += losses.sum().item()
-            tokens += y.numel()
-            n_bytes += len(kept.encode("utf-8"))
-            kind[0] += losses.sum().item()
-            kind[1] += len(kept.encode("utf-8"))
+            doc_nats, doc_bytes = losses.sum().item(), len(kept.encode("utf-8"))
+            nats, tokens, n_bytes = nats + doc_nats, tokens + y.numel(), n_bytes + doc_bytes
+            kind[0] += doc_nats
+            kind[1] += doc_bytes
             for i, lo in enumerate(POSITION_EDGES):
                 hi = POSITION_EDGES[i + 1] if i + 1 < len(POSITION_EDGES) else seq_len
                 part = losses[lo:hi]
