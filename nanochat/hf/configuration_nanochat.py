@@ -10,7 +10,7 @@ from transformers import PretrainedConfig
 
 class NanochatConfig(PretrainedConfig):
     model_type = "nanochat"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = ["past_key_values", "cache"]  # the cache output, by either version's name
     attribute_map = {
         "hidden_size": "n_embd",
         "num_hidden_layers": "n_layer",

@@ -17,7 +17,8 @@ Parameter names are nanochat's own, so the safetensors keys are its checkpoint k
 the windows (and any padding) as a boolean mask. Padding: left or right, through attention_mask (a padded
 key is never attended to; a token after padding smears in zeros, as at the start of a sequence). The KV
 cache is transformers' DynamicCache; the smear needs the token before the first new one, which
-prepare_inputs_for_generation passes as smear_prev_ids.
+prepare_inputs_for_generation passes as smear_prev_ids. transformers 5.24 renamed the cache argument and
+output field from `past_key_values` to `cache`: forward takes either and returns the one this version uses.
 """
 
 import torch
@@ -28,6 +29,9 @@ from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration_nanochat import NanochatConfig
+
+# the output's cache field: `cache` from transformers 5.24 on, `past_key_values` before
+CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 VE_GATE_CHANNELS = 32
 SMEAR_GATE_CHANNELS = 24
@@ -219,17 +223,18 @@ class NanochatForCausalLM(NanochatPreTrainedModel, GenerationMixin):
         gate = self.smear_lambda.to(x.dtype) * torch.sigmoid(self.smear_gate(x[..., :SMEAR_GATE_CHANNELS]))
         return x + gate * prev
 
-    def forward(self, input_ids, attention_mask=None, past_key_values=None, use_cache=None, labels=None,
-                smear_prev_ids=None, logits_to_keep=0, **kwargs):
+    def forward(self, input_ids, attention_mask=None, cache=None, use_cache=None, labels=None,
+                smear_prev_ids=None, logits_to_keep=0, past_key_values=None, **kwargs):
         cfg = self.config
+        cache = cache if cache is not None else past_key_values  # either name (see the docstring)
         B, T = input_ids.shape
         use_cache = cfg.use_cache if use_cache is None else use_cache
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache()
-        past_len = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if use_cache and cache is None:
+            cache = DynamicCache()
+        past_len = cache.get_seq_length() if cache is not None else 0
         if past_len > 0 and smear_prev_ids is None:
             raise ValueError("decoding with a cache needs smear_prev_ids (B, 1), the token before input_ids "
-                             "(generate passes it; or call without past_key_values)")
+                             "(generate passes it; or call without a cache)")
         S = past_len + T
         if attention_mask is not None and bool(attention_mask[:, :S].all()):
             attention_mask = None  # no padding: the plain causal path
@@ -250,7 +255,7 @@ class NanochatForCausalLM(NanochatPreTrainedModel, GenerationMixin):
                 masks[window] = attention_mask_4d(T, past_len, window, attention_mask, x.device)
             if i == self.backout_layer:
                 x_mid = x
-            x = block(x, x0, input_ids, cos, sin, None if plain else masks[window], past_key_values)
+            x = block(x, x0, input_ids, cos, sin, None if plain else masks[window], cache)
             if str(i) in self.l3:
                 x = x + self.l3[str(i)](x, input_ids)
         x = x - self.backout_lambda.to(x.dtype) * x_mid
@@ -262,7 +267,7 @@ class NanochatForCausalLM(NanochatPreTrainedModel, GenerationMixin):
         if labels is not None:  # transformers' convention: labels are the inputs, shifted here
             loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1),
                                    ignore_index=-100)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=past_key_values if use_cache else None)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_FIELD: cache if use_cache else None})
 
     def prepare_inputs_for_generation(self, input_ids, **kwargs):
         inputs = super().prepare_inputs_for_generation(input_ids, **kwargs)
