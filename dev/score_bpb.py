@@ -12,8 +12,11 @@ kept, so
 
 The default (--chars 0: no cut but the context) scores each document's head as far as one row holds it,
 which is what a harness's packed rows of whole documents hold too; --min-chars N --chars N scores the
-same number of characters of every document. It also prints the loss by position in the row and the bpb
-of documents scored whole and cut, since how far into its documents a text reaches moves the mean.
+same number of characters of every document. It also prints the loss by position in the document and the
+bpb of documents scored whole and cut, since how far into its documents a text reaches moves the mean.
+--packed scores the same tokens with documents placed back to back, as many whole ones as fit a row (each
+still after its own BOS): the difference from the default is what sharing a row with earlier documents, as
+a harness's packed evaluation rows do, does to the score.
 
 It runs against either harness, this one or upstream nanochat, so that both are scored on the same bytes:
 --root is the checkout whose `nanochat` package is imported (put first on sys.path), --harness says how its
@@ -44,6 +47,8 @@ parser.add_argument("--val", type=str, required=True, help="parquet file with a 
 parser.add_argument("--docs", type=int, default=1000, help="documents scored (0 = every document of --val)")
 parser.add_argument("--min-chars", type=int, default=0, help="skip documents shorter than this (0 = none)")
 parser.add_argument("--chars", type=int, default=0, help="characters of each document kept at most (0 = as many as the context holds)")
+parser.add_argument("--packed", action="store_true",
+                    help="several whole documents to a row, in file order: the same tokens, each with the documents before it in its row as context")
 args = parser.parse_args()
 
 root = os.path.abspath(args.root)
@@ -100,7 +105,22 @@ def load(device):
     return model, tokenizer, meta["model_config"]["sequence_len"]  # upstream casts to its COMPUTE_DTYPE itself
 
 
-POSITION_EDGES = (0, 128, 512, 1024, 1536)  # the loss-by-position buckets, in tokens from the row's start
+POSITION_EDGES = (0, 128, 512, 1024, 1536)  # the loss-by-position buckets, in tokens from the document's start
+
+
+def rows_of(docs, seq_len):
+    """The rows scored, as lists of documents ([BOS] + tokens each): one per row, or with --packed as many
+    whole documents as fit one row of seq_len + 1 tokens, in file order."""
+    if not args.packed:
+        return [[ids] for ids in docs]
+    rows, row, used = [], [], 0
+    for ids in docs:
+        if row and used + len(ids) > seq_len + 1:
+            rows.append(row)
+            row, used = [], 0
+        row.append(ids)
+        used += len(ids)
+    return rows + [row]
 
 
 def main():
@@ -108,31 +128,37 @@ def main():
     texts = validation_texts(args.val, args.docs, args.min_chars, args.chars)
     model, tokenizer, seq_len = load(device)
     bos = tokenizer.get_bos_token_id()
-    nats, tokens, n_bytes, fitted = 0.0, 0, 0, 0
+    fitted = [fit(text, tokenizer, bos, seq_len) for text in texts]
+    kinds = {id(ids): ("cut" if len(kept) < len(text) or 0 < args.chars <= len(kept) else "whole", len(kept.encode("utf-8")))
+             for (ids, kept), text in zip(fitted, texts)}
+    nats, tokens, n_bytes = 0.0, 0, 0
     by_kind = {"whole": [0.0, 0], "cut": [0.0, 0]}  # (nats, bytes) of documents scored whole, and cut
     by_position = torch.zeros(len(POSITION_EDGES), 2, dtype=torch.float64)  # (nats, tokens) per bucket
     with torch.inference_mode():
-        for text in texts:
-            ids, kept = fit(text, tokenizer, bos, seq_len)
-            fitted += len(kept) < len(text)
-            kind = by_kind["cut" if len(kept) < len(text) or 0 < args.chars <= len(kept) else "whole"]
-            x = torch.tensor(ids[:-1], device=device)[None]
-            y = torch.tensor(ids[1:], device=device)
-            losses = F.cross_entropy(model(x)[0].float(), y, reduction="none").double().cpu()
-            doc_nats, doc_bytes = losses.sum().item(), len(kept.encode("utf-8"))
-            nats, tokens, n_bytes = nats + doc_nats, tokens + y.numel(), n_bytes + doc_bytes
-            kind[0] += doc_nats
-            kind[1] += doc_bytes
-            for i, lo in enumerate(POSITION_EDGES):
-                hi = POSITION_EDGES[i + 1] if i + 1 < len(POSITION_EDGES) else seq_len
-                part = losses[lo:hi]
-                by_position[i] += torch.tensor([part.sum().item(), part.numel()], dtype=torch.float64)
-    print("loss by position (nats per token): " + ", ".join(
+        for row in rows_of([ids for ids, _ in fitted], seq_len):
+            flat = [t for ids in row for t in ids]
+            x = torch.tensor(flat[:-1], device=device)[None]
+            y = torch.tensor(flat[1:], device=device)
+            row_losses = F.cross_entropy(model(x)[0].float(), y, reduction="none").double().cpu()
+            start = 0
+            for ids in row:  # a document's tokens after its BOS; the targets that are the next BOS are left out
+                losses = row_losses[start:start + len(ids) - 1]
+                start += len(ids)
+                kind, doc_bytes = kinds[id(ids)]
+                doc_nats = losses.sum().item()
+                nats, tokens, n_bytes = nats + doc_nats, tokens + losses.numel(), n_bytes + doc_bytes
+                by_kind[kind][0] += doc_nats
+                by_kind[kind][1] += doc_bytes
+                for i, lo in enumerate(POSITION_EDGES):
+                    hi = POSITION_EDGES[i + 1] if i + 1 < len(POSITION_EDGES) else seq_len
+                    part = losses[lo:hi]
+                    by_position[i] += torch.tensor([part.sum().item(), part.numel()], dtype=torch.float64)
+    print("loss by position in the document (nats per token): " + ", ".join(
         f"{lo}-: {s / n:.4f} ({int(n):,})" for lo, (s, n) in zip(POSITION_EDGES, by_position.tolist()) if n))
     print("bpb of documents scored whole / cut: " + ", ".join(
         f"{k} {n / math.log(2) / b:.4f} ({b:,} bytes)" for k, (n, b) in by_kind.items() if b))
-    print(f"SCORE bpb={nats / math.log(2) / n_bytes:.6f} bytes={n_bytes} tokens={tokens} docs={len(texts)} fitted={fitted}",
+    n_fitted = sum(len(kept) < len(text) for (_, kept), text in zip(fitted, texts))
+    print(f"SCORE bpb={nats / math.log(2) / n_bytes:.6f} bytes={n_bytes} tokens={tokens} docs={len(texts)} fitted={n_fitted}",
           flush=True)
-
 
 main()

@@ -22,9 +22,10 @@ Parts (--parts, comma-separated; all by default):
   steps that takes --wall-seconds at its step time from the speed part (the same attention as this run).
   That time excludes compilation (the warm-up steps) and evaluation; each side's own schedule and decay.
 - bpb: an independent check of both sides' val bpb (dev/score_bpb.py: the same validation bytes, each model's
-  logits only) on the final checkpoint of each side's first equal-steps run, on three selections of text: each
-  of the first 1,000 documents' head as far as the context holds it (what packed rows of whole documents
-  hold), the same over every document, and the first 5,000 characters of documents that have them.
+  logits only) on the final checkpoint of each side's first equal-steps run, four ways: each of the first
+  1,000 documents' head as far as the context holds it, one document per row (what packed rows of whole
+  documents hold); the same over every document; the first selection packed several documents to a row;
+  and the first 5,000 characters of documents that have them.
 Quality runs do not depend on timing, so --parallel of them share the GPU at once (their compilation
 overlaps); speed runs always run alone.
 
@@ -300,9 +301,10 @@ def walltime_part():
     run_queue([j for pair in zip(*per_side) for j in pair])
 
 
-SCORER_SELECTIONS = {  # dev/score_bpb.py's text, three ways (its docstring)
+SCORER_SELECTIONS = {  # dev/score_bpb.py's text and rows, four ways (its docstring)
     "heads": [],  # each document's head, as far as one row of the context holds it
     "heads, all documents": ["--docs=0"],  # the same over the whole validation file
+    "heads, packed": ["--packed"],  # the first selection's tokens, several documents to a row
     "5000 chars": ["--min-chars=5000", "--chars=5000"],  # the first 5,000 characters of documents that have them
 }
 
