@@ -109,17 +109,17 @@ POSITION_EDGES = (0, 128, 512, 1024, 1536)  # the loss-by-position buckets, in t
 
 
 def rows_of(docs, seq_len):
-    """The rows scored, as lists of documents ([BOS] + tokens each): one per row, or with --packed as many
-    whole documents as fit one row of seq_len + 1 tokens, in file order."""
+    """The rows scored, as lists of documents (each a dict whose "ids" are [BOS] + tokens): one per row, or with
+    --packed as many whole documents as fit one row of seq_len + 1 tokens, in file order."""
     if not args.packed:
-        return [[ids] for ids in docs]
+        return [[doc] for doc in docs]
     rows, row, used = [], [], 0
-    for ids in docs:
-        if row and used + len(ids) > seq_len + 1:
+    for doc in docs:
+        if row and used + len(doc["ids"]) > seq_len + 1:
             rows.append(row)
             row, used = [], 0
-        row.append(ids)
-        used += len(ids)
+        row.append(doc)
+        used += len(doc["ids"])
     return rows + [row]
 
 
@@ -128,27 +128,28 @@ def main():
     texts = validation_texts(args.val, args.docs, args.min_chars, args.chars)
     model, tokenizer, seq_len = load(device)
     bos = tokenizer.get_bos_token_id()
-    fitted = [fit(text, tokenizer, bos, seq_len) for text in texts]
-    kinds = {id(ids): ("cut" if len(kept) < len(text) or 0 < args.chars <= len(kept) else "whole", len(kept.encode("utf-8")))
-             for (ids, kept), text in zip(fitted, texts)}
+    docs = []
+    for text in texts:
+        ids, kept = fit(text, tokenizer, bos, seq_len)
+        docs.append(dict(ids=ids, bytes=len(kept.encode("utf-8")), fitted=len(kept) < len(text),
+                         kind="cut" if len(kept) < len(text) or 0 < args.chars <= len(kept) else "whole"))
     nats, tokens, n_bytes = 0.0, 0, 0
     by_kind = {"whole": [0.0, 0], "cut": [0.0, 0]}  # (nats, bytes) of documents scored whole, and cut
     by_position = torch.zeros(len(POSITION_EDGES), 2, dtype=torch.float64)  # (nats, tokens) per bucket
     with torch.inference_mode():
-        for row in rows_of([ids for ids, _ in fitted], seq_len):
-            flat = [t for ids in row for t in ids]
+        for row in rows_of(docs, seq_len):
+            flat = [t for doc in row for t in doc["ids"]]
             x = torch.tensor(flat[:-1], device=device)[None]
             y = torch.tensor(flat[1:], device=device)
             row_losses = F.cross_entropy(model(x)[0].float(), y, reduction="none").double().cpu()
             start = 0
-            for ids in row:  # a document's tokens after its BOS; the targets that are the next BOS are left out
-                losses = row_losses[start:start + len(ids) - 1]
-                start += len(ids)
-                kind, doc_bytes = kinds[id(ids)]
+            for doc in row:  # a document's tokens after its BOS; the targets that are the next BOS are left out
+                losses = row_losses[start:start + len(doc["ids"]) - 1]
+                start += len(doc["ids"])
                 doc_nats = losses.sum().item()
-                nats, tokens, n_bytes = nats + doc_nats, tokens + losses.numel(), n_bytes + doc_bytes
-                by_kind[kind][0] += doc_nats
-                by_kind[kind][1] += doc_bytes
+                nats, tokens, n_bytes = nats + doc_nats, tokens + losses.numel(), n_bytes + doc["bytes"]
+                by_kind[doc["kind"]][0] += doc_nats
+                by_kind[doc["kind"]][1] += doc["bytes"]
                 for i, lo in enumerate(POSITION_EDGES):
                     hi = POSITION_EDGES[i + 1] if i + 1 < len(POSITION_EDGES) else seq_len
                     part = losses[lo:hi]
@@ -157,8 +158,8 @@ def main():
         f"{lo}-: {s / n:.4f} ({int(n):,})" for lo, (s, n) in zip(POSITION_EDGES, by_position.tolist()) if n))
     print("bpb of documents scored whole / cut: " + ", ".join(
         f"{k} {n / math.log(2) / b:.4f} ({b:,} bytes)" for k, (n, b) in by_kind.items() if b))
-    n_fitted = sum(len(kept) < len(text) for (_, kept), text in zip(fitted, texts))
-    print(f"SCORE bpb={nats / math.log(2) / n_bytes:.6f} bytes={n_bytes} tokens={tokens} docs={len(texts)} fitted={n_fitted}",
+    print(f"SCORE bpb={nats / math.log(2) / n_bytes:.6f} bytes={n_bytes} tokens={tokens} docs={len(docs)} "
+          f"fitted={sum(doc['fitted'] for doc in docs)}",
           flush=True)
 
 main()
