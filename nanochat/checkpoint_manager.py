@@ -28,11 +28,11 @@ import pickle
 
 import torch
 
-from nanochat.common import get_base_dir, atomic_write_bytes, atomic_torch_save, base_dir_hint
+from nanochat.common import UserError, get_base_dir, atomic_write_bytes, atomic_torch_save, base_dir_hint
 
 
-class CheckpointError(RuntimeError):
-    pass
+class CheckpointError(UserError):
+    """A checkpoint that is missing, damaged, diverged or made with another tokenizer."""
 
 
 def checkpoint_dir(model_tag, base_dir=None):
@@ -249,33 +249,3 @@ def full_model_state(model, keep=True):
         if keep:
             out[name] = full.cpu()
     return out
-
-
-def gathered_model(model, layout):
-    """A whole, unsharded copy of a tensor- and/or pipeline-parallel model, on every rank: for CORE and
-    sampling during training, whose variable-length inputs neither the pipeline schedule (fixed message
-    shapes) nor sequence parallelism (a sequence split in equal parts) can take. TP shards are
-    all-gathered (full_model_state); then, stage by stage, the rank holding each tensor broadcasts it over
-    its PP group. Costs one full model (plus a CPU copy of the local part) per rank while it lives."""
-    import torch.distributed as dist
-    from nanochat.common import grid_rank
-    from nanochat.gpt import build_model
-    device = next(model.parameters()).device
-    state = full_model_state(model)
-    if layout.pp_size > 1:
-        held = [None] * layout.pp_size  # per stage: name -> (shape, dtype) of the tensors it holds
-        dist.all_gather_object(held, {n: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in state.items()},
-                               group=layout.pp_group)
-        for stage, tensors in enumerate(held):
-            src = grid_rank(layout, layout.dp_rank, layout.tp_rank, stage)
-            for name, (shape, dtype) in tensors.items():
-                if stage == layout.pp_rank:
-                    t = state[name].to(device)
-                else:
-                    t = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
-                dist.broadcast(t, src=src, group=layout.pp_group)
-                state[name] = t
-    full = build_model(model.config, device, model.compute_dtype)
-    load_model_state(full, state)
-    full.eval()
-    return full

@@ -44,7 +44,9 @@ import torch
 import torch.nn.functional as F
 import torch.distributed as dist
 
-from nanochat.common import get_base_dir, print0, barrier, stop_point, Progress
+from nanochat.common import UserError, get_base_dir, print0, Progress
+from nanochat.distributed import barrier
+from nanochat.signals import stop_point
 
 # The public DCLM eval bundle (the CORE tasks in this layout); NANOCHAT_EVAL_BUNDLE_URL overrides it.
 EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
@@ -60,7 +62,7 @@ TASK_KEYS = {
 }
 
 
-class EvalBundleError(RuntimeError):
+class EvalBundleError(UserError):
     """No bundle, or a malformed one; the message says what to do."""
 
 

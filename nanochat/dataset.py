@@ -17,7 +17,7 @@ from functools import lru_cache
 
 import pyarrow.parquet as pq
 
-from nanochat.common import get_base_dir
+from nanochat.common import UserError, get_base_dir
 
 # Default remote dataset: pre-shuffled FineWeb-Edu shards (~0.1 GB, ~250M chars each) on the HF hub.
 REMOTE_REPO = "karpathy/fineweb-edu-100b-shuffle"
@@ -25,7 +25,7 @@ REMOTE_NUM_SHARDS = 1823
 SAMPLE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sample_data")
 
 
-class DataError(RuntimeError):
+class DataError(UserError):
     """Missing, unreadable or malformed data; the message says which file and what to do."""
 
 

@@ -1,13 +1,11 @@
 """
 fp8 training linears, tensorwise: every eligible linear's product runs in fp8 with one dynamic scale per
-tensor, on one device and under tensor parallelism alike. (torchao's rowwise recipe measured 0.94x of bf16
-at d20 and was dropped on 2026-11-23: dev/LOG.md.)
+tensor, on one device and under tensor parallelism alike (torchao's rowwise recipe was slower: dev/LOG.md).
 
 - Only Linear layers whose dims are multiples of 16 and at least 128 are converted (the fp8 matmul's
   shape rules; small layers gain nothing), and never the lm_head: the logits keep bf16 precision.
 - The weights stay the same fp32 Parameters, cast to fp8 (as are the activations and the output
-  gradients) around each matmul. So a checkpoint has the same keys with or without fp8, and one saved
-  with fp8 loads without it and vice versa.
+  gradients) around each matmul. So a checkpoint has the same keys with or without fp8.
 - Each converted module (Fp8Linear, Fp8MLP, and the tensor-parallel linears made from them) has an `fp8`
   flag. Evaluation and sampling run in bf16: `bf16_linears(model)` turns the flags off (the same modules
   run their plain products on the same weights) and back on afterwards.
@@ -16,22 +14,18 @@ It pays off only under torch.compile, which fuses the casts and amax reductions.
 
 The recipe is torchao's tensorwise one (its casts: scale = fp8 max / amax, in fp32, saturated; e4m3 for
 activations and weights, e5m2 for gradients) with cuBLAS's fast accumulation in all three products (torchao:
-the forward's only; the backward's too measured +2.4-2.9% tok/s at d20 with the equal-steps d12 loss within
-the bf16 runs' spread, dev/LOG.md). Two autograd Functions implement it, on torchao's casts (to_fp8) and
-torch._scaled_mm (scaled_mm); tests check both against torchao's Float8Linear. (Float8Linear itself was used
-until 2026-11-23: it replaces whole nn.Linear modules, and tensor parallelism's linears are our own, so one
-Function now serves whole weights and TP shards alike.)
+the forward's only; the backward's too was faster at equal loss, dev/LOG.md 2026-11-21), in two autograd
+Functions on torchao's casts (to_fp8) and torch._scaled_mm (scaled_mm); tests check both against torchao's
+Float8Linear.
 
 _Fp8Linear, any linear x W^T (fp8_linear; Fp8Linear is the Linear that calls it):
 
     forward:   x, W -> e4m3;  out = x W^T                   _scaled_mm
     backward:  dout -> e5m2;  dx = dout W, dW = dout^T x    _scaled_mm, the same fp8 x and W
 
-_Fp8MLP, the MLP c_proj(relu(c_fc(x))^2) as one Function. With two fp8 linears, ReLU^2 would stay between
-them as separate passes over the (tokens, 4C) activation: c_fc writes h, an amax pass and a cast pass read it;
-in the backward, c_proj's product writes its input gradient, and passes for ReLU^2's gradient, its amax and its
-cast read it again. Fp8MLP puts ReLU^2 inside the products, as relu_square_mm.FusedMLP does in bf16
-(kernels/relu_square_mm.py, whose kernel also returns the amax of what it writes):
+_Fp8MLP, the MLP c_proj(relu(c_fc(x))^2) as one Function, with ReLU^2 inside the products (as in bf16,
+kernels/relu_square_mm.py, whose kernel also returns the amax of what it writes, so no separate amax pass reads
+the (tokens, 4C) activation):
 
     forward:   x, W_fc, W_proj -> e4m3
                y = relu(x W_fc^T)^2                fused, with amax(y)
@@ -41,30 +35,16 @@ cast read it again. Fp8MLP puts ReLU^2 inside the products, as relu_square_mm.Fu
                dx = (dh -> e5m2) W_fc              _scaled_mm, as are the two weight gradients
 
 It keeps x in e4m3 and y in bf16 for the backward. Each matmul gives both operands K-major (Hopper's fp8
-rule), so the backward makes transposed fp8 copies of its operands. Off CUDA (tests), and with the kernels
-switched off (--kernels reference), the two fused products run in PyTorch; tests check the kernels against
-them through Triton's interpreter.
+rule), so the backward makes transposed fp8 copies of its operands. The two fused products ask the kernels
+facade; where it says no (CPU, --kernels reference) they run as the PyTorch math below.
 
 Scales under tensor parallelism. A tensorwise scale is one amax per tensor, and a shard's amax is not the
-whole tensor's. The tensors a rank holds only a shard of take the GLOBAL amax, an all-reduce MAX of one fp32
-over the TP group (to_fp8's `group`):
-    the weights (column-parallel: cut along outputs; row-parallel: along inputs),
-    the row-parallel input (attention's heads before c_proj, the MLP's hidden y: cut along features),
-    the column-parallel output gradient (dq, dk, dv, the MLP's dh: cut along features).
-The rest are whole on every rank and need nothing: the column-parallel input (after f, or the sequence
-all-gather) and the row-parallel output gradient (after g's backward, or the all-gather that is the
-reduce-scatter's backward). Each element is then cast exactly as at TP=1, and TP=2 reproduces TP=1 up to
-the order of the sums in the sharded products. Cost: per block and micro-batch 12 scalar all-reduces
-(forward: 4 attention weights, c_proj's input, 2 MLP weights, y; backward: dq, dk, dv, dh), latency without
-bandwidth, beside the 4 (tokens x n_embd) collectives per block TP makes anyway (f and g, or the sequence
-all-gather and reduce-scatter, around attention and the MLP).
-Local scales (each shard its own amax) cost no all-reduce and are valid math too (the partial products
-are un-scaled before they are summed), but the numbers then depend on the TP degree: at TP=2 the outputs
-and gradients of the sharded products are 5.6e-2 (relative) from TP=1's where global scales give < 1e-5
-(tests/test_fp8_parallel.py), a run does not reproduce at another layout, and a checkpoint resumed at
-another TP continues on another trajectory.
-Global was chosen for that (the parallel layouts' bar is equality with one device); the weights' 6 could
-become one all-reduce per step (weights change only in the optimizer) if the GPU says they cost.
+whole tensor's: the tensors a rank holds only a shard of take the GLOBAL amax, an all-reduce MAX of one fp32
+over the TP group (to_fp8's `group`): the weights, the row-parallel input (attention's heads before c_proj,
+the MLP's hidden y), the column-parallel output gradient (dq, dk, dv, the MLP's dh). The rest are whole on
+every rank. Each element is then cast exactly as at TP=1, and TP=2 reproduces TP=1 up to the order of the sums
+in the sharded products: 12 scalar all-reduces per block and micro-batch, latency without bandwidth. Local
+scales would need none, but a run would then not reproduce at another layout (tests/test_fp8_parallel.py).
 """
 
 import importlib.util
@@ -74,7 +54,9 @@ import torch
 import torch.nn.functional as F
 import torch.distributed._functional_collectives as funcol
 
-from nanochat.kernels import Linear, fused, relu_square_mm, mlp as plain_mlp
+from nanochat import kernels
+from nanochat.kernels import Linear
+from nanochat.gpt import MLP
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2  # activations and weights; gradients
 
@@ -102,7 +84,6 @@ def convert_to_fp8(model, device=None, force=False):
     flag in its sharded twin): the MLPs to Fp8MLP, the other eligible Linears to Fp8Linear, on the same
     weight Parameters. Returns the number of Linears converted (0 when fp8 is unavailable; `force` skips the
     device check, for tests on CPU)."""
-    from nanochat.gpt import MLP  # here: gpt.py imports modules (l3.py) that may import tensor_parallel, which imports this one
     reason = None if force else fp8_unavailable_reason(device)
     if reason:
         print(f"WARNING: --fp8 requested but {reason}; continuing without fp8", flush=True)
@@ -122,7 +103,8 @@ def _mlp_is_eligible(mlp):
 
 def _fp8_mlp(mlp):
     """An Fp8MLP holding the MLP's children (the same Linears and tp_enter: nothing is copied)."""
-    new = Fp8MLP()
+    new = Fp8MLP.__new__(Fp8MLP)
+    torch.nn.Module.__init__(new)
     for name, child in mlp.named_children():
         setattr(new, name, child)
     new.fp8 = True
@@ -235,18 +217,18 @@ class Fp8Linear(Linear):
 
 # ---- the MLP (see the module docstring) ----
 
-def fc_relu_square(x8, w_fc8, scale, out_dtype, kernels):
-    """relu(x8 @ w_fc8^T * scale)^2 in out_dtype and its amax: the Triton kernel, or PyTorch (`kernels` False)."""
-    if kernels:
-        return relu_square_mm.fc_relu_square_fp8(x8, w_fc8, scale, out_dtype)
+def fc_relu_square(x8, w_fc8, scale, out_dtype, use_kernels):
+    """relu(x8 @ w_fc8^T * scale)^2 in out_dtype, and its amax."""
+    if use_kernels:
+        return kernels.fc_relu_square_fp8(x8, w_fc8, scale, out_dtype)
     y = F.relu(x8.float() @ w_fc8.float().t() * scale).square().to(out_dtype)
     return y, y.abs().max().float()
 
 
-def relu_square_input_grad(dy8, w_proj8_t, y, scale, kernels):
-    """(dy8 @ w_proj8_t^T * scale) * 2 sqrt(y) in y's dtype and its amax: the Triton kernel, or PyTorch."""
-    if kernels:
-        return relu_square_mm.relu_square_input_grad_fp8(dy8, w_proj8_t, y, scale)
+def relu_square_input_grad(dy8, w_proj8_t, y, scale, use_kernels):
+    """(dy8 @ w_proj8_t^T * scale) * 2 sqrt(y) in y's dtype, and its amax."""
+    if use_kernels:
+        return kernels.relu_square_input_grad_fp8(dy8, w_proj8_t, y, scale)
     grad_h = (dy8.float() @ w_proj8_t.float().t() * scale * 2 * y.float().sqrt()).to(y.dtype)
     return grad_h, grad_h.abs().max().float()
 
@@ -255,22 +237,23 @@ class _Fp8MLP(torch.autograd.Function):
     """The MLP on x (M, C); group: the TP group W_fc, W_proj, y and dh are shards over (None: whole)."""
 
     @staticmethod
-    def forward(ctx, x, w_fc, w_proj, kernels, group):
+    def forward(ctx, x, w_fc, w_proj, use_kernels, group):
         x8, x_inv = to_fp8(x, E4M3)
         w_fc8, w_fc_inv = to_fp8(w_fc, E4M3, group=group)
-        y, y_amax = fc_relu_square(x8, w_fc8, x_inv * w_fc_inv, x.dtype, kernels)
+        y, y_amax = fc_relu_square(x8, w_fc8, x_inv * w_fc_inv, x.dtype, use_kernels)
         y_amax = global_amax(y_amax, group)
         y8, y_inv = to_fp8(y, E4M3, y_amax)
         w_proj8, w_proj_inv = to_fp8(w_proj, E4M3, group=group)
         ctx.save_for_backward(x8, x_inv, w_fc8, w_fc_inv, w_proj8, w_proj_inv, y, y_amax)
-        ctx.kernels, ctx.w_dtype, ctx.group = kernels, w_fc.dtype, group
+        ctx.use_kernels, ctx.w_dtype, ctx.group = use_kernels, w_fc.dtype, group
         return scaled_mm(y8, w_proj8, y_inv, w_proj_inv, x.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
         x8, x_inv, w_fc8, w_fc_inv, w_proj8, w_proj_inv, y, y_amax = ctx.saved_tensors
         dout8, dout_inv = to_fp8(grad_out, E5M2)
-        grad_h, grad_h_amax = relu_square_input_grad(dout8, w_proj8.t().contiguous(), y, dout_inv * w_proj_inv, ctx.kernels)
+        grad_h, grad_h_amax = relu_square_input_grad(dout8, w_proj8.t().contiguous(), y, dout_inv * w_proj_inv,
+                                                     ctx.use_kernels)
         dh8, dh_inv = to_fp8(grad_h, E5M2, grad_h_amax, ctx.group)
         grad_x = scaled_mm(dh8, w_fc8.t().contiguous(), dh_inv, w_fc_inv, grad_out.dtype)
         grad_w_fc = scaled_mm(dh8.t().contiguous(), x8.t().contiguous(), dh_inv, x_inv, ctx.w_dtype)
@@ -279,21 +262,18 @@ class _Fp8MLP(torch.autograd.Function):
         return grad_x, grad_w_fc, grad_w_proj, None, None
 
 
-class Fp8MLP(torch.nn.Module):
+class Fp8MLP(MLP):
     """gpt.MLP in tensorwise fp8 with ReLU^2 fused into its products (_Fp8MLP) while `fp8` is on, holding
     the MLP's own children (the same weights and checkpoint keys). Under tensor parallelism they are the
     column-parallel c_fc, the row-parallel c_proj and the region's entry tp_enter; the product is then this
-    rank's partial sum, which c_proj.reduce sums over the TP group. The Triton kernels run on CUDA for 16-bit
-    activations; elsewhere, and in reference mode (nanochat.kernels' switch), the PyTorch products do.
-    The weight gradients are products over the tokens, and fp8 products need every dim a multiple of 16:
-    other token counts (never training's, B x 2048) take the plain path, as does `fp8` off."""
+    rank's partial sum, which c_proj.reduce sums over the TP group. The weight gradients are products over the
+    tokens, and fp8 products need every dim a multiple of 16: other token counts (never training's, B x 2048)
+    take gpt.MLP's path, as does `fp8` off."""
 
-    def forward(self, x):
-        x = self.tp_enter(x)
+    def product(self, x):
         rows = x.reshape(-1, x.size(-1))
         if not self.fp8 or rows.size(0) % 16:
-            return plain_mlp(x, self.c_fc, self.c_proj)
-        use_kernels = fused() and relu_square_mm.supported(x)
+            return super().product(x)
         group = getattr(self.c_fc.weight, "tp_group", None)
-        out = _Fp8MLP.apply(rows, self.c_fc.weight, self.c_proj.weight, use_kernels, group).view_as(x)
+        out = _Fp8MLP.apply(rows, self.c_fc.weight, self.c_proj.weight, kernels.takes_fp8_mlp(x), group).view_as(x)
         return out if group is None else self.c_proj.reduce(out)

@@ -13,9 +13,10 @@ The GPT: a decoder-only transformer with no biases.
 - untied lm_head; logits soft-capped 15*tanh(x/15) in fp32; cross-entropy with ignore_index=-1
 - Large Lookup Layers (l3.py), if configured, after some blocks: x = x + l3(x, token ids)
 
-The ops that have fast kernels (attention, the MLP, rotary + QK-norm, the head's loss, Linear's weight
-gradient) are one call each into nanochat.kernels, which keeps each kernel beside its reference math and
-picks between them; `--kernels reference` (or NANOCHAT_KERNELS=reference) runs the reference everywhere.
+Every op is written here as its reference math. The ones that have fast kernels (rotary + QK-norm, the MLP,
+the soft-capped loss; attention and Linear's weight gradient inside nanochat.kernels) ask the kernels facade
+first and run the math below the question where no kernel applies; `--kernels reference` (or
+NANOCHAT_KERNELS=reference) makes every answer no.
 
 Weights are fp32 (the optimizer's precision); every matmul runs in the compute dtype: modules cast
 weights to the dtype of the activations, no autocast. The model is built on the meta device, moved
@@ -36,8 +37,13 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from nanochat import kernels
-from nanochat.kernels import Linear, rotary_tables
+from nanochat.common import ConfigError
+from nanochat.kernels import Linear
 from nanochat.l3 import L3Layer
+
+ROTARY_BASE = 100_000.0
+QK_SCALE = 1.2  # q and k after QK-norm: sharper attention than unit-norm vectors give
+SOFTCAP = 15.0  # logits soft-capped to (-15, 15)
 
 
 @dataclass
@@ -54,7 +60,6 @@ class GPTConfig:
     l3_n_emb: int = 0
     l3_d_up: int = 0
     l3_k_max: int = 512
-    l3_tied: bool = False
 
     @property
     def head_dim(self):
@@ -69,6 +74,9 @@ class GPTConfig:
     def from_dict(cls, d):
         d = dict(d)
         d["l3_after_layers"] = tuple(d.get("l3_after_layers", ()))
+        if d.pop("l3_tied", True) is False and d["l3_after_layers"]:  # named by checkpoints before 2026-11-24
+            raise ConfigError("this checkpoint has L3 layers with separate key and value tables, which this version "
+                              "does not build (one table serves as both); use the version that trained it")
         return cls(**d)
 
 
@@ -76,13 +84,13 @@ def config_for_depth(depth, aspect_ratio=64, head_dim=128, vocab_size=32768, seq
                      window_pattern="SSSL", n_kv_head=0, **kwargs):
     """The one dial: model_dim = depth * aspect_ratio rounded up to a multiple of head_dim."""
     if depth < 1 or aspect_ratio < 1 or head_dim < 2 or head_dim % 2 or sequence_len < 1 or n_kv_head < 0:
-        raise ValueError(f"--depth ({depth}), --aspect-ratio ({aspect_ratio}), --max-seq-len ({sequence_len}) must be "
+        raise ConfigError(f"--depth ({depth}), --aspect-ratio ({aspect_ratio}), --max-seq-len ({sequence_len}) must be "
                          f"positive, --head-dim ({head_dim}) positive and even, --n-kv-head ({n_kv_head}) >= 0")
     model_dim = ((depth * aspect_ratio + head_dim - 1) // head_dim) * head_dim
     n_head = model_dim // head_dim
     n_kv_head = n_kv_head or n_head
     if n_head % n_kv_head != 0:
-        raise ValueError(f"n_kv_head={n_kv_head} must divide n_head={n_head}")
+        raise ConfigError(f"--n-kv-head {n_kv_head} must divide the number of heads, {n_head}")
     return GPTConfig(sequence_len=sequence_len, vocab_size=vocab_size, n_layer=depth, n_head=n_head,
                      n_kv_head=n_kv_head, n_embd=model_dim, window_pattern=window_pattern, **kwargs)
 
@@ -91,7 +99,7 @@ def window_sizes(config):
     """Per layer: the attention window in tokens (== sequence_len for full context)."""
     pattern = config.window_pattern.upper()
     if not pattern or set(pattern) - {"S", "L"}:
-        raise ValueError(f"--window-pattern {config.window_pattern!r} must be a string of S and L, e.g. SSSL or L")
+        raise ConfigError(f"--window-pattern {config.window_pattern!r} must be a string of S and L, e.g. SSSL or L")
     short = min(config.sequence_len, max(128, 128 * round(config.sequence_len / 4 / 128)))
     sizes = [short if pattern[i % len(pattern)] == "S" else config.sequence_len for i in range(config.n_layer)]
     sizes[-1] = config.sequence_len
@@ -105,6 +113,46 @@ def has_value_embed(layer_idx, n_layer):
 
 def norm(x):
     return F.rms_norm(x, (x.size(-1),))
+
+
+def rotary_tables(seq_len, head_dim, base=ROTARY_BASE, device=None):
+    """cos and sin of position * frequency, (1, seq_len, 1, head_dim/2) in fp32."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+    freqs = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)
+    return freqs.cos()[None, :, None, :], freqs.sin()[None, :, None, :]
+
+
+def rotary_norm(x, cos, sin):
+    """Rotary positions, then QK-norm, scaled: 1.2 * rms_norm(rotate(x)) for x (B, T, H, D), cos/sin
+    (1, T, 1, D/2). rotate turns each pair (x_i, x_{i+D/2}) by its position's angle."""
+    if kernels.takes_rotary_norm(x):
+        return kernels.rotary_norm(x, cos, sin, QK_SCALE)
+    d = x.size(-1) // 2
+    x1, x2 = x[..., :d], x[..., d:]
+    rotated = torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1)
+    return F.rms_norm(rotated, (x.size(-1),), eps=torch.finfo(torch.float32).eps) * QK_SCALE
+
+
+def relu_square(h):
+    """relu(h)^2; with the kernels on, as a Function that keeps only its output for the backward."""
+    if kernels.KERNELS.on:
+        return kernels.relu_square(h)
+    return F.relu(h).square()
+
+
+def softcap(logits):
+    """15 tanh(logits / 15), in fp32."""
+    return SOFTCAP * torch.tanh(logits.float() / SOFTCAP)
+
+
+def reduce_losses(losses, targets, reduction):
+    """Per-token losses reduced as F.cross_entropy does with ignore_index=-1: 'none' (the targets' shape),
+    'sum', or 'mean' over the targets that count (NaN when none does)."""
+    if reduction == "none":
+        return losses.view(targets.shape)
+    if reduction == "sum":
+        return losses.sum()
+    return losses.sum() / (targets != -1).sum()
 
 
 # -----------------------------------------------------------------------------
@@ -139,8 +187,7 @@ class CausalSelfAttention(nn.Module):
         if ve is not None:  # value embedding through an input-dependent gate in (0, 2), 1 at init
             gate = 2 * torch.sigmoid(self.ve_gate(x[..., :VE_GATE_CHANNELS]))
             v = v + gate.unsqueeze(-1) * ve.view(B, T, -1, hd)
-        # rotary, then QK-norm, scaled: rms_norm(rotate(q)) * 1.2
-        q, k = kernels.rotary_norm(q, cos, sin, 1.2), kernels.rotary_norm(k, cos, sin, 1.2)
+        q, k = rotary_norm(q, cos, sin), rotary_norm(k, cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v)
@@ -157,20 +204,24 @@ class MLP(nn.Module):
         self.tp_enter = nn.Identity()  # tensor parallelism swaps in its region-entry collective
 
     def forward(self, x):
-        x = self.tp_enter(x)
-        return kernels.mlp(x, self.c_fc, self.c_proj)  # c_proj(relu(c_fc(x))^2)
+        return self.product(self.tp_enter(x))
+
+    def product(self, x):
+        """c_proj(relu(c_fc(x))^2)."""
+        if kernels.takes_fused_mlp(x, self.c_fc, self.c_proj):  # ReLU^2 inside both matmuls
+            return kernels.fused_mlp(x, self.c_fc, self.c_proj)
+        return self.c_proj(relu_square(self.c_fc(x)))
 
 
-RECOMPUTE_MODES = ("none", "mlp", "selective", "block")
+RECOMPUTE_MODES = ("none", "selective", "block")
 
 
 class Block(nn.Module):
-    """Pre-norm attention and MLP around the residual stream. `recompute` (set by
-    training.apply_recompute; only while training with grad enabled) drops activations in the forward and
-    recomputes them in the backward (torch.utils.checkpoint): "mlp" keeps only the input of the
-    norm + MLP, "block" only the block's inputs, "selective" the block's inputs and the outputs of
-    the attention kernel and the fused ReLU^2 product (kernels.SELECTIVE_KEEPS), the ops that cost the
-    most to run again per byte kept. Under tensor parallelism the recomputed region's collectives run
+    """Pre-norm attention and MLP around the residual stream. `recompute` (set by training.setup; only
+    while training with grad enabled) drops activations in the forward and recomputes them in the backward
+    (torch.utils.checkpoint): "block" keeps only the block's inputs, "selective" the block's inputs and the
+    outputs of the attention kernel and the fused ReLU^2 product (kernels.SELECTIVE_KEEPS), the ops that cost
+    the most to run again per byte kept. Under tensor parallelism the recomputed region's collectives run
     again in the backward, in the same order on every rank."""
 
     recompute = "none"
@@ -186,45 +237,39 @@ class Block(nn.Module):
         self.value_embed = nn.Embedding(config.vocab_size, kv_dim) if has_value_embed(layer_idx, config.n_layer) else None
 
     def forward(self, x, x0, idx, cos, sin, window, kv_cache=None):
-        recompute = self.recompute if self.training and torch.is_grad_enabled() else "none"
-        if recompute in ("block", "selective"):
-            keep = kernels.SELECTIVE_KEEPS if recompute == "selective" else ()
-            return _checkpoint(self._forward, x, x0, idx, cos, sin, window, kv_cache, "none", keep=keep)
-        return self._forward(x, x0, idx, cos, sin, window, kv_cache, recompute)
+        if self.recompute == "none" or not (self.training and torch.is_grad_enabled()):
+            return self._forward(x, x0, idx, cos, sin, window, kv_cache)
+        # non-reentrant: works under torch.compile and with inputs that need no grad; no RNG state to keep
+        # (the model has no dropout or other randomness), so the recompute is the same computation
+        context = {}
+        if self.recompute == "selective":  # the outputs of these ops are saved, and the recompute reuses them
+            context["context_fn"] = functools.partial(torch.utils.checkpoint.create_selective_checkpoint_contexts,
+                                                      list(kernels.SELECTIVE_KEEPS))
+        return torch.utils.checkpoint.checkpoint(self._forward, x, x0, idx, cos, sin, window, kv_cache,
+                                                 use_reentrant=False, preserve_rng_state=False, **context)
 
-    def _forward(self, x, x0, idx, cos, sin, window, kv_cache, recompute):
+    def _forward(self, x, x0, idx, cos, sin, window, kv_cache):
         x = self.resid_lambda.to(x.dtype) * x + self.x0_lambda.to(x.dtype) * x0
         ve = self.value_embed(idx).to(x.dtype) if self.value_embed is not None else None
         x = x + self.attn(norm(x), ve, cos, sin, window, kv_cache)
-        if recompute == "mlp":  # the norm inside the region: it keeps x, not x and norm(x)
-            return x + _checkpoint(self._norm_mlp, x)
-        return x + self._norm_mlp(x)
-
-    def _norm_mlp(self, x):
-        return self.mlp(norm(x))
-
-
-def _checkpoint(fn, *args, keep=()):
-    """fn(*args), its activations dropped and recomputed in the backward, but for the outputs of the ops in
-    `keep`, which the forward saves and the recompute reuses (selective checkpointing)."""
-    # non-reentrant: works under torch.compile and with inputs that need no grad; no RNG state to keep
-    # (the model has no dropout or other randomness), so the recompute is the same computation
-    context = {}
-    if keep:
-        context["context_fn"] = functools.partial(torch.utils.checkpoint.create_selective_checkpoint_contexts, list(keep))
-    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False, **context)
+        return x + self.mlp(norm(x))
 
 
 class SoftcapCrossEntropy(nn.Module):
     """Logits in fp32, soft-capped to (-15, 15), then cross-entropy (ignore_index=-1). The loss applies
-    the lm_head itself, so that the matmul and the loss can be one kernel (kernels/softcap_ce.py). Tensor
-    parallelism swaps in a vocab-parallel version with the same interface."""
+    the lm_head itself, so that the matmul and the loss can be one kernel. Tensor parallelism swaps in a
+    vocab-parallel version with the same interface."""
 
     def logits(self, raw):
-        return kernels.softcap(raw)
+        return softcap(raw)
 
     def forward(self, x, lm_head, targets, reduction="mean"):
-        return kernels.head_loss(x, lm_head.weight.to(x.dtype), targets, reduction)
+        weight = lm_head.weight.to(x.dtype)
+        if kernels.takes_head_loss(x):
+            return reduce_losses(kernels.head_losses(x, weight, targets, SOFTCAP), targets, reduction)
+        logits = softcap(F.linear(x, weight))
+        losses = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1, reduction="none")
+        return reduce_losses(losses, targets, reduction)
 
 
 @dataclass

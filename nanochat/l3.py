@@ -1,76 +1,47 @@
 """
-Large Lookup Layers (L3; Tseng & De Sa, arXiv 2601.21461): a per-token bank of learned key/value rows,
-read with attention by the hidden state, inserted residually between blocks (gpt.py: x = x + l3(x, idx)).
+Large Lookup Layers (L3; Tseng & De Sa, arXiv 2601.21461): a per-token bank of learned rows, read with
+attention by the hidden state, inserted residually between blocks (gpt.py: x = x + l3(x, idx)).
 
 The layer. For hidden x in R^d at a position holding token t, token t owns the rows [start_t, end_t)
-(d_t = end_t - start_t of them) of two big tables, keys (n_emb x d) and values (n_emb x d_emb):
+(d_t = end_t - start_t of them) of one table E (n_emb x d), which serves as both keys and values (the paper's
+tied option; it trained as well as two tables, faster and in less memory: dev/LOG.md, 2026-11-21):
 
-    a   = softmax(K_t x)                  (d_t,)   no 1/sqrt(d) scale, as in the paper
-    u   = LayerNorm(W_up (V_t^T a))       (d_up,)  W_up: d_emb -> d_up; no affine (W_mix absorbs a gain)
-    out = W_mix [u ; x]                   (d,)     W_mix: d_up + d -> d, zero-initialized: a no-op at start
+    a   = softmax(E_t x)                  (d_t,)   no 1/sqrt(d) scale, as in the paper
+    u   = LayerNorm(W_up (E_t^T a))       (d_up,)  no affine (W_mix absorbs a gain)
+    out = W_mix [u ; x]                   (d,)     W_mix zero-initialized: a no-op at start
 
-Tied (K = V): one table serves as both keys and values (needs d_emb == d); at d12 it trained as well as two
-tables, faster and in less memory (dev/LOG.md), so base_train ties by default. The tables are sparse
-parameters (each token touches its own rows only) and go to AdamW; W_up and W_mix are matrices for Muon.
+The table is a sparse parameter (each token touches its own rows only) and goes to AdamW; W_up and W_mix are
+matrices for Muon.
 
-The allocation (the part that matters: per the paper, a uniform split loses nearly all of the gain).
-Run LZW over a fixed sample of L3_LZW_SAMPLE_TOKENS training token ids; every new dictionary entry (an
-n-gram) credits its LAST token, and each token starts with one credit for its single-token entry in
-LZW's initial dictionary (so every credit is >= 1). Tokens that end many distinct contexts earn rows:
+The allocation (the part that matters: per the paper, a uniform split loses nearly all of the gain). Run LZW
+over a fixed sample of L3_LZW_SAMPLE_TOKENS training token ids; every new dictionary entry (an n-gram) credits
+its LAST token, and each token starts with one credit for its single-token entry (so every credit is >= 1):
     r_t = clamp(lambda * credit_t, 1, k_max), lambda found by bisection so that sum_t r_t = n_emb;
-    d_t = floor(r_t), and the n_emb - sum floor(r_t) rows left go one each to the tokens with the
-    largest fractional parts (ties: lower token id first).
+    d_t = floor(r_t), and the rows left go one each to the largest fractional parts (ties: lower id first).
 That gives 1 <= d_t <= k_max, sum d_t = n_emb exactly, more credit -> at least as many rows, and a
-deterministic result. It is stored as cumulative bounds (vocab + 1,) in a persistent int64 buffer, so
-checkpoints carry it. LZW's dictionary is capped at L3_LZW_MAX_ENTRIES entries and cleared when full
-(as compress(1) does), which bounds its memory at ~0.5 GB whatever the sample size. Measured on this
-project's 2-core CPU box (Wikipedia, vocab 32768): LZW over 1M tokens 0.4 s, over 10M tokens 6 s
-(5.2M dictionary entries, one reset); tokenizing the 10M-token sample takes another ~6 s.
+deterministic result, stored as cumulative bounds (vocab + 1,) in a persistent buffer that checkpoints carry.
+LZW's dictionary is capped at L3_LZW_MAX_ENTRIES entries and cleared when full (as compress(1) does).
 
-The forward, without a Python loop over tokens. Let N be the positions of a batch and P = sum of their
-d_t (the (position, row) pairs). On the Wikipedia shards with d12 defaults (n_emb 2^19, k_max 512) a
-training token reads ~270 rows, so a 32 x 2048 micro-batch has P ~ 17.5M.
-- padded (CPU reference): gather (N, max d_t, d) rows, mask the padding, softmax, weighted sum; autograd
-  does the backward. It materializes N * max d_t * d: 65K x 512 x 768 x 2 B = 51 GB on a GPU batch.
-- blocked (the GPU path; on CPU too once the padded gather is big or mostly padding). Sort positions
-  by token id. A token's rows are contiguous and tokens' ranges follow id order, so the score matrix
-  (sorted positions x table rows) is block-diagonal, and a run of consecutive sorted positions needs
-  one contiguous window of rows. Cut the sorted positions into blocks of at most L3_BLOCK_POSITIONS
-  (64) whose rows fit in a window of < 2 max d_t rows (vectorized: fixed groups of 64, split where a
-  position's first row moves a window further); each block is one small attention against its
-  gathered window, masked to each position's own rows:
-      a_b = softmax(mask(X_b K_w^T))   (64 x w),   H_b = a_b V_w   (64 x d_emb)
-  i.e. batched matmuls (bmm) over block-diagonal tiles, like block-sparse attention. Measured on
-  Wikipedia batches of 65K tokens (d12 defaults, bf16): ~1,700 blocks in 10 chunks gather ~0.96M rows,
-  18x fewer than the P a per-(position, row) gather-and-dot would move, for S ~ 61M score entries
-  (3.5x P: the masked-out parts of the tiles, cheap inside a matmul).
-  Chunks (widest windows first; a chunk is padded to its widest window, rounded up to a multiple of 16,
-  and holds widths within 2x of it) keep a gathered (rows, d) tensor under L3_CHUNK_BYTES (512 MiB).
-  The backward is written by hand (an autograd.Function): it recomputes each chunk instead of storing
-  it, and accumulates the table gradients in fp32 into one (n_emb, d) buffer per table (index_put_ of
-  each block's bmm result; tied, one bmm gives a row's key and value gradients summed).
-  Memory: O(N (d + d_emb)) for inputs, outputs and the index plan; per chunk a few tensors of
-  <= L3_CHUNK_BYTES (~3 in the forward, ~7 in the backward counting fp32 ones double); a compute-dtype
-  copy of the tables, kept from the forward to the backward; the fp32 table gradients (which become
-  .grad). Nothing of size P d, and no chunk tensor, is kept between forward and backward. Host syncs:
-  two per forward (the block count, the chunk widths), none per chunk.
-  FLOPs: forward 2 S (d + d_emb), backward 4 S (d + d_emb) plus the recomputed forward, all in bmm (the
-  useful part: 2 P (d + d_emb) forward). The lookup runs eagerly (torch.compiler.disable): its sizes
-  are data-dependent, which would break or recompile a graph anyway; W_up, the LayerNorm and W_mix
-  around it still compile.
+The forward, without a Python loop over tokens. Let N be the positions of a batch and P the sum of their d_t.
+- padded (CPU reference): gather (N, max d_t, d) rows, mask the padding, softmax, weighted sum; autograd does
+  the backward. It materializes N * max d_t * d, far too much on a GPU batch.
+- blocked (the GPU path; on CPU too once the padded gather is big or mostly padding). Sort positions by token
+  id: a token's rows are contiguous and tokens' ranges follow id order, so the score matrix (sorted positions x
+  table rows) is block-diagonal. Cut the sorted positions into blocks of at most L3_BLOCK_POSITIONS whose rows
+  fit in a window of < 2 k_max rows; each block is one small attention against its gathered window, masked to
+  each position's own rows, i.e. batched matmuls over block-diagonal tiles, like block-sparse attention:
+      a_b = softmax(mask(X_b E_w^T)),   H_b = a_b E_w
+  Chunks of blocks of similar width keep each gathered tensor under L3_CHUNK_BYTES. The backward is written by
+  hand: it recomputes each chunk instead of storing it and accumulates the table gradient in fp32. Nothing of
+  size P d is kept between forward and backward; two host syncs per forward, none per chunk. The lookup runs
+  eagerly (its sizes are data-dependent); W_up, the LayerNorm and W_mix around it compile.
 
-Parallelism. Under tensor parallelism every parameter of the layer (tables, W_up, W_mix) is replicated
-on the ranks of a TP group, not sharded (tensor_parallel.py gives the numbers). Without sequence
-parallelism each TP rank runs the same layer on the same tokens, so the gradients agree on the ranks
-with no collective. With it, a rank's residual stream holds its share of the tokens: `token_share` then
-picks the same share of the token ids, the rank looks up only its own tokens (the lookup's work splits
-TP ways), and every parameter's gradient is partial, summed over the TP group in the optimizer
-(tp_partial_grad, as for the norms' lambdas). Under pipeline parallelism the layer after block i lives
-on the stage that owns block i, which receives the token ids with the residual stream.
+Parallelism: every parameter of the layer is replicated over the TP ranks (tensor_parallel.py says why). With
+sequence parallelism each rank looks up its own tokens (`token_share`) and the partial gradients are summed over
+TP in the optimizer (tp_partial_grad). Under pipeline parallelism the layer after block i lives with block i.
 
-Dtypes follow gpt.py: parameters fp32, activations in the compute dtype (bf16 on GPU). The tables are
-cast to x.dtype for the matmuls (which accumulate in fp32), the softmax and the table-gradient
-accumulation run in fp32, and the output is in x.dtype.
+Dtypes follow gpt.py: parameters fp32, activations in the compute dtype; the table is cast to x.dtype for the
+matmuls (which accumulate in fp32), the softmax and the table-gradient accumulation run in fp32.
 """
 
 import bisect
@@ -91,8 +62,8 @@ from nanochat.common import print0
 L3_LZW_SAMPLE_TOKENS = 10_000_000
 # LZW dictionary cap; cleared when full. 2^22 entries ~ 0.5 GB of Python dict.
 L3_LZW_MAX_ENTRIES = 1 << 22
-# n_emb == 0: this many table rows per vocabulary entry on average. d12 (vocab 32768): 2^19 rows, i.e.
-# 2 tables x 2^19 x 768 = 805M sparse parameters, 3 GiB fp32 (12 GiB with grads and AdamW moments) per layer.
+# n_emb == 0: this many table rows per vocabulary entry on average (d12, vocab 32768: 2^19 rows of 768, 1.5 GiB
+# fp32 per layer, 6 GiB with its gradient and AdamW moments)
 L3_ROWS_PER_TOKEN = 16
 # blocked path: sorted positions per block (the M of each block's score matmul)
 L3_BLOCK_POSITIONS = 64
@@ -254,19 +225,17 @@ def _acc_dtype(dtype):
     return torch.promote_types(dtype, torch.float32)
 
 
-def lookup_padded(x, ids, keys, values, bounds):
-    """Reference path: x (N, d), ids (N,) -> h (N, d_emb), by a padded (N, max d_t, d) gather. Padding
-    slots read row 0 and get exactly zero weight, so they add exactly zero gradient to it."""
+def lookup_padded(x, ids, table, bounds):
+    """Reference path: x (N, d), ids (N,) -> h (N, d), by a padded (N, max d_t, d) gather. Padding slots read
+    row 0 and get exactly zero weight, so they add exactly zero gradient to it."""
     start = bounds[ids]
     count = bounds[ids + 1] - start
     slot = torch.arange(int(count.max()), device=x.device)
     valid = slot < count[:, None]
-    rows = torch.where(valid, start[:, None] + slot, 0)
-    k = keys.to(x.dtype)[rows]
-    v = k if values is None else values.to(x.dtype)[rows]
-    scores = (k @ x.unsqueeze(-1)).squeeze(-1).to(_acc_dtype(x.dtype))
+    rows = table.to(x.dtype)[torch.where(valid, start[:, None] + slot, 0)]
+    scores = (rows @ x.unsqueeze(-1)).squeeze(-1).to(_acc_dtype(x.dtype))
     a = torch.softmax(scores.masked_fill(~valid, float("-inf")), dim=-1)
-    return (a.to(x.dtype).unsqueeze(1) @ v).squeeze(1)
+    return (a.to(x.dtype).unsqueeze(1) @ rows).squeeze(1)
 
 
 class _Plan:
@@ -330,74 +299,62 @@ def _block_attention(xb, kb, mask, acc):
 
 
 class _BlockedLookup(torch.autograd.Function):
-    """h = V_t^T softmax(K_t x) by blocks of sorted positions (see _Plan); backward recomputes each chunk.
-    values=None means tied (keys serve as values)."""
+    """h = E_t^T softmax(E_t x) by blocks of sorted positions (see _Plan); backward recomputes each chunk."""
 
     @staticmethod
-    def forward(ctx, x, keys, values, ids, bounds, block, max_rows, window):
+    def forward(ctx, x, table, ids, bounds, block, max_rows, window):
         acc = _acc_dtype(x.dtype)
         plan = _Plan(ids, bounds, block, max_rows, window)
-        kc = keys.to(x.dtype)  # one cast of the table beats casting the (larger) gathered blocks
-        vc = kc if values is None else values.to(x.dtype)
+        tc = table.to(x.dtype)  # one cast of the table beats casting the (larger) gathered blocks
         xs = x.index_select(0, plan.order)
-        hs = x.new_empty(x.size(0) + 1, vc.size(1))  # + the spare row for padding slots
+        hs = x.new_empty(x.size(0) + 1, tc.size(1))  # + the spare row for padding slots
         for i, j, w in plan.chunks:
-            slot, target, rows, mask = plan.blocks(i, j, w, kc.size(0))
-            kb = kc[rows]
-            vb = kb if values is None else vc[rows]  # tied: one gather serves both
-            a = _block_attention(xs[slot], kb, mask, acc)
-            hs.index_copy_(0, target, torch.bmm(a.to(x.dtype), vb).flatten(0, 1))
-        # the cast tables are kept for the backward: the same values, and a second cast of both tables
-        # costs more time than their compute-dtype copies cost memory
-        ctx.save_for_backward(x, kc, None if values is None else vc)
-        ctx.plan, ctx.tied, ctx.table_dtype = plan, values is None, keys.dtype
+            slot, target, rows, mask = plan.blocks(i, j, w, tc.size(0))
+            eb = tc[rows]
+            a = _block_attention(xs[slot], eb, mask, acc)
+            hs.index_copy_(0, target, torch.bmm(a.to(x.dtype), eb).flatten(0, 1))
+        # the cast table is kept for the backward: a second cast costs more time than the copy costs memory
+        ctx.save_for_backward(x, tc)
+        ctx.plan, ctx.table_dtype = plan, table.dtype
         return torch.empty_like(hs[:-1]).index_copy_(0, plan.order, hs[:-1])
 
     @staticmethod
     def backward(ctx, grad_h):
-        x, kc, vc = ctx.saved_tensors
+        x, tc = ctx.saved_tensors
         plan = ctx.plan
         acc = _acc_dtype(x.dtype)
         xs = x.index_select(0, plan.order)
         gs = grad_h.to(x.dtype).index_select(0, plan.order)
         dxs = xs.new_empty(xs.size(0) + 1, xs.size(1))  # + the spare row for padding slots
-        # table gradients accumulate in fp32 over blocks (each block's bmm already sums its slots in fp32);
-        # tied: one table, one buffer. index_put_ with accumulate sorts the row indices and sums
-        # duplicates in order: many blocks of a frequent token share one window of rows, and atomic adds
-        # (index_add_) on those rows contend
-        dk = torch.zeros(kc.shape, dtype=acc, device=kc.device)
-        dv = None if ctx.tied else torch.zeros(vc.shape, dtype=acc, device=vc.device)
+        # the table gradient accumulates in fp32 over blocks (each block's bmm already sums its slots in fp32).
+        # index_put_ with accumulate sorts the row indices and sums duplicates in order: many blocks of a
+        # frequent token share one window of rows, and atomic adds (index_add_) on those rows contend
+        de = torch.zeros(tc.shape, dtype=acc, device=tc.device)
         for i, j, w in plan.chunks:
-            slot, target, rows, mask = plan.blocks(i, j, w, kc.size(0))
-            xb, kb = xs[slot], kc[rows]
-            vb = kb if ctx.tied else vc[rows]
-            a = _block_attention(xb, kb, mask, acc)
+            slot, target, rows, mask = plan.blocks(i, j, w, tc.size(0))
+            xb, eb = xs[slot], tc[rows]
+            a = _block_attention(xb, eb, mask, acc)
             gb = gs[slot] * (target < plan.n).view_as(slot)[..., None]  # padding slots carry no gradient
-            da = torch.bmm(gb, vb.transpose(1, 2)).to(acc)
+            da = torch.bmm(gb, eb.transpose(1, 2)).to(acc)
             ds = (a * (da - (a * da).sum(-1, keepdim=True))).to(x.dtype)  # softmax backward
-            dxs.index_copy_(0, target, torch.bmm(ds, kb).flatten(0, 1))
-            index = (rows.flatten(),)
-            if ctx.tied:  # a row's key and value gradients ds^T x + a^T g summed inside one bmm (K = 2 block)
-                lhs, rhs = torch.cat([ds, a.to(x.dtype)], dim=1), torch.cat([xb, gb], dim=1)
-                dk.index_put_(index, torch.bmm(lhs.transpose(1, 2), rhs).flatten(0, 1).to(acc), accumulate=True)
-            else:
-                dk.index_put_(index, torch.bmm(ds.transpose(1, 2), xb).flatten(0, 1).to(acc), accumulate=True)
-                dv.index_put_(index, torch.bmm(a.to(x.dtype).transpose(1, 2), gb).flatten(0, 1).to(acc), accumulate=True)
+            dxs.index_copy_(0, target, torch.bmm(ds, eb).flatten(0, 1))
+            # a row's gradient as a key and as a value, ds^T x + a^T g, summed inside one bmm (K = 2 block)
+            lhs, rhs = torch.cat([ds, a.to(x.dtype)], dim=1), torch.cat([xb, gb], dim=1)
+            de.index_put_((rows.flatten(),), torch.bmm(lhs.transpose(1, 2), rhs).flatten(0, 1).to(acc), accumulate=True)
         dx = torch.empty_like(dxs[:-1]).index_copy_(0, plan.order, dxs[:-1])
-        dt = ctx.table_dtype
-        return dx, dk.to(dt), None if ctx.tied else dv.to(dt), None, None, None, None, None
+        return dx, de.to(ctx.table_dtype), None, None, None, None, None
 
 
-def lookup_blocked(x, ids, keys, values, bounds, block=L3_BLOCK_POSITIONS, chunk_bytes=L3_CHUNK_BYTES, window=None):
-    """The GPU path: x (N, d), ids (N,) -> h (N, d_emb) by blocks of sorted positions, in chunks whose
-    gathered (rows, d) tensors stay under chunk_bytes. window: an upper bound on any token's row count
-    (the layer passes k_max; None reads it off the bounds, a host sync)."""
+def lookup_blocked(x, ids, table, bounds, block=L3_BLOCK_POSITIONS, chunk_bytes=L3_CHUNK_BYTES, window=None):
+    """The GPU path: x (N, d), ids (N,) -> h (N, d) by blocks of sorted positions, in chunks whose gathered
+    (rows, d) tensors stay under chunk_bytes. window: an upper bound on any token's row count (the layer passes
+    k_max; None reads it off the bounds, a host sync)."""
     if window is None:
         window = int((bounds[1:] - bounds[:-1]).max())
     # one gathered row costs its channels, or its column of fp32 scores (block entries) if that is more
-    row_bytes = max(max(x.size(1), (keys if values is None else values).size(1)) * x.element_size(), 4 * block)
+    row_bytes = max(table.size(1) * x.element_size(), 4 * block)
     max_rows = max(1, chunk_bytes // row_bytes)
-    return _BlockedLookup.apply(x, keys, values, ids, bounds, block, max_rows, window)
+    return _BlockedLookup.apply(x, table, ids, bounds, block, max_rows, window)
 
 
 def choose_path(x, ids, bounds):
@@ -416,22 +373,17 @@ def choose_path(x, ids, bounds):
 
 
 class L3Layer(nn.Module):
-    def __init__(self, vocab_size, d_model, n_emb, d_emb=None, d_up=None, k_max=512, tied=False):
+    def __init__(self, vocab_size, d_model, n_emb, d_up=None, k_max=512):
         super().__init__()
-        d_emb = d_emb or d_model
         d_up = d_up or 4 * d_model
         if k_max < 1:
             raise ValueError(f"L3 k_max={k_max} must be >= 1")
         if not vocab_size <= n_emb <= vocab_size * k_max:
             raise ValueError(f"L3 n_emb={n_emb:,} must lie in [vocab, vocab * k_max] = [{vocab_size:,}, "
                              f"{vocab_size * k_max:,}]; change --l3-n-emb or --l3-k-max")
-        if tied and d_emb != d_model:
-            raise ValueError(f"tied L3 (K = V) needs d_emb == d_model, got {d_emb} != {d_model}")
-        self.vocab_size, self.d_model, self.n_emb, self.d_emb, self.d_up = vocab_size, d_model, n_emb, d_emb, d_up
-        self.k_max, self.tied = k_max, tied
-        self.key_table = nn.Parameter(torch.empty(n_emb, d_model))
-        self.value_table = None if tied else nn.Parameter(torch.empty(n_emb, d_emb))
-        self.w_up = Linear(d_emb, d_up)
+        self.vocab_size, self.d_model, self.n_emb, self.d_up, self.k_max = vocab_size, d_model, n_emb, d_up, k_max
+        self.key_table = nn.Parameter(torch.empty(n_emb, d_model))  # the keys, and the values
+        self.w_up = Linear(d_model, d_up)
         self.w_mix = Linear(d_up + d_model, d_model)
         # token t owns rows bounds[t]:bounds[t+1]; saved in checkpoints (the allocation is data-derived)
         self.register_buffer("bounds", torch.zeros(vocab_size + 1, dtype=torch.int64))
@@ -442,25 +394,19 @@ class L3Layer(nn.Module):
 
     @classmethod
     def from_config(cls, config):
-        """d_emb = n_embd; d_up = l3_d_up or 4 * n_embd; n_emb = l3_n_emb or default_n_emb(...)."""
+        """d_up = l3_d_up or 4 * n_embd; n_emb = l3_n_emb or default_n_emb(...)."""
         n_emb = config.l3_n_emb or default_n_emb(config.vocab_size, config.l3_k_max)
-        d_up = config.l3_d_up or 4 * config.n_embd
-        return cls(config.vocab_size, config.n_embd, n_emb, d_emb=config.n_embd, d_up=d_up, k_max=config.l3_k_max,
-                   tied=config.l3_tied)
+        return cls(config.vocab_size, config.n_embd, n_emb, d_up=config.l3_d_up or 4 * config.n_embd, k_max=config.l3_k_max)
 
     @torch.no_grad()
     def init_weights(self):
-        """Keys uniform with std 1/sqrt(d): scores K_t x start with std ~ rms(x), a soft but not flat
-        attention. Values the same (their scale is free: a LayerNorm follows W_up). W_up uniform like
-        every matrix (std 1/sqrt(fan_in)); W_mix zero, so the layer starts as a no-op. The allocation is
-        reset to a uniform split; allocate_for_model replaces it."""
+        """The table uniform with std 1/sqrt(d): scores E_t x start with std ~ rms(x), a soft but not flat
+        attention (as values their scale is free: a LayerNorm follows W_up). W_up uniform like every matrix
+        (std 1/sqrt(fan_in)); W_mix zero, so the layer starts as a no-op. The allocation is reset to a uniform
+        split; allocate_for_model replaces it."""
         s = math.sqrt(3) / math.sqrt(self.d_model)
         nn.init.uniform_(self.key_table, -s, s)
-        if self.value_table is not None:
-            s_emb = math.sqrt(3) / math.sqrt(self.d_emb)
-            nn.init.uniform_(self.value_table, -s_emb, s_emb)
-        s_up = math.sqrt(3) / math.sqrt(self.d_emb)
-        nn.init.uniform_(self.w_up.weight, -s_up, s_up)
+        nn.init.uniform_(self.w_up.weight, -s, s)
         nn.init.zeros_(self.w_mix.weight)
         rows = uniform_rows(self.vocab_size, self.n_emb)
         self.set_allocation(rows, float((rows * rows).sum() / self.n_emb))  # ~n_emb / vocab rows per token
@@ -477,34 +423,33 @@ class L3Layer(nn.Module):
         self.rows_per_token.fill_(rows_per_token)
 
     def table_parameters(self):
-        return [self.key_table] if self.value_table is None else [self.key_table, self.value_table]
+        return [self.key_table]
 
     def dense_parameters(self):
         return [self.w_up.weight, self.w_mix.weight]
 
     def estimate_flops(self):
-        """Training FLOPs per token: 6 * (W_up + W_mix params) + 6 * r * (d + d_emb), where r is the mean
-        rows a training token reads (scores 2 r d and mix 2 r d_emb forward, twice that backward). r comes
-        from the allocation sample; on the meta device (before any allocation exists) r = k_max, an upper
-        bound. d12 defaults: 6 * 5.3M dense + 6 * ~270 * 1536 = 32M + 2.5M per token. These are the useful
-        FLOPs; the blocked path also multiplies the masked-out part of its tiles (~3.5x the useful score
-        entries), which like masked attention is not counted."""
+        """Training FLOPs per token: 6 * (W_up + W_mix params) + 12 * r * d, where r is the mean rows a training
+        token reads (scores 2 r d and mix 2 r d forward, twice that backward). r comes from the allocation
+        sample; on the meta device (before any allocation exists) r = k_max, an upper bound. These are the useful
+        FLOPs; the blocked path also multiplies the masked-out part of its tiles, which like masked attention is
+        not counted."""
         r = self.k_max if self.rows_per_token.is_meta else float(self.rows_per_token)
         dense = sum(p.numel() for p in self.dense_parameters())
-        return 6 * dense + 6 * r * (self.d_model + self.d_emb)
+        return 6 * dense + 12 * r * self.d_model
 
     @torch.compiler.disable  # data-dependent sizes; see the module docstring
     def lookup(self, x, ids):
-        """h = V_t^T softmax(K_t x) for x (N, d), ids (N,) -> (N, d_emb) in x.dtype."""
+        """h = E_t^T softmax(E_t x) for x (N, d), ids (N,) -> (N, d) in x.dtype."""
         path = choose_path(x, ids, self.bounds) if self.path == "auto" else self.path
         if path == "padded":
-            return lookup_padded(x, ids, self.key_table, self.value_table, self.bounds)
-        return lookup_blocked(x, ids, self.key_table, self.value_table, self.bounds, window=self.k_max)
+            return lookup_padded(x, ids, self.key_table, self.bounds)
+        return lookup_blocked(x, ids, self.key_table, self.bounds, window=self.k_max)
 
     def forward(self, x, idx):
         """x (B, T, d) hidden states, idx (B, T) token ids -> (B, T, d) to add to the residual stream."""
         idx = self.token_share(idx)
         B, T, d = x.shape
-        h = self.lookup(x.reshape(B * T, d), idx.reshape(B * T).long()).view(B, T, self.d_emb)
+        h = self.lookup(x.reshape(B * T, d), idx.reshape(B * T).long()).view(B, T, d)
         u = F.layer_norm(self.w_up(h), (self.d_up,))
         return self.w_mix(torch.cat([u, x], dim=-1))

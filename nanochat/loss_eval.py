@@ -7,7 +7,7 @@ Bits per byte: a tokenizer-independent loss.
 Special tokens (<|bos|>, 0 bytes) and ignored targets (-1) count neither nats nor bytes. Every rank
 evaluates its own batches; the sums are reduced over the data-parallel group (and, with pipeline
 parallelism, sent from the last stage, which holds the losses, to the others). A long evaluation prints
-its progress and stops within a batch when Ctrl-C / SIGTERM asked the run to stop (common.stop_point).
+its progress and stops within a batch when Ctrl-C / SIGTERM asked the run to stop (signals.stop_point).
 """
 
 import math
@@ -15,7 +15,10 @@ import math
 import torch
 import torch.distributed as dist
 
-from nanochat.common import grid_rank, stop_point, Progress
+from nanochat.common import Progress
+from nanochat.dataset import DataError
+from nanochat.distributed import grid_rank, agree_on_error
+from nanochat.signals import stop_point
 
 # The default tokens per evaluation: 20 batches of 2^19 on a GPU (seconds); on a CPU that would take hours
 EVAL_TOKENS_GPU = 20 * 524288
@@ -30,7 +33,8 @@ def default_eval_tokens(device_type):
 def evaluate_bpb(loss_fn, batches, steps, token_bytes, layout=None, label="bpb"):
     """loss_fn(x, y) -> per-token losses (any shape matching y), or None on a pipeline stage without
     the head. batches yields (x, y, ...). token_bytes: int tensor, bytes per token id (0 = special).
-    Raises common.Interrupted when a stop is requested (every rank at the same batch)."""
+    Raises signals.Interrupted when a stop is requested, and DataError when a rank cannot read its batch (every
+    rank at the same batch, so that none waits for the others in a collective)."""
     device = token_bytes.device
     total_nats = torch.zeros((), dtype=torch.float64, device=device)
     total_bytes = torch.zeros((), dtype=torch.int64, device=device)
@@ -39,7 +43,15 @@ def evaluate_bpb(loss_fn, batches, steps, token_bytes, layout=None, label="bpb")
     for i in range(steps):
         stop_point(device if distributed else None)
         progress.update(i)
-        x, y = next(batches)[:2]
+        error = None
+        try:
+            x, y = next(batches)[:2]
+        except DataError as e:
+            error = str(e)
+        if distributed:
+            error = agree_on_error(error, device)
+        if error is not None:
+            raise DataError(error)
         losses = loss_fn(x, y)
         if losses is None:
             continue

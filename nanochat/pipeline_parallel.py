@@ -2,6 +2,13 @@
 Pipeline parallelism: the blocks are cut into contiguous stages, one per PP rank; the micro-batches of
 a step flow through them, activations forward and gradients backward, with explicit p2p messages.
 
+Collectives, over this pipeline's ranks (the PP group, or the previous and next stage):
+  isend / irecv        per micro-batch: activations to the next stage, their gradients back (batch_isend_irecv,
+                       a forward's send and the next backward's receive posted together)
+  broadcast            the step's loss, from the last stage to the others
+  all_gather_object,   a whole copy of the model for CORE and sampling (whole_model_copy): what tensors each
+  broadcast            stage holds, then each of them from its stage
+
 Stages. Block i costs its matmul FLOPs plus its attention FLOPs (per token); stage 0 also holds the
 embeddings, the last stage the final norm, lm_head and loss (which cost as much as several blocks at
 small depth). The split minimizes the most expensive stage, at least one block per stage. Modules a
@@ -23,7 +30,7 @@ Bubble fraction for both: (p - 1) / (m + p - 1).
 
 Evaluation: val bpb runs through the stages (forward_loss). CORE and sampling take sequences of any
 length, which fixed-shape messages cannot carry: base_train gathers a whole copy of the model onto every
-rank for them (checkpoint_manager.gathered_model). Under torch.compile each stage's blocks are one graph
+rank for them (whole_model_copy). Under torch.compile each stage's blocks are one graph
 and the loss another (training.compile_for_training says why); the messages and the schedule stay eager.
 
 Every message is a batch of isend/irecv posted together (torch.distributed.batch_isend_irecv): with
@@ -35,8 +42,9 @@ import torch
 import torch.nn as nn
 import torch.distributed as dist
 
-from nanochat.common import grid_rank
-from nanochat.gpt import Residual
+from nanochat.distributed import grid_rank
+from nanochat.gpt import Residual, build_model
+from nanochat.common import ConfigError
 
 
 def block_costs(model):
@@ -56,7 +64,7 @@ def split_stages(costs, head_cost, num_stages):
     also pays for the head). Dynamic programming over cut points; n_layer is small."""
     n = len(costs)
     if num_stages > n:
-        raise ValueError(f"--pp {num_stages} is more stages than blocks ({n}); each stage needs at least one block")
+        raise ConfigError(f"--pp {num_stages} is more stages than blocks ({n}); each stage needs at least one block")
     prefix = [0]
     for c in costs:
         prefix.append(prefix[-1] + c)
@@ -100,10 +108,10 @@ class Pipeline:
         self.num_stages, self.stage = layout.pp_size, layout.pp_rank
         self.num_microbatches = num_microbatches
         if num_microbatches < self.num_stages:
-            raise ValueError(f"pipeline parallelism needs at least pp={self.num_stages} micro-batches per step, "
-                             f"got {num_microbatches}")
+            raise ConfigError(f"pipeline parallelism needs at least pp={self.num_stages} micro-batches per step, "
+                              f"got {num_microbatches}")
         if schedule not in ("gpipe", "1f1b"):
-            raise ValueError(f"unknown --pp-schedule {schedule!r}; use gpipe or 1f1b")
+            raise ConfigError(f"unknown --pp-schedule {schedule!r}; use gpipe or 1f1b")
         self.schedule = schedule
         costs, head_cost = block_costs(model)
         self.stage_bounds = split_stages(costs, head_cost, self.num_stages)
@@ -324,3 +332,31 @@ class Pipeline:
             return model.head(h, y, loss_reduction="none")
         _p2p(self._send_ops("F", (h, idx)))
         return None
+
+
+def whole_model_copy(model, layout):
+    """A whole, unsharded copy of a tensor- and/or pipeline-parallel model, on every rank: for CORE and
+    sampling during training, whose variable-length inputs neither the pipeline schedule (fixed message
+    shapes) nor sequence parallelism (a sequence split in equal parts) can take. TP shards are all-gathered
+    (checkpoint_manager.full_model_state); then, stage by stage, the rank holding each tensor broadcasts it
+    over its PP group. Costs one full model (plus a CPU copy of the local part) per rank while it lives."""
+    from nanochat.checkpoint_manager import full_model_state, load_model_state
+    device = next(model.parameters()).device
+    state = full_model_state(model)
+    if layout.pp_size > 1:
+        held = [None] * layout.pp_size  # per stage: name -> (shape, dtype) of the tensors it holds
+        dist.all_gather_object(held, {n: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in state.items()},
+                               group=layout.pp_group)
+        for stage, tensors in enumerate(held):
+            src = grid_rank(layout, layout.dp_rank, layout.tp_rank, stage)
+            for name, (shape, dtype) in tensors.items():
+                if stage == layout.pp_rank:
+                    t = state[name].to(device)
+                else:
+                    t = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+                dist.broadcast(t, src=src, group=layout.pp_group)
+                state[name] = t
+    full = build_model(model.config, device, model.compute_dtype)
+    load_model_state(full, state)
+    full.eval()
+    return full

@@ -12,7 +12,6 @@ part (CORE without a bundle, `--skip-core`), is said so in the report.
 
 import os
 import re
-import csv
 import sys
 import json
 import time
@@ -155,29 +154,25 @@ def log_stage_time(name, seconds):
 # report.md
 
 
-def plot_loss_curve(csv_path, png_path):
-    """Training loss (and val bpb where measured) vs step. Returns a note when it cannot plot."""
+def plot_loss_curve(metrics, png_path):
+    """Training loss (and val bpb where measured) vs step, from a run's metrics.jsonl. Returns a note when it
+    cannot plot."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return "(loss-curve figure skipped: matplotlib is not installed; `pip install matplotlib`)"
-    steps, losses, val_steps, vals = [], [], [], []
-    with open(csv_path) as f:
-        for row in csv.DictReader(f):
-            steps.append(int(row["step"]))
-            losses.append(float(row["loss"]))
-            if row.get("val_bpb"):
-                val_steps.append(int(row["step"]))
-                vals.append(float(row["val_bpb"]))
+    from nanochat.run_log import Run
+    run = Run(metrics)
+    losses, vals = run.series("loss_smooth"), run.series("val_bpb")
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(steps, losses, label="train loss (nats/token, EMA)")
+    ax.plot(list(losses), list(losses.values()), label="train loss (nats/token, EMA)")
     ax.set_xlabel("step")
     ax.set_ylabel("train loss")
     if vals:
         ax2 = ax.twinx()
-        ax2.plot(val_steps, vals, "o-", color="tab:red", label="val bpb")
+        ax2.plot(list(vals), list(vals.values()), "o-", color="tab:red", label="val bpb")
         ax2.set_ylabel("val bpb")
         ax2.legend(loc="center right")
     ax.legend(loc="upper right")
@@ -226,10 +221,10 @@ def generate():
         out += [f"Not in this report (the stage did not run, or did not finish): {', '.join(absent)}.", ""]
 
     # figure
-    csv_path = os.path.join(d, "train_loss.csv")
-    if os.path.exists(csv_path):
+    metrics = parse_section(files["base-model-training"]).get("metrics") if "base-model-training" in files else None
+    if metrics and os.path.exists(metrics):
         png = os.path.join(d, "loss_curve.png")
-        note = plot_loss_curve(csv_path, png)
+        note = plot_loss_curve(metrics, png)
         out += ["## Loss curve", "", note if note else "![loss curve](loss_curve.png)", ""]
 
     for key in ordered:

@@ -1,7 +1,17 @@
 """
 Tensor parallelism (Megatron-style), as small explicit pieces, applied to an initialized GPT by
-`parallelize(model, layout, sequence_parallel)`:
+`parallelize(model, layout, sequence_parallel)`.
 
+Collectives, all over the TP group:
+  all_reduce           f's backward, g's forward (leaving a region without SP), the vocab-parallel embedding
+  all_gather           entering a region with SP (tokens); whole logits for evaluation (vocab); shards -> whole
+                       tensors for Muon and checkpoints (gather_full)
+  reduce_scatter       leaving a region with SP (tokens)
+  all_reduce MAX, SUM  the vocab-parallel loss: the logits' max, the sum of exponentials, the target's logit
+  all_reduce SUM       partial gradients of replicated parameters under SP (reduce_partial_grad), in the step
+  all_reduce MAX       fp8's global amax of sharded tensors (fp8.py)
+
+What is cut how:
 - attention: q/k/v column-parallel (each rank keeps n_head/tp query heads and n_kv_head/tp kv heads),
   the output projection row-parallel; value embeddings and their gates cut to match the local kv heads
 - MLP: up-projection column-parallel, down-projection row-parallel
@@ -13,27 +23,12 @@ Tensor parallelism (Megatron-style), as small explicit pieces, applied to an ini
   split is of the flattened (B*T) token dim, rank k holding tokens [k, k+1) * B*T/tp viewed as
   (B, T/tp, D): every op between regions is per token, and dim 0 of a contiguous tensor goes through
   the collectives as it is (splitting dim 1 of (B, T, D) costs a transposed copy around each one)
-- L3 layers (l3.py) replicated: tables, W_up and W_mix whole on every TP rank. Numbers at d12 defaults
-  (tied table 2^19 x 768, a 32 x 2048 micro-batch of N = 65K tokens reading ~270 rows each, which the
-  blocked lookup computes as S ~ 61M score entries):
-    * a table sharded along d: every score K_t x sums over all of d, so the S fp32 scores (244 MB) are
-      all-reduced in the forward, again in the backward's recompute, and the score gradients once more:
-      ~0.7 GB per layer and micro-batch against 0.4 GB (4 x N x d bf16) for a whole block's all-reduces,
-      with one collective per chunk inside the lookup's loop;
-    * rows sharded by token (as the vocab-parallel embedding): one all-reduce of h (N x d, 100 MB) would
-      do, but the allocation is skewed and data-derived (1 to k_max = 512 rows per token): equal shards
-      cut tokens' rows across ranks (a softmax spread over ranks, in the hand-written backward too), and
-      shards on token boundaries have unequal, data-dependent shapes that a checkpoint would inherit;
-    * W_up / W_mix sharded Megatron-style: the LayerNorm over d_up needs its statistics all-reduced, and
-      W_mix reads [u ; x], a sharded u beside a replicated x, whose columns no single chunked dim splits.
-  Replicated, the layer needs no collective in the forward or backward; the price is memory, the table
-  and its gradient whole on every TP rank (1.6 GB fp32 each per d12 layer; the AdamW moments, 3.2 GB,
-  are split over DP only, as any large AdamW tensor's), and without sequence parallelism the work of
-  W_up / W_mix (9 d^2 parameters, 3/4 of a block's 12 d^2) on every rank: at d12, TP=2, one L3 layer,
-  6% more per-rank work than an even split. With sequence parallelism each rank runs the layer on its
-  own tokens (`token_share` picks their ids), so that work splits too, and the partial gradients are
-  summed over TP once per step (tp_partial_grad): one all-reduce of the table gradient (1.6 GB fp32 at
-  d12), as large as its DP reduction.
+- L3 layers (l3.py) replicated: the table, W_up and W_mix whole on every TP rank, so the layer needs no
+  collective. Sharding the table along d would all-reduce every score (more bytes than a block's collectives),
+  and sharding it by token splits a skewed, data-derived allocation into unequal shards that checkpoints would
+  inherit (dev/LOG.md, 2026-11-23). With sequence parallelism each rank runs the layer on its own tokens
+  (`token_share` picks their ids), so the work splits too, and the partial gradients are summed over TP once
+  per step (tp_partial_grad).
 
 A region starts with `RegionEnter` (f, or the sequence all-gather) placed at the model's `tp_enter`
 hook and ends inside the row-parallel linear (g, or the reduce-scatter). Every collective is one of the
@@ -54,7 +49,8 @@ import torch.nn.functional as F
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from nanochat.kernels.softcap_ce import softcap, reduce_losses
+from nanochat.common import ConfigError
+from nanochat.gpt import softcap, reduce_losses
 from nanochat.fp8 import fp8_linear
 
 
@@ -100,15 +96,9 @@ def reduce_partial_grad(p, grad):
 
 
 # -----------------------------------------------------------------------------
-# The conjugate collectives, as autograd functions. `funcol` (functional collectives) return new
-# tensors, which torch.compile can trace; they work on gloo (CPU) and NCCL alike.
-#
-#   f  copy_to_tp          forward: identity         backward: all-reduce    (enter a TP region)
-#   g  reduce_from_tp      forward: all-reduce       backward: identity      (leave a TP region)
-#      gather_sequence     forward: all-gather tokens      backward: reduce-scatter tokens (enter, with SP)
-#      scatter_sequence    forward: reduce-scatter tokens  backward: all-gather tokens     (leave, with SP)
-#      split_sequence      forward: keep my tokens         backward: all-gather tokens     (after the embedding, SP)
-#      gather_vocab        forward: all-gather V     backward: keep my V chunk    (full logits, inference)
+# The collectives. `funcol` (functional collectives) return new tensors, which torch.compile can trace; they
+# work on gloo (CPU) and NCCL alike.
+
 
 def _all_gather(x, dim, group):
     """Concatenate every rank's x along dim (all_gather works on dim 0: move dim to the front)."""
@@ -147,69 +137,26 @@ def _my_tokens(x, group):
     return _my_chunk(x.reshape(B * T, D), 0, group).view(B, T // dist.get_world_size(group), D)
 
 
-class _CopyToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
+def _conjugate(name, forward, backward):
+    """An autograd function: `forward(x, group)` in the forward, its conjugate `backward(grad, group)` in the
+    backward."""
+    def fwd(ctx, x, group):
         ctx.group = group
-        return x
+        return forward(x, group)
 
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group), None
-
-
-class _ReduceFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
+    def bwd(ctx, grad):
+        return backward(grad, ctx.group), None
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(fwd), "backward": staticmethod(bwd)})
 
 
-class _GatherSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather_tokens(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter_tokens(grad, ctx.group), None
-
-
-class _ScatterSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter_tokens(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_tokens(grad, ctx.group), None
-
-
-class _SplitSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _my_tokens(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_tokens(grad, ctx.group), None
-
-
-class _GatherVocab(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_gather(x, x.dim() - 1, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _my_chunk(grad, grad.dim() - 1, ctx.group), None
+# the conjugate pairs, (forward, backward):
+_CopyToTP = _conjugate("CopyToTP", lambda x, g: x, _all_reduce)  # f: identity, all-reduce (enter a region)
+_ReduceFromTP = _conjugate("ReduceFromTP", _all_reduce, lambda x, g: x)  # g: all-reduce, identity (leave a region)
+_GatherSequence = _conjugate("GatherSequence", _gather_tokens, _reduce_scatter_tokens)  # enter a region, with SP
+_ScatterSequence = _conjugate("ScatterSequence", _reduce_scatter_tokens, _gather_tokens)  # leave a region, with SP
+_SplitSequence = _conjugate("SplitSequence", _my_tokens, _gather_tokens)  # after the embedding, with SP
+_GatherVocab = _conjugate("GatherVocab", lambda x, g: _all_gather(x, x.dim() - 1, g),  # whole logits (evaluation)
+                          lambda x, g: _my_chunk(x, x.dim() - 1, g))
 
 
 class RegionEnter(nn.Module):
@@ -409,10 +356,10 @@ def check_tp_size(config, tp, sequence_parallel=False):
         if n % tp != 0:
             valid = [d for d in _divisors(config.n_head) if config.n_kv_head % d == 0 and config.vocab_size % d == 0
                      and (4 * config.n_embd) % d == 0]
-            raise ValueError(f"--tp {tp} does not divide the {what} = {n}; valid --tp values for this model: {valid}. "
+            raise ConfigError(f"--tp {tp} does not divide the {what} = {n}; valid --tp values for this model: {valid}. "
                              f"(head count = model_dim / head_dim: pick --depth/--aspect-ratio/--head-dim so it divides)")
     if sequence_parallel and config.sequence_len % tp != 0:
-        raise ValueError(f"--sequence-parallel needs --max-seq-len ({config.sequence_len}) divisible by --tp {tp}")
+        raise ConfigError(f"--sequence-parallel needs --max-seq-len ({config.sequence_len}) divisible by --tp {tp}")
 
 
 def parallelize(model, layout, sequence_parallel=False):

@@ -16,7 +16,7 @@ import binascii
 
 import torch
 
-from nanochat.common import get_base_dir, atomic_write_bytes, atomic_torch_save, base_dir_hint
+from nanochat.common import UserError, get_base_dir, atomic_write_bytes, atomic_torch_save, base_dir_hint
 
 # GPT-4 style split, except that numbers split in groups of 1-2 digits (not 1-3): with a small
 # vocabulary, fewer number tokens leave room for more words.
@@ -32,8 +32,8 @@ SPECIAL_TOKENS = [
 ]
 
 
-class TokenizerError(RuntimeError):
-    pass
+class TokenizerError(UserError):
+    """A missing or damaged tokenizer."""
 
 
 def default_tokenizer_dir():

@@ -1,32 +1,34 @@
 """
 The training core, written once: scripts/base_train.py, the parallel-equivalence tests
-(tests/parallel_harness.py) and dev/profile_train.py build and step the model through these
-functions, so the tests check what the product runs.
+(tests/parallel_harness.py) and the dev tools build the model and step it through `setup` and the Trainer it
+returns, so the tests check what the product runs.
 
-Setup, in the order a run calls it:
-  build_model_for_training  the model: L3 tables allocated from the data (fresh runs), fp8 linears
-  check_ranks_agree         several nodes: the same shards everywhere, one checkpoint folder for all
-  apply_parallelism         tensor parallelism, then this rank's pipeline stage
-  tune_weight_gradients     CUDA: per weight shape, split-K weight gradients where they are faster
-  make_optimizer            Muon + AdamW over the model's parameter groups
-  apply_recompute           activation recompute in the blocks (--recompute)
-  compile_for_training      the module the step calls
-  make_loader               best-fit packed batches of this DP rank
-The loop:
-  Schedule                  LR, Muon momentum and Muon weight decay by step
-  Trainer                   one training step, evaluation mode, the checkpoint save
+setup does the whole order, as torchtitan applies its plan in one function:
+  build       the model on the meta device, materialized and initialized (gpt.build_model)
+  L3          the tables' rows allocated from the training data (a fresh run; a resumed one loads them)
+  fp8         the eligible linears converted (fp8.py)
+  resume      the saved weights loaded into the whole model, before it is cut up
+  TP, PP      tensor parallelism, then only this rank's pipeline stage kept
+  attention   the kernel settled (and FlexAttention's masks built) before anything is traced
+  split-K     per weight shape, whether a split weight gradient is faster on this GPU (CUDA)
+  optimizer   Muon + AdamW over the model's parameter groups (and its saved state)
+  recompute   activation recompute in the blocks (--recompute)
+  compile     the module the step calls
+make_loader gives the batches of this DP rank. The loop: Schedule (LR, Muon momentum and decay by step) and
+Trainer (one step, evaluation mode, the whole model for CORE, the checkpoint save).
 """
 
 import os
 import math
 import time
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from nanochat.common import print0, barrier, all_reduce_max
+from nanochat.common import print0, ConfigError
+from nanochat.distributed import barrier, all_reduce_max
 from nanochat.gpt import build_model, Block, RECOMPUTE_MODES
 from nanochat import kernels
 from nanochat.optim import MuonAdamW
@@ -38,56 +40,101 @@ from nanochat import checkpoint_manager as ckpt
 # Setup
 
 
-def build_model_for_training(config, device, dtype, layout, fp8=False, l3_data=None):
-    """The model as a run starts it, whole on every rank. l3_data = (tokenizer, data_dir) allocates the
-    L3 tables' rows from the training data (a fresh run; a resumed one loads the saved allocation).
-    fp8 converts the eligible linears. Returns (model, whether any linear runs in fp8)."""
+@dataclass
+class LearningRates:
+    """Base learning rates and Muon's weight decay (base_train scales them by the recipe first)."""
+    embedding_lr: float = 0.3
+    unembedding_lr: float = 0.008
+    matrix_lr: float = 0.02
+    scalar_lr: float = 0.5
+    weight_decay: float = 0.28
+
+
+def setup(config, layout, device, dtype, lrs, fp8=False, l3_data=None, after_init=None, resume=None,
+          sequence_parallel=False, pp_schedule="1f1b", num_microbatches=1, micro_batch_size=1, recompute="none",
+          compile=None, overlap_grad_reduce=False):
+    """Build what one training process steps, in the order above; returns its Trainer.
+    l3_data: (tokenizer, data_dir) to allocate L3's rows from (a fresh run). after_init(model): a hook on the
+    whole initialized model (the tests move the weights off the init point there). resume: (model_state,
+    optim_state or None) of a checkpoint. compile: a torch.compile backend ("inductor"; the tests' aot_eager),
+    or None for eager; the optimizer's updates are compiled too under inductor."""
     model = build_model(config, device, dtype)
     if config.l3_after_layers and l3_data is not None:
         from nanochat.l3 import allocate_for_model
         allocate_for_model(model, *l3_data, layout)
-    fp8_active = False
     if fp8:
         from nanochat.fp8 import convert_to_fp8
-        fp8_active = convert_to_fp8(model, device) > 0
-    return model, fp8_active
-
-
-def apply_parallelism(model, layout, sequence_parallel=False, num_microbatches=1, micro_batch_size=1,
-                      pp_schedule="1f1b"):
-    """Shard the model over the TP group (tp > 1), then keep only this rank's pipeline stage (pp > 1).
-    Returns the Pipeline that drives the stage, or None without pipeline parallelism."""
+        convert_to_fp8(model, device)
+    if after_init is not None:
+        after_init(model)
+    if resume is not None:
+        ckpt.load_model_state(model, resume[0])
+    flops_per_token = model.estimate_flops()  # of the whole model, with L3's real allocation
     if layout.tp_size > 1:
         from nanochat.tensor_parallel import parallelize
-        parallelize(model, layout, sequence_parallel=sequence_parallel)
-    if layout.pp_size == 1:
-        return None
-    from nanochat.pipeline_parallel import Pipeline
-    return Pipeline(model, layout, num_microbatches, micro_batch_size, pp_schedule, sequence_parallel)
+        parallelize(model, layout, sequence_parallel)
+    pipeline = None
+    if layout.pp_size > 1:
+        from nanochat.pipeline_parallel import Pipeline
+        pipeline = Pipeline(model, layout, num_microbatches, micro_batch_size, pp_schedule, sequence_parallel)
+    attention = kernels.prepare_attention(config, model.window_sizes, device, dtype)
+    wgrad_splits = {}
+    if device.type == "cuda":  # rank 0's choice, so that every rank computes alike
+        splits = [kernels.tune_wgrad_splits(model, micro_batch_size * config.sequence_len, dtype)]
+        if layout.world_size > 1:
+            dist.broadcast_object_list(splits, src=0)
+        wgrad_splits = splits[0]
+        kernels.set_wgrad_splits(model, wgrad_splits)
+    groups = model.param_groups(**vars(lrs))
+    optimizer = MuonAdamW(groups, {p: n for n, p in model.named_parameters()}, dp_group=layout.dp_group,
+                          compute_dtype=dtype, compile=compile == "inductor", overlap_grad_reduce=overlap_grad_reduce)
+    if resume is not None and resume[1] is not None:
+        optimizer.load_full_state_dict(resume[1])
+    if recompute not in RECOMPUTE_MODES:
+        raise ConfigError(f"--recompute {recompute!r}: use one of {', '.join(RECOMPUTE_MODES)}")
+    for block in model.blocks:
+        if isinstance(block, Block):  # a pipeline stage holds Identities in place of the others' blocks
+            block.recompute = recompute
+    train_model = model if compile is None else compile_for_training(model, pipeline, optimizer.dp.overlap, compile)
+    return Trainer(model, train_model, pipeline, optimizer, layout, sequence_parallel=sequence_parallel,
+                   fp8=any(getattr(m, "fp8", False) for m in model.modules()), flops_per_token=flops_per_token,
+                   attention=attention, wgrad_splits=wgrad_splits)
 
 
-def tune_weight_gradients(model, layout, tokens, dtype):
-    """Per weight shape, whether a split-K weight gradient is faster on this GPU (kernels.Linear), for
-    micro-batches of `tokens` tokens; rank 0's choice, so that every rank computes alike. Returns the
-    choice {(out, in): (split, ms plain, ms split)}."""
-    splits = [kernels.tune_wgrad_splits(model, tokens, dtype)]
-    if layout.world_size > 1:
-        dist.broadcast_object_list(splits, src=0)
-    kernels.set_wgrad_splits(model, splits[0])
-    return splits[0]
+def compile_for_training(model, pipeline, per_block, backend):
+    """torch.compile for the training step. Without a pipeline the whole model is one graph (returned: the
+    step calls it; the uncompiled module stays for checkpoints, sampling and CORE). Under a pipeline the
+    schedule calls the pieces one micro-batch at a time: this stage's blocks are one graph (model.run_blocks,
+    compiled in place; the loss is a second one), so that the L3 layers after the blocks compile too and the
+    ops where one block ends and the next begins fuse; the messages and the schedule stay eager. Every
+    micro-batch has the same shapes: the first compiles, the rest of the run reuses it. Overlapped gradient
+    reduction (per_block) needs each block's gradients when its backward ends, where one graph yields them
+    all at its end: then each block (of this stage) and the loss are compiled in place."""
+    if pipeline is None and not per_block:
+        return torch.compile(model, dynamic=False, backend=backend)
+    if per_block:
+        blocks = range(pipeline.start, pipeline.end) if pipeline is not None else range(len(model.blocks))
+        for i in blocks:
+            model.blocks[i].compile(dynamic=False, backend=backend)
+        print0("note: each block and the loss are compiled separately (overlapped gradient reduction)")
+    else:
+        model.run_blocks = torch.compile(model.run_blocks, dynamic=False, backend=backend)
+        print0("note: this stage's blocks and the loss are compiled as two graphs (the schedule stays eager)")
+    model.criterion.compile(dynamic=False, backend=backend)
+    return model
 
 
 def check_ranks_agree(layout, data_dir, ckpt_dir, saves):
     """Several nodes: every rank must see the same shards (a copy per node or a shared folder), else DP
-    ranks would stride over different lists (raises ValueError naming the ranks). Checkpoints are written
+    ranks would stride over different lists (raises ConfigError naming the ranks). Checkpoints are written
     by one rank per stage and read by every rank on resume, so ckpt_dir must be one file system for all:
     returns a warning naming the hosts that cannot see it (None when they all can, or nothing is saved)."""
     listings = [None] * layout.world_size
     dist.all_gather_object(listings, (os.uname().nodename, data_dir, shard_listing(data_dir)), group=layout.cpu_group)
     differ = [f"rank {r} ({host}: {d})" for r, (host, d, lst) in enumerate(listings) if lst != listings[0][2]]
     if differ:
-        raise ValueError(f"the data differs between ranks: {', '.join(differ)} do not see the shards of rank 0 "
-                         f"({listings[0][0]}: {listings[0][1]}); give every node the same shards (a copy or a shared folder)")
+        raise ConfigError(f"the data differs between ranks: {', '.join(differ)} do not see the shards of rank 0 "
+                          f"({listings[0][0]}: {listings[0][1]}); give every node the same shards (a copy or a shared folder)")
     if not saves:
         return None
     probe = os.path.join(ckpt_dir, f".shared_probe_{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}")
@@ -107,61 +154,11 @@ def check_ranks_agree(layout, data_dir, ckpt_dir, saves):
             f"Point NANOCHAT_BASE_DIR at a shared file system, or copy the checkpoint to every node before resuming.")
 
 
-def make_optimizer(model, layout, dtype, embedding_lr, unembedding_lr, matrix_lr, scalar_lr, weight_decay,
-                   compile=False, overlap_grad_reduce=False):
-    names = {p: n for n, p in model.named_parameters()}
-    groups = model.param_groups(embedding_lr, unembedding_lr, matrix_lr, scalar_lr, weight_decay)
-    return MuonAdamW(groups, names, dp_group=layout.dp_group, compute_dtype=dtype, compile=compile,
-                     overlap_grad_reduce=overlap_grad_reduce)
-
-
-def apply_recompute(model, mode):
-    """Activation recompute (--recompute): "none", "mlp" (each block's norm + MLP) or "block" (each whole
-    block) keeps only the region's inputs in the forward and runs it again in the backward; "selective"
-    runs the whole block again but keeps the outputs of its attention and fused ReLU^2 product. Set on the
-    blocks (this stage's, under a pipeline) before compile_for_training; the blocks apply it only in
-    training mode with grad enabled, so evaluation, CORE and sampling run as without it."""
-    if mode not in RECOMPUTE_MODES:
-        raise ValueError(f"--recompute {mode!r}: use one of {', '.join(RECOMPUTE_MODES)}")
-    for block in model.blocks:
-        if isinstance(block, Block):  # a pipeline stage holds Identities in place of the others' blocks
-            block.recompute = mode
-
-
-def compile_for_training(model, pipeline, per_block=False, backend="inductor"):
-    """torch.compile for the training step. Without a pipeline the whole model is one graph (returned:
-    the step calls it; the uncompiled module stays for checkpoints, sampling and CORE). Under a pipeline
-    the schedule calls the pieces one micro-batch at a time: this stage's blocks are one graph
-    (model.run_blocks, compiled in place; the loss is a second one), the code the one-device graph
-    compiles between embedding and head, rather than a graph per block: the L3 layers placed after the
-    blocks are compiled too (a per-block compile leaves them eager), and the elementwise ops where one
-    block ends and the next begins (residual add, lambda mix, the next norm) fuse. The price is compile
-    time growing with the stage's blocks, where blocks of one kind (window, value embedding) share a
-    per-block graph (dev/bench_stage_compile.py measures both). Every micro-batch has the same shapes,
-    so the first one compiles and the rest of the run reuses it; the schedule's sends and receives stay
-    eager. Overlapped gradient reduction (per_block) needs each block's gradients when its backward
-    ends, where one graph yields them all at its end: then each block (of this stage) and the loss are
-    compiled in place. backend: torch.compile's (the tests use aot_eager: the same capture, guards and
-    autograd split, without code generation)."""
-    if pipeline is None and not per_block:
-        return torch.compile(model, dynamic=False, backend=backend)
-    if per_block:
-        blocks = range(pipeline.start, pipeline.end) if pipeline is not None else range(len(model.blocks))
-        for i in blocks:
-            model.blocks[i].compile(dynamic=False, backend=backend)
-        print0("note: each block and the loss are compiled separately (overlapped gradient reduction)")
-    else:
-        model.run_blocks = torch.compile(model.run_blocks, dynamic=False, backend=backend)
-        print0("note: this stage's blocks and the loss are compiled as two graphs (the schedule stays eager)")
-    model.criterion.compile(dynamic=False, backend=backend)
-    return model
-
-
 def make_loader(tokenizer, split, batch_size, seq_len, device, layout, data_dir, grad_accum=1, state=None,
                 keep_remainder=False):
     """This DP rank's (x, y, state) batches. Training prefetches a whole step: a step starts once all its
     micro-batches are in, so with a shallower queue the GPU would wait at every step for the loader to
-    pack the rest (measured: ~80 ms per step); evaluation takes one batch at a time."""
+    pack the rest; evaluation takes one batch at a time."""
     train = split == "train"
     return DataLoader(tokenizer, batch_size, seq_len, split, device, data_dir=data_dir, dp_rank=layout.dp_rank,
                       dp_size=layout.dp_size, state=state, prefetch=grad_accum + 1 if train else 2,
@@ -218,13 +215,6 @@ def next_batches(loader, n):
     return batches, state
 
 
-def write_history_row(path, step, loss, val_bpb=None):
-    """One row of train_loss.csv (step, smoothed loss, val bpb or empty); path None: not this rank's file."""
-    if path is not None:
-        with open(path, "a") as f:
-            f.write(f"{step},{loss:.6f}," + (f"{val_bpb:.6f}" if val_bpb is not None else "") + "\n")
-
-
 @dataclass
 class Trainer:
     """What one training process steps, evaluates and saves. model: the uncompiled module (checkpoints,
@@ -237,6 +227,9 @@ class Trainer:
     layout: object
     fp8: bool = False               # fp8 linears in training: evaluation turns their fp8 flags off (bf16)
     sequence_parallel: bool = False
+    flops_per_token: float = 0.0    # of the whole model (estimate_flops), before it was cut up
+    attention: str = ""             # the attention kernel that trains (for the log)
+    wgrad_splits: dict = field(default_factory=dict)  # split-K per weight shape (for the log)
 
     def step(self, batches, schedule, it):
         """One optimizer step on the micro-batches [(x, y), ...]: forward and backward (through the
@@ -262,10 +255,7 @@ class Trainer:
                 group["weight_decay"] = schedule.muon_weight_decay(it)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if self.layout.dp_size > 1:  # report the mean over DP ranks
-            dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=self.layout.dp_group)
-            loss = loss / self.layout.dp_size
-        return loss, lrm
+        return self.optimizer.dp.mean_loss(loss), lrm
 
     @contextlib.contextmanager
     def evaluating(self):
@@ -294,7 +284,8 @@ class Trainer:
         """The model CORE and sampling run (variable-length inputs): this one, or under pipeline or
         sequence parallelism (fixed shapes only) a gathered whole copy on every rank, to be freed after."""
         if self.pipeline is not None or self.sequence_parallel:
-            return ckpt.gathered_model(self.model, self.layout)
+            from nanochat.pipeline_parallel import whole_model_copy
+            return whole_model_copy(self.model, self.layout)
         return self.model
 
     def save_checkpoint(self, ckpt_dir, step, data_state, meta, keep_last=-1):

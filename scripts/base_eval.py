@@ -15,14 +15,16 @@ import os
 import csv
 import argparse
 
-from nanochat.common import (compute_init, compute_cleanup, print0, get_base_dir, get_compute_dtype, fail,
-                             install_stop_handlers, Interrupted, cpu_memory_error)
-from nanochat.checkpoint_manager import load_model, CheckpointError
-from nanochat.tokenizer import get_tokenizer, get_token_bytes, TokenizerError
+from nanochat.common import UserError, ConfigError, print0, get_base_dir, get_compute_dtype, fail
+from nanochat.distributed import compute_init, compute_cleanup
+from nanochat.signals import install_stop_handlers, Interrupted
+from nanochat.memory import cpu_memory_error
+from nanochat.checkpoint_manager import load_model
+from nanochat.tokenizer import get_tokenizer, get_token_bytes
 from nanochat.dataloader import DataLoader
-from nanochat.dataset import check_data, DataError
+from nanochat.dataset import check_data
 from nanochat.loss_eval import evaluate_bpb, default_eval_tokens
-from nanochat.core_eval import find_eval_bundle, evaluate_core, EvalBundleError
+from nanochat.core_eval import find_eval_bundle, evaluate_core
 from nanochat import report
 from nanochat import kernels
 
@@ -60,50 +62,38 @@ def main():
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (under torchrun); any checkpoint loads at any TP")
     parser.add_argument("--kernels", type=str, default=None, choices=kernels.MODES, help="auto: fast kernels where they apply; reference: the plain PyTorch math everywhere (default: NANOCHAT_KERNELS, else auto)")
     args = parser.parse_args()
-    kernels.set_mode(args.kernels)
-
     try:
+        kernels.set_mode(args.kernels)
         layout, device = compute_init(args.device_type, tp=args.tp)
-    except (ValueError, RuntimeError) as e:
-        fail(str(e))
-    install_stop_handlers()
-    try:
+        install_stop_handlers()
         evaluate(args, layout, device)
     except Interrupted:
         fail("stopped by a signal during the evaluation; nothing was written")
+    except UserError as e:
+        fail(str(e))
     compute_cleanup()
 
 
 def evaluate(args, layout, device):
     """CORE, then bpb on train and val; the results to stdout, the CSV and the report."""
     if args.max_per_task == 0:
-        fail("--max-per-task 0 evaluates nothing; give a positive count, or -1 for all items")
+        raise ConfigError("--max-per-task 0 evaluates nothing; give a positive count, or -1 for all items")
     # everything that can be missing is looked for before the long parts: the bundle first (offline
     # that fails fast), then the data (check_data opens every shard), the tokenizer and the checkpoint
-    bundle, data_dir = None, None
-    try:
-        if not args.skip_core:
-            bundle = find_eval_bundle(args.eval_bundle, layout)
-        if not args.skip_bpb:
-            data_dir = check_data(args.data_dir)
-        tokenizer = get_tokenizer()
-        token_bytes = get_token_bytes(device)
-        model, meta = load_model(args.model_tag, args.step, device, get_compute_dtype(device.type), layout=layout,
-                                 tokenizer=tokenizer)
-        model_tag = meta["model_tag"]
-    except (EvalBundleError, DataError, TokenizerError, CheckpointError, ValueError) as e:
-        fail(str(e))
-    step = meta["step"]
+    bundle = find_eval_bundle(args.eval_bundle, layout) if not args.skip_core else None
+    data_dir = check_data(args.data_dir) if not args.skip_bpb else None
+    tokenizer = get_tokenizer()
+    token_bytes = get_token_bytes(device)
+    model, meta = load_model(args.model_tag, args.step, device, get_compute_dtype(device.type), layout=layout,
+                             tokenizer=tokenizer)
+    model_tag, step = meta["model_tag"], meta["step"]
     print0(f"evaluating {model_tag} step {step} (sequence length {model.config.sequence_len}, "
            f"compute dtype {model.compute_dtype}) on dp {layout.dp_size} x tp {layout.tp_size}")
 
     items = {"model tag": model_tag, "step": step}
     sections = []
     if not args.skip_core:
-        try:
-            core = evaluate_core(model, tokenizer, device, bundle, args.max_per_task, layout)
-        except EvalBundleError as e:
-            fail(str(e))
+        core = evaluate_core(model, tokenizer, device, bundle, args.max_per_task, layout)
         table = core_table(core)
         print0(table)
         if core["missing"]:
@@ -124,17 +114,14 @@ def evaluate(args, layout, device):
         T = model.config.sequence_len
         if device.type == "cpu" and (error := cpu_memory_error(sum(p.numel() for p in model.parameters()), model.config,
                                                                args.device_batch_size, T, training=False)):
-            fail(error)
+            raise ConfigError(error)
         eval_tokens = default_eval_tokens(device.type) if args.eval_tokens < 0 else args.eval_tokens
         steps = max(1, eval_tokens // (args.device_batch_size * T * layout.dp_size))
         for split in ("train", "val"):
-            try:
-                loader = DataLoader(tokenizer, args.device_batch_size, T, split, device, data_dir=data_dir,
-                                    dp_rank=layout.dp_rank, dp_size=layout.dp_size)
-                bpb = evaluate_bpb(lambda x, y: model(x, y, loss_reduction="none"), loader, steps, token_bytes, layout,
-                                   label=f"{split} bpb")
-            except DataError as e:
-                fail(str(e))
+            loader = DataLoader(tokenizer, args.device_batch_size, T, split, device, data_dir=data_dir,
+                                dp_rank=layout.dp_rank, dp_size=layout.dp_size)
+            bpb = evaluate_bpb(lambda x, y: model(x, y, loss_reduction="none"), loader, steps, token_bytes, layout,
+                               label=f"{split} bpb")
             loader.close()
             print0(f"{split} bpb: {bpb:.6f}")
             items[f"{split} bpb"] = bpb

@@ -12,9 +12,10 @@ A completion stops at <|bos|> (the start of another document) or after --max-tok
 import sys
 import argparse
 
-from nanochat.common import compute_init, compute_cleanup, get_compute_dtype
-from nanochat.checkpoint_manager import CheckpointError, load_model
-from nanochat.tokenizer import get_tokenizer, TokenizerError
+from nanochat.common import UserError, get_compute_dtype
+from nanochat.distributed import compute_init, compute_cleanup
+from nanochat.checkpoint_manager import load_model
+from nanochat.tokenizer import get_tokenizer
 from nanochat.engine import generate, SAMPLE_PROMPTS
 from nanochat import report
 from nanochat import kernels
@@ -37,12 +38,12 @@ kernels.set_mode(args.kernels)
 
 if args.num_samples < 1 or args.max_tokens < 1 or args.temperature < 0:
     sys.exit("ERROR: --num-samples and --max-tokens must be positive and --temperature at least 0")
-_, device = compute_init(args.device_type)
 try:
+    _, device = compute_init(args.device_type)
     tokenizer = get_tokenizer()
     model, meta = load_model(args.model_tag, args.step, device, get_compute_dtype(device.type), tokenizer=tokenizer)
     model_tag = meta["model_tag"]
-except (TokenizerError, CheckpointError) as e:
+except UserError as e:
     sys.exit(f"ERROR: {e}")
 bos = tokenizer.get_bos_token_id()
 print(f"sampling from {model_tag} step {meta['step']} (temperature {args.temperature}, top-k {args.top_k}, seed {args.seed})")

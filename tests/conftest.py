@@ -55,15 +55,15 @@ def run_script(module, args, env, nproc=1, timeout=600, check=True):
     return p
 
 
-def parse_losses(stdout):
-    """{step: loss} from base_train's per-step lines."""
-    import re
-    out = {}
-    for line in stdout.splitlines():
-        m = re.match(r"^step (\d+)/\d+ \([\d.]+%\) \| loss: ([\d.naninf]+)", line)
-        if m:
-            out[int(m.group(1))] = float(m.group(2))
-    return out
+def read_run(env, tag):
+    """A base_train run as its metrics.jsonl tells it (nanochat.run_log.Run); env: the run's environment."""
+    from nanochat.run_log import Run
+    return Run(os.path.join(env["NANOCHAT_BASE_DIR"], "base_checkpoints", tag, "metrics.jsonl"))
+
+
+def run_losses(env, tag):
+    """{step: loss} of a base_train run, from its metrics.jsonl."""
+    return read_run(env, tag).losses()
 
 
 # the smallest model the scripts can build: 2 layers, dim 64, 2 heads of 32, context 64

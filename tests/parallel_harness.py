@@ -1,7 +1,7 @@
 """Train a tiny GPT for a few steps at a given (DP, TP, PP) layout on fixed batches, in processes
 started with torch.multiprocessing (gloo, CPU, fp32), and return the losses and the full parameters.
 The setup, the step (with base_train's schedules) and the checkpoint save are base_train's own
-(nanochat.training). The equivalence tests compare each layout against one process."""
+(nanochat.training.setup and its Trainer). The equivalence tests compare each layout against one process."""
 
 import os
 import atexit
@@ -17,8 +17,8 @@ import torch.multiprocessing as mp
 CONFIG = dict(sequence_len=32, vocab_size=64, n_layer=4, n_head=4, n_kv_head=2, n_embd=64, window_pattern="SL")
 GLOBAL_BATCH = 8   # sequences per step
 MICRO_BATCH = 2    # sequences per micro-batch per process
-# Modest LRs and decay: Adam (eps 1e-10) and the cautious-decay mask turn float-order noise in near-zero
-# gradients into steps of up to lr (and lr*wd*|w|), so the tolerance is only meaningful when those are small.
+# Modest LRs and decay (not base_train's): Adam (eps 1e-10) and the cautious-decay mask turn float-order noise in
+# near-zero gradients into steps of up to lr (and lr*wd*|w|), so the tolerance is only meaningful when those are small.
 LRS = dict(embedding_lr=0.01, unembedding_lr=0.004, matrix_lr=0.02, scalar_lr=0.02, weight_decay=0.01)
 
 
@@ -75,35 +75,32 @@ def _worker(rank, world, tp, pp, sequence_parallel, schedule, steps, port, out_d
     torch.set_num_threads(1)
     if world > 1:
         dist.init_process_group("gloo", rank=rank, world_size=world)
-    from nanochat.common import build_layout
+    from nanochat.distributed import build_layout
     from nanochat.gpt import GPTConfig
     from nanochat import checkpoint_manager as ckpt
     from nanochat import training
     layout = build_layout(rank, world, rank, tp, pp)
     torch.manual_seed(0)
-    model, _ = training.build_model_for_training(GPTConfig(**{**CONFIG, **config_overrides}), "cpu", torch.float32, layout)
-    if fp8:  # forced on CPU: the products run on emulated fp8 operands (torch._scaled_mm's CPU path)
-        from nanochat.fp8 import convert_to_fp8
-        convert_to_fp8(model, force=True)
-    leave_identity_init(model)
-    if resume_from is None:
-        allocate_l3(model)
-    per_rank = GLOBAL_BATCH // layout.dp_size
-    n_micro = per_rank // MICRO_BATCH
-    pipeline = training.apply_parallelism(model, layout, sequence_parallel, n_micro, MICRO_BATCH, schedule)
-    optimizer = training.make_optimizer(model, layout, torch.float32, **LRS, overlap_grad_reduce=overlap)
-    training.apply_recompute(model, recompute)
-    train_model = model
-    if compile_backend is not None:
-        train_model = training.compile_for_training(model, pipeline, per_block=optimizer.overlap, backend=compile_backend)
-    trainer = training.Trainer(model, train_model, pipeline, optimizer, layout, fp8=fp8, sequence_parallel=sequence_parallel)
-    schedule_of_steps = training.Schedule(steps, LRS["weight_decay"], warmup_steps=0, warmdown_ratio=0.0)
-    first_step = 0
+
+    def after_init(model):
+        if fp8:  # forced on CPU: the products run on emulated fp8 operands (torch._scaled_mm's CPU path)
+            from nanochat.fp8 import convert_to_fp8
+            convert_to_fp8(model, force=True)
+        leave_identity_init(model)
+        if resume_from is None:
+            allocate_l3(model)
+
+    resume, first_step = None, 0
     if resume_from is not None:
         model_state, optim_state, meta = ckpt.load_checkpoint(resume_from, device="cpu")
-        ckpt.load_model_state(model, model_state)
-        optimizer.load_full_state_dict(optim_state)
-        first_step = meta["step"]
+        resume, first_step = (model_state, optim_state), meta["step"]
+    per_rank = GLOBAL_BATCH // layout.dp_size
+    trainer = training.setup(GPTConfig(**{**CONFIG, **config_overrides}), layout, torch.device("cpu"), torch.float32,
+                             training.LearningRates(**LRS), after_init=after_init, resume=resume,
+                             sequence_parallel=sequence_parallel, pp_schedule=schedule,
+                             num_microbatches=per_rank // MICRO_BATCH, micro_batch_size=MICRO_BATCH, recompute=recompute,
+                             compile=compile_backend, overlap_grad_reduce=overlap)
+    schedule_of_steps = training.Schedule(steps, LRS["weight_decay"], warmup_steps=0, warmdown_ratio=0.0)
     batches = fixed_batches(steps)
     losses, overlapped, graphs = [], [], []
     for step in range(first_step, steps):
@@ -111,7 +108,7 @@ def _worker(rank, world, tp, pp, sequence_parallel, schedule, steps, port, out_d
         micro = [(rows[i:i + MICRO_BATCH, :-1], rows[i:i + MICRO_BATCH, 1:]) for i in range(0, per_rank, MICRO_BATCH)]
         loss, _ = trainer.step(micro, schedule_of_steps, step)
         losses.append(loss.item())
-        overlapped.append(optimizer.launched_in_backward)
+        overlapped.append(trainer.optimizer.dp.launched_in_backward)
         if compile_backend is not None:  # graphs compiled so far in this process: a recompile adds one
             graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
         if step + 1 == steps // 2 and out_dir is not None:  # a mid-run checkpoint, saved as base_train saves
@@ -121,7 +118,7 @@ def _worker(rank, world, tp, pp, sequence_parallel, schedule, steps, port, out_d
     eval_model = trainer.whole_model()
     with torch.no_grad(), trainer.evaluating():
         eval_loss = eval_model(batches[0][:, :-1], batches[0][:, 1:]).item()
-    model_state = ckpt.full_model_state(model)
+    model_state = ckpt.full_model_state(trainer.model)
     if layout.dp_rank == 0 and layout.tp_rank == 0:
         torch.save({"losses": losses, "params": model_state, "eval_loss": eval_loss, "overlapped": overlapped,
                     "graphs": graphs},

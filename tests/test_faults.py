@@ -3,7 +3,6 @@ used with another tokenizer, interrupted saves, pruning, and what the CPU can ho
 runs); the scripts' side is in test_train.py and test_base_eval.py."""
 
 import os
-import json
 import pickle
 
 import pytest
@@ -105,7 +104,7 @@ def test_damaged_tokenizer_is_named(tmp_path):
 
 
 def test_cpu_memory_estimate_grows_with_the_micro_batch():
-    from nanochat.common import estimate_memory
+    from nanochat.memory import estimate_memory
     small = estimate_memory(37_000_000, 4, 256, 32768, 4 * 512)
     assert 0.8 * 2**30 < small - 2**30 < 2.0 * 2**30  # measured: ~1.25 GiB peak for this one (d4, 2048 tokens)
     big = estimate_memory(37_000_000, 4, 256, 32768, 32 * 2048)  # the old CPU defaults: tens of GiB

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanochat.kernels import flash_attention
+from nanochat import kernels
 from nanochat.kernels.flash_attention import flash_attention as fa_op, math_attention
 from nanochat.kernels.sdpa import dense_mask
 
@@ -83,10 +83,10 @@ def test_compiles_as_one_graph():
 
 
 def test_not_used_off_gpu():
-    assert not flash_attention.supports("cpu", torch.bfloat16, 128)
+    assert not kernels.fa4_runs("cpu", torch.bfloat16, 128)
 
 
-@pytest.mark.skipif(not (torch.cuda.is_available() and flash_attention.supports("cuda", torch.bfloat16, 128)),
+@pytest.mark.skipif(not (torch.cuda.is_available() and kernels.fa4_runs("cuda", torch.bfloat16, 128)),
                     reason="needs flash-attn-4 on an sm90/sm100 GPU")
 @pytest.mark.parametrize("window", [256, 64])
 def test_kernels_match_reference_on_gpu(window):

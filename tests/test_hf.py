@@ -144,7 +144,6 @@ def test_l3_model_exports(tiny, tmp_path):
     with torch.no_grad():
         layer = model.l3["1"]
         layer.key_table.copy_(torch.randn(layer.key_table.shape, generator=g))
-        layer.value_table.copy_(torch.randn(layer.value_table.shape, generator=g))
         rows = torch.full((CONFIG["vocab_size"],), 4, dtype=torch.int64)  # 4096 rows: 6 for even ids, 2 for odd
         rows[0::2] += 2
         rows[1::2] -= 2

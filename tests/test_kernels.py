@@ -13,33 +13,43 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanochat import fp8, kernels
+from nanochat import fp8, gpt, kernels
 from nanochat.gpt import GPTConfig, MLP, build_model, window_sizes
-from nanochat.kernels import Linear, flash_attention, relu_square_mm, rotary, sdpa, softcap_ce, splitk
+from nanochat.kernels import Linear, relu_square_mm, rotary, sdpa, softcap_ce, splitk
 
 CONFIG = GPTConfig(sequence_len=256, vocab_size=128, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, window_pattern="SL")
-AVAILABILITY = [(flash_attention, "takes"), (sdpa, "cudnn_takes"), (sdpa, "flex_takes"), (relu_square_mm, "supported"),
-                (rotary, "supported"), (softcap_ce, "supported")]
+
+
+def math_of(fn):
+    """fn with the kernels switched off: the model's own math."""
+    def run(*args):
+        saved, kernels.KERNELS.mode = kernels.KERNELS.mode, "reference"
+        try:
+            return fn(*args)
+        finally:
+            kernels.KERNELS.mode = saved
+    return run
 
 
 def fake_kernels(monkeypatch, calls, available=True, fa4=True):
-    """Every availability check answers `available` (FA4's: `available and fa4`); every kernel path appends
-    its name to `calls` and returns what the reference computes."""
-    for module, name in AVAILABILITY:
-        answer = available and (fa4 or module is not flash_attention)
-        monkeypatch.setattr(module, name, lambda *args, answer=answer: answer)
-    if available:  # cuDNN serves the full context only, as on a GPU
-        monkeypatch.setattr(sdpa, "cudnn_takes", lambda q, window: window >= q.size(2))
+    """Every availability question answers `available` (FA4's: `available and fa4`; cuDNN takes the full context
+    only, as on a GPU); every kernel path appends its name to `calls` and returns what the math computes."""
+    monkeypatch.setattr(kernels, "takes_fa4", lambda q: available and fa4)
+    monkeypatch.setattr(kernels, "takes_cudnn", lambda q, window: available and window >= q.size(2))
+    monkeypatch.setattr(kernels, "flex_block_mask", lambda q, window: window if available else None)  # the "mask"
+    for module in (relu_square_mm, rotary, softcap_ce):
+        monkeypatch.setattr(module, "supported", lambda x: available)
 
-    def fa4(q, k, v, window):  # (B, T, H, D) in and out
+    def fa4_kernel(q, k, v, window):  # (B, T, H, D) in and out
         out = sdpa.reference_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), window)
         return out.transpose(1, 2), None
 
-    def cudnn(q, k, v):
-        return sdpa.reference_attention(q, k, v, q.size(2))
-
     def fused_mlp(x, w_fc, w_proj, fc_split, proj_split):
         return F.relu(x @ w_fc.t()).square() @ w_proj.t()
+
+    def head_losses(x, weight, targets, cap):
+        logits = gpt.softcap(x.reshape(-1, x.size(-1)) @ weight.t())
+        return F.cross_entropy(logits, targets.reshape(-1), ignore_index=-1, reduction="none")
 
     def fp8_mlp(x, w_fc, w_proj, use_kernels, group):
         calls.append(f"fp8 kernels={use_kernels}")
@@ -49,13 +59,13 @@ def fake_kernels(monkeypatch, calls, available=True, fa4=True):
         return lambda *args: calls.append(label) or fn(*args)
 
     for module, name, label, fn in [
-        (flash_attention, "flash_attention", "FA4", fa4),
-        (sdpa, "cudnn_attention", "cuDNN", cudnn),
+        (kernels.flash_attention, "flash_attention", "FA4", fa4_kernel),
+        (sdpa, "cudnn_attention", "cuDNN", lambda q, k, v: sdpa.reference_attention(q, k, v, q.size(2))),
         (sdpa, "flex_attention", "Flex", sdpa.reference_attention),
         (relu_square_mm.FusedMLP, "apply", "fused MLP", fused_mlp),
-        (relu_square_mm, "relu_square", "ReLU^2 keeping its output", relu_square_mm.reference_relu_square),
-        (rotary, "rotary_norm_op", "rotary+norm", rotary.reference_rotary_norm),
-        (softcap_ce, "kernel_head_loss", "head loss", softcap_ce.reference_head_loss),
+        (relu_square_mm.ReluSquare, "apply", "ReLU^2 keeping its output", lambda h: F.relu(h).square()),
+        (rotary, "rotary_norm_op", "rotary+norm", lambda x, cos, sin, scale: math_of(gpt.rotary_norm)(x, cos, sin)),
+        (softcap_ce, "kernel_head_losses", "head loss", head_losses),
         (splitk.SplitWeightGradLinear, "apply", "split-K", lambda x, w, split: F.linear(x, w)),
         (splitk, "tune", "split-K tuning", lambda linears, tokens, dtype: {}),
     ]:
@@ -88,7 +98,7 @@ def tiny_model():
 def test_reference_mode_runs_no_kernel_where_all_would_apply(monkeypatch):
     calls = []
     fake_kernels(monkeypatch, calls)
-    monkeypatch.setattr(kernels, "mode", "reference")
+    monkeypatch.setattr(kernels.KERNELS, "mode", "reference")
     loss = train_step(tiny_model())
     assert calls == []
     assert kernels.prepare_attention(CONFIG, window_sizes(CONFIG), "cpu", torch.float32) == "SDPA (reference)"
@@ -97,7 +107,7 @@ def test_reference_mode_runs_no_kernel_where_all_would_apply(monkeypatch):
     fp8_mlp(torch.randn(16, CONFIG.n_embd))
     assert calls == ["fp8 kernels=False"]
     # what auto runs on CPU (no kernel applies): the same loss
-    monkeypatch.setattr(kernels, "mode", "auto")
+    monkeypatch.setattr(kernels.KERNELS, "mode", "auto")
     calls.clear()
     fake_kernels(monkeypatch, calls, available=False)
     assert torch.equal(train_step(tiny_model()), loss)
@@ -106,7 +116,7 @@ def test_reference_mode_runs_no_kernel_where_all_would_apply(monkeypatch):
 
 
 def test_auto_mode_picks_every_kernel_where_it_applies(monkeypatch):
-    monkeypatch.setattr(kernels, "mode", "auto")
+    monkeypatch.setattr(kernels.KERNELS, "mode", "auto")
     n_layer = CONFIG.n_layer
     calls = []
     fake_kernels(monkeypatch, calls)
@@ -133,7 +143,7 @@ def test_auto_mode_picks_every_kernel_where_it_applies(monkeypatch):
 CHECK_ENVIRONMENT = """
 import importlib, os
 from nanochat import kernels
-print(kernels.mode, kernels.set_mode(None))
+print(kernels.KERNELS.mode, kernels.set_mode(None))
 os.environ["NANOCHAT_KERNELS"] = "off"
 try:
     importlib.reload(kernels)
@@ -146,17 +156,19 @@ def test_the_switch_comes_from_the_environment_and_the_flag():
     out = subprocess.run([sys.executable, "-c", CHECK_ENVIRONMENT], env={**os.environ, "NANOCHAT_KERNELS": "reference"},
                          capture_output=True, text=True, check=True).stdout.splitlines()
     assert out == ["reference reference", "NANOCHAT_KERNELS='off': use one of auto, reference"]
-    before = kernels.mode
+    before = kernels.KERNELS.mode
     try:
         assert kernels.set_mode("reference") == "reference" and kernels.set_mode(None) == "reference"
-        with pytest.raises(ValueError, match="--kernels 'fast'"):
+        with pytest.raises(ValueError, match="--kernels 'fast'"):  # a ConfigError, a ValueError too
             kernels.set_mode("fast")
     finally:
         kernels.set_mode(before)
 
 
 def test_base_train_takes_the_flag(env):
-    from conftest import run_script, parse_losses, TINY_MODEL
+    from conftest import run_script, read_run, TINY_MODEL
     p = run_script("scripts.base_train", ["--device-batch-size", "4", "--total-batch-size", "512", "--num-iterations", "2",
                                           "--model-tag", "reference", "--kernels", "reference"] + TINY_MODEL, env)
-    assert "attention: SDPA (reference)" in p.stdout and sorted(parse_losses(p.stdout)) == [0, 1]
+    run = read_run(env, "reference")
+    assert "attention: SDPA (reference)" in p.stdout and sorted(run.losses()) == [0, 1]
+    assert run.header["kernels"] == "reference" and run.header["attention"] == "SDPA (reference)"

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from nanochat.common import Layout
+from nanochat.distributed import Layout
 from nanochat.dataset import SAMPLE_DIR
 from nanochat.gpt import GPTConfig, build_model
 from nanochat.l3 import (L3Layer, allocate_for_model, allocate_rows, choose_path, default_n_emb, lookup_blocked,
@@ -22,23 +22,22 @@ def zipf_tokens(n, vocab, seed=0):
     return rng.choice(vocab, size=n, p=p / p.sum())
 
 
-def make_layer(vocab=40, d=16, n_emb=300, k_max=24, tied=False, dtype=torch.float64, seed=0):
+def make_layer(vocab=40, d=16, n_emb=300, k_max=24, dtype=torch.float64, seed=0):
     """A layer with a skewed (LZW) allocation and non-zero W_mix, so every part of it matters."""
     torch.manual_seed(seed)
-    layer = L3Layer(vocab, d, n_emb, d_up=32, k_max=k_max, tied=tied)
+    layer = L3Layer(vocab, d, n_emb, d_up=32, k_max=k_max)
     layer.init_weights()
     layer.set_allocation(allocate_rows(lzw_credits(zipf_tokens(5000, vocab, seed), vocab), n_emb, k_max), 1.0)
     torch.nn.init.normal_(layer.w_mix.weight, std=0.1)
     return layer.to(dtype)
 
 
-def naive_lookup(x, ids, keys, values, bounds):
-    """The definition, one token at a time: h_n = V_t^T softmax(K_t x_n)."""
+def naive_lookup(x, ids, table, bounds):
+    """The definition, one token at a time: h_n = E_t^T softmax(E_t x_n)."""
     out = []
     for n in range(ids.numel()):
         s, e = int(bounds[ids[n]]), int(bounds[ids[n] + 1])
-        v = keys[s:e] if values is None else values[s:e]
-        out.append(torch.softmax(keys[s:e] @ x[n], dim=0) @ v)
+        out.append(torch.softmax(table[s:e] @ x[n], dim=0) @ table[s:e])
     return torch.stack(out)
 
 
@@ -85,8 +84,6 @@ def test_allocation_errors():
             allocate_rows(credits, n_emb, 4)
         with pytest.raises(ValueError, match="n_emb"):
             L3Layer(10, 8, n_emb, k_max=4)
-    with pytest.raises(ValueError, match="tied"):
-        L3Layer(10, 8, 20, d_emb=4, tied=True)
     layer = L3Layer(10, 8, 20, k_max=4)
     with pytest.raises(ValueError, match="allocation"):
         layer.set_allocation(np.full(10, 3), 1.0)  # sums to 30, not 20
@@ -99,21 +96,20 @@ def test_allocation_errors():
 # The lookup
 
 
-@pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("path", ["padded", "blocked", "blocked-small-chunks"])
-def test_lookup_matches_per_token_loop(path, tied):
-    layer = make_layer(tied=tied)
+def test_lookup_matches_per_token_loop(path):
+    layer = make_layer()
     torch.manual_seed(1)
     ids = torch.cat([torch.randint(0, 40, (50,)), torch.zeros(20, dtype=torch.long)])  # repeats: one token 20+ times
     x = torch.randn(70, 16, dtype=torch.float64, requires_grad=True)
-    keys, values = layer.key_table, layer.value_table
+    table = layer.key_table
     if path == "padded":
-        h = lookup_padded(x, ids, keys, values, layer.bounds)
+        h = lookup_padded(x, ids, table, layer.bounds)
     elif path == "blocked":
-        h = lookup_blocked(x, ids, keys, values, layer.bounds)
+        h = lookup_blocked(x, ids, table, layer.bounds)
     else:  # blocks of 4 positions, chunks of ~1 block: exercises block splits and the chunk loop
-        h = lookup_blocked(x, ids, keys, values, layer.bounds, block=4, chunk_bytes=8 * 16 * 24)
-    ref = naive_lookup(x, ids, keys, values, layer.bounds)
+        h = lookup_blocked(x, ids, table, layer.bounds, block=4, chunk_bytes=8 * 16 * 24)
+    ref = naive_lookup(x, ids, table, layer.bounds)
     g = torch.randn_like(ref)
     params = [x] + layer.table_parameters()
     torch.testing.assert_close(h, ref, rtol=1e-10, atol=1e-12)
@@ -121,17 +117,14 @@ def test_lookup_matches_per_token_loop(path, tied):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_blocked_backward_gradcheck(tied):
+def test_blocked_backward_gradcheck():
     bounds = torch.tensor([0, 1, 5, 8, 9, 13, 15])
     ids = torch.tensor([1, 4, 1, 0, 5, 2, 4, 1, 3])
     torch.manual_seed(0)
     x = torch.randn(9, 3, dtype=torch.float64, requires_grad=True)
-    k = torch.randn(15, 3, dtype=torch.float64, requires_grad=True)
-    v = None if tied else torch.randn(15, 2, dtype=torch.float64, requires_grad=True)
-    inputs = (x, k) if tied else (x, k, v)
-    fn = lambda x, k, v=None: lookup_blocked(x, ids, k, v, bounds, block=2, chunk_bytes=8 * 3 * 5)
-    assert torch.autograd.gradcheck(fn, inputs)
+    table = torch.randn(15, 3, dtype=torch.float64, requires_grad=True)
+    fn = lambda x, table: lookup_blocked(x, ids, table, bounds, block=2, chunk_bytes=8 * 3 * 5)
+    assert torch.autograd.gradcheck(fn, (x, table))
 
 
 def test_bf16_activations():
@@ -177,10 +170,9 @@ def test_zero_init_is_a_noop():
         assert out.dtype == dtype and out.shape == (2, 10, 16) and (out == 0).all()
 
 
-@pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("path", ["padded", "blocked"])
-def test_gradients_reach_exactly_the_used_rows(path, tied):
-    layer = make_layer(tied=tied, dtype=torch.float32)
+def test_gradients_reach_exactly_the_used_rows(path):
+    layer = make_layer(dtype=torch.float32)
     layer.path = path
     ids = torch.tensor([[3, 7, 3, 0], [12, 0, 25, 7]])
     layer(torch.randn(2, 4, 16), ids).square().sum().backward()
@@ -216,15 +208,14 @@ def test_sizes_and_flops():
     with torch.device("meta"):  # d12 sizes; base_train's first estimate has no allocation yet: k_max rows
         meta = L3Layer.from_config(cfg)
     assert meta.n_emb == default_n_emb(32768, 512) == 2 ** 19
-    assert (meta.d_emb, meta.d_up, meta.k_max, meta.tied) == (768, 4 * 768, 512, False)
+    assert (meta.d_up, meta.k_max, meta.table_parameters()) == (4 * 768, 512, [meta.key_table])
     dense = 768 * 3072 + (3072 + 768) * 768
     assert meta.estimate_flops() == 6 * dense + 6 * 512 * (768 + 768)
     small = L3Layer(40, 16, 300, d_up=32, k_max=24)
     small.init_weights()
     small.set_allocation(small.bounds[1:] - small.bounds[:-1], 10.0)
     assert small.estimate_flops() == 6 * (16 * 32 + 48 * 16) + 6 * 10.0 * 32
-    tied = L3Layer.from_config(GPTConfig(vocab_size=256, n_embd=64, l3_after_layers=(0,), l3_tied=True, l3_k_max=4))
-    assert tied.n_emb == 256 * 4 and tied.table_parameters() == [tied.key_table]
+    assert L3Layer.from_config(GPTConfig(vocab_size=256, n_embd=64, l3_after_layers=(0,), l3_k_max=4)).n_emb == 256 * 4
 
 
 def tiny_l3_config(**kw):
@@ -254,7 +245,7 @@ def test_in_a_tiny_gpt():
     assert all(kinds[id(p)] == "muon" for p in layer.dense_parameters())
     assert len(kinds) == len(list(model.parameters()))
     table_groups = [g for g in groups if any(p is layer.key_table for p in g["params"])]
-    assert len(table_groups) == 1 and len(table_groups[0]["params"]) == 2
+    assert len(table_groups) == 1 and len(table_groups[0]["params"]) == 1
 
 
 def test_compiled_forward_and_backward_cpu():

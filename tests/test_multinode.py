@@ -9,7 +9,7 @@ import shutil
 import signal
 import subprocess
 
-from conftest import run_script, parse_losses, TINY_MODEL, REPO
+from conftest import run_script, run_losses, TINY_MODEL, REPO
 from parallel_harness import _free_port
 
 TRAIN = ["--device-batch-size", "2", "--total-batch-size", "512", "--warmup-steps", "2", "--num-iterations", "3",
@@ -62,10 +62,11 @@ def node_local_envs(env, tmp_path):
 
 
 def test_two_nodes_dp2_with_node_local_data_match_one_node(env, tmp_path):
-    one = parse_losses(run_script("scripts.base_train", TRAIN, env, nproc=2).stdout)
+    run_script("scripts.base_train", TRAIN + ["--model-tag", "one_node"], env, nproc=2)
+    one = run_losses(env, "one_node")
     envs = node_local_envs(env, tmp_path)
     out, _ = run_two_nodes(1, TRAIN + ["--save-every", "-1", "--model-tag", "two_nodes"], envs, str(tmp_path))
-    assert len(one) == 3 and parse_losses(out) == one
+    assert len(one) == 3 and run_losses(envs[0], "two_nodes") == one
     assert "world 2 = dp 2 x tp 1 x pp 1" in out
     # node-local base dirs: rank 0 warns that the other node cannot see the checkpoint folder
     assert "is not visible from" in out
@@ -83,9 +84,10 @@ def test_two_nodes_dp2_with_node_local_data_match_one_node(env, tmp_path):
 
 def test_two_nodes_dp2_tp2_shared_folder_match_one_node(env, tmp_path):
     args = TRAIN + ["--tp", "2"]
-    one = parse_losses(run_script("scripts.base_train", args, env, nproc=4).stdout)
-    out, _ = run_two_nodes(2, args, [env, env], str(tmp_path))
-    assert len(one) == 3 and parse_losses(out) == one
+    run_script("scripts.base_train", args + ["--model-tag", "one_node_tp2"], env, nproc=4)
+    one = run_losses(env, "one_node_tp2")
+    out, _ = run_two_nodes(2, args + ["--model-tag", "two_nodes_tp2"], [env, env], str(tmp_path))
+    assert len(one) == 3 and run_losses(env, "two_nodes_tp2") == one
     assert "world 4 = dp 2 x tp 2 x pp 1" in out
 
 

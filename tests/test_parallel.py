@@ -137,7 +137,7 @@ def test_pipeline_stage_split_and_schedule_table():
         model = GPT(config_for_depth(12))
     costs, head = block_costs(model)
     assert len(costs) == 12 and head > costs[0]  # d12's lm_head costs more than a block
-    from nanochat.common import Layout
+    from nanochat.distributed import Layout
     pipe = Pipeline(model, Layout(pp_size=4, pp_rank=0), num_microbatches=8, micro_batch_size=1, schedule="1f1b")
     table = pipe.schedule_table()
     assert "stage 3:" in table and "formula (p-1)/(m+p-1) = 0.273" in table

@@ -20,7 +20,7 @@ def _worker(rank, port, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=STAGES)
-    from nanochat.common import build_layout
+    from nanochat.distributed import build_layout
     from nanochat.gpt import GPTConfig, build_model
     from nanochat.pipeline_parallel import Pipeline
     layout = build_layout(rank, STAGES, rank, pp=STAGES)

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 
-from conftest import REPO, SAMPLE_DATA, CORE_BUNDLE as BUNDLE
+from conftest import REPO, SAMPLE_DATA, CORE_BUNDLE as BUNDLE, read_run
 TINY = ("--aspect-ratio 32 --head-dim 32 --max-seq-len 128 --window-pattern SL --device-batch-size 8 "
         "--total-batch-size 2048 --warmup-steps 3 --eval-tokens 8192")
 
@@ -32,9 +32,9 @@ def test_speedrun_cpu_scale_report(tmp_path, env):
                     "git commit:", "cost at", "| capitals |"):
         assert section in report, section
     assert "![loss curve](loss_curve.png)" in report and os.path.exists(tmp_path / "report" / "loss_curve.png")
-    rows = list(csv.DictReader(open(tmp_path / "report" / "train_loss.csv")))
-    assert [r["step"] for r in rows] == ["0", "5", "10", "12"]  # one row per step (step 10: its loss and val bpb)
-    assert all(r["val_bpb"] for r in rows[1:]) and not rows[0]["val_bpb"]
+    run = read_run(e, "tiny")  # the run's metrics.jsonl, which the loss curve is drawn from
+    assert sorted(run.losses()) == list(range(12)) and sorted(run.series("val_bpb")) == [5, 10, 12]
+    assert f"- metrics: {run.path}" in report
     # the numbers in the report are the ones the stages printed
     val_bpb = re.search(r"^val bpb: ([\d.]+)$", out, re.M).group(1)
     core = re.search(r"^CORE \(3/4 tasks\): (-?[\d.]+)$", out, re.M).group(1)

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 
-from conftest import run_script, parse_losses, TINY_MODEL, REPO
+from conftest import run_script, run_losses, read_run, TINY_MODEL, REPO
 
 TRAIN = ["--device-batch-size", "4", "--total-batch-size", "512", "--warmup-steps", "2",
          "--embedding-lr", "0.05", "--scalar-lr", "0.05"] + TINY_MODEL
@@ -17,17 +17,17 @@ TRAIN = ["--device-batch-size", "4", "--total-batch-size", "512", "--warmup-step
 def test_exact_resume_is_bitwise(env):
     full = run_script("scripts.base_train", TRAIN + ["--num-iterations", "20", "--save-every", "5", "--keep-last", "2",
                                                      "--model-tag", "resume", "--eval-every", "-1"], env)
-    losses = parse_losses(full.stdout)
+    losses = run_losses(env, "resume")
     assert sorted(losses) == list(range(20))
     assert losses[19] < losses[0]  # it learns
     ckpt_dir = os.path.join(env["NANOCHAT_BASE_DIR"], "base_checkpoints", "resume")
     assert sorted(f for f in os.listdir(ckpt_dir) if f.startswith("meta_")) == ["meta_000015.json", "meta_000020.json"]
     resumed = run_script("scripts.base_train", TRAIN + ["--num-iterations", "20", "--save-every", "5", "--model-tag", "resume",
                                                         "--eval-every", "-1", "--resume-from-step", "15"], env)
-    again = parse_losses(resumed.stdout)
-    assert sorted(again) == list(range(15, 20))
+    run = read_run(env, "resume")  # the steps before 15 kept from the first run, 15 on written by the resumed one
+    assert run.header["start_step"] == 15 and sorted(run.losses()) == list(range(20))
     for s in range(15, 20):
-        assert again[s] == losses[s], f"step {s}: {again[s]} != {losses[s]}"
+        assert run.losses()[s] == losses[s], f"step {s}: {run.losses()[s]} != {losses[s]}"
     # the final checkpoint of both runs holds the same weights
     assert os.path.exists(os.path.join(ckpt_dir, "meta_000020.json"))
     assert "Validation bpb:" in full.stdout and "Validation bpb:" in resumed.stdout
@@ -139,12 +139,12 @@ def test_dp2_torchrun_then_resume_at_dp1(env):
     assert p.stdout.count("local parameters: ") == 2
     assert "[dp=0]" in p.stdout and "[dp=1]" in p.stdout
     assert p.stdout.count("NOTICE: no parquet shards") == 1  # the sample-data notice once per run, not per process
-    assert len(parse_losses(p.stdout)) == 4
+    assert len(run_losses(env, "dp2")) == 4
     meta = json.load(open(os.path.join(env["NANOCHAT_BASE_DIR"], "base_checkpoints", "dp2", "meta_000002.json")))
     assert [s["dp_rank"] for s in meta["dataloader_states"]] == [0, 1]
     r = run_script("scripts.base_train", args + ["--resume-from-step", "2"], env)  # one process now
     assert "resharded the data position from dp 2 to dp 1" in r.stdout
-    assert sorted(parse_losses(r.stdout)) == [2, 3]
+    assert sorted(run_losses(env, "dp2")) == [0, 1, 2, 3] and read_run(env, "dp2").header["start_step"] == 2
 
 
 def test_resume_with_other_recipe_is_refused(env):
@@ -174,16 +174,16 @@ def test_resume_at_the_final_step_wraps_up(env):
 
 
 def test_l3_run_resumes_bitwise_with_its_allocation(env):
-    """An L3 run (tied, the default) resumes bitwise: the LZW allocation comes back from the checkpoint
+    """An L3 run resumes bitwise: the LZW allocation comes back from the checkpoint
     instead of being computed again (with the uniform split left by init_weights the losses would differ)."""
     args = TRAIN + ["--num-iterations", "4", "--save-every", "2", "--model-tag", "l3", "--eval-every", "-1",
                     "--l3-after-layers", "0", "--l3-k-max", "8"]
     full = run_script("scripts.base_train", args, env)
-    assert "L3 allocation:" in full.stdout and '"l3_tied": true' in full.stdout
+    assert "L3 allocation:" in full.stdout
+    losses = run_losses(env, "l3")
     resumed = run_script("scripts.base_train", args + ["--resume-from-step", "2"], env)
     assert "L3 allocation:" not in resumed.stdout
-    losses, again = parse_losses(full.stdout), parse_losses(resumed.stdout)
-    assert sorted(again) == [2, 3]
+    again = run_losses(env, "l3")
     for s in (2, 3):
         assert again[s] == losses[s], f"step {s}: {again[s]} != {losses[s]}"
 
@@ -198,9 +198,10 @@ def test_cpu_batch_that_cannot_fit_is_refused_with_the_flags_to_change(env):
     assert "lower --device-batch-size" in p.stdout
 
 
-def test_corrupt_page_mid_training_saves_then_names_the_file(env, tmp_path):
-    """A shard whose footer is fine but whose later pages are not passes check_data and fails mid-run: the run
-    saves a checkpoint, then stops with one line naming the file."""
+def corrupt_last_row_group(tmp_path):
+    """A data folder whose first shard has a sound footer but damaged pages in its last row group: it passes
+    the start-of-run check and fails when that row group is read."""
+    import shutil
     import pyarrow as pa
     import pyarrow.parquet as pq
     from nanochat.dataset import SAMPLE_DIR
@@ -214,14 +215,34 @@ def test_corrupt_page_mid_training_saves_then_names_the_file(env, tmp_path):
     for i in range(start + 64, start + last.total_compressed_size - 64):  # the last row group's pages, not the footer
         data[i] ^= 0x5A
     path.write_bytes(bytes(data))
-    import shutil
     shutil.copy(os.path.join(SAMPLE_DIR, "sample_00001.parquet"), tmp_path / "b.parquet")
-    p = run_script("scripts.base_train", TRAIN + ["--num-iterations", "200", "--data-dir", str(tmp_path), "--model-tag",
-                                                  "corrupt", "--eval-every", "-1"], env, check=False)
+    return str(tmp_path)
+
+
+def test_corrupt_page_mid_training_saves_then_names_the_file(env, tmp_path):
+    """A shard whose footer is fine but whose later pages are not passes check_data and fails mid-run: the run
+    saves a checkpoint, then stops with one line naming the file."""
+    p = run_script("scripts.base_train", TRAIN + ["--num-iterations", "200", "--data-dir", corrupt_last_row_group(tmp_path),
+                                                  "--model-tag", "corrupt", "--eval-every", "-1"], env, check=False)
     assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
     error = [l for l in p.stdout.splitlines() if l.startswith("ERROR: ")]
     assert len(error) == 1 and "a.parquet" in error[0] and "resume with --resume-from-step" in error[0], p.stdout[-1500:]
     assert "saved checkpoint for step" in p.stdout
+
+
+def test_data_error_on_one_rank_under_torchrun_saves_and_names_the_file(env, tmp_path):
+    """Two data-parallel ranks read different row groups: when one of them hits the damaged one, both stop at
+    the same step (they agree on the error), save that step, and the run ends with the failing rank's line."""
+    p = run_script("scripts.base_train", TRAIN + ["--num-iterations", "200", "--data-dir", corrupt_last_row_group(tmp_path),
+                                                  "--model-tag", "corrupt_dp2", "--eval-every", "-1",
+                                                  "--device-batch-size", "2"], env, nproc=2, check=False)
+    assert p.returncode != 0 and "NameError" not in p.stderr, p.stderr[-3000:]
+    error = [l for l in p.stdout.splitlines() if l.startswith("ERROR: ")]
+    assert len(error) == 1 and "a.parquet" in error[0], p.stdout[-2000:]
+    step = int(re.search(r"resume with --resume-from-step (\d+)", error[0]).group(1))
+    assert f"saved checkpoint for step {step}" in p.stdout
+    meta = json.load(open(os.path.join(env["NANOCHAT_BASE_DIR"], "base_checkpoints", "corrupt_dp2", f"meta_{step:06d}.json")))
+    assert [s["dp_rank"] for s in meta["dataloader_states"]] == [0, 1]
 
 
 def test_sigterm_during_evaluation_stops_within_seconds_and_saves(env):

@@ -21,7 +21,7 @@ class NanochatConfig(PretrainedConfig):
 
     def __init__(self, vocab_size=32768, sequence_len=2048, n_layer=12, n_head=6, n_kv_head=6, n_embd=768,
                  window_sizes=None, rotary_base=100000.0, softcap=15.0,
-                 l3_after_layers=(), l3_n_emb=0, l3_d_up=0, l3_k_max=512, l3_tied=False,
+                 l3_after_layers=(), l3_n_emb=0, l3_d_up=0, l3_k_max=512,
                  use_cache=True, bos_token_id=None, eos_token_id=None, pad_token_id=None, **kwargs):
         self.vocab_size = vocab_size
         self.sequence_len = sequence_len
@@ -37,7 +37,6 @@ class NanochatConfig(PretrainedConfig):
         self.l3_n_emb = l3_n_emb
         self.l3_d_up = l3_d_up
         self.l3_k_max = l3_k_max
-        self.l3_tied = l3_tied
         self.use_cache = use_cache
         kwargs["tie_word_embeddings"] = False  # the lm_head is its own matrix
         super().__init__(bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id, **kwargs)

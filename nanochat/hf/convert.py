@@ -26,18 +26,17 @@ import shutil
 
 import torch
 
-from nanochat.gpt import GPTConfig, GPT, window_sizes
+from nanochat.common import UserError
+from nanochat.gpt import GPTConfig, GPT, window_sizes, ROTARY_BASE, SOFTCAP
 from nanochat.tokenizer import Tokenizer, SPECIAL_TOKENS
-from nanochat.kernels.softcap_ce import CAP
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODEL_FILES = ["configuration_nanochat.py", "modeling_nanochat.py"]
 MAX_SHARD_SIZE = "4GB"
-ROTARY_BASE = 100_000.0  # rotary_norm.rotary_tables' default
 
 
-class ConvertError(RuntimeError):
-    pass
+class ConvertError(UserError):
+    """An export folder or checkpoint that cannot be converted; the message says why."""
 
 
 # -----------------------------------------------------------------------------
@@ -117,11 +116,11 @@ def hf_config(config: GPTConfig, bos_id, dtype):
     from nanochat.hf.configuration_nanochat import NanochatConfig
     from nanochat.l3 import default_n_emb
     l3 = dict(l3_after_layers=list(config.l3_after_layers), l3_n_emb=config.l3_n_emb or default_n_emb(config.vocab_size, config.l3_k_max),
-              l3_d_up=config.l3_d_up or 4 * config.n_embd, l3_k_max=config.l3_k_max, l3_tied=config.l3_tied) \
+              l3_d_up=config.l3_d_up or 4 * config.n_embd, l3_k_max=config.l3_k_max) \
         if config.l3_after_layers else {}
     hf = NanochatConfig(vocab_size=config.vocab_size, sequence_len=config.sequence_len, n_layer=config.n_layer,
                         n_head=config.n_head, n_kv_head=config.n_kv_head, n_embd=config.n_embd,
-                        window_sizes=window_sizes(config), rotary_base=ROTARY_BASE, softcap=CAP,
+                        window_sizes=window_sizes(config), rotary_base=ROTARY_BASE, softcap=SOFTCAP,
                         bos_token_id=bos_id, eos_token_id=bos_id, pad_token_id=bos_id, **l3)
     hf.architectures = ["NanochatForCausalLM"]
     hf.auto_map = {"AutoConfig": "configuration_nanochat.NanochatConfig",
@@ -136,7 +135,7 @@ def gpt_config_from_hf(cfg: dict, meta: dict):
     fields = {k: cfg[k] for k in ("sequence_len", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd")}
     if cfg.get("l3_after_layers"):
         fields.update(l3_after_layers=tuple(cfg["l3_after_layers"]), l3_n_emb=cfg["l3_n_emb"], l3_d_up=cfg["l3_d_up"],
-                      l3_k_max=cfg["l3_k_max"], l3_tied=cfg["l3_tied"])
+                      l3_k_max=cfg["l3_k_max"])
     pattern = meta.get("model_config", {}).get("window_pattern")
     seq = cfg["sequence_len"]
     candidates = ([pattern] if pattern else []) + ["".join("S" if w < seq else "L" for w in cfg["window_sizes"])]

@@ -132,7 +132,7 @@ class Block(nn.Module):
 
 
 class L3Layer(nn.Module):
-    """Large Lookup Layer: token t reads its own rows bounds[t]:bounds[t+1] of the key (and value) table by
+    """Large Lookup Layer: token t reads its own rows bounds[t]:bounds[t+1] of the table (keys and values) by
     attention with the hidden state. Gathered padded to the longest row range, in chunks of positions."""
 
     def __init__(self, config):
@@ -140,24 +140,22 @@ class L3Layer(nn.Module):
         d = config.n_embd
         self.d_up = config.l3_d_up or 4 * d
         self.key_table = nn.Parameter(torch.zeros(config.l3_n_emb, d))
-        self.value_table = None if config.l3_tied else nn.Parameter(torch.zeros(config.l3_n_emb, d))
         self.w_up = Linear(d, self.d_up)
         self.w_mix = Linear(self.d_up + d, d)
         self.register_buffer("bounds", torch.zeros(config.vocab_size + 1, dtype=torch.int64))
         self.register_buffer("rows_per_token", torch.zeros((), dtype=torch.float32))
 
     def lookup(self, x, ids):
-        """x (N, d), ids (N,) -> (N, d_emb): softmax over the token's rows of K x, then those rows of V."""
+        """x (N, d), ids (N,) -> (N, d): softmax over the token's rows of E x, then those rows of E."""
         start = self.bounds[ids]
         count = self.bounds[ids + 1] - start
         slot = torch.arange(int(count.max()), device=x.device)
         valid = slot < count[:, None]
         rows = torch.where(valid, start[:, None] + slot, 0)
-        k = self.key_table.to(x.dtype)[rows]
-        v = k if self.value_table is None else self.value_table.to(x.dtype)[rows]
-        scores = (k @ x.unsqueeze(-1)).squeeze(-1).to(torch.promote_types(x.dtype, torch.float32))
+        e = self.key_table.to(x.dtype)[rows]
+        scores = (e @ x.unsqueeze(-1)).squeeze(-1).to(torch.promote_types(x.dtype, torch.float32))
         a = torch.softmax(scores.masked_fill(~valid, float("-inf")), dim=-1)
-        return (a.to(x.dtype).unsqueeze(1) @ v).squeeze(1)
+        return (a.to(x.dtype).unsqueeze(1) @ e).squeeze(1)
 
     def forward(self, x, idx):
         B, T, d = x.shape

@@ -1,26 +1,27 @@
 """
-The model's ops that have fast kernels, behind one facade, and the one switch that turns them off.
+The fast kernels behind one facade, and the one switch that turns them all off.
 
-gpt.py calls one function per op; each picks its fastest path here, from the files beside this one, where
-every kernel sits beside its reference:
+gpt.py (and fp8.py for its MLP) write every op as its reference PyTorch math and ask here first, as nanoGPT
+asks `self.flash`: where a kernel takes the op's inputs, it runs; elsewhere the math written below the question
+runs. The kernels sit in the files beside this one, each tested against that math:
 
-    op             reference (the plain PyTorch math)                   kernels (mode "auto", where they apply)
-    Linear         F.linear                                             split-K weight gradient (splitk.py), per
-                                                                        weight shape where tune_wgrad_splits found it faster
-    attention      F.scaled_dot_product_attention: is_causal for the    FlashAttention-4 (flash_attention.py); else
-                   full context, a dense boolean mask for a window      cuDNN (full) and FlexAttention (window) (sdpa.py)
-    mlp            c_proj(relu(c_fc(x))^2), autograd                    ReLU^2 inside the matmuls (relu_square_mm.py);
-                                                                        else ReLU^2 keeping only its output
-    rotary_norm    rms_norm(rotate(x)) * scale (rotary.py)              Triton forward and backward (rotary.py)
-    head_loss      cross-entropy of 15 tanh(x W^T / 15), fp32           lm_head matmul + Triton loss (softcap_ce.py)
+    op                 the reference math                        the kernel (mode "auto", where it applies)
+    Linear             F.linear (Linear below)                   split-K weight gradient (splitk.py), per weight
+                                                                 shape where tune_wgrad_splits found it faster
+    attention          SDPA: is_causal for the full context,     FlashAttention-4 (flash_attention.py); else
+                       a dense boolean mask for a window (sdpa)  cuDNN (full) and FlexAttention (window) (sdpa.py)
+    rotary + QK-norm   gpt.rotary_norm                           Triton forward and backward (rotary.py)
+    MLP                gpt.MLP: c_proj(relu(c_fc(x))^2)          ReLU^2 inside both matmuls (relu_square_mm.py);
+                                                                 elsewhere ReLU^2 keeping only its output
+    fp8 MLP            fp8.fc_relu_square, relu_square_input_grad  the same kernels on fp8 operands
+    soft-capped loss   gpt.SoftcapCrossEntropy                   lm_head matmul + Triton loss (softcap_ce.py)
 
-The switch: `mode`, "auto" (the default) or "reference", from NANOCHAT_KERNELS and the scripts' --kernels
-flag (which wins). "reference" sends every op above to its reference math on every device, so an edit to the
-math runs everywhere as written; fp8 (fp8.py) then runs its MLP's products in PyTorch as well. It is read at
-each call: set it before building and compiling the model. The reference's attention is SDPA, i.e. whichever
-backend PyTorch picks for it (flash or memory-efficient on a GPU, its C++ math on a CPU), not a hand-written
-softmax: the (T, T) scores of every layer would not fit a training batch. On CPU, "auto" and "reference"
-differ only in the MLP's backward (relu(h) rebuilt as sqrt(relu(h)^2), equal within rounding).
+The switch is KERNELS.mode: "auto" (the default) or "reference", from NANOCHAT_KERNELS and the scripts' --kernels
+flag (which wins). "reference" answers every question here with no, so the math runs as written on every device.
+It is read at each call: set it before building and compiling the model. The reference attention is SDPA, i.e.
+whichever backend PyTorch picks (flash or memory-efficient on a GPU, its C++ math on a CPU), not a hand-written
+softmax: the (T, T) scores of every layer would not fit a training batch. On CPU, "auto" and "reference" differ
+only in the MLP's backward (relu(h) rebuilt as sqrt(relu(h)^2), equal within rounding).
 """
 
 import os
@@ -29,29 +30,41 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from nanochat.common import ConfigError
 from nanochat.kernels import flash_attention, relu_square_mm, rotary, sdpa, softcap_ce, splitk
-# no kernels, but the model's too: the rotary tables, and the soft cap of the logits for sampling and evaluation
-from nanochat.kernels.rotary import rotary_tables
-from nanochat.kernels.softcap_ce import softcap
 
 MODES = ("auto", "reference")
-mode = os.environ.get("NANOCHAT_KERNELS", "auto")
-if mode not in MODES:
-    raise ValueError(f"NANOCHAT_KERNELS={mode!r}: use one of {', '.join(MODES)}")
+
+
+class Kernels:
+    """The switch, and what the fast paths settle before torch.compile traces the model (deciding inside a trace
+    is slow and fragile): where FlashAttention-4 runs, and FlexAttention's block masks of the sliding windows at
+    the training length."""
+
+    def __init__(self, mode):
+        self.mode = self.check(mode, "NANOCHAT_KERNELS=")
+        self.fa4_devices = {}  # device -> whether FlashAttention-4 runs there
+        self.block_masks = {}  # (T, window, device) -> BlockMask
+
+    @staticmethod
+    def check(mode, source):
+        if mode not in MODES:
+            raise ConfigError(f"{source}{mode!r}: use one of {', '.join(MODES)}")
+        return mode
+
+    @property
+    def on(self):
+        return self.mode == "auto"
+
+
+KERNELS = Kernels(os.environ.get("NANOCHAT_KERNELS", "auto"))
 
 
 def set_mode(name):
     """--kernels: "auto" or "reference"; None keeps NANOCHAT_KERNELS (default auto)."""
-    global mode
     if name is not None:
-        if name not in MODES:
-            raise ValueError(f"--kernels {name!r}: use one of {', '.join(MODES)}")
-        mode = name
-    return mode
-
-
-def fused():
-    return mode == "auto"
+        KERNELS.mode = Kernels.check(name, "--kernels ")
+    return KERNELS.mode
 
 
 # --- Linear (split-K weight gradient) ---------------------------------------------
@@ -69,7 +82,7 @@ class Linear(nn.Linear):
     def forward(self, x):
         w = self.weight.to(x.dtype)
         split = splitk.split_for(x, self.wgrad_split)
-        if not fused() or split == 1 or not torch.is_grad_enabled():
+        if not KERNELS.on or split == 1 or not torch.is_grad_enabled():
             return F.linear(x, w)
         return splitk.SplitWeightGradLinear.apply(x, w, split)
 
@@ -84,7 +97,7 @@ def tune_wgrad_splits(model, tokens, dtype):
     """Per weight shape of the model's Linears (both dims >= 128), the split-K that makes its weight gradient
     fastest on this GPU: {(out, in): (split, ms plain, ms split)} for set_wgrad_splits; {} off CUDA and in
     reference mode."""
-    return splitk.tune(tunable_linears(model), tokens, dtype) if fused() else {}
+    return splitk.tune(tunable_linears(model), tokens, dtype) if KERNELS.on else {}
 
 
 def set_wgrad_splits(model, chosen):
@@ -95,21 +108,31 @@ def set_wgrad_splits(model, chosen):
 # --- attention --------------------------------------------------------------------
 
 
-def prepare_attention(config, window_sizes, device, dtype):
-    """Before torch.compile traces the model (deciding inside the trace is slow and fragile): settle which
-    kernel trains here, and for FlexAttention build the block masks of this model's sliding windows at the
-    training length. Returns the kernel's name, for the log."""
+def fa4_runs(device, dtype, head_dim):
+    """Whether FlashAttention-4 runs here (flash_attention.supports, asked once per device)."""
     device = torch.device(device)
-    if not fused():
+    if device not in KERNELS.fa4_devices:
+        KERNELS.fa4_devices[device] = flash_attention.device_supported(device)
+    return KERNELS.fa4_devices[device] and flash_attention.inputs_supported(dtype, head_dim)
+
+
+def prepare_attention(config, window_sizes, device, dtype):
+    """Settle which kernel trains here and, for FlexAttention, build the block masks of this model's sliding
+    windows at the training length. Returns the kernel's name, for the log."""
+    device = torch.device(device)
+    if not KERNELS.on:
         return "SDPA (reference)"
     if device.type != "cuda":
         return "SDPA"
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    if flash_attention.supports(device, dtype, config.head_dim):
+    if fa4_runs(device, dtype, config.head_dim):
         return "FlashAttention-4"
-    sdpa.build_block_masks(config.sequence_len, set(window_sizes), device)
-    windowed = min(window_sizes) < config.sequence_len
+    T = config.sequence_len
+    for window in set(window_sizes):
+        if window < T and (T, window, str(device)) not in KERNELS.block_masks:
+            KERNELS.block_masks[T, window, str(device)] = sdpa.block_mask(T, window, device)
+    windowed = min(window_sizes) < T
     return "SDPA (cuDNN)" + (" + FlexAttention for the sliding windows" if windowed else "")
 
 
@@ -130,47 +153,82 @@ SELECTIVE_KEEPS = (
 )
 
 
+def takes_fa4(q):
+    """FlashAttention-4 takes q (B, H, T, D): CUDA, an sm90/sm100 GPU with the package, half precision."""
+    return q.is_cuda and fa4_runs(q.device, q.dtype, q.size(-1))
+
+
+def takes_cudnn(q, window):
+    """cuDNN through SDPA takes the full context on CUDA."""
+    return q.is_cuda and window >= q.size(2)
+
+
+def flex_block_mask(q, window):
+    """FlexAttention's block mask for this window at q's length, where prepare_attention built one (CUDA, the
+    training length); None elsewhere (other lengths, CORE's, take the reference instead of recompiling)."""
+    return KERNELS.block_masks.get((q.size(2), window, str(q.device)))
+
+
 def attention(q, k, v, window):
     """Causal attention, each query seeing at most `window` keys (itself included), q (B, Hq, T, D) and k/v
     (B, Hkv, S, D); S > T when decoding with a KV cache, which takes the reference."""
-    if fused() and q.size(2) == k.size(2):
-        if flash_attention.takes(q):  # FA4 takes the (B, T, H, D) layout: the transposes are views
+    if KERNELS.on and q.size(2) == k.size(2):
+        if takes_fa4(q):  # FA4 takes the (B, T, H, D) layout: the transposes are views
             out, _ = flash_attention.flash_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), window)
             return out.transpose(1, 2)
-        if sdpa.cudnn_takes(q, window):
+        if takes_cudnn(q, window):
             return sdpa.cudnn_attention(q, k, v)
-        if sdpa.flex_takes(q, window):
-            return sdpa.flex_attention(q, k, v, window)
+        mask = flex_block_mask(q, window)
+        if mask is not None:
+            return sdpa.flex_attention(q, k, v, mask)
     return sdpa.reference_attention(q, k, v, window)
 
 
-# --- the MLP, rotary + QK-norm, the head's loss ------------------------------------------
+# --- the MLP, rotary + QK-norm, the head's loss: a question, then the kernel ------------------
 
 
-def mlp(x, c_fc, c_proj):
-    """c_proj(relu(c_fc(x))^2). The fused kernels take the plain Linears only: tensor parallelism swaps in its
-    own, which take the module path (fp8 replaces the whole MLP: fp8.Fp8MLP)."""
-    if not fused():
-        return c_proj(relu_square_mm.reference_relu_square(c_fc(x)))
-    if type(c_fc) is Linear and type(c_proj) is Linear and relu_square_mm.supported(x):
-        rows = x.reshape(-1, x.size(-1))
-        out = relu_square_mm.FusedMLP.apply(rows, c_fc.weight.to(x.dtype), c_proj.weight.to(x.dtype),
-                                            splitk.split_for(rows, c_fc.wgrad_split),
-                                            splitk.split_for(rows, c_proj.wgrad_split))
-        return out.view_as(x)
-    return c_proj(relu_square_mm.relu_square(c_fc(x)))
+def takes_fused_mlp(x, c_fc, c_proj):
+    """The fused kernels take the plain Linears only: tensor parallelism swaps in its own, which take the
+    module path, and fp8 replaces the whole MLP (fp8.Fp8MLP)."""
+    return KERNELS.on and type(c_fc) is Linear and type(c_proj) is Linear and relu_square_mm.supported(x)
+
+
+def fused_mlp(x, c_fc, c_proj):
+    """c_proj(relu(c_fc(x))^2) with ReLU^2 inside both products, the weight gradients split as the Linears'."""
+    rows = x.reshape(-1, x.size(-1))
+    out = relu_square_mm.FusedMLP.apply(rows, c_fc.weight.to(x.dtype), c_proj.weight.to(x.dtype),
+                                        splitk.split_for(rows, c_fc.wgrad_split), splitk.split_for(rows, c_proj.wgrad_split))
+    return out.view_as(x)
+
+
+def relu_square(h):
+    """relu(h)^2 as a Function that keeps only its output for the backward (relu(h) = sqrt(y))."""
+    return relu_square_mm.ReluSquare.apply(h)
+
+
+def takes_fp8_mlp(x):
+    """fp8.Fp8MLP's products on the kernels: CUDA, Triton, 16-bit activations x."""
+    return KERNELS.on and relu_square_mm.supported(x)
+
+
+fc_relu_square_fp8 = relu_square_mm.fc_relu_square_fp8
+relu_square_input_grad_fp8 = relu_square_mm.relu_square_input_grad_fp8
+
+
+def takes_rotary_norm(x):
+    return KERNELS.on and rotary.supported(x)
 
 
 def rotary_norm(x, cos, sin, scale):
-    """scale * rms_norm(rotate(x)) for x (B, T, H, D) and cos/sin (1, T, 1, D/2)."""
-    if fused() and rotary.supported(x):
-        return rotary.rotary_norm_op(x, cos, sin, scale)
-    return rotary.reference_rotary_norm(x, cos, sin, scale)
+    """scale * rms_norm(rotate(x)) for x (B, T, H, D) and cos/sin (1, T, 1, D/2), on the Triton kernels."""
+    return rotary.rotary_norm_op(x, cos, sin, scale)
 
 
-def head_loss(x, weight, targets, reduction="mean"):
-    """Cross-entropy (ignore_index=-1) of the soft-capped logits x @ weight^T, in fp32; reduction 'mean'
-    (over the targets that count), 'sum' or 'none' (the targets' shape)."""
-    if fused() and softcap_ce.supported(x):
-        return softcap_ce.kernel_head_loss(x, weight, targets, reduction)
-    return softcap_ce.reference_head_loss(x, weight, targets, reduction)
+def takes_head_loss(x):
+    return KERNELS.on and softcap_ce.supported(x)
+
+
+def head_losses(x, weight, targets, cap):
+    """Per-token cross-entropy (N,) fp32 of the soft-capped logits x @ weight^T (ignore_index=-1: 0 there), the
+    matmul and the loss as one function around the Triton kernel."""
+    return softcap_ce.kernel_head_losses(x, weight, targets, cap)

@@ -10,8 +10,8 @@ in its graph as one opaque node instead of tracing into the package.
 Sliding windows run natively (the kernels skip the tiles outside the band), so one kernel serves both the
 L and the S layers, in the (B, T, H, D) layout the projections produce (no transposed copies).
 
-kernels.attention uses it where `takes(q)`: the package imports, the GPU is sm90 or sm100, the inputs are
-half precision. Anywhere else the op runs the same math in PyTorch (fp32 scores: math_attention), which is
+kernels.attention uses it where the package imports, the GPU is sm90 or sm100 and the inputs are half
+precision. Anywhere else the op runs the same math in PyTorch (fp32 scores: math_attention), which is
 what the CPU tests check its plumbing with: shapes, the window convention, the log-sum-exp, the gradients
 through the registered backward.
 """
@@ -37,22 +37,16 @@ def _fa4():
     return interface
 
 
-_available = {}  # device -> bool; kernels.prepare_attention asks before torch.compile traces, so a trace sees a lookup
-
-
-def supports(device, dtype, head_dim):
-    """True where FlashAttention-4 runs: the package is installed, the GPU is sm90 (Hopper) or sm100
-    (Blackwell), the inputs are bf16 or fp16, and the head dim is one both archs compile (8-128, by 8)."""
+def device_supported(device):
+    """Whether FlashAttention-4 runs on this device: the package imports and the GPU is sm90 (Hopper) or sm100
+    (Blackwell). The facade asks once per device, before torch.compile traces the model."""
     device = torch.device(device)
-    if device not in _available:
-        _available[device] = (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] in (9, 10)
-                              and _fa4() is not None)
-    return _available[device] and dtype in (torch.bfloat16, torch.float16) and 8 <= head_dim <= 128 and head_dim % 8 == 0
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] in (9, 10) and _fa4() is not None
 
 
-def takes(q):
-    """Whether the kernels take q (B, H, T, D) here (a CUDA tensor the GPU and the package support)."""
-    return q.is_cuda and supports(q.device, q.dtype, q.size(-1))
+def inputs_supported(dtype, head_dim):
+    """bf16 or fp16 inputs, a head dim both archs compile (8-128, by 8)."""
+    return dtype in (torch.bfloat16, torch.float16) and 8 <= head_dim <= 128 and head_dim % 8 == 0
 
 
 def _left(window, T):

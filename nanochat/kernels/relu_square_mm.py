@@ -6,11 +6,11 @@ The MLP's ReLU^2 inside its matmuls (CUDA: Triton, with Hopper's TMA loads and s
 
 As separate kernels, ReLU^2 costs one more pass over the (tokens, 4C) activation each way: the product
 writes h, ReLU^2 reads it and writes y (forward); the product writes dy @ W_proj, ReLU^2's backward reads
-it and y and writes dh. The GPUs train at their power limit (dev/LOG.md), so these bytes cost
+it and y and writes dh. The GPUs train at their power limit (dev/LOG.md, 2026-11-22), so these bytes cost
 both time and power that the matmuls' clock could have had. Here each product's tile is
 finished in registers, from the fp32 accumulator (no bf16 rounding of h or of dy @ W_proj in between).
 relu(h) = sqrt(y) is why the backward needs only y, which c_proj keeps anyway for its weight gradient
-(relu_square below has the same trick for the unfused path).
+(ReluSquare below has the same trick for the unfused path).
 
 With fp8 operands (fp8.Fp8MLP: e4m3 x and weights, e5m2 dy), the same kernel scales the accumulator by
 the product of the two operands' inverse scales before the epilogue, stores 16-bit values, and also returns
@@ -20,9 +20,9 @@ The kernel is persistent: one program per SM walks the output tiles, grouped alo
 running at once share their rows of A in L2.
 
 Without the kernels (CPU, MPS, no Triton, shapes TMA cannot describe, or tensor parallelism's Linears) the
-MLP runs relu_square between its two Linears: relu(h)^2 as an autograd function that keeps only its output for
-the backward. The reference (the kernels switched off) is F.relu(h).square() under autograd. Tests check the
-kernels against the PyTorch path through Triton's interpreter (TRITON_INTERPRET=1).
+MLP runs ReluSquare between its two Linears: relu(h)^2 as an autograd function that keeps only its output for
+the backward. The reference (the kernels switched off) is gpt.py's F.relu(h).square() under autograd. Tests
+check the kernels against it through Triton's interpreter (TRITON_INTERPRET=1).
 """
 
 import torch
@@ -204,11 +204,11 @@ class FusedMLP(torch.autograd.Function):
         return grad_x, weight_grad(grad_h, x, fc_split), weight_grad(grad_out, y, proj_split), None, None
 
 
-class _ReluSquare(torch.autograd.Function):
+class ReluSquare(torch.autograd.Function):
     """relu(h)^2 that keeps only its output y for the backward, not h too: relu(h) = sqrt(y), so the gradient
-    2 relu(h) dy needs nothing else, and c_proj keeps y anyway for its weight gradient. One (tokens, 4C)
-    activation a layer instead of two: 12.5 GiB less at d20 and device batch 32, so d20 fits batch 64. In
-    bf16, sqrt(y) is relu(h) to within half of y's rounding error, finer than h's own bf16 rounding."""
+    2 relu(h) dy needs nothing else, and c_proj keeps y anyway for its weight gradient: one (tokens, 4C)
+    activation a layer instead of two (dev/LOG.md, 2026-11-22). In bf16, sqrt(y) is relu(h) to within half of
+    y's rounding error, finer than h's own bf16 rounding."""
 
     @staticmethod
     def forward(ctx, h):
@@ -220,11 +220,3 @@ class _ReluSquare(torch.autograd.Function):
     def backward(ctx, dy):
         (y,) = ctx.saved_tensors
         return 2 * y.sqrt() * dy
-
-
-def relu_square(h):
-    return _ReluSquare.apply(h)
-
-
-def reference_relu_square(h):
-    return F.relu(h).square()

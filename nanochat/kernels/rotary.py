@@ -1,56 +1,29 @@
 """
-Rotary positions, then QK-norm: what attention does to q and k before the product.
+Rotary positions, then QK-norm, as one custom op on CUDA (gpt.py's rotary_norm is the math):
 
     r = rotate(x, cos, sin)            pairs (x_i, x_{i+D/2}) -> (x_i c + x_{i+D/2} s, x_{i+D/2} c - x_i s)
     y = scale * r / sqrt(mean(r^2) + eps)      per head vector of D values; eps = float32's epsilon
 
-On CUDA this runs as two Triton kernels behind one custom op (so torch.compile keeps it in its graph as
-one call). Each program takes a block of head vectors: the forward reads x and writes y; the backward
-reads x and dy and writes dx, recomputing r and the norm from x in registers. That is 2 and 3 passes over
-memory. What Inductor made of the PyTorch math took more: ~2 TB/s for the forward and three kernels
-for the backward. In the d20 training profile on an H200 it took 52 ms forward and ~63-89 ms backward a
-step; these kernels take 26.5 ms (4.05 TB/s) and 42.2 ms (3.8 TB/s). End to end, +2-4% tok/s at d12 and
-d20 (dev/LOG.md).
+Two Triton kernels behind one custom op (so torch.compile keeps it in its graph as one call). Each program
+takes a block of head vectors: the forward reads x and writes y; the backward reads x and dy and writes dx,
+recomputing r and the norm from x in registers: 2 and 3 passes over memory, fewer than what Inductor made of
+the PyTorch math (dev/LOG.md, 2026-11-21).
 
 Backward, with n = r / sqrt(mean(r^2) + eps) = r * rstd and g = scale * dy:
     dr = rstd * (g - n * mean(g * n)),   dx = rotate^T(dr): (dr_i c - dr_{i+D/2} s, dr_i s + dr_{i+D/2} c)
-(exact even though cos and sin rounded to bf16 make the rotation not quite orthogonal).
-
-Elsewhere (CPU, MPS) the PyTorch math runs; tests check the kernels against it through Triton's
-interpreter (TRITON_INTERPRET=1).
+(exact even though cos and sin rounded to bf16 make the rotation not quite orthogonal). Tests check the
+kernels against gpt.py's math through Triton's interpreter (TRITON_INTERPRET=1).
 """
 
 import torch
-import torch.nn.functional as F
 
 try:
     import triton
     import triton.language as tl
-except ImportError:  # CPU-only installs: the PyTorch path below is used
+except ImportError:  # CPU-only installs: gpt.py's math runs
     triton = None
 
 EPS = torch.finfo(torch.float32).eps  # what F.rms_norm uses for float32 and bfloat16 inputs
-
-
-def rotary_tables(seq_len, head_dim, base=100_000.0, device=None):
-    """cos and sin of position * frequency, (1, seq_len, 1, head_dim/2) in fp32."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
-    t = torch.arange(seq_len, dtype=torch.float32, device=device)
-    freqs = torch.outer(t, inv_freq)
-    return freqs.cos()[None, :, None, :], freqs.sin()[None, :, None, :]
-
-
-def apply_rotary(x, cos, sin):
-    """x: (B, T, H, D); cos/sin: (1, T, 1, D/2). Rotates pairs (x_i, x_{i+D/2})."""
-    d = x.shape[-1] // 2
-    x1, x2 = x[..., :d], x[..., d:]
-    return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1)
-
-
-def reference_rotary_norm(x, cos, sin, scale):
-    """y = scale * rms_norm(rotate(x)) for x (B, T, H, D) and cos/sin (1, T, 1, D/2): the PyTorch math (any
-    device; autograd does the backward)."""
-    return F.rms_norm(apply_rotary(x, cos, sin), (x.size(-1),), eps=EPS) * scale
 
 
 if triton is not None:

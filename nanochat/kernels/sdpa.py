@@ -5,8 +5,8 @@ decoding with a KV cache has S > T: the queries sit at positions S-T .. S-1.
 
 - reference_attention: F.scaled_dot_product_attention as PyTorch dispatches it, with is_causal for the full
   context and an explicit boolean mask for a window (simple and exact; any device, any length, KV caches).
-- cudnn_attention: full context on CUDA, SDPA pinned to cuDNN first (measured 526 vs 287 TFLOP/s for
-  SDPA's flash backend, causal, T=2048, hd=128, bf16, H200).
+- cudnn_attention: full context on CUDA, SDPA pinned to cuDNN first (faster than SDPA's flash backend on
+  Hopper: dev/LOG.md).
 - flex_attention: a sliding window on CUDA at the training length, FlexAttention with a block mask that
   skips the masked blocks (a dense mask makes a window slower than the full context). Compiled for that
   one shape, so other lengths (e.g. CORE's) take the reference instead of recompiling.
@@ -36,47 +36,25 @@ def reference_attention(q, k, v, window):
 _CUDA_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
 
 
-def cudnn_takes(q, window):
-    """Whether cudnn_attention serves this call (S == T): the full context on CUDA."""
-    return q.is_cuda and window >= q.size(2)
-
-
 def cudnn_attention(q, k, v):
-    """Full causal context, S == T."""
+    """Full causal context on CUDA, S == T."""
     if q.size(1) != k.size(1):  # cuDNN/flash in SDPA want equal head counts: expand k/v
         k, v = (t.repeat_interleave(q.size(1) // k.size(1), dim=1) for t in (k, v))
     with sdpa_kernel(_CUDA_BACKENDS, set_priority=True):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
-block_masks = {}  # (T, window, device) -> BlockMask, built by build_block_masks for the training length
-
-
-def build_block_masks(T, windows, device):
-    """The block masks of these sliding windows at length T (device indexed), for flex_attention."""
-    for window in windows:
-        key = (T, window, str(device))
-        if window < T and key not in block_masks:
-            block_masks[key] = create_block_mask(_sliding_causal(window), B=None, H=None, Q_LEN=T, KV_LEN=T,
-                                                 device=device)
-
-
-def _sliding_causal(window):
-    def mask(b, h, q_idx, kv_idx):
+def block_mask(T, window, device):
+    """FlexAttention's block mask of a sliding window at length T (device indexed)."""
+    def sliding_causal(b, h, q_idx, kv_idx):
         return (kv_idx <= q_idx) & (q_idx - kv_idx < window)
-    return mask
-
-
-def flex_takes(q, window):
-    """Whether flex_attention serves this call (S == T): on CUDA, with a block mask built for its length."""
-    return q.is_cuda and (q.size(2), window, str(q.device)) in block_masks
+    return create_block_mask(sliding_causal, B=None, H=None, Q_LEN=T, KV_LEN=T, device=device)
 
 
 # FlexAttention only runs fast compiled; compiled once here, it is also fast inside an eager model
 _flex_compiled = torch.compile(_flex, dynamic=False)
 
 
-def flex_attention(q, k, v, window):
-    """A sliding window at a length whose block mask was built (S == T)."""
-    return _flex_compiled(q, k, v, block_mask=block_masks[(q.size(2), window, str(q.device))],
-                          enable_gqa=q.size(1) != k.size(1))
+def flex_attention(q, k, v, mask):
+    """A sliding window at the length its block mask was built for (S == T)."""
+    return _flex_compiled(q, k, v, block_mask=mask, enable_gqa=q.size(1) != k.size(1))

@@ -1,50 +1,29 @@
 """
-The training loss: the lm_head's logits soft-capped to (-CAP, CAP) in fp32, then cross-entropy
-(ignore_index=-1).
+The training loss as one function on CUDA: the lm_head matmul, then the soft-capped cross-entropy (gpt.py's
+SoftcapCrossEntropy is the math), around one Triton kernel.
 
-    raw = x @ W^T                      z = CAP * tanh(raw / CAP)          loss_i = logsumexp(z_i) - z_i[t_i]
-    d loss_i / d raw_ij = (softmax(z_i)_j - [j == t_i]) * (1 - (z_ij / CAP)^2)
+    raw = x @ W^T                      z = cap * tanh(raw / cap)          loss_i = logsumexp(z_i) - z_i[t_i]
+    d loss_i / d raw_ij = (softmax(z_i)_j - [j == t_i]) * (1 - (z_ij / cap)^2)
 
-On CUDA, kernel_head_loss() does the lm_head matmul and the loss as one autograd function, around one Triton
-kernel. Each program takes one row of the (N, V) logits:
-- it reads the row once for the logsumexp (since |z| <= CAP, exp(z - CAP) never overflows, so no
+Each program takes one row of the (N, V) logits:
+- it reads the row once for the logsumexp (since |z| <= cap, exp(z - cap) never overflows, so no
   running maximum is needed: one sum per row) and writes the row's loss;
 - when a gradient is wanted, it reads the row again and writes d loss_i / d raw_i over it, unscaled,
   in the forward already.
 The backward then only multiplies: the incoming gradient is almost always one scalar spread over the
 rows (a mean or a sum), and it scales the two small products (N x d and V x d) instead of the (N, V)
-gradient. No fp32 copy of the logits is ever stored.
-The kernel is bound by instructions (two exponentials and a division per logit), not by HBM: saving a
-pass over memory alone saved nothing; fewer instructions per logit did (H200, 65,536 x 32,768 bf16,
-dev/bench_softcap_ce.py: loss only 1.95 ms, loss and gradient 3.57 ms; the first version of this kernel
-4.18 ms, an earlier pair of forward and backward kernels 4.45 ms).
-
-Elsewhere (CPU, MPS) the same math runs in PyTorch; tests check the kernel against it through Triton's
-interpreter (TRITON_INTERPRET=1) where Triton is installed.
+gradient. No fp32 copy of the logits is ever stored. The kernel is bound by instructions (two exponentials
+and a division per logit), not by HBM: fewer instructions per logit is what made it faster (dev/LOG.md,
+2026-11-21). Tests check it against gpt.py's math through Triton's interpreter (TRITON_INTERPRET=1).
 """
 
 import torch
-import torch.nn.functional as F
 
 try:
     import triton
     import triton.language as tl
 except ImportError:  # CPU-only installs: the PyTorch path below is used
     triton = None
-
-CAP = 15.0
-
-
-def softcap(raw):
-    """The capped logits, in fp32."""
-    return CAP * torch.tanh(raw.float() / CAP)
-
-
-def reference_loss(raw, targets, reduction="mean"):
-    """The plain PyTorch version on logits (any device; autograd does the backward)."""
-    logits = softcap(raw)
-    return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1, reduction=reduction)
-
 
 if triton is not None:
     # With y = raw / CAP, u = exp(2y) and r = 1 / (u + 1):
@@ -89,13 +68,13 @@ if triton is not None:
                 tl.store(row_ptr + cols, d.to(raw_ptr.dtype.element_ty), mask=mask)
 
 
-def _row_losses(raw, targets, write_grad):
+def _row_losses(raw, targets, write_grad, cap):
     """Per-row losses (N,) fp32 of (N, V) logits (last dim contiguous); with write_grad, raw is
     overwritten with d loss_i / d raw_i."""
     N, V = raw.shape
     loss = torch.empty(N, dtype=torch.float32, device=raw.device)
     block = min(triton.next_power_of_2(V), 4096)
-    _loss_kernel[(N,)](raw, targets, loss, V, raw.stride(0), CAP=CAP, BLOCK=block, WRITE_GRAD=write_grad,
+    _loss_kernel[(N,)](raw, targets, loss, V, raw.stride(0), CAP=cap, BLOCK=block, WRITE_GRAD=write_grad,
                        num_warps=8 if block >= 2048 else 4)
     return loss
 
@@ -105,9 +84,9 @@ class _HeadLoss(torch.autograd.Function):
     Returns the per-row losses (N,) in fp32 (0 where ignored)."""
 
     @staticmethod
-    def forward(ctx, x, weight, targets):
+    def forward(ctx, x, weight, targets, cap):
         raw = x @ weight.t()
-        loss = _row_losses(raw, targets, write_grad=True)
+        loss = _row_losses(raw, targets, True, cap)
         ctx.save_for_backward(x, weight, raw)  # raw now holds the gradient of each row's loss
         return loss
 
@@ -128,17 +107,7 @@ class _HeadLoss(torch.autograd.Function):
             grad_w = grad_raw.t() @ x
             if scale is not None:
                 grad_w.mul_(scale)
-        return grad_x, grad_w, None
-
-
-def reduce_losses(losses, targets, reduction):
-    """Per-token losses (N,) of targets (...) reduced as F.cross_entropy does with ignore_index=-1: 'none'
-    (the targets' shape), 'sum', or 'mean' over the targets that count (NaN when none does)."""
-    if reduction == "none":
-        return losses.view(targets.shape)
-    if reduction == "sum":
-        return losses.sum()
-    return losses.sum() / (targets != -1).sum()
+        return grad_x, grad_w, None, None
 
 
 def supported(x):
@@ -146,21 +115,12 @@ def supported(x):
     return triton is not None and x.is_cuda
 
 
-def reference_head_loss(x, weight, targets, reduction="mean"):
-    """Soft-capped cross-entropy of the logits x @ weight^T: x (..., d) and weight (V, d) in the compute
-    dtype, targets (...); ignore_index=-1; reduction 'mean' (over the targets that count), 'sum' or
-    'none' (fp32, shape of targets). The PyTorch math (any device; autograd does the backward)."""
-    return reduce_losses(reference_loss(F.linear(x, weight), targets, "none"), targets, reduction)
-
-
 @torch.compiler.disable  # run eagerly: traced into a compiled graph, the in-place gradient would make
-def kernel_head_loss(x, weight, targets, reduction="mean"):  # AOTAutograd copy the logits first
-    """reference_head_loss through the Triton kernel (CUDA; tests also run it on CPU tensors under
-    TRITON_INTERPRET=1)."""
+def kernel_head_losses(x, weight, targets, cap):  # AOTAutograd copy the logits first
+    """Per-token losses (N,) of x (..., d) and weight (V, d) in the compute dtype, targets (...) (ignored: -1),
+    through the Triton kernel (CUDA; tests also run it on CPU tensors under TRITON_INTERPRET=1)."""
     flat_x = x.reshape(-1, x.size(-1))
     flat_targets = targets.reshape(-1).contiguous()
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        losses = _HeadLoss.apply(flat_x, weight, flat_targets)
-    else:  # evaluation: the loss only
-        losses = _row_losses(flat_x @ weight.t(), flat_targets, write_grad=False)
-    return reduce_losses(losses, targets, reduction)
+        return _HeadLoss.apply(flat_x, weight, flat_targets, cap)
+    return _row_losses(flat_x @ weight.t(), flat_targets, False, cap)  # evaluation: the loss only

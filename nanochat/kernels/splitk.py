@@ -53,12 +53,15 @@ def tune(linears, tokens, dtype, splits=(1, 2, 4), repeats=10, margin=0.03):
         return {}
     chosen = {}
     for shape in sorted({tuple(m.weight.shape) for m in linears}):
-        out_features, in_features = shape
-        dy = torch.randn(tokens, out_features, device="cuda", dtype=dtype)
-        x = torch.randn(tokens, in_features, device="cuda", dtype=dtype)
-        times = {s: cuda_time_ms(lambda: weight_grad(dy, x, s), repeats) for s in splits if tokens % s == 0}
+        times = _time_splits(tokens, *shape, dtype, [s for s in splits if tokens % s == 0], repeats)
         best = min(times, key=times.get)
         best = best if times[best] < times[1] * (1 - margin) else 1
         chosen[shape] = (best, times[1], times[best])
-        del dy, x
     return chosen
+
+
+def _time_splits(tokens, out_features, in_features, dtype, splits, repeats):
+    """{split: ms} of one weight gradient; its inputs are freed on return, before the next shape's."""
+    dy = torch.randn(tokens, out_features, device="cuda", dtype=dtype)
+    x = torch.randn(tokens, in_features, device="cuda", dtype=dtype)
+    return {s: cuda_time_ms(lambda: weight_grad(dy, x, s), repeats) for s in splits}

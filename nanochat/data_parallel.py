@@ -1,0 +1,263 @@
+"""
+Data parallelism, written out (no DDP wrapper). Every DP rank holds the whole model (or its tensor-parallel
+shard, or its pipeline stage) and runs its own micro-batches; the gradients are summed over the DP group, and
+the optimizer's work is shared out so that no two ranks compute the same update (ZeRO-2: optimizer state and
+updates sharded, weights and gradients whole on every rank).
+
+Who updates what:
+- Muon matrices of one shape form a stack, cut into rounds of W (the DP size) consecutive matrices; rank r owns
+  matrix r of every round (matrices r, r+W, r+2W, ...). A round's gradients are one reduce-scatter that hands
+  each rank its own matrix whole (Muon orthogonalizes whole matrices), and a round's matrices are neighbouring
+  layers, whose gradients become final close together in the backward.
+- AdamW tensors of at least 1024 elements whose first dim divides by W are owned by rows: rank r receives rows
+  [r, r+1) x rows/W of the summed gradient, keeps that slice's state and updates it.
+- The other AdamW tensors (scalars, small gates) are summed as one flat buffer and updated on every rank.
+Each of these is a bucket: one collective. The owners' updates are then all-gathered, so every rank ends the
+step with the same weights.
+
+Overlap (--overlap-grad-reduce). Without it every reduction starts in the optimizer's step, after the whole
+backward, all of it exposed. With it, the training step calls prepare_last_backward() right before the backward
+of its last micro-batch; a post-accumulate-grad hook on every parameter counts its bucket down, and a bucket
+whose gradients are all final launches its collective (async) while the rest of the backward runs. Collectives
+on a group must be issued in one order on every rank, so buckets launch in a fixed order, each as soon as it
+and every bucket before it are ready: the order in which rank 0's buckets became ready in its first overlapped
+backward (broadcast over DP; that first step launches everything after the backward). A whole-model compiled
+graph yields every gradient at its end, so with overlap the blocks are compiled one by one (training.py).
+
+Collectives, all over the DP group:
+  reduce_scatter_tensor   per Muon round: its W gradients -> this rank's matrix, summed
+  reduce_scatter_tensor   per large AdamW tensor: its gradient -> this rank's rows, summed
+  all_reduce              the small AdamW gradients, one flat buffer
+  all_gather_into_tensor  per Muon stack: every owner's updates, in the compute dtype (half the bytes in bf16)
+  all_gather_into_tensor  per large AdamW tensor: the updated rows
+  broadcast_object_list   once, with overlap: rank 0's bucket launch order
+  all_gather_into_tensor  for a checkpoint: the owners' optimizer state, into whole tensors
+  all_reduce              the step's loss, for the log
+gloo has no AVG reduction everywhere: gradients are summed, then divided by W.
+"""
+
+import math
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+
+class RoundRobin:
+    """K same-shape matrices shared out over W ranks: rounds of W consecutive matrices, rank r owning matrix
+    r of every round. `rounds` is also how many matrices each rank owns (the stack padded to rounds x W)."""
+
+    def __init__(self, K, W, rank):
+        self.K, self.W, self.rank = K, W, rank
+        self.rounds = math.ceil(K / W)
+
+    def round(self, g):
+        """Indices of round g's matrices."""
+        return range(g * self.W, min((g + 1) * self.W, self.K))
+
+    def owned(self, j):
+        """Index of this rank's j-th matrix, or None where the padding falls."""
+        i = j * self.W + self.rank
+        return i if i < self.K else None
+
+    def slot(self, i):
+        """Where matrix i lands in an all-gather of the ranks' (rounds, ...) stacks."""
+        return (i % self.W) * self.rounds + i // self.W
+
+
+class GradBucket:
+    """Parameters whose gradient reduction is one collective. `launch(bucket)` starts it and returns its work
+    handle (None when nothing is in flight)."""
+
+    def __init__(self, kind, params, launch):
+        self.kind, self.params, self.launch = kind, params, launch  # kind: "muon", "rows" or "flat"
+        self.reset()
+
+    def reset(self):
+        self.remaining = len(self.params)  # members whose gradient is not final yet (overlap only)
+        self.ready = self.launched = False
+        self.work = None
+        self.result = None  # what the step reads once the work is done
+
+    def start(self):
+        self.work = self.launch(self)
+        self.launched = True
+
+    def wait(self):
+        if self.work is not None:
+            self.work.wait()
+
+
+class DataParallel:
+    """The gradient reduction and the sharing out of one optimizer's parameters over the DP group (None: one
+    rank, where every method is a local no-op or copy). muon_stacks: lists of same-shape matrices; adamw_params:
+    the AdamW tensors; both in one order on every rank."""
+
+    def __init__(self, muon_stacks, adamw_params, group=None, overlap=False):
+        self.group = group
+        self.size = dist.get_world_size(group) if group is not None else 1
+        self.rank = dist.get_rank(group) if group is not None else 0
+        self.owners = [RoundRobin(len(params), self.size, self.rank) for params in muon_stacks]
+        self.muon_stacks = muon_stacks
+        self.muon_grads = [None] * len(muon_stacks)  # per stack: this rank's summed (rounds, *shape) gradients
+        # the buckets, in the default launch order: Muon's first (they feed the most compute), then the large
+        # AdamW tensors one by one, then the small ones as one flat buffer
+        self.muon_buckets = [[GradBucket("muon", [params[i] for i in owner.round(g)], partial(self._reduce_round, s, g))
+                              for g in range(owner.rounds)] for s, (params, owner) in enumerate(zip(muon_stacks, self.owners))]
+        self.adamw_buckets = [GradBucket("rows", [p], self._reduce_rows) for p in adamw_params if self.owns_rows(p)]
+        small = [p for p in adamw_params if not self.owns_rows(p)]
+        if small:
+            self.adamw_buckets.append(GradBucket("flat", small, self._reduce_flat))
+        self.buckets = [b for stack in self.muon_buckets for b in stack] + self.adamw_buckets
+        self.overlap = overlap and self.size > 1
+        self._armed, self._launch_order, self._first_ready, self._next_launch = False, None, [], 0
+        self.launched_in_backward = 0  # buckets the last step's backward launched (for logs and tests)
+        if self.overlap:
+            self._bucket_of = {p: b for b in self.buckets for p in b.params}
+            for p in self._bucket_of:
+                p.register_post_accumulate_grad_hook(self._grad_ready)
+
+    def owns_rows(self, p):
+        """Whether an AdamW tensor is shared out by rows (else it is updated on every rank)."""
+        return self.size > 1 and p.ndim > 0 and p.size(0) % self.size == 0 and p.numel() >= 1024
+
+    def my_rows(self, t):
+        rows = t.size(0) // self.size
+        return t[self.rank * rows:(self.rank + 1) * rows]
+
+    # --- the reductions, one collective per bucket -----------------------------------
+
+    def _reduce_round(self, s, g, bucket):
+        """Muon stack s, round g: this rank's matrix of the round, summed over DP, into muon_grads[s][g]."""
+        grads = [p.grad for p in bucket.params]
+        if self.muon_grads[s] is None:
+            self.muon_grads[s] = torch.empty((self.owners[s].rounds, *grads[0].shape), dtype=grads[0].dtype,
+                                             device=grads[0].device)
+        if self.size == 1:
+            self.muon_grads[s][g].copy_(grads[0])
+            return None
+        stacked = torch.stack(grads + [torch.zeros_like(grads[0])] * (self.size - len(grads)))
+        return dist.reduce_scatter_tensor(self.muon_grads[s][g:g + 1], stacked, op=dist.ReduceOp.SUM,
+                                          group=self.group, async_op=True)
+
+    def _reduce_rows(self, bucket):
+        p, = bucket.params
+        bucket.result = torch.empty_like(self.my_rows(p.grad))
+        return dist.reduce_scatter_tensor(bucket.result, p.grad, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+
+    def _reduce_flat(self, bucket):
+        if self.size == 1:  # nothing to reduce: the step reads the gradients in place
+            return None
+        bucket.result = torch.cat([p.grad.reshape(-1) for p in bucket.params])
+        return dist.all_reduce(bucket.result, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+
+    # --- overlap with the backward ---------------------------------------------------
+
+    def prepare_last_backward(self):
+        """Call right before the backward of a step's last micro-batch: from then on each bucket's reduction
+        starts (async) as soon as all its gradients are final. A no-op without overlap."""
+        if not self.overlap:
+            return
+        for b in self.buckets:
+            b.reset()
+        self._armed, self._next_launch, self._first_ready = True, 0, []
+        self.launched_in_backward = 0
+
+    @torch.no_grad()
+    def _grad_ready(self, p):
+        """post-accumulate-grad hook: p's gradient is final for this step."""
+        if not self._armed:
+            return
+        b = self._bucket_of[p]
+        b.remaining -= 1
+        if b.remaining > 0:
+            return
+        b.ready = True
+        if self._launch_order is None:  # the first overlapped backward only records the order
+            self._first_ready.append(b)
+            return
+        order = self._launch_order
+        while self._next_launch < len(order) and order[self._next_launch].ready:
+            order[self._next_launch].start()
+            self._next_launch += 1
+            self.launched_in_backward += 1
+
+    def _agree_on_launch_order(self):
+        """Rank 0's readiness order, then the buckets that were never ready in it (their parameters got no
+        gradient from the last micro-batch), in the default order."""
+        index = {id(b): i for i, b in enumerate(self.buckets)}
+        seen = [[index[id(b)] for b in self._first_ready]]
+        dist.broadcast_object_list(seen, src=dist.get_global_rank(self.group, 0), group=self.group)
+        order = [self.buckets[i] for i in seen[0]]
+        return order + [b for b in self.buckets if all(b is not o for o in order)]
+
+    # --- what the optimizer's step calls ---------------------------------------------
+
+    def launch_remaining(self):
+        """Start every reduction the backward has not started (all of them without overlap)."""
+        if self._armed and self._launch_order is None:
+            self._launch_order = self._agree_on_launch_order()
+        self._armed = False
+        for b in self._launch_order or self.buckets:
+            if not b.launched:
+                b.start()
+
+    def reduced_muon_grads(self, s):
+        """Stack s: this rank's matrices' gradients, summed over DP (TP shards as they are): (rounds, *shape)."""
+        for b in self.muon_buckets[s]:
+            b.wait()
+        grads, self.muon_grads[s] = self.muon_grads[s], None
+        return grads
+
+    def reduced_adamw_grads(self):
+        """(p, summed gradient) for every AdamW tensor, bucket by bucket as they land: this rank's rows of the
+        tensors owned by rows, the whole gradient of the others."""
+        for b in self.adamw_buckets:
+            b.wait()
+            if b.kind == "rows":
+                yield b.params[0], b.result
+                continue
+            offset = 0  # the flat buffer, unflattened
+            for p in b.params:
+                yield p, (p.grad if b.result is None else b.result[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+
+    def gather_muon_updates(self, s, updates):
+        """Every owner's (rounds, ...) updates of stack s, all-gathered: (full stack, work), matrix i at slot(i)."""
+        if self.size == 1:
+            return updates, None
+        full = torch.empty((self.owners[s].rounds * self.size, *updates.shape[1:]), dtype=updates.dtype,
+                           device=updates.device)
+        return full, dist.all_gather_into_tensor(full, updates, group=self.group, async_op=True)
+
+    def gather_rows(self, rows):
+        """Every owner's rows of an AdamW tensor, all-gathered: (whole tensor, work)."""
+        full = torch.empty((rows.size(0) * self.size, *rows.shape[1:]), dtype=rows.dtype, device=rows.device)
+        return full, dist.all_gather_into_tensor(full, rows.contiguous(), group=self.group, async_op=True)
+
+    def finish_step(self):
+        for b in self.buckets:
+            b.reset()
+
+    def mean_loss(self, loss):
+        """The step's loss averaged over the DP ranks (for the log)."""
+        if self.size == 1:
+            return loss
+        dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=self.group)
+        return loss / self.size
+
+    # --- optimizer state, whole (for checkpoints) -----------------------------------
+
+    def gather_stack_state(self, s, local):
+        """A stack's per-owner state (rounds, ...) -> the state of its K matrices, in stack order (blocking)."""
+        if self.size == 1:
+            return local
+        owner = self.owners[s]
+        full, work = self.gather_muon_updates(s, local)
+        work.wait()
+        return full[[owner.slot(i) for i in range(owner.K)]]
+
+    def gather_row_state(self, local):
+        full, work = self.gather_rows(local)
+        work.wait()
+        return full

@@ -1,0 +1,200 @@
+"""
+The process-group layout: torchrun's processes as a grid of world = PP x DP x TP, with every group created
+explicitly and printed at start. The parallel dimensions (data_parallel.py, tensor_parallel.py,
+pipeline_parallel.py) each use their own group from the Layout; nothing else builds groups.
+
+Ranks are numbered with TP fastest, then DP, then PP: TP peers are neighbouring ranks, which on one node share
+the fastest links (TP communicates in every block), and PP, which sends only activations between neighbours,
+spans the farthest ones.
+
+Collectives here (all host-side or one scalar):
+  barrier          on a gloo group of all ranks (cpu_group under NCCL), so that a waiting rank fails after
+                   --dist-timeout naming what it waited for, instead of hanging
+  all_reduce MAX   of one float over all ranks (all_reduce_max: a stop request, an error flag)
+  all_gather_object  the message of a rank that failed (agree_on_error)
+"""
+
+import os
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from nanochat.common import UserError, get_base_dir
+
+
+class RankFailure(UserError):
+    """A collective this rank waited on in vain: its own failure, which the others may not share."""
+    every_rank = True
+
+
+@dataclass
+class Layout:
+    """Where this process sits in the world = PP x DP x TP grid. Groups are None when a size is 1."""
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    dp_rank: int = 0
+    dp_size: int = 1
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    dp_group: object = None
+    tp_group: object = None
+    pp_group: object = None
+    pp_prev: int = -1  # global rank of the previous / next pipeline stage, -1 at the ends
+    pp_next: int = -1
+    cpu_group: object = None  # gloo group of all ranks for host-side waits (None: the default group is gloo)
+
+    @property
+    def is_first_stage(self):
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self):
+        return self.pp_rank == self.pp_size - 1
+
+    def describe(self):
+        return f"dp {self.dp_size} x tp {self.tp_size} x pp {self.pp_size}"
+
+    def tag(self):
+        parts = [f"dp={self.dp_rank}"]
+        if self.tp_size > 1:
+            parts.append(f"tp={self.tp_rank}")
+        if self.pp_size > 1:
+            parts.append(f"pp={self.pp_rank}")
+        return "[" + " ".join(parts) + "]"
+
+
+def grid_rank(layout, dp, tp, pp):
+    """Global rank of the process at (dp, tp, pp)."""
+    return (pp * layout.dp_size + dp) * layout.tp_size + tp
+
+
+def build_layout(rank, world_size, local_rank, tp=1, pp=1):
+    """Split the world into DP x TP x PP and create every process group explicitly. Every rank must
+    call new_group for every group, in the same order, even for groups it is not in."""
+    if tp < 1 or pp < 1 or world_size % (tp * pp) != 0:
+        raise UserError(f"world size {world_size} is not divisible by tp={tp} x pp={pp}; "
+                        f"choose tp and pp whose product divides the number of processes")
+    dp = world_size // (tp * pp)
+    L = Layout(rank=rank, world_size=world_size, local_rank=local_rank, dp_size=dp, tp_size=tp, pp_size=pp)
+    L.tp_rank = rank % tp
+    L.dp_rank = (rank // tp) % dp
+    L.pp_rank = rank // (tp * dp)
+    if world_size == 1:
+        return L
+    for p in range(pp):  # TP groups: same (pp, dp), all tp
+        for d in range(dp):
+            ranks = [grid_rank(L, d, t, p) for t in range(tp)]
+            g = dist.new_group(ranks) if tp > 1 else None
+            if rank in ranks:
+                L.tp_group = g
+    for p in range(pp):  # DP groups: same (pp, tp), all dp
+        for t in range(tp):
+            ranks = [grid_rank(L, d, t, p) for d in range(dp)]
+            g = dist.new_group(ranks) if dp > 1 else None
+            if rank in ranks:
+                L.dp_group = g
+    for d in range(dp):  # PP groups: same (dp, tp), all pp
+        for t in range(tp):
+            ranks = [grid_rank(L, d, t, p) for p in range(pp)]
+            g = dist.new_group(ranks) if pp > 1 else None
+            if rank in ranks:
+                L.pp_group = g
+    if L.pp_rank > 0:
+        L.pp_prev = grid_rank(L, L.dp_rank, L.tp_rank, L.pp_rank - 1)
+    if L.pp_rank < pp - 1:
+        L.pp_next = grid_rank(L, L.dp_rank, L.tp_rank, L.pp_rank + 1)
+    return L
+
+
+def is_distributed():
+    return all(k in os.environ for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+
+
+def compute_init(device_type="", tp=1, pp=1, seed=42, timeout_s=None):
+    """Set up device, seeds and (under torchrun) the process groups, whose collectives fail after
+    timeout_s seconds (None: PyTorch's default). Under NCCL the flight recorder is on (nanochat.watchdog)
+    and a gloo group of all ranks serves host-side waits (barrier). Returns (layout, device)."""
+    from nanochat.common import autodetect_device_type
+    device_type = device_type or autodetect_device_type()
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device-type=cuda but no CUDA device is visible; use --device-type=cpu")
+    if device_type == "mps" and not torch.backends.mps.is_available():
+        raise UserError("--device-type=mps but MPS is not available; use --device-type=cpu")
+    torch.manual_seed(seed)
+    if device_type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls (rare here) may use tf32
+        torch.backends.cudnn.allow_tf32 = True
+    if not is_distributed():
+        if tp * pp > 1:
+            raise UserError(f"--tp={tp} --pp={pp} need {tp * pp} processes at least: launch with "
+                            f"torchrun --nproc_per_node={tp * pp} -m scripts.base_train ...")
+        # an indexed device, so that device-keyed caches (attention masks) match tensors' .device
+        device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device(device_type)
+        return build_layout(0, 1, 0), device
+    rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
+    if device_type == "cuda":
+        from nanochat.watchdog import enable_flight_recorder
+        enable_flight_recorder(hang_report_dir())
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group(backend="nccl", device_id=device, timeout=timeout)
+    else:
+        device = torch.device(device_type)
+        dist.init_process_group(backend="gloo", timeout=timeout)
+    layout = build_layout(rank, world_size, local_rank, tp, pp)
+    if device_type == "cuda":
+        layout.cpu_group = dist.new_group(backend="gloo", timeout=timeout)
+    dist.barrier()
+    return layout, device
+
+
+def compute_cleanup():
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def hang_report_dir():
+    """Where ranks write hang reports and NCCL flight-recorder dumps (per node when the base dir is)."""
+    return os.path.join(get_base_dir(), "hang_reports")
+
+
+def barrier(layout, what):
+    """Every rank waits here (on the host, gloo) for the others. A rank that does not arrive within the
+    collective timeout makes the others fail with a message naming `what`, not a silent hang."""
+    if layout.world_size == 1:
+        return
+    try:
+        dist.barrier(group=layout.cpu_group)
+    except RuntimeError as e:
+        raise RankFailure(f"rank {layout.rank} waited longer than the collective timeout (--dist-timeout) at the "
+                           f"barrier after {what}: another rank did not arrive. Its log and hang report "
+                           f"({hang_report_dir()}) say what it was doing; if it was only slow, raise --dist-timeout. "
+                           f"({str(e).splitlines()[0]})") from None
+
+
+def all_reduce_max(value: float, device) -> float:
+    """Largest value over all ranks (a flag, a NaN count); identity in one process."""
+    if not dist.is_initialized():
+        return value
+    t = torch.tensor([value], dtype=torch.float32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def agree_on_error(message, device):
+    """A collective: every rank passes its error message (None when it had none) and gets the first failing
+    rank's message, or None when no rank failed. Ranks that go on after a peer failed would wait for it in
+    their next collective until the timeout; this way they all stop together, with the same message."""
+    if not dist.is_initialized():
+        return message
+    if all_reduce_max(float(message is not None), device) == 0:
+        return None
+    messages = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, message)
+    return next(m for m in messages if m is not None)
