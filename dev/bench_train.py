@@ -1,79 +1,250 @@
-"""
-Training throughput benchmark: runs scripts.base_train for a fixed number of steps (no evaluation,
-sampling or checkpoints) and reports what users compare: tok/s, MFU, step time and peak memory,
-taken as medians over the steps after warm-up (the first steps include compilation).
+r"""
+Training throughput: scripts.base_train for a few steps per configuration (no evaluation, samples or
+checkpoints), in each tree, one run after another; tok/s, MFU, step time and peak memory, each the median over
+the steps after warm-up (the first steps compile) of what the run recorded in its metrics.jsonl (dev/runs.py).
+Rows are configurations, columns trees: with several --tree (e.g. two git worktrees, old and new), every
+configuration runs in each tree in turn, so that they are compared on the same GPUs in the same call.
 
-    python -m dev.bench_train --depth 12 --steps 30 --warmup 10 -- --window-pattern L
-    python -m dev.bench_train --nproc 2 --depth 20 -- --tp 2
+The configurations, one set per call:
+  default     depths x precisions (bf16, fp8) x window patterns on one GPU, 524,288-token steps; fp8 also as
+              a ratio of bf16 at the same depth, window and device batch
+  --parallel  tensor and pipeline parallel layouts against the same model on one GPU, window L, on GPUs
+              0..n-1 of --gpus:
+                TP  d32 (device batch 8) and d20 (16), 131,072-token steps: one GPU, --tp 2,
+                    --tp 2 --sequence-parallel
+                PP  d26, micro-batches of 8 x 2048, m = 4 or 16 per step: one GPU, --pp 2 and --pp 4 (m = 16
+                    only: 4 micro-batches over 4 stages are mostly bubble), each with 1f1b and gpipe;
+                    ideal step = one-GPU step / p x (m + p - 1) / m (the bubble of p stages over m micro-batches)
 
-Everything after `--` is passed to base_train. One line of results is appended to --out (CSV).
+    python -m dev.bench_train                                   # d12 and d20, bf16 and fp8, windows L and SSSL
+    python -m dev.bench_train --depths 20 --precisions bf16,fp8 --windows L --gpus 1
+    python -m dev.bench_train --tree ../nanochat-old --tree .   # old against new, same GPU
+    python -m dev.bench_train --depths 12 --precisions bf16 --windows L --device-batch-size 12=32 \
+        --steps 30 --warmup 10 -- --l3-after-layers 5           # flags after `--` go to every run
+    NANOCHAT_KERNELS=reference python -m dev.bench_train        # every op on its PyTorch reference
+    python -m dev.bench_train --parallel                        # every layout that fits the GPUs
+    python -m dev.bench_train --parallel --gpus 0,1 --only d20  # the d20 layouts on GPUs 0 and 1
+
+Needs CUDA GPUs (nvidia-smi lists them, or name them with --gpus), data and a tokenizer as base_train does
+(--data-dir / NANOCHAT_DATA_DIR, --base-dir / NANOCHAT_BASE_DIR). fp8 needs torchao and an SM89+ GPU (a run
+that fell back to bf16 counts as failed); FlashAttention-4 is used where installed. The default device
+batches fit a 141 GB H200 (d20 at 64); lower them on smaller GPUs. A layout that runs out of memory (gpipe
+keeps all m micro-batches' activations) is reported as failed. Each run appends a row to --out (CSV) and
+writes its output to --log-dir. A tree from before metrics.jsonl is read from its printout (dev/runs.py).
 """
 
 import os
 import re
-import sys
 import csv
-import time
-import argparse
-import statistics
 import subprocess
+from dataclasses import dataclass, field
 
-parser = argparse.ArgumentParser(description="Benchmark base_train throughput")
-parser.add_argument("--depth", type=int, default=12)
-parser.add_argument("--steps", type=int, default=30, help="optimizer steps to run")
-parser.add_argument("--warmup", type=int, default=10, help="steps excluded from the statistics")
-parser.add_argument("--total-batch-size", type=int, default=524288)
-parser.add_argument("--device-batch-size", type=int, default=32)
-parser.add_argument("--nproc", type=int, default=1, help="processes (torchrun) ")
-parser.add_argument("--label", type=str, default="", help="name of this configuration in the results")
-parser.add_argument("--out", type=str, default="bench_results.csv", help="CSV to append the result to")
-args, extra = parser.parse_known_args()
-extra = [a for a in extra if a != "--"]
+from dev import runs
+from nanochat.common import fail
 
-cmd = ["-m", "scripts.base_train", f"--depth={args.depth}", f"--num-iterations={args.steps}",
-       f"--total-batch-size={args.total_batch_size}", f"--device-batch-size={args.device_batch_size}",
-       "--eval-tokens=0", "--core-metric-every=-1", "--sample-every=-1", "--save-every=0", "--model-tag=bench"] + extra
-if args.nproc > 1:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}"] + cmd
-else:
-    cmd = [sys.executable] + cmd
-print(" ".join(cmd), flush=True)
-t0 = time.time()
-proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-lines = []
-for line in proc.stdout:
-    sys.stdout.write(line)
-    lines.append(line)
-proc.wait()
-wall = time.time() - t0
-if proc.returncode != 0:
-    raise SystemExit(f"base_train failed with exit code {proc.returncode}")
+STEPS = {12: (16, 6), 20: (12, 5)}  # (steps, warm-up) per depth of the default set; others take d20's
+DEVICE_BATCH = {12: 128, 20: 64}  # the default set's device batch per depth; others take 32
+PARALLEL_STEPS = (9, 4)
 
-steps = []
-for line in lines:
-    m = re.match(r"^step (\d+)/\d+ .*\| dt: ([\d.]+)ms \| tok/sec: ([\d,]+)(?: \| mfu: ([\d.]+))?", line)
-    if m:
-        steps.append((int(m.group(1)), float(m.group(2)), float(m.group(3).replace(",", "")), float(m.group(4)) if m.group(4) else None))
-timed = [s for s in steps if s[0] >= args.warmup]
-if not timed:
-    raise SystemExit(f"no steps after the {args.warmup} warm-up steps were logged")
-dt = statistics.median(s[1] for s in timed)
-tok = statistics.median(s[2] for s in timed)
-mfus = [s[3] for s in timed if s[3] is not None]
-mfu = statistics.median(mfus) if mfus else None
-# one process prints its peak memory once; several print one line each, tagged with their place in the grid
-per_rank = re.findall(r"^(\[[^\]]*\]) peak memory: ([\d.]+) GiB", "".join(lines), re.M)
-single = re.search(r"peak memory: ([\d.]+) GiB", "".join(lines))
-mems = {tag: float(v) for tag, v in per_rank} or ({"": float(single.group(1))} if single else {})
-result = {"label": args.label or f"d{args.depth} {' '.join(extra)}".strip(), "depth": args.depth, "nproc": args.nproc,
-          "batch": args.total_batch_size, "steps timed": len(timed), "step ms (median)": round(dt, 2),
-          "tok/s (median)": round(tok), "mfu % (median)": round(mfu, 2) if mfu else "", "peak mem GiB (max)": max(mems.values()) if mems else "",
-          "peak mem per rank": " ".join(f"{t}{v}" for t, v in sorted(mems.items())) if len(mems) > 1 else "",
-          "wall s": round(wall, 1), "args": " ".join(extra)}
-print("RESULT " + " | ".join(f"{k}: {v}" for k, v in result.items()), flush=True)
-new = not os.path.exists(args.out)
-with open(args.out, "a", newline="") as f:
-    w = csv.DictWriter(f, fieldnames=list(result))
-    if new:
-        w.writeheader()
-    w.writerow(result)
+
+@dataclass
+class Config:
+    label: str
+    depth: int
+    device_batch: int
+    total_batch: int
+    steps: int
+    warmup: int
+    flags: list = field(default_factory=list)  # base_train flags beyond depth, batches and steps
+    nproc: int = 1
+    baseline: str = ""       # the label of the row this one is a ratio of
+    baseline_name: str = ""  # what that row is, in the ratio's cell
+    stages: int = 0          # pipeline stages and micro-batches per step: the ideal step
+    microbatches: int = 0
+
+    def base_train_flags(self, extra):
+        return [f"--depth={self.depth}", f"--num-iterations={self.steps}", f"--total-batch-size={self.total_batch}",
+                f"--device-batch-size={self.device_batch}", "--eval-tokens=0", "--save-every=0"] + runs.QUIET + \
+            self.flags + extra
+
+
+def default_configs(args):
+    batch = dict(DEVICE_BATCH)
+    for item in filter(None, args.device_batch_size.split(",")):
+        d, _, b = item.partition("=")
+        if not (d.isdigit() and b.isdigit()):
+            fail(f"--device-batch-size {args.device_batch_size!r}: expected DEPTH=BATCH pairs, e.g. 12=128,20=64")
+        batch[int(d)] = int(b)
+    precisions = [p for p in args.precisions.split(",") if p]
+    if any(p not in ("bf16", "fp8") for p in precisions):
+        fail(f"--precisions {args.precisions!r}: use bf16 and/or fp8")
+    configs = []
+    for depth in (int(d) for d in args.depths.split(",") if d):
+        steps, warmup = STEPS.get(depth, STEPS[20])
+        b = batch.get(depth, 32)
+        for window in (w for w in args.windows.split(",") if w):
+            for precision in precisions:
+                configs.append(Config(f"d{depth} {precision} {window} b{b}", depth, b, args.total_batch_size, steps,
+                                      warmup, ["--window-pattern", window] + (["--fp8"] if precision == "fp8" else []),
+                                      baseline=f"d{depth} bf16 {window} b{b}" if precision == "fp8" else "",
+                                      baseline_name="bf16"))
+    return configs
+
+
+def parallel_configs():
+    steps, warmup = PARALLEL_STEPS
+    configs = []
+    for depth, b in ((32, 8), (20, 16)):
+        one = f"d{depth} one GPU"
+        for label, nproc, flags in ((one, 1, []), (f"d{depth} TP=2", 2, ["--tp", "2"]),
+                                    (f"d{depth} TP=2 SP", 2, ["--tp", "2", "--sequence-parallel"])):
+            configs.append(Config(label, depth, b, 131072, steps, warmup, ["--window-pattern", "L"] + flags, nproc,
+                                  baseline=one if nproc > 1 else "", baseline_name="one GPU"))
+    for m in (4, 16):
+        one = f"d26 m={m} one GPU"
+        configs.append(Config(one, 26, 8, 8 * 2048 * m, steps, warmup, ["--window-pattern", "L"]))
+        for p in (2, 4):
+            if p == 4 and m == 4:
+                continue  # 4 micro-batches over 4 stages is mostly bubble
+            for schedule in ("1f1b", "gpipe"):
+                configs.append(Config(f"d26 m={m} PP={p} {schedule}", 26, 8, 8 * 2048 * m, steps, warmup,
+                                      ["--window-pattern", "L", "--pp", str(p), "--pp-schedule", schedule], p,
+                                      baseline=one, baseline_name="one GPU", stages=p, microbatches=m))
+    return configs
+
+
+def list_gpus():
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        fail("no GPU found (nvidia-smi failed): this tool times training on CUDA GPUs; name them with --gpus 0,1,...")
+    return list(range(len(out.splitlines())))
+
+
+def measure(config, tree, args, gpus):
+    """Run one configuration in one tree; its CSV row (appended to --out), or None when it failed."""
+    name = os.path.basename(tree)
+    job = runs.start(config.base_train_flags(args.extra), "bench", tree=tree, env=runs.data_env(args), nproc=config.nproc,
+                     gpus=gpus[:config.nproc], timeout=args.timeout,
+                     log=os.path.join(args.log_dir, f"{name} {config.label}.log".replace(" ", "_")))
+    print(f"== {name}: {config.label}: {' '.join(job.cmd[1:])}", flush=True)
+    try:
+        run = job.run()
+    except runs.RunFailed as e:
+        print(f"   failed: {e}", flush=True)
+        return None
+    s = runs.summary(run, config.warmup)
+    peaks = {tag: round(gib, 2) for tag, gib in runs.rank_peaks(run).items()}
+    row = {"tree": tree, "label": config.label, "depth": config.depth, "nproc": config.nproc,
+           "batch": config.total_batch, "steps timed": s["steps_timed"], "step ms (median)": round(s["step_ms"], 2),
+           "tok/s (median)": round(s["tok_per_sec"]), "mfu % (median)": round(s["mfu"], 2) if s["mfu"] else "",
+           "peak mem GiB (max)": max(peaks.values()) if peaks else round(s["peak_mem_gib"], 2) if s["peak_mem_gib"] else "",
+           "peak mem per rank": " ".join(f"{t}{v}" for t, v in sorted(peaks.items())),
+           "wall s": round(job.wall_s, 1), "args": " ".join(config.flags + args.extra)}
+    print(f"   {row['tok/s (median)']:,} tok/s, step {row['step ms (median)']} ms" +
+          (f", MFU {row['mfu % (median)']}%" if row["mfu % (median)"] else "") +
+          (f", peak {row['peak mem GiB (max)']} GiB" if row["peak mem GiB (max)"] else ""), flush=True)
+    append_csv(args.out, row)
+    return row
+
+
+def append_csv(path, row):
+    new = not os.path.exists(path)
+    if not new:
+        with open(path, newline="") as f:
+            if next(csv.reader(f), None) != list(row):
+                fail(f"--out {path} has other columns (written by another version?): give a new file")
+    with open(path, "a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(row))
+        if new:
+            writer.writeheader()
+        writer.writerow(row)
+
+
+def table(configs, trees, results):
+    """The markdown table: a row per configuration; per tree tok/s, its ratio to the baseline row, MFU, step
+    time, its ratio to the ideal pipeline step, peak memory; with several trees, each tree's tok/s over the
+    first's. Columns with nothing in them are left out. results: {(label, tree): CSV row or None}."""
+    names = [os.path.basename(t) for t in trees]
+    prefix = (lambda n: f"{n} ") if len(trees) > 1 else (lambda n: "")
+    header = ["configuration"]
+    for n in names:
+        header += [prefix(n) + h for h in ("tok/s", "vs baseline", "MFU", "step", "vs ideal", "peak memory")]
+    header += [f"{n} / {names[0]} tok/s" for n in names[1:]]
+    rows = []
+    for c in configs:
+        row = [c.label]
+        for tree in trees:
+            r = results.get((c.label, tree))
+            if r is None:
+                row += ["failed", "", "", "", "", ""]
+                continue
+            tok, step = r["tok/s (median)"], r["step ms (median)"]
+            base = results.get((c.baseline, tree))
+            vs_base = f"{tok / base['tok/s (median)']:.3f}x {c.baseline_name}" if base else ""
+            mfu = f"{r['mfu % (median)']:.1f}%" + ("*" if "--fp8" in c.flags else "") if r["mfu % (median)"] else ""
+            vs_ideal = ""
+            if base and c.stages:
+                ideal = base["step ms (median)"] / c.stages * (c.microbatches + c.stages - 1) / c.microbatches
+                vs_ideal = f"{step / ideal:.3f} (ideal {ideal:,.0f} ms)"
+            peaks = re.findall(r"\]([\d.]+)", r["peak mem per rank"])  # "[dp=0 pp=0]40.6 [dp=0 pp=1]24.7"
+            peak = " / ".join(peaks) if peaks else r["peak mem GiB (max)"]
+            row += [f"{tok:,}", vs_base, mfu, f"{step:,.1f} ms", vs_ideal, f"{peak} GiB" if peak != "" else ""]
+        first = results.get((c.label, trees[0]))
+        for tree in trees[1:]:
+            r = results.get((c.label, tree))
+            row.append(f"{r['tok/s (median)'] / first['tok/s (median)']:.3f}" if r and first else "")
+        rows.append(row)
+    keep = [i for i in range(len(header)) if i == 0 or any(r[i] for r in rows)]
+    lines = ["| " + " | ".join(header[i] for i in keep) + " |", "|" + " --- |" * len(keep)]
+    lines += ["| " + " | ".join(r[i] for i in keep) + " |" for r in rows]
+    if any("--fp8" in c.flags for c in configs):
+        lines.append("\n* MFU against the bf16 peak; fp8 ratios against bf16 at the same depth, window and device batch.")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = runs.argument_parser(__doc__)
+    parser.add_argument("--parallel", action="store_true", help="the parallel layouts instead of the default set")
+    parser.add_argument("--only", type=str, default="", help="run only the configurations whose label contains this, "
+                                                              "e.g. d20 or PP=4")
+    parser.add_argument("--depths", type=str, default="12,20", help="default set: comma-separated depths")
+    parser.add_argument("--precisions", type=str, default="bf16,fp8", help="default set: comma-separated, from bf16 and fp8")
+    parser.add_argument("--windows", type=str, default="L,SSSL", help="default set: comma-separated --window-pattern values")
+    parser.add_argument("--device-batch-size", type=str, default="", help="default set: per depth, e.g. 12=128,20=64 (empty: " +
+                        ",".join(f"{d}={b}" for d, b in DEVICE_BATCH.items()) + "; depths not listed use 32)")
+    parser.add_argument("--total-batch-size", type=int, default=524288, help="default set: tokens per step")
+    parser.add_argument("--steps", type=int, default=0, help="steps per run (0: 16 at d12, 12 at other depths of the "
+                                                             f"default set, {PARALLEL_STEPS[0]} in the parallel set)")
+    parser.add_argument("--warmup", type=int, default=0, help="steps left out of the medians (0: 6 at d12, 5 at other depths, "
+                                                              f"{PARALLEL_STEPS[1]} in the parallel set)")
+    parser.add_argument("--tree", action="append", default=[], help="a checkout to run in (repeatable; default: this one)")
+    parser.add_argument("--gpus", type=str, default="", help="comma-separated GPU indices; a run of n processes takes the "
+                                                             "first n (empty: all that nvidia-smi lists)")
+    runs.add_data_args(parser)
+    parser.add_argument("--timeout", type=int, default=900, help="seconds one run may take (compilation included)")
+    parser.add_argument("--out", type=str, default="bench_train.csv", help="CSV the runs append to")
+    parser.add_argument("--log-dir", type=str, default="bench_train_logs", help="where each run's output goes")
+    parser.add_argument("extra", nargs="*", help="after --: base_train flags for every run")
+    args = parser.parse_args(argv)
+    args.out = os.path.abspath(args.out)
+
+    trees = [runs.check_tree(t, "--tree") for t in (args.tree or ["."])]
+    gpus = [int(g) for g in args.gpus.split(",") if g] if args.gpus else list_gpus()
+    configs = [c for c in (parallel_configs() if args.parallel else default_configs(args)) if args.only in c.label]
+    for c in configs:
+        c.steps, c.warmup = args.steps or c.steps, args.warmup or c.warmup
+    skipped = [c.label for c in configs if c.nproc > len(gpus)]
+    configs = [c for c in configs if c.nproc <= len(gpus)]
+    if not configs:
+        fail(f"no configuration matches --only {args.only!r} on {len(gpus)} GPU(s)")
+
+    results = {(c.label, tree): measure(c, tree, args, gpus) for c in configs for tree in trees}
+    print("\n" + table(configs, trees, results))
+    if skipped:
+        print(f"\nnot run (more processes than the {len(gpus)} GPU(s)): " + ", ".join(skipped))
+    print(f"(results appended to {args.out})")
+
+
+if __name__ == "__main__":
+    main()

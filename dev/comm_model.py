@@ -17,40 +17,32 @@ The all-gathers follow the updates in step() and stay exposed in both cases.
   before = t_reduce_scatter + t_all_gather
   after  = max(0, t_reduce_scatter - t_backward_last_micro) + t_all_gather
 with t_backward_last_micro = (2/3) * step compute time / grad_accum (backward = 2x forward FLOPs), the step
-compute time = FLOPs/token * tokens per GPU / (MFU * peak). Batch: the recipe's (Power Lines, as in
-base_train); tokens per GPU = batch / GPUs; micro-batch 32 x 2048 tokens (smaller when a GPU's share is
-smaller, then grad_accum = 1). Bus bandwidth: inside one node NVLink, across nodes each GPU's own NIC
+compute time = FLOPs/token * tokens per GPU / (MFU * peak). Batch: the recipe's (Power Lines, base_train's);
+tokens per GPU = batch / GPUs; micro-batch 32 x 2048 tokens (smaller when a GPU's share is smaller, then
+grad_accum = 1). Bus bandwidth: inside one node NVLink, across nodes each GPU's own NIC
 (rail-optimized, NCCL's ring runs at about the per-GPU NIC rate), times an efficiency.
-"""
 
-import math
-import argparse
+Needs nothing but this checkout (no GPU, no data): the parameter counts come from the model built on the meta
+device, the batch and FLOPs per token from base_train's recipe (scripts/base_train.py: derive_recipe).
+"""
 
 import torch
 
-from nanochat.gpt import GPT, config_for_depth
+from dev import runs
+from nanochat.gpt import GPT
+from scripts import base_train
 
-B_REF = 2 ** 19
-RATIO = 12.0
-
-parser = argparse.ArgumentParser(description="Exposed DP communication per step, before/after overlap")
-parser.add_argument("--depths", type=str, default="20,26")
-parser.add_argument("--nodes", type=str, default="1,2,8,64")
-parser.add_argument("--gpus-per-node", type=int, default=8)
-parser.add_argument("--nvlink-gbs", type=float, default=360.0, help="NVLink bus bandwidth inside a node, GB/s (H100 all-reduce busbw)")
-parser.add_argument("--ib-gbps", type=float, default=400.0, help="network per GPU across nodes, Gb/s")
-parser.add_argument("--efficiency", type=float, default=0.8, help="fraction of the link rate a ring reaches")
-parser.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense peak per GPU (H100/H200)")
-parser.add_argument("--mfu", type=float, default=0.55)
-parser.add_argument("--micro-tokens", type=int, default=32 * 2048, help="tokens per micro-batch per GPU")
-args = parser.parse_args()
+VOCAB = 32768  # base_train's tokenizer's
 
 
 def model_figures(depth):
-    """(Muon params, large AdamW params, FLOPs per token, recipe batch in tokens) of a depth."""
+    """(Muon params, large AdamW params, FLOPs per token, recipe batch in tokens) of a depth at base_train's
+    defaults (its recipe: derive_recipe)."""
+    args = base_train.parse_args([f"--depth={depth}"])
+    config = base_train.model_config(args, VOCAB, None)
+    recipe = base_train.derive_recipe(args, config)
     with torch.device("meta"):
-        model = GPT(config_for_depth(depth))
-        ref = GPT(config_for_depth(12))
+        model = GPT(config)
     muon = adamw = 0
     for group in model.param_groups(1, 1, 1, 1, 0):
         n = sum(p.numel() for p in group["params"] if group["kind"] == "adamw" and p.numel() < 1024)
@@ -59,12 +51,21 @@ def model_figures(depth):
             muon += total
         else:
             adamw += total - n
-    D = RATIO * model.num_scaling_params()
-    batch = 2 ** round(math.log2(B_REF * (D / (RATIO * ref.num_scaling_params())) ** 0.383))
-    return muon, adamw, model.estimate_flops(), batch
+    return muon, adamw, recipe.flops_per_token, recipe.total_batch_size
 
 
-def main():
+def main(argv=None):
+    parser = runs.argument_parser(__doc__)
+    parser.add_argument("--depths", type=str, default="20,26", help="comma-separated depths")
+    parser.add_argument("--nodes", type=str, default="1,2,8,64", help="comma-separated node counts")
+    parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node")
+    parser.add_argument("--nvlink-gbs", type=float, default=360.0, help="NVLink bus bandwidth inside a node, GB/s (H100 all-reduce busbw)")
+    parser.add_argument("--ib-gbps", type=float, default=400.0, help="network per GPU across nodes, Gb/s")
+    parser.add_argument("--efficiency", type=float, default=0.8, help="fraction of the link rate a ring reaches")
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense peak per GPU (H100/H200)")
+    parser.add_argument("--mfu", type=float, default=0.55, help="the compute's model FLOPs utilization")
+    parser.add_argument("--micro-tokens", type=int, default=32 * 2048, help="tokens per micro-batch per GPU")
+    args = parser.parse_args(argv)
     print(f"assumptions: {args.gpus_per_node} GPUs/node; NVLink busbw {args.nvlink_gbs:g} GB/s inside a node; "
           f"{args.ib_gbps:g} Gb/s per GPU across nodes; ring efficiency {args.efficiency:g}; "
           f"compute {args.mfu:.0%} MFU of {args.peak_tflops:g} TFLOP/s; fp32 gradients, bf16 Muon updates\n")

@@ -1,4 +1,4 @@
-"""
+r"""
 An independent bits-per-byte check: score one checkpoint on fixed validation bytes using nothing of the
 harness's own evaluation code, only its model's logits and its tokenizer.
 
@@ -27,7 +27,8 @@ checkpoints load.
     NANOCHAT_BASE_DIR=... python dev/score_bpb.py --harness upstream --root ../nanochat-92d63d4 \
         --checkpoint-dir .../base_checkpoints/d12 --val data/shard_00007.parquet
 
-Run it as a file (not `-m`), so that the package imported is the one under --root. It prints
+It imports nothing of this checkout (run it as a file, or with -m from this checkout), so the package imported is
+the one under --root. Needs a checkpoint, the parquet file and, for speed, a GPU (it runs on a CPU too). It prints
 `SCORE bpb=... bytes=... tokens=... docs=... fitted=...` (fitted: documents cut to fit the context).
 """
 
@@ -35,26 +36,6 @@ import os
 import sys
 import math
 import argparse
-
-parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-parser.add_argument("--harness", choices=["ours", "upstream"], required=True, help="how the checkpoint loads")
-parser.add_argument("--root", type=str, required=True, help="the checkout whose nanochat package to import")
-parser.add_argument("--checkpoint-dir", type=str, required=True, help="folder of model_<step>.pt files")
-parser.add_argument("--step", type=int, default=-1, help="checkpoint step (-1 = the last)")
-parser.add_argument("--tokenizer-dir", type=str, default=None,
-                    help="ours: the tokenizer folder (upstream reads $NANOCHAT_BASE_DIR/tokenizer)")
-parser.add_argument("--val", type=str, required=True, help="parquet file with a `text` column")
-parser.add_argument("--docs", type=int, default=1000, help="documents scored (0 = every document of --val)")
-parser.add_argument("--min-chars", type=int, default=0, help="skip documents shorter than this (0 = none)")
-parser.add_argument("--chars", type=int, default=0, help="characters of each document kept at most (0 = as many as the context holds)")
-parser.add_argument("--packed", action="store_true",
-                    help="several whole documents to a row, in file order: the same tokens, each with the documents before it in its row as context")
-args = parser.parse_args()
-
-root = os.path.abspath(args.root)
-if not os.path.isdir(os.path.join(root, "nanochat")):
-    sys.exit(f"score_bpb: --root {root} has no nanochat package")
-sys.path.insert(0, root)
 
 import torch
 import torch.nn.functional as F
@@ -87,8 +68,10 @@ def fit(text, tokenizer, bos, seq_len):
     return tokenizer.encode(text[:lo], prepend=bos), text[:lo]
 
 
-def load(device):
-    """(model, tokenizer, max sequence length), each harness in its own evaluation precision (bf16 on a GPU)"""
+def load(args, device):
+    """(model, tokenizer, max sequence length), each harness in its own evaluation precision (bf16 on a GPU). The
+    imports are --root's nanochat: ours loads through checkpoint_manager.load_model, upstream through its own
+    checkpoint_manager.build_model."""
     step = None if args.step < 0 else args.step
     if args.harness == "ours":
         from nanochat.checkpoint_manager import load_model
@@ -108,10 +91,10 @@ def load(device):
 POSITION_EDGES = (0, 128, 512, 1024, 1536)  # the loss-by-position buckets, in tokens from the document's start
 
 
-def rows_of(docs, seq_len):
+def rows_of(docs, seq_len, packed):
     """The rows scored, as lists of documents (each a dict whose "ids" are [BOS] + tokens): one per row, or with
     --packed as many whole documents as fit one row of seq_len + 1 tokens, in file order."""
-    if not args.packed:
+    if not packed:
         return [[doc] for doc in docs]
     rows, row, used = [], [], 0
     for doc in docs:
@@ -123,10 +106,32 @@ def rows_of(docs, seq_len):
     return rows + [row]
 
 
-def main():
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--harness", choices=["ours", "upstream"], required=True, help="how the checkpoint loads")
+    parser.add_argument("--root", type=str, required=True, help="the checkout whose nanochat package to import")
+    parser.add_argument("--checkpoint-dir", type=str, required=True, help="folder of model_<step>.pt files")
+    parser.add_argument("--step", type=int, default=-1, help="checkpoint step (default: %(default)s = the last)")
+    parser.add_argument("--tokenizer-dir", type=str, default=None,
+                        help="ours: the tokenizer folder (upstream reads $NANOCHAT_BASE_DIR/tokenizer)")
+    parser.add_argument("--val", type=str, required=True, help="parquet file with a `text` column")
+    parser.add_argument("--docs", type=int, default=1000, help="documents scored (default: %(default)s; 0 = every "
+                                                               "document of --val)")
+    parser.add_argument("--min-chars", type=int, default=0, help="skip documents shorter than this (default: %(default)s "
+                                                                 "= none)")
+    parser.add_argument("--chars", type=int, default=0, help="characters of each document kept at most (default: "
+                                                             "%(default)s = as many as the context holds)")
+    parser.add_argument("--packed", action="store_true", help="several whole documents to a row, in file order: the "
+                        "same tokens, each with the documents before it in its row as context")
+    args = parser.parse_args(argv)
+    root = os.path.abspath(args.root)
+    if not os.path.isdir(os.path.join(root, "nanochat")):
+        sys.exit(f"score_bpb: --root {root} has no nanochat package")
+    sys.path.insert(0, root)  # before anything imports nanochat: the package scored is --root's
+
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     texts = validation_texts(args.val, args.docs, args.min_chars, args.chars)
-    model, tokenizer, seq_len = load(device)
+    model, tokenizer, seq_len = load(args, device)
     bos = tokenizer.get_bos_token_id()
     docs = []
     for text in texts:
@@ -137,7 +142,7 @@ def main():
     by_kind = {"whole": [0.0, 0], "cut": [0.0, 0]}  # (nats, bytes) of documents scored whole, and cut
     by_position = torch.zeros(len(POSITION_EDGES), 2, dtype=torch.float64)  # (nats, tokens) per bucket
     with torch.inference_mode():
-        for row in rows_of(docs, seq_len):
+        for row in rows_of(docs, seq_len, args.packed):
             flat = [t for doc in row for t in doc["ids"]]
             x = torch.tensor(flat[:-1], device=device)[None]
             y = torch.tensor(flat[1:], device=device)
@@ -162,4 +167,6 @@ def main():
           f"fitted={sum(doc['fitted'] for doc in docs)}",
           flush=True)
 
-main()
+
+if __name__ == "__main__":
+    main()

@@ -1,10 +1,8 @@
 """
-What every script needs: where files live (and how to write them so a crash never damages them), which device
-and dtype to compute in (and the peak FLOP/s that MFU is measured against), rank-aware printing, progress
-lines for long loops, and the one kind of error a script prints as one line.
-
-The compute dtype is decided once, here: bf16 on GPUs that have fast bf16 (SM80+), fp32 elsewhere,
-overridable with NANOCHAT_DTYPE=float32|bfloat16. Weights stay fp32; modules cast to it.
+What every script needs: where files live (written so that a crash never damages them), which device and dtype
+to compute in (bf16 on GPUs with fast bf16, SM80+; fp32 elsewhere; NANOCHAT_DTYPE overrides; weights stay fp32),
+the peak FLOP/s that MFU is measured against, rank-aware printing and progress, and the error a script prints
+as one line.
 """
 
 import os
@@ -49,23 +47,22 @@ def base_dir_hint():
             f"run with NANOCHAT_BASE_DIR={RUNCPU_BASE_DIR} to use them)")
 
 
-def atomic_write_bytes(path, data: bytes):
-    """Write to a temporary file beside `path`, fsync, then rename: a crash leaves the old file intact."""
+def atomic_write(path, write):
+    """write(f) into a temporary file beside `path`, fsync, then rename over it: a crash leaves the old file."""
     tmp = f"{path}.tmp.{os.getpid()}"
     with open(tmp, "wb") as f:
-        f.write(data)
+        write(f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
+def atomic_write_bytes(path, data: bytes):
+    atomic_write(path, lambda f: f.write(data))
+
+
 def atomic_torch_save(obj, path):
-    """torch.save with the same guarantee as atomic_write_bytes."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    torch.save(obj, tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write(path, lambda f: torch.save(obj, f))
 
 
 # -----------------------------------------------------------------------------
@@ -96,22 +93,10 @@ def get_compute_dtype(device_type):
     return torch.float32
 
 
-# bf16 dense peak FLOP/s (no sparsity), for MFU. Matched against torch.cuda.get_device_name().
-PEAK_BF16_FLOPS = [
-    ("B200", 2.25e15),
-    ("H200", 989e12),
-    ("H100 NVL", 835e12),
-    ("H100 PCIe", 756e12),
-    ("H100", 989e12),
-    ("H800", 989e12),
-    ("GH200", 989e12),
-    ("A100", 312e12),
-    ("A800", 312e12),
-    ("L40S", 362e12),
-    ("A6000", 155e12),
-    ("RTX 4090", 165e12),
-    ("RTX 3090", 71e12),
-]
+# bf16 dense peak FLOP/s (no sparsity), for MFU, matched in order against torch.cuda.get_device_name()
+PEAK_BF16_FLOPS = [("B200", 2.25e15), ("H200", 989e12), ("H100 NVL", 835e12), ("H100 PCIe", 756e12), ("H100", 989e12),
+                   ("H800", 989e12), ("GH200", 989e12), ("A100", 312e12), ("A800", 312e12), ("L40S", 362e12),
+                   ("A6000", 155e12), ("RTX 4090", 165e12), ("RTX 3090", 71e12)]
 
 
 def get_peak_flops(device_name):

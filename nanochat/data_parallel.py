@@ -1,30 +1,10 @@
 """
-Data parallelism, written out (no DDP wrapper). Every DP rank holds the whole model (or its tensor-parallel
-shard, or its pipeline stage) and runs its own micro-batches; the gradients are summed over the DP group, and
-the optimizer's work is shared out so that no two ranks compute the same update (ZeRO-2: optimizer state and
-updates sharded, weights and gradients whole on every rank).
+Data parallelism, written out (no DDP wrapper): every DP rank holds the whole model (or its TP shard, or its
+pipeline stage) and runs its own micro-batches; the gradients are summed over the DP group, and the optimizer's
+work is shared out so that no two ranks compute the same update (ZeRO-2: optimizer state and updates sharded,
+weights and gradients whole on every rank).
 
-Who updates what:
-- Muon matrices of one shape form a stack, cut into rounds of W (the DP size) consecutive matrices; rank r owns
-  matrix r of every round (matrices r, r+W, r+2W, ...). A round's gradients are one reduce-scatter that hands
-  each rank its own matrix whole (Muon orthogonalizes whole matrices), and a round's matrices are neighbouring
-  layers, whose gradients become final close together in the backward.
-- AdamW tensors of at least 1024 elements whose first dim divides by W are owned by rows: rank r receives rows
-  [r, r+1) x rows/W of the summed gradient, keeps that slice's state and updates it.
-- The other AdamW tensors (scalars, small gates) are summed as one flat buffer and updated on every rank.
-Each of these is a bucket: one collective. The owners' updates are then all-gathered, so every rank ends the
-step with the same weights.
-
-Overlap (--overlap-grad-reduce). Without it every reduction starts in the optimizer's step, after the whole
-backward, all of it exposed. With it, the training step calls prepare_last_backward() right before the backward
-of its last micro-batch; a post-accumulate-grad hook on every parameter counts its bucket down, and a bucket
-whose gradients are all final launches its collective (async) while the rest of the backward runs. Collectives
-on a group must be issued in one order on every rank, so buckets launch in a fixed order, each as soon as it
-and every bucket before it are ready: the order in which rank 0's buckets became ready in its first overlapped
-backward (broadcast over DP; that first step launches everything after the backward). A whole-model compiled
-graph yields every gradient at its end, so with overlap the blocks are compiled one by one (training.py).
-
-Collectives, all over the DP group:
+Collectives, all over the DP group (gloo has no AVG everywhere: gradients are summed, then divided by W):
   reduce_scatter_tensor   per Muon round: its W gradients -> this rank's matrix, summed
   reduce_scatter_tensor   per large AdamW tensor: its gradient -> this rank's rows, summed
   all_reduce              the small AdamW gradients, one flat buffer
@@ -33,7 +13,23 @@ Collectives, all over the DP group:
   broadcast_object_list   once, with overlap: rank 0's bucket launch order
   all_gather_into_tensor  for a checkpoint: the owners' optimizer state, into whole tensors
   all_reduce              the step's loss, for the log
-gloo has no AVG reduction everywhere: gradients are summed, then divided by W.
+
+Who updates what:
+- Muon matrices of one shape form a stack, cut into rounds of W (the DP size) consecutive matrices; rank r owns
+  matrix r of every round. A round is one reduce-scatter that hands each rank its matrix whole (Muon
+  orthogonalizes whole matrices), and its matrices are neighbouring layers, whose gradients are final together.
+- AdamW tensors of at least 1024 elements whose first dim divides by W are owned by rows: rank r gets rows
+  [r, r+1) x rows/W of the summed gradient, keeps that slice's state and updates it.
+- The other AdamW tensors (scalars, small gates) are summed as one flat buffer and updated on every rank.
+Each of these is a bucket, one collective; the owners' updates are then all-gathered.
+
+Overlap (--overlap-grad-reduce): the training step calls prepare_last_backward() before the backward of its last
+micro-batch; a post-accumulate-grad hook on every parameter counts its bucket down, and a bucket whose gradients
+are final launches its collective while the rest of the backward runs. Collectives on a group must be issued in
+one order on every rank, so buckets launch in a fixed order, each once it and every bucket before it are ready:
+the order in which rank 0's buckets became ready in its first overlapped backward (broadcast; that first step
+launches everything after the backward). A whole-model compiled graph yields every gradient at its end, so with
+overlap the blocks are compiled one by one (training.py).
 """
 
 import math

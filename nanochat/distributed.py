@@ -16,6 +16,7 @@ Collectives here (all host-side or one scalar):
 
 import os
 import datetime
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -86,24 +87,15 @@ def build_layout(rank, world_size, local_rank, tp=1, pp=1):
     L.pp_rank = rank // (tp * dp)
     if world_size == 1:
         return L
-    for p in range(pp):  # TP groups: same (pp, dp), all tp
-        for d in range(dp):
-            ranks = [grid_rank(L, d, t, p) for t in range(tp)]
-            g = dist.new_group(ranks) if tp > 1 else None
+    # a dimension's groups: the ranks that share every other coordinate, created in one order on every rank
+    sizes = {"dp": dp, "tp": tp, "pp": pp}
+    for dim in ("tp", "dp", "pp"):
+        others = [d for d in sizes if d != dim]
+        for fixed in itertools.product(*(range(sizes[d]) for d in others)):
+            ranks = [grid_rank(L, **dict(zip(others, fixed)), **{dim: i}) for i in range(sizes[dim])]
+            group = dist.new_group(ranks) if sizes[dim] > 1 else None
             if rank in ranks:
-                L.tp_group = g
-    for p in range(pp):  # DP groups: same (pp, tp), all dp
-        for t in range(tp):
-            ranks = [grid_rank(L, d, t, p) for d in range(dp)]
-            g = dist.new_group(ranks) if dp > 1 else None
-            if rank in ranks:
-                L.dp_group = g
-    for d in range(dp):  # PP groups: same (dp, tp), all pp
-        for t in range(tp):
-            ranks = [grid_rank(L, d, t, p) for p in range(pp)]
-            g = dist.new_group(ranks) if pp > 1 else None
-            if rank in ranks:
-                L.pp_group = g
+                setattr(L, f"{dim}_group", group)
     if L.pp_rank > 0:
         L.pp_prev = grid_rank(L, L.dp_rank, L.tp_rank, L.pp_rank - 1)
     if L.pp_rank < pp - 1:

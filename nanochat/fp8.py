@@ -1,50 +1,32 @@
 """
-fp8 training linears, tensorwise: every eligible linear's product runs in fp8 with one dynamic scale per
-tensor, on one device and under tensor parallelism alike (torchao's rowwise recipe was slower: dev/LOG.md).
+fp8 training linears, tensorwise: every eligible linear's product runs in fp8 with one dynamic scale per tensor,
+on one device and under tensor parallelism alike (torchao's rowwise recipe was slower: dev/LOG.md).
 
-- Only Linear layers whose dims are multiples of 16 and at least 128 are converted (the fp8 matmul's
-  shape rules; small layers gain nothing), and never the lm_head: the logits keep bf16 precision.
-- The weights stay the same fp32 Parameters, cast to fp8 (as are the activations and the output
-  gradients) around each matmul. So a checkpoint has the same keys with or without fp8.
-- Each converted module (Fp8Linear, Fp8MLP, and the tensor-parallel linears made from them) has an `fp8`
-  flag. Evaluation and sampling run in bf16: `bf16_linears(model)` turns the flags off (the same modules
-  run their plain products on the same weights) and back on afterwards.
-- Without CUDA (or an SM89+ GPU), or without torchao, --fp8 says so and training continues without it.
-It pays off only under torch.compile, which fuses the casts and amax reductions.
+- Linears whose dims are multiples of 16 and at least 128 are converted (the fp8 matmul's shape rules; small
+  layers gain nothing), never the lm_head (the logits keep bf16 precision), in place (make_fp8): the same
+  modules and fp32 Parameters, cast to fp8 around each matmul, so checkpoints are the same with or without fp8.
+- A converted module has an `fp8` flag: evaluation and sampling run in bf16 (bf16_linears turns it off).
+- Without an SM89+ GPU or torchao, --fp8 says so and training goes on without it. It pays only compiled.
 
-The recipe is torchao's tensorwise one (its casts: scale = fp8 max / amax, in fp32, saturated; e4m3 for
-activations and weights, e5m2 for gradients) with cuBLAS's fast accumulation in all three products (torchao:
-the forward's only; the backward's too was faster at equal loss, dev/LOG.md 2026-11-21), in two autograd
-Functions on torchao's casts (to_fp8) and torch._scaled_mm (scaled_mm); tests check both against torchao's
-Float8Linear.
+The recipe is torchao's tensorwise one (scale = fp8 max / amax, in fp32, saturated; e4m3 for activations and
+weights, e5m2 for gradients) with cuBLAS's fast accumulation in all three products (torchao: the forward's only;
+the backward's too was faster at equal loss, dev/LOG.md 2026-11-21), on torchao's casts (to_fp8) and
+torch._scaled_mm (scaled_mm); tests check it against torchao's Float8Linear.
 
-_Fp8Linear, any linear x W^T (fp8_linear; Fp8Linear is the Linear that calls it):
+    _Fp8Linear   forward:  x, W -> e4m3;  out = x W^T;   backward: dout -> e5m2;  dx = dout W, dW = dout^T x
+    _Fp8MLP      forward:  x, W_fc, W_proj -> e4m3;  y = relu(x W_fc^T)^2 with amax(y), fused;
+                           out = (y -> e4m3) W_proj^T
+                 backward: dout -> e5m2;  dh = (dout W_proj) * 2 sqrt(y) with amax(dh), fused (relu(h) = sqrt(y));
+                           dx = (dh -> e5m2) W_fc, and the two weight gradients
+The MLP's fused products (the kernels of relu_square_mm.py, which return the amax of what they write, so no pass
+reads the (tokens, 4C) activation again for it) ask the kernels facade; elsewhere the PyTorch math below runs.
+Each matmul takes both operands K-major (Hopper's fp8 rule), so the backward makes transposed fp8 copies.
 
-    forward:   x, W -> e4m3;  out = x W^T                   _scaled_mm
-    backward:  dout -> e5m2;  dx = dout W, dW = dout^T x    _scaled_mm, the same fp8 x and W
-
-_Fp8MLP, the MLP c_proj(relu(c_fc(x))^2) as one Function, with ReLU^2 inside the products (as in bf16,
-kernels/relu_square_mm.py, whose kernel also returns the amax of what it writes, so no separate amax pass reads
-the (tokens, 4C) activation):
-
-    forward:   x, W_fc, W_proj -> e4m3
-               y = relu(x W_fc^T)^2                fused, with amax(y)
-               out = (y -> e4m3) W_proj^T          _scaled_mm
-    backward:  dout -> e5m2
-               dh = (dout W_proj) * 2 sqrt(y)      fused, with amax(dh); relu(h) = sqrt(y)
-               dx = (dh -> e5m2) W_fc              _scaled_mm, as are the two weight gradients
-
-It keeps x in e4m3 and y in bf16 for the backward. Each matmul gives both operands K-major (Hopper's fp8
-rule), so the backward makes transposed fp8 copies of its operands. The two fused products ask the kernels
-facade; where it says no (CPU, --kernels reference) they run as the PyTorch math below.
-
-Scales under tensor parallelism. A tensorwise scale is one amax per tensor, and a shard's amax is not the
-whole tensor's: the tensors a rank holds only a shard of take the GLOBAL amax, an all-reduce MAX of one fp32
-over the TP group (to_fp8's `group`): the weights, the row-parallel input (attention's heads before c_proj,
-the MLP's hidden y), the column-parallel output gradient (dq, dk, dv, the MLP's dh). The rest are whole on
-every rank. Each element is then cast exactly as at TP=1, and TP=2 reproduces TP=1 up to the order of the sums
-in the sharded products: 12 scalar all-reduces per block and micro-batch, latency without bandwidth. Local
-scales would need none, but a run would then not reproduce at another layout (tests/test_fp8_parallel.py).
+Scales under tensor parallelism: a shard's amax is not the whole tensor's, so the tensors a rank holds only a
+shard of take the global amax, an all-reduce MAX of one fp32 over the TP group (to_fp8's `group`): the weights,
+the row-parallel input, the column-parallel output gradient. Each element is then cast exactly as at TP=1 (12
+scalar all-reduces per block and micro-batch). Local scales would need none, but a run would then not reproduce
+at another layout (tests/test_fp8_parallel.py).
 """
 
 import importlib.util
@@ -81,56 +63,29 @@ def fp8_unavailable_reason(device):
 
 def convert_to_fp8(model, device=None, force=False):
     """Convert eligible Linears in place, before tensor parallelism (parallelize keeps each linear's fp8
-    flag in its sharded twin): the MLPs to Fp8MLP, the other eligible Linears to Fp8Linear, on the same
-    weight Parameters. Returns the number of Linears converted (0 when fp8 is unavailable; `force` skips the
-    device check, for tests on CPU)."""
+    flag in its sharded twin): the MLPs to Fp8MLP, the other eligible Linears to Fp8Linear. Returns the number
+    of Linears converted (0 when fp8 is unavailable; `force` skips the device check, for tests on CPU)."""
     reason = None if force else fp8_unavailable_reason(device)
     if reason:
         print(f"WARNING: --fp8 requested but {reason}; continuing without fp8", flush=True)
         return 0
-    mlps = _swap(model, lambda parent, name, m: _fp8_mlp(m) if type(m) is MLP and _mlp_is_eligible(m) else None)
-    linears = _swap(model, lambda parent, name, m: _fp8_linear_module(m) if type(m) is Linear and is_eligible(m, name)
-                    and not isinstance(parent, Fp8MLP) else None)
+    mlps = [m for m in model.modules() if type(m) is MLP and is_eligible(m.c_fc, "c_fc") and is_eligible(m.c_proj, "c_proj")]
+    in_mlps = {id(m.c_fc) for m in mlps} | {id(m.c_proj) for m in mlps}
+    linears = [m for name, m in model.named_modules() if type(m) is Linear and id(m) not in in_mlps and is_eligible(m, name)]
+    for m in mlps + linears:
+        make_fp8(m)
     n = len(linears) + 2 * len(mlps)
     print(f"fp8 (tensorwise): converted {n} Linear layers" + (f", {2 * len(mlps)} of them in {len(mlps)} MLPs "
           "with ReLU^2 fused into their fp8 products" if mlps else ""), flush=True)
     return n
 
 
-def _mlp_is_eligible(mlp):
-    return is_eligible(mlp.c_fc, "c_fc") and is_eligible(mlp.c_proj, "c_proj")
-
-
-def _fp8_mlp(mlp):
-    """An Fp8MLP holding the MLP's children (the same Linears and tp_enter: nothing is copied)."""
-    new = Fp8MLP.__new__(Fp8MLP)
-    torch.nn.Module.__init__(new)
-    for name, child in mlp.named_children():
-        setattr(new, name, child)
-    new.fp8 = True
-    return new
-
-
-def _fp8_linear_module(linear):
-    """An Fp8Linear on the Linear's own weight Parameter."""
-    new = Fp8Linear.__new__(Fp8Linear)
-    torch.nn.Module.__init__(new)
-    new.in_features, new.out_features = linear.in_features, linear.out_features
-    new.weight, new.bias, new.fp8 = linear.weight, None, True
-    return new
-
-
-def _swap(model, make):
-    """Replace each module by make(its parent, its qualified name, it) where that returns one; returns the
-    replaced modules."""
-    swapped = []
-    for parent_name, parent in list(model.named_modules()):
-        for name, child in list(parent.named_children()):
-            new = make(parent, f"{parent_name}.{name}" if parent_name else name, child)
-            if new is not None:
-                setattr(parent, name, new)
-                swapped.append(child)
-    return swapped
+def make_fp8(module):
+    """A gpt.MLP or kernels.Linear becomes its fp8 subclass in place: the same object, the same weight Parameters
+    and checkpoint keys, with the fp8 flag on."""
+    module.__class__ = Fp8MLP if isinstance(module, MLP) else Fp8Linear
+    module.fp8 = True
+    return module
 
 
 @contextmanager

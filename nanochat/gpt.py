@@ -1,30 +1,24 @@
 """
 The GPT: a decoder-only transformer with no biases.
 
-- token embedding, then a parameter-free RMSNorm; smear: each position mixes in a gated share of the
-  previous token's embedding
-- blocks: x = resid_lambda * x + x0_lambda * x0 (x0 = the normed, smeared embedding), then pre-norm attention
-  and a ReLU^2 MLP (4x), each added residually
-- attention: rotary positions (base 1e5), QK-norm then q and k scaled by 1.2, GQA (n_kv_head), a
-  sliding window per layer from a pattern tiled over layers (S = a quarter of the context rounded to
-  128, L = full; the last layer is always L); on alternating layers (the last included) a per-token
-  value embedding is added to V through a small input-dependent gate
+- token embedding, then a parameter-free RMSNorm; smear: each position mixes in a gated share of the previous
+  token's embedding
+- blocks: x = resid_lambda * x + x0_lambda * x0 (x0 = the normed, smeared embedding), then pre-norm attention and
+  a ReLU^2 MLP (4x), each added residually
+- attention: rotary positions (base 1e5), QK-norm then q and k scaled by 1.2, GQA (n_kv_head), a sliding window
+  per layer from a pattern tiled over layers (S = a quarter of the context rounded to 128, L = full; the last
+  layer is always L); on alternating layers (the last included) a per-token value embedding is added to V
+  through a small input-dependent gate
 - backout: before the final norm, subtract a learned share of the residual stream at mid-depth
 - untied lm_head; logits soft-capped 15*tanh(x/15) in fp32; cross-entropy with ignore_index=-1
 - Large Lookup Layers (l3.py), if configured, after some blocks: x = x + l3(x, token ids)
 
-Every op is written here as its reference math. The ones that have fast kernels (rotary + QK-norm, the MLP,
-the soft-capped loss; attention and Linear's weight gradient inside nanochat.kernels) ask the kernels facade
-first and run the math below the question where no kernel applies; `--kernels reference` (or
-NANOCHAT_KERNELS=reference) makes every answer no.
-
-Weights are fp32 (the optimizer's precision); every matmul runs in the compute dtype: modules cast
-weights to the dtype of the activations, no autocast. The model is built on the meta device, moved
-with to_empty() and initialized by init_weights(), which says per parameter how.
-
-The forward is three pieces so that parallel helpers can wrap them: embed() -> run_blocks(start, end)
--> head(). Everything a later block needs travels in a `Residual` (x, x0, x_mid). Linears are
-attributes of the blocks, so tensor parallelism swaps them for sharded ones in place.
+Every op is written here as its reference math; the ones with fast kernels ask the kernels facade first
+(nanochat/kernels: `--kernels reference` makes every answer no). Weights are fp32 (the optimizer's precision),
+matmuls run in the compute dtype (modules cast weights to the activations' dtype; no autocast). The model is built
+on the meta device, moved with to_empty() and initialized by init_weights(), which says per parameter how. The
+forward is three pieces that the parallel helpers wrap, embed() -> run_blocks(start, end) -> head(), with what a
+later block needs in a `Residual` (x, x0, x_mid); tensor parallelism swaps the blocks' Linears in place.
 """
 
 import math

@@ -1,47 +1,32 @@
 """
-Large Lookup Layers (L3; Tseng & De Sa, arXiv 2601.21461): a per-token bank of learned rows, read with
-attention by the hidden state, inserted residually between blocks (gpt.py: x = x + l3(x, idx)).
+Large Lookup Layers (L3; Tseng & De Sa, arXiv 2601.21461): a per-token bank of learned rows, read with attention
+by the hidden state, inserted residually between blocks (gpt.py: x = x + l3(x, idx)). For hidden x in R^d at a
+position holding token t, which owns the rows [start_t, end_t) of one table E (n_emb x d), serving as both keys
+and values (the paper's tied option, as good as two tables at d12 and faster: dev/LOG.md, 2026-11-21):
 
-The layer. For hidden x in R^d at a position holding token t, token t owns the rows [start_t, end_t)
-(d_t = end_t - start_t of them) of one table E (n_emb x d), which serves as both keys and values (the paper's
-tied option; it trained as well as two tables, faster and in less memory: dev/LOG.md, 2026-11-21):
+    a   = softmax(E_t x)                  no 1/sqrt(d) scale, as in the paper
+    u   = LayerNorm(W_up (E_t^T a))       no affine (W_mix absorbs a gain)
+    out = W_mix [u ; x]                   W_mix zero-initialized: a no-op at start
+The table is sparse (each token touches its own rows) and goes to AdamW; W_up and W_mix to Muon.
 
-    a   = softmax(E_t x)                  (d_t,)   no 1/sqrt(d) scale, as in the paper
-    u   = LayerNorm(W_up (E_t^T a))       (d_up,)  no affine (W_mix absorbs a gain)
-    out = W_mix [u ; x]                   (d,)     W_mix zero-initialized: a no-op at start
+The allocation (per the paper, a uniform split loses nearly all of the gain): LZW over L3_LZW_SAMPLE_TOKENS
+training tokens, every new dictionary entry crediting its last token (every token starts with one credit);
+r_t = clamp(lambda * credit_t, 1, k_max) with lambda bisected so that sum r_t = n_emb, then d_t = floor(r_t) and
+the rows left to the largest fractional parts (ties: lower id). Deterministic, 1 <= d_t <= k_max, stored as
+cumulative bounds in a buffer that checkpoints carry.
 
-The table is a sparse parameter (each token touches its own rows only) and goes to AdamW; W_up and W_mix are
-matrices for Muon.
+The lookup, without a Python loop over tokens:
+- padded (CPU reference): gather (N, max d_t, d) rows, mask the padding, softmax, weighted sum; autograd.
+- blocked (GPU; CPU too when the padded gather would be big or mostly padding): positions sorted by token id
+  make the score matrix (positions x rows) block-diagonal; runs of at most L3_BLOCK_POSITIONS sorted positions
+  whose rows fit a window of < 2 k_max rows are each one small masked attention against the gathered window,
+  batched (bmm), in chunks under L3_CHUNK_BYTES. The backward is written by hand: it recomputes each chunk and
+  accumulates the table gradient in fp32; nothing of size (sum of d_t) x d is kept. The lookup runs eagerly
+  (data-dependent sizes); W_up, the LayerNorm and W_mix around it compile.
 
-The allocation (the part that matters: per the paper, a uniform split loses nearly all of the gain). Run LZW
-over a fixed sample of L3_LZW_SAMPLE_TOKENS training token ids; every new dictionary entry (an n-gram) credits
-its LAST token, and each token starts with one credit for its single-token entry (so every credit is >= 1):
-    r_t = clamp(lambda * credit_t, 1, k_max), lambda found by bisection so that sum_t r_t = n_emb;
-    d_t = floor(r_t), and the rows left go one each to the largest fractional parts (ties: lower id first).
-That gives 1 <= d_t <= k_max, sum d_t = n_emb exactly, more credit -> at least as many rows, and a
-deterministic result, stored as cumulative bounds (vocab + 1,) in a persistent buffer that checkpoints carry.
-LZW's dictionary is capped at L3_LZW_MAX_ENTRIES entries and cleared when full (as compress(1) does).
-
-The forward, without a Python loop over tokens. Let N be the positions of a batch and P the sum of their d_t.
-- padded (CPU reference): gather (N, max d_t, d) rows, mask the padding, softmax, weighted sum; autograd does
-  the backward. It materializes N * max d_t * d, far too much on a GPU batch.
-- blocked (the GPU path; on CPU too once the padded gather is big or mostly padding). Sort positions by token
-  id: a token's rows are contiguous and tokens' ranges follow id order, so the score matrix (sorted positions x
-  table rows) is block-diagonal. Cut the sorted positions into blocks of at most L3_BLOCK_POSITIONS whose rows
-  fit in a window of < 2 k_max rows; each block is one small attention against its gathered window, masked to
-  each position's own rows, i.e. batched matmuls over block-diagonal tiles, like block-sparse attention:
-      a_b = softmax(mask(X_b E_w^T)),   H_b = a_b E_w
-  Chunks of blocks of similar width keep each gathered tensor under L3_CHUNK_BYTES. The backward is written by
-  hand: it recomputes each chunk instead of storing it and accumulates the table gradient in fp32. Nothing of
-  size P d is kept between forward and backward; two host syncs per forward, none per chunk. The lookup runs
-  eagerly (its sizes are data-dependent); W_up, the LayerNorm and W_mix around it compile.
-
-Parallelism: every parameter of the layer is replicated over the TP ranks (tensor_parallel.py says why). With
-sequence parallelism each rank looks up its own tokens (`token_share`) and the partial gradients are summed over
-TP in the optimizer (tp_partial_grad). Under pipeline parallelism the layer after block i lives with block i.
-
-Dtypes follow gpt.py: parameters fp32, activations in the compute dtype; the table is cast to x.dtype for the
-matmuls (which accumulate in fp32), the softmax and the table-gradient accumulation run in fp32.
+Parallelism: the layer is replicated over TP ranks (tensor_parallel.py says why); with sequence parallelism each
+rank looks up its own tokens (`token_share`) and the partial gradients are summed over TP in the optimizer. Dtypes
+follow gpt.py: fp32 parameters, compute-dtype activations, fp32 softmax and table-gradient accumulation.
 """
 
 import bisect

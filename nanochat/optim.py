@@ -15,16 +15,13 @@ Muon (every 2-D matrix in the blocks), per matrix G:
                                     (cautious weight decay: only where update and weight agree in sign)
 Matrices of the same shape are stacked so one (compiled, on CUDA) call updates a group.
 
-The step: the data-parallel gradient reductions are started (data_parallel.py; the backward may have started
-them already), then each rank updates what it owns as its gradients land (whole Muon matrices, its rows of the
-large AdamW tensors, the small AdamW tensors everywhere), and the owners' updates are all-gathered. Under tensor
-parallelism Muon must see whole matrices: a rank gathers its owned matrices' TP shards (sum over DP, then gather
-over TP: the same numbers on 1/W of the bytes) and applies its shard of the update, so the result does not
-depend on the TP degree. Replicated parameters that saw only this rank's tokens under sequence parallelism
-(tp_partial_grad) have their gradients summed over TP before the update.
-
-State is saved and loaded in a layout-free form (whole tensors per parameter name: full_state_dict /
-load_full_state_dict), so a run can resume on another number of ranks.
+The step starts the data-parallel reductions (data_parallel.py; the backward may have started them), updates
+what this rank owns as its gradients land, and applies the owners' all-gathered updates. Muon sees whole
+matrices under tensor parallelism: a rank gathers its owned matrices' TP shards (summed over DP first: the same
+numbers on 1/W of the bytes) and applies its shard of the update, so the result does not depend on the TP
+degree. Replicated parameters that saw only this rank's tokens under sequence parallelism (tp_partial_grad) have
+their gradients summed over TP first. State is saved and loaded as whole tensors per parameter name
+(full_state_dict / load_full_state_dict), so a run resumes on any number of ranks.
 """
 
 import math

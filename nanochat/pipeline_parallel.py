@@ -1,41 +1,31 @@
 """
-Pipeline parallelism: the blocks are cut into contiguous stages, one per PP rank; the micro-batches of
-a step flow through them, activations forward and gradients backward, with explicit p2p messages.
+Pipeline parallelism: the blocks are cut into contiguous stages, one per PP rank; the micro-batches of a step
+flow through them, activations forward and gradients backward, in explicit p2p messages.
 
 Collectives, over this pipeline's ranks (the PP group, or the previous and next stage):
-  isend / irecv        per micro-batch: activations to the next stage, their gradients back (batch_isend_irecv,
-                       a forward's send and the next backward's receive posted together)
+  isend / irecv        per micro-batch: activations to the next stage, their gradients back, as one
+                       batch_isend_irecv (with NCCL, a stage that sends to and receives from one neighbour in
+                       one phase must post both at once, or the two kernels can wait on each other)
   broadcast            the step's loss, from the last stage to the others
   all_gather_object,   a whole copy of the model for CORE and sampling (whole_model_copy): what tensors each
   broadcast            stage holds, then each of them from its stage
 
-Stages. Block i costs its matmul FLOPs plus its attention FLOPs (per token); stage 0 also holds the
-embeddings, the last stage the final norm, lm_head and loss (which cost as much as several blocks at
-small depth). The split minimizes the most expensive stage, at least one block per stage. Modules a
-stage does not own are removed, so its state_dict holds only its own parameters, under their global
-names (checkpoints stay layout-free).
+Stages. Block i costs its matmul and attention FLOPs per token; stage 0 also holds the embeddings, the last
+stage the head and loss (as much as several blocks at small depth). The split minimizes the most expensive
+stage. Modules a stage does not own are removed, so its state_dict holds only its own parameters, under their
+global names (checkpoints stay layout-free). Across a stage boundary go the residual stream x, the normed
+embedding x0 (every block mixes it back in), the mid-depth residual x_mid once past the middle (for backout),
+and the token ids (value embeddings and L3 look them up); the backward sends the gradients of x, x0 and x_mid.
 
-What crosses a stage boundary, for each micro-batch: the residual stream x, the normed embedding x0
-(every block mixes it back in), the mid-depth residual x_mid once the stream has passed the middle
-(the backout subtracts it before the final norm), and the token ids (value embeddings and L3 layers
-look them up). Backward sends the gradients of x, x0 and x_mid. The first stage reads the batches,
-the last stage reads the same batches for their targets.
-
-Schedules, over the m micro-batches of a step (m >= p, the number of stages), as lists of actions per stage
-(Pipeline.actions: what train_step runs and --pp-print-schedule prints):
+Schedules, over the m >= p micro-batches of a step, are lists of actions per stage (Pipeline.actions: what
+train_step runs and --pp-print-schedule prints):
   GPipe: all m forwards, then all m backwards; keeps m micro-batches of activations alive.
   1F1B:  warm-up (p - s - 1 forwards on stage s), steady state (one forward, one backward), cool-down
          (the remaining backwards); keeps at most p - s micro-batches alive, same bubble.
 Bubble fraction for both: (p - 1) / (m + p - 1).
 
-Evaluation: val bpb runs through the stages (forward_loss). CORE and sampling take sequences of any
-length, which fixed-shape messages cannot carry: base_train gathers a whole copy of the model onto every
-rank for them (whole_model_copy). Under torch.compile each stage's blocks are one graph
-and the loss another (training.compile_for_training says why); the messages and the schedule stay eager.
-
-Every message is a batch of isend/irecv posted together (torch.distributed.batch_isend_irecv): with
-NCCL a stage that sends to and receives from the same neighbour in one phase must post both at once,
-or the two kernels can wait on each other.
+Evaluation: val bpb runs through the stages (forward_loss); CORE and sampling take sequences of any length,
+which fixed-shape messages cannot carry, so they run on a whole copy of the model (whole_model_copy).
 """
 
 import torch

@@ -7,6 +7,8 @@ A run's record, in a file that tools read instead of its printout: metrics.jsonl
   {"step": s, ...}          per step: loss (the step's mean), loss_smooth (the debiased EMA the log line shows),
                             lrm, dt (s), tok_per_sec, mfu (%, on GPUs), peak_mem_gib (GPUs), epoch; and
                             val_bpb / core at the steps that evaluated them (the last step: those alone)
+  {"kind": "end", ...}      when the run ends (completed or stopped): its last step, training time, and every
+                            rank's peak memory (pipeline stages and shards differ)
 
 A resumed run keeps the records before its first step and drops the rest, so the file always tells one
 trajectory. Rank 0 writes, line by line (a crash loses at most the line being written, which readers skip);
@@ -26,7 +28,9 @@ class RunLog:
         if self.path is None:
             return
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        kept = [r for r in read_records(path) if r.get("kind") == "header" or r["step"] < start_step] if start_step > 0 else []
+        # resumed: the earlier launches' headers and steps before this one's first (not their end records)
+        kept = [r for r in read_records(path) if r.get("kind") == "header" or ("kind" not in r and r["step"] < start_step)]
+        kept = kept if start_step > 0 else []
         with open(path, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in kept)
         self.write({"kind": "header", "time": time.time(), "start_step": start_step, **header})
@@ -53,33 +57,32 @@ class RunLog:
 
 
 def read_records(path):
-    """Every complete record of a metrics.jsonl, in order ([] when there is no file)."""
-    if not os.path.exists(path):
-        return []
+    """Every complete record of a metrics.jsonl, in order ([] when there is no file; a line cut off by a crash
+    is skipped)."""
     records = []
-    with open(path) as f:
-        for line in f:
-            try:
-                records.append(json.loads(line))
-            except ValueError:  # a line cut off by a crash
-                continue
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                try:
+                    records.append(json.loads(line))
+                except ValueError:
+                    pass
     return records
 
 
 class Run:
     """A run as its metrics.jsonl tells it: `header` (the latest launch's), `steps` ({step: record}, records of
-    one step merged), and the series tools ask for."""
+    one step merged), `end` (the last end record, None while running or after a crash), and the series."""
 
     def __init__(self, path):
         self.path = path
         records = read_records(path)
-        headers = [r for r in records if r.get("kind") == "header"]
-        if not headers:
+        kinds = {r["kind"]: r for r in records if "kind" in r}  # the last header and end record
+        if "header" not in kinds:
             raise FileNotFoundError(f"{path}: no run record there (base_train writes it; was the model tag right?)")
-        self.header = headers[-1]
-        self.steps = {}
+        self.header, self.end, self.steps = kinds["header"], kinds.get("end"), {}
         for r in records:
-            if r.get("kind") != "header":
+            if "kind" not in r:
                 self.steps.setdefault(r["step"], {}).update(r)
 
     def series(self, key, from_step=0):
@@ -90,8 +93,7 @@ class Run:
         return self.series("loss")
 
     def last(self, key):
-        values = list(self.series(key).values())
-        return values[-1] if values else None
+        return next(reversed(self.series(key).values()), None)
 
 
 def metrics_path(ckpt_dir):

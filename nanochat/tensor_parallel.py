@@ -12,35 +12,22 @@ Collectives, all over the TP group:
   all_reduce MAX       fp8's global amax of sharded tensors (fp8.py)
 
 What is cut how:
-- attention: q/k/v column-parallel (each rank keeps n_head/tp query heads and n_kv_head/tp kv heads),
-  the output projection row-parallel; value embeddings and their gates cut to match the local kv heads
-- MLP: up-projection column-parallel, down-projection row-parallel
-- token embedding and lm_head vocab-parallel, with a vocab-parallel soft-capped cross-entropy that
-  never gathers the logits (chosen over replication: at d32 the fp32 logits of a 32x2048 micro-batch
-  are 8.6 GB per copy, and the embedding/head weights are 5% of the parameters)
-- optional sequence parallelism: between the TP regions the residual stream (norms, lambdas, residual
-  adds) is split along the tokens; regions start with an all-gather and end with a reduce-scatter. The
-  split is of the flattened (B*T) token dim, rank k holding tokens [k, k+1) * B*T/tp viewed as
-  (B, T/tp, D): every op between regions is per token, and dim 0 of a contiguous tensor goes through
-  the collectives as it is (splitting dim 1 of (B, T, D) costs a transposed copy around each one)
-- L3 layers (l3.py) replicated: the table, W_up and W_mix whole on every TP rank, so the layer needs no
-  collective. Sharding the table along d would all-reduce every score (more bytes than a block's collectives),
-  and sharding it by token splits a skewed, data-derived allocation into unequal shards that checkpoints would
-  inherit (dev/LOG.md, 2026-11-23). With sequence parallelism each rank runs the layer on its own tokens
-  (`token_share` picks their ids), so the work splits too, and the partial gradients are summed over TP once
-  per step (tp_partial_grad).
+- attention: q/k/v column-parallel (n_head/tp query heads, n_kv_head/tp kv heads per rank), the output
+  projection row-parallel; value embeddings and their gates cut to match the local kv heads
+- MLP: up-projection column-parallel, down-projection row-parallel (an fp8.Fp8MLP keeps its fused product)
+- token embedding and lm_head vocab-parallel, with a vocab-parallel soft-capped cross-entropy that never gathers
+  the logits (at d32 the fp32 logits of a 32x2048 micro-batch are 8.6 GB per copy)
+- sequence parallelism (optional): between the TP regions the residual stream is split along the flattened
+  (B*T) tokens, rank k holding tokens [k, k+1) * B*T/tp viewed as (B, T/tp, D): every op there is per token, and
+  dim 0 of a contiguous tensor goes through the collectives as it is; regions start with an all-gather and end
+  with a reduce-scatter
+- L3 layers replicated, needing no collective: sharding the table along d would all-reduce every score, and by
+  token would cut a skewed, data-derived allocation into unequal shards (dev/LOG.md, 2026-11-23). With SP each
+  rank looks up its own tokens and the partial gradients are summed over TP once per step (tp_partial_grad).
+A region starts with `region_enter` at the model's `tp_enter` hook and ends inside the row-parallel linear.
 
-A region starts with `RegionEnter` (f, or the sequence all-gather) placed at the model's `tp_enter`
-hook and ends inside the row-parallel linear (g, or the reduce-scatter). Every collective is one of the
-small autograd functions below.
-
-fp8 (fp8.py, converted before parallelize): a column- or row-parallel linear made from an fp8.Fp8Linear keeps
-its `fp8` flag and runs fp8.fp8_linear, whose scales of sharded tensors take the global amax over the TP group;
-an fp8.Fp8MLP keeps its fused product on the shards and leaves the region through c_proj.reduce.
-
-A sharded parameter carries three attributes: `tp_dim` (the dim it is split along), `tp_group` and
-`tp_size`. Parameters without them are whole on every rank. The optimizer and the checkpoint code use
-the helpers at the top of this file to go between shards and full tensors; with TP=1 they are identities.
+A sharded parameter carries `tp_dim` (the dim it is cut along), `tp_group` and `tp_size`; the optimizer and
+the checkpoint code go between shards and whole tensors with the helpers below (identities at TP=1).
 """
 
 import torch
@@ -159,40 +146,25 @@ _GatherVocab = _conjugate("GatherVocab", lambda x, g: _all_gather(x, x.dim() - 1
                           lambda x, g: _my_chunk(x, x.dim() - 1, g))
 
 
-class RegionEnter(nn.Module):
+class Collective(nn.Module):
+    """One of the collectives above as a module, for the model's hooks (tp_enter, embed_exit, token_share)."""
+
+    def __init__(self, fn, group):
+        super().__init__()
+        self.fn, self.group = fn, group
+
+    def forward(self, x):
+        return self.fn(x, self.group)
+
+
+def region_enter(group, sequence_parallel):
     """Where a TP region starts (attention, MLP, lm_head input): f, or the sequence all-gather."""
-
-    def __init__(self, group, sequence_parallel):
-        super().__init__()
-        self.group, self.sequence_parallel = group, sequence_parallel
-
-    def forward(self, x):
-        if self.sequence_parallel:
-            return _GatherSequence.apply(x, self.group)
-        return _CopyToTP.apply(x, self.group)
+    return Collective(_GatherSequence.apply if sequence_parallel else _CopyToTP.apply, group)
 
 
-class TokenIdShare(nn.Module):
-    """Sequence parallelism: this rank's share of the token ids (B, T) -> (B, T/tp), the same split as
-    the residual stream's, for layers that look up ids between TP regions (L3)."""
-
-    def __init__(self, group):
-        super().__init__()
-        self.group = group
-
-    def forward(self, idx):
-        return _my_tokens(idx.unsqueeze(-1), self.group).squeeze(-1)
-
-
-class SplitSequence(nn.Module):
-    """After the embedding, with sequence parallelism: each rank keeps its share of the tokens."""
-
-    def __init__(self, group):
-        super().__init__()
-        self.group = group
-
-    def forward(self, x):
-        return _SplitSequence.apply(x, self.group)
+def _my_token_ids(idx, group):
+    """This rank's share of the token ids (B, T) -> (B, T/tp), the residual stream's split (for L3's lookups)."""
+    return _my_tokens(idx.unsqueeze(-1), group).squeeze(-1)
 
 
 # -----------------------------------------------------------------------------
@@ -215,7 +187,7 @@ def _linear(module, x):
 
 class ColumnParallelLinear(nn.Module):
     """y_local = x W_local^T with W cut along its outputs (rows). The input must already be inside
-    the TP region (RegionEnter); the output stays sharded (local heads / hidden units). Keeps the fp8 flag
+    the TP region (region_enter); the output stays sharded (local heads / hidden units). Keeps the fp8 flag
     of the linear it is made from (fp8.Fp8Linear)."""
 
     def __init__(self, linear, layout):
@@ -284,7 +256,7 @@ class VocabParallelLMHead(nn.Module):
     def __init__(self, linear, layout, sequence_parallel):
         super().__init__()
         self.weight = _shard_parameter(linear.weight, 0, layout)
-        self.enter = RegionEnter(layout.tp_group, sequence_parallel)
+        self.enter = region_enter(layout.tp_group, sequence_parallel)
 
     def forward(self, x):
         return F.linear(self.enter(x), self.weight.to(x.dtype))
@@ -372,7 +344,7 @@ def parallelize(model, layout, sequence_parallel=False):
     group = layout.tp_group
     for block in model.blocks:
         attn, mlp = block.attn, block.mlp
-        attn.tp_enter = RegionEnter(group, sequence_parallel)
+        attn.tp_enter = region_enter(group, sequence_parallel)
         attn.c_q = ColumnParallelLinear(attn.c_q, layout)
         attn.c_k = ColumnParallelLinear(attn.c_k, layout)
         attn.c_v = ColumnParallelLinear(attn.c_v, layout)
@@ -380,7 +352,7 @@ def parallelize(model, layout, sequence_parallel=False):
         if attn.ve_gate is not None:  # one gate per kv head: keep the local heads' rows
             attn.ve_gate = ColumnParallelLinear(attn.ve_gate, layout)
             block.value_embed = ColumnParallelEmbedding(block.value_embed, layout)
-        mlp.tp_enter = RegionEnter(group, sequence_parallel)
+        mlp.tp_enter = region_enter(group, sequence_parallel)
         mlp.c_fc = ColumnParallelLinear(mlp.c_fc, layout)
         mlp.c_proj = RowParallelLinear(mlp.c_proj, layout, sequence_parallel)
         if sequence_parallel:  # the lambdas act on this rank's part of the sequence only
@@ -389,14 +361,14 @@ def parallelize(model, layout, sequence_parallel=False):
             block.resid_lambda.tp_group = block.x0_lambda.tp_group = group
     if sequence_parallel:  # L3 layers stay replicated (module docstring): each rank looks up its own
         for layer in model.l3.values():  # tokens, so their gradients are partial, summed over TP
-            layer.token_share = TokenIdShare(group)
+            layer.token_share = Collective(_my_token_ids, group)
             for p in layer.parameters():
                 p.tp_partial_grad, p.tp_group = True, group
     model.wte = VocabParallelEmbedding(model.wte, layout)
     model.lm_head = VocabParallelLMHead(model.lm_head, layout, sequence_parallel)
     model.criterion = VocabParallelSoftcapCrossEntropy(config.vocab_size, layout)
     if sequence_parallel:
-        model.embed_exit = SplitSequence(group)
+        model.embed_exit = Collective(_SplitSequence.apply, group)
         model.backout_lambda.tp_partial_grad = True
         model.backout_lambda.tp_group = group
     return model

@@ -1,21 +1,19 @@
 """
-The training core, written once: scripts/base_train.py, the parallel-equivalence tests
-(tests/parallel_harness.py) and the dev tools build the model and step it through `setup` and the Trainer it
-returns, so the tests check what the product runs.
-
-setup does the whole order, as torchtitan applies its plan in one function:
-  build       the model on the meta device, materialized and initialized (gpt.build_model)
-  L3          the tables' rows allocated from the training data (a fresh run; a resumed one loads them)
-  fp8         the eligible linears converted (fp8.py)
-  resume      the saved weights loaded into the whole model, before it is cut up
-  TP, PP      tensor parallelism, then only this rank's pipeline stage kept
-  attention   the kernel settled (and FlexAttention's masks built) before anything is traced
-  split-K     per weight shape, whether a split weight gradient is faster on this GPU (CUDA)
-  optimizer   Muon + AdamW over the model's parameter groups (and its saved state)
-  recompute   activation recompute in the blocks (--recompute)
-  compile     the module the step calls
-make_loader gives the batches of this DP rank. The loop: Schedule (LR, Muon momentum and decay by step) and
-Trainer (one step, evaluation mode, the whole model for CORE, the checkpoint save).
+The training core, written once: scripts/base_train.py, the parallel-equivalence tests (tests/parallel_harness.py)
+and the dev tools build the model and step it through `setup` and the Trainer it returns, so the tests check what
+the product runs. setup does the whole order, in one function as torchtitan applies its plan:
+  build      the model on the meta device, materialized and initialized
+  L3         the tables' rows allocated from the training data (a fresh run; a resumed one loads them)
+  fp8        the eligible linears converted
+  resume     the saved weights loaded into the whole model, before it is cut up
+  TP, PP     tensor parallelism, then only this rank's pipeline stage kept
+  attention  the kernel settled (and FlexAttention's masks built) before anything is traced
+  split-K    per weight shape, whether a split weight gradient is faster on this GPU (CUDA)
+  optimizer  Muon + AdamW over the model's parameter groups (and its saved state)
+  recompute  activation recompute in the blocks
+  compile    the module the step calls
+The loop: Schedule (LR, Muon momentum and decay by step) and Trainer (one step, evaluation mode, the whole model
+for CORE, the checkpoint save).
 """
 
 import os

@@ -17,11 +17,10 @@ The recipe (derive_recipe; printed at start):
            0.85 -> 0.97 over 400 steps, then -> 0.90 during warmdown; Muon wd cosine-decayed to 0
 
 main() reads top to bottom: flags; processes; tokenizer, data and model config; the recipe; the flag checks;
-setup (nanochat/training.py, shared with the tests and the dev tools); the loop, a row of "once in a while"
-blocks (val bpb, checkpoint, CORE, samples) before each step; the summary. Errors the user can fix
-(common.UserError) stop the run with one line, in main(); a stop request (Ctrl-C, SIGTERM) or a data error
-mid-run saves the checkpoint of the current step first. What the run measured goes to metrics.jsonl beside
-its checkpoints (nanochat/run_log.py), which the tools read.
+setup (training.py, shared with the tests and dev tools); the loop, a row of "once in a while" blocks (val bpb,
+checkpoint, CORE, samples) before each step; the summary. Errors the user can fix (common.UserError) stop the run
+with one line, in main(); a stop request or a data error mid-run saves the current step first. What the run
+measures goes to metrics.jsonl beside its checkpoints (run_log.py), which the tools read.
 """
 
 import os
@@ -34,6 +33,7 @@ import argparse
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from nanochat.common import UserError, ConfigError, print0, print_rank, get_compute_dtype, get_peak_flops, device_name, fail
 from nanochat.distributed import compute_init, compute_cleanup, barrier, hang_report_dir, agree_on_error
@@ -525,28 +525,29 @@ class Run:
     # --- the end -------------------------------------------------------------------
 
     def save_before_stopping(self):
-        """A stop request or a data error: the checkpoint of this step (unless the run saves nothing). Returns
-        whether this step is saved."""
+        """A stop request or a data error: this step's checkpoint (unless the run saves nothing); says how to resume."""
         if self.args.save_every != 0:
             self.save()
-        return self.saved_step == self.step
+        return f"resume with --resume-from-step {self.step}" if self.saved_step == self.step else "not saved"
 
     def stop(self):
-        saved = self.save_before_stopping()
-        print0(f"stopped at step {self.step}" + (f": resume with --resume-from-step {self.step}" if saved else " (not saved)"))
+        print0(f"stopped at step {self.step}: {self.save_before_stopping()}")
 
     def data_error(self, error):
-        saved = self.save_before_stopping()
-        return (f"{error} (at step {self.step}; " + (f"saved: resume with --resume-from-step {self.step} once the file "
-                                                     f"is replaced)" if saved else "not saved)"))
+        resume = self.save_before_stopping()
+        return f"{error} (at step {self.step}; " + ("saved: " + resume + " once the file is replaced)" if resume != "not saved" else "not saved)")
 
     def finish(self):
         """The summary lines, the report section (a completed run), and the closing of loaders and logs."""
         layout = self.layout
         peak_mem = torch.cuda.max_memory_allocated() / 2**30 if self.device.type == "cuda" else None
-        if peak_mem is not None and layout.world_size > 1:  # ranks differ (pipeline stages, shards): each reports
-            print_rank(layout, f"peak memory: {peak_mem:.2f} GiB; allocated after the last step: "
-                               f"{torch.cuda.memory_allocated() / 2**30:.2f} GiB")
+        peaks = [(layout.tag(), peak_mem)]
+        if layout.world_size > 1:  # ranks differ (pipeline stages, shards): each reports, and the record holds all
+            dist.all_gather_object(peaks := [None] * layout.world_size, peaks[0])
+            if peak_mem is not None:
+                print_rank(layout, f"peak memory: {peak_mem:.2f} GiB; allocated after the last step: "
+                                   f"{torch.cuda.memory_allocated() / 2**30:.2f} GiB")
+        self.log.write({"kind": "end", "step": self.step, "training_time_s": self.total_time, "peak_mem_gib": dict(peaks)})
         if self.val_bpb is not None:
             print0(f"Validation bpb: {self.val_bpb:.6f}")
         summary = ([f"minimum validation bpb: {self.min_val_bpb:.6f}"] if math.isfinite(self.min_val_bpb) else []) + \

@@ -37,7 +37,7 @@ def _sharded_products(rank, world, port):
     from nanochat.fp8 import convert_to_fp8, to_fp8, E4M3
     from nanochat.gpt import GPTConfig, MLP
     from nanochat.kernels import Linear
-    from nanochat.tensor_parallel import RegionEnter, ColumnParallelLinear, RowParallelLinear
+    from nanochat.tensor_parallel import region_enter, ColumnParallelLinear, RowParallelLinear
     group = dist.group.WORLD
     layout = SimpleNamespace(tp_group=group, tp_rank=rank, tp_size=world)
     g = torch.Generator().manual_seed(0)
@@ -67,10 +67,10 @@ def _sharded_products(rank, world, port):
     c_in, c_out = ColumnParallelLinear(whole.c_in, layout), RowParallelLinear(whole.c_out, layout, False)
     assert c_in.fp8 and c_out.fp8
     mlp = whole.mlp
-    mlp.tp_enter = RegionEnter(group, False)
+    mlp.tp_enter = region_enter(group, False)
     mlp.c_fc, mlp.c_proj = ColumnParallelLinear(mlp.c_fc, layout), RowParallelLinear(mlp.c_proj, layout, False)
     whole.c_in, whole.c_out = c_in, c_out
-    out, dx, grads = run(c_in, c_out, mlp, RegionEnter(group, False))
+    out, dx, grads = run(c_in, c_out, mlp, region_enter(group, False))
     # equal but for the order of the sharded sums (fp32 rounding, ~1e-7), which can move the odd fp8
     # rounding of an element by one step; local scales would put every element's rounding off (~1e-2)
     assert rel_err(out, ref_out) < 1e-5, rel_err(out, ref_out)

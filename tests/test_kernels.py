@@ -103,7 +103,7 @@ def test_reference_mode_runs_no_kernel_where_all_would_apply(monkeypatch):
     assert calls == []
     assert kernels.prepare_attention(CONFIG, window_sizes(CONFIG), "cpu", torch.float32) == "SDPA (reference)"
     # fp8's MLP (tensorwise) runs its products in PyTorch
-    fp8_mlp = fp8._fp8_mlp(MLP(CONFIG))
+    fp8_mlp = fp8.make_fp8(MLP(CONFIG))
     fp8_mlp(torch.randn(16, CONFIG.n_embd))
     assert calls == ["fp8 kernels=False"]
     # what auto runs on CPU (no kernel applies): the same loss
@@ -136,7 +136,7 @@ def test_auto_mode_picks_every_kernel_where_it_applies(monkeypatch):
     train_step(tiny_model())
     assert calls.count("cuDNN") == 1 and calls.count("Flex") == 1 and "FA4" not in calls
     # fp8's MLP uses its Triton products
-    fp8._fp8_mlp(MLP(CONFIG))(torch.randn(16, CONFIG.n_embd))
+    fp8.make_fp8(MLP(CONFIG))(torch.randn(16, CONFIG.n_embd))
     assert calls[-1] == "fp8 kernels=True"
 
 

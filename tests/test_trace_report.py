@@ -1,9 +1,9 @@
-"""dev/trace_report.py on a hand-made trace: kernels grouped by kind, idle gaps charged to the part of the step
-and the host op that was running when the GPU ran dry."""
+"""dev/profile_step.py's report on a hand-made trace: kernels grouped by kind, idle gaps charged to the part of the
+step and the host op that was running when the GPU ran dry."""
 
 import json
 
-from dev import trace_report
+from dev.profile_step import report
 
 
 def kernel(name, ts, dur):
@@ -28,7 +28,7 @@ def test_groups_and_idle(tmp_path, capsys):
     ]
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": events}))
-    trace_report.report(str(path), 1, 3.2)
+    report(str(path), 1, 3.2)
     out = capsys.readouterr().out
     assert "GPU kernel time per step: 2.7 ms over 5 kernel launches" in out
     lines = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ") and "ms" in line}
@@ -41,5 +41,5 @@ def test_groups_and_idle(tmp_path, capsys):
 def test_cpu_trace_has_no_kernels(tmp_path, capsys):
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": [host("aten::mm", 0, 10)]}))
-    trace_report.report(str(path), 2, 12.5)
+    report(str(path), 2, 12.5)
     assert "no GPU kernels" in capsys.readouterr().out

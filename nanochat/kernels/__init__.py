@@ -1,9 +1,8 @@
 """
 The fast kernels behind one facade, and the one switch that turns them all off.
 
-gpt.py (and fp8.py for its MLP) write every op as its reference PyTorch math and ask here first, as nanoGPT
-asks `self.flash`: where a kernel takes the op's inputs, it runs; elsewhere the math written below the question
-runs. The kernels sit in the files beside this one, each tested against that math:
+gpt.py (and fp8.py for its MLP) write every op as its reference PyTorch math and ask here first, as nanoGPT asks
+`self.flash`: where a kernel takes the op's inputs, it runs; elsewhere the math written below the question runs.
 
     op                 the reference math                        the kernel (mode "auto", where it applies)
     Linear             F.linear (Linear below)                   split-K weight gradient (splitk.py), per weight
@@ -16,12 +15,10 @@ runs. The kernels sit in the files beside this one, each tested against that mat
     fp8 MLP            fp8.fc_relu_square, relu_square_input_grad  the same kernels on fp8 operands
     soft-capped loss   gpt.SoftcapCrossEntropy                   lm_head matmul + Triton loss (softcap_ce.py)
 
-The switch is KERNELS.mode: "auto" (the default) or "reference", from NANOCHAT_KERNELS and the scripts' --kernels
-flag (which wins). "reference" answers every question here with no, so the math runs as written on every device.
-It is read at each call: set it before building and compiling the model. The reference attention is SDPA, i.e.
-whichever backend PyTorch picks (flash or memory-efficient on a GPU, its C++ math on a CPU), not a hand-written
-softmax: the (T, T) scores of every layer would not fit a training batch. On CPU, "auto" and "reference" differ
-only in the MLP's backward (relu(h) rebuilt as sqrt(relu(h)^2), equal within rounding).
+The switch is KERNELS.mode, "auto" (the default) or "reference", from NANOCHAT_KERNELS and the scripts' --kernels
+(which wins); "reference" answers every question with no, so the math runs as written on every device. It is read
+at each call: set it before building and compiling the model. The reference attention is SDPA as PyTorch
+dispatches it (a hand-written softmax's (T, T) scores would not fit a training batch).
 """
 
 import os
@@ -136,12 +133,9 @@ def prepare_attention(config, window_sizes, device, dtype):
     return "SDPA (cuDNN)" + (" + FlexAttention for the sliding windows" if windowed else "")
 
 
-# what --recompute selective keeps rather than runs again in the backward (gpt.Block): the outputs of the ops
-# that cost the most to recompute per byte kept, the attention kernel (on every path above) and the fused
-# ReLU^2 product (relu_square_mm.py: the MLP's first matmul, in bf16 or fp8). The rest of the block (norms,
-# q/k/v and output projections, rotary, the value-embedding gate) runs again. The unfused MLP (tensor
-# parallelism, reference mode, CPU) has no one op to keep: there the MLP's first product runs again too.
-# FlexAttention, a higher-order op, is not among them: with it the windowed layers' attention runs again.
+# what --recompute selective keeps rather than runs again in the backward (gpt.Block): the outputs of the ops that
+# cost the most to recompute per byte kept, attention (every path above but FlexAttention, a higher-order op) and
+# the fused ReLU^2 product (bf16 or fp8). The unfused MLP (TP, reference mode, CPU) has no one op to keep.
 SELECTIVE_KEEPS = (
     torch.ops.nanochat.flash_attention.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,

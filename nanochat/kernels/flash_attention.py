@@ -1,19 +1,14 @@
 """
-FlashAttention-4 for training on Hopper and Blackwell: the kernels of the optional `flash-attn-4` package
-(written in NVIDIA's CuTe DSL, compiled on first use) behind one custom op, so torch.compile keeps each call
-in its graph as one opaque node instead of tracing into the package.
+FlashAttention-4 for training on Hopper and Blackwell: the kernels of the optional `flash-attn-4` package (CuTe
+DSL, compiled on first use) behind one custom op, which torch.compile keeps as one node in its graph.
 
     out, lse = flash_attention(q, k, v, window)     q: (B, T, Hq, D), k/v: (B, T, Hkv, D), bf16
-    out (B, T, Hq, D): causal attention, each query seeing at most `window` keys (itself included);
-    lse (B, Hq, T), fp32: each query's log-sum-exp of scaled scores, which the backward needs.
+    out: causal attention, each query seeing at most `window` keys (itself included); lse (B, Hq, T), fp32: each
+    query's log-sum-exp of scaled scores, which the backward needs.
 
-Sliding windows run natively (the kernels skip the tiles outside the band), so one kernel serves both the
-L and the S layers, in the (B, T, H, D) layout the projections produce (no transposed copies).
-
-kernels.attention uses it where the package imports, the GPU is sm90 or sm100 and the inputs are half
-precision. Anywhere else the op runs the same math in PyTorch (fp32 scores: math_attention), which is
-what the CPU tests check its plumbing with: shapes, the window convention, the log-sum-exp, the gradients
-through the registered backward.
+Sliding windows run natively (the kernels skip the tiles outside the band), in the (B, T, H, D) layout the
+projections produce. Off the GPU the op runs the same math in PyTorch (math_attention), which the CPU tests use
+to check its plumbing: shapes, the window convention, the log-sum-exp, the gradients through its backward.
 """
 
 import functools

@@ -4,25 +4,16 @@ The MLP's ReLU^2 inside its matmuls (CUDA: Triton, with Hopper's TMA loads and s
     forward:   y  = relu(x @ W_fc^T)^2              c_fc's product, ReLU^2 in its epilogue
     backward:  dh = (dy @ W_proj) * 2 sqrt(y)        c_proj's input gradient, ReLU^2's backward in its epilogue
 
-As separate kernels, ReLU^2 costs one more pass over the (tokens, 4C) activation each way: the product
-writes h, ReLU^2 reads it and writes y (forward); the product writes dy @ W_proj, ReLU^2's backward reads
-it and y and writes dh. The GPUs train at their power limit (dev/LOG.md, 2026-11-22), so these bytes cost
-both time and power that the matmuls' clock could have had. Here each product's tile is
-finished in registers, from the fp32 accumulator (no bf16 rounding of h or of dy @ W_proj in between).
-relu(h) = sqrt(y) is why the backward needs only y, which c_proj keeps anyway for its weight gradient
-(ReluSquare below has the same trick for the unfused path).
+As separate kernels, ReLU^2 costs one more pass over the (tokens, 4C) activation each way, bytes that cost time
+and power at the GPUs' power limit (dev/LOG.md, 2026-11-22). Each tile is finished in registers from the fp32
+accumulator; relu(h) = sqrt(y) is why the backward needs only y, which c_proj keeps anyway. With fp8 operands
+(fp8.Fp8MLP) the kernel scales the accumulator by the operands' inverse scales, stores 16-bit values and returns
+their amax, which the next fp8 cast needs. The kernel is persistent: one program per SM walks the output tiles,
+grouped along M so that the tiles running at once share their rows of A in L2.
 
-With fp8 operands (fp8.Fp8MLP: e4m3 x and weights, e5m2 dy), the same kernel scales the accumulator by
-the product of the two operands' inverse scales before the epilogue, stores 16-bit values, and also returns
-their amax, which the next fp8 cast needs for its scale (so no separate amax pass reads the output).
-
-The kernel is persistent: one program per SM walks the output tiles, grouped along M so that the tiles
-running at once share their rows of A in L2.
-
-Without the kernels (CPU, MPS, no Triton, shapes TMA cannot describe, or tensor parallelism's Linears) the
-MLP runs ReluSquare between its two Linears: relu(h)^2 as an autograd function that keeps only its output for
-the backward. The reference (the kernels switched off) is gpt.py's F.relu(h).square() under autograd. Tests
-check the kernels against it through Triton's interpreter (TRITON_INTERPRET=1).
+Where the kernels do not apply (CPU, no Triton, shapes TMA cannot describe, tensor parallelism's Linears) the MLP
+runs ReluSquare between its Linears: relu(h)^2 keeping only its output for the backward. The reference (the
+kernels off) is gpt.py's F.relu(h).square(). Tests check the kernels through Triton's interpreter.
 """
 
 import torch

@@ -4,15 +4,10 @@ Rotary positions, then QK-norm, as one custom op on CUDA (gpt.py's rotary_norm i
     r = rotate(x, cos, sin)            pairs (x_i, x_{i+D/2}) -> (x_i c + x_{i+D/2} s, x_{i+D/2} c - x_i s)
     y = scale * r / sqrt(mean(r^2) + eps)      per head vector of D values; eps = float32's epsilon
 
-Two Triton kernels behind one custom op (so torch.compile keeps it in its graph as one call). Each program
-takes a block of head vectors: the forward reads x and writes y; the backward reads x and dy and writes dx,
-recomputing r and the norm from x in registers: 2 and 3 passes over memory, fewer than what Inductor made of
-the PyTorch math (dev/LOG.md, 2026-11-21).
-
-Backward, with n = r / sqrt(mean(r^2) + eps) = r * rstd and g = scale * dy:
+Two Triton kernels: the forward reads x and writes y; the backward reads x and dy and writes dx, recomputing r
+and the norm in registers, with n = r * rstd and g = scale * dy:
     dr = rstd * (g - n * mean(g * n)),   dx = rotate^T(dr): (dr_i c - dr_{i+D/2} s, dr_i s + dr_{i+D/2} c)
-(exact even though cos and sin rounded to bf16 make the rotation not quite orthogonal). Tests check the
-kernels against gpt.py's math through Triton's interpreter (TRITON_INTERPRET=1).
+Fewer passes over memory than what Inductor makes of the math (dev/LOG.md, 2026-11-21).
 """
 
 import torch

@@ -1,15 +1,10 @@
 """
-Attention in PyTorch's own kernels, for q (B, Hq, T, D) and k/v (B, Hkv, S, D): causal, each query seeing
-at most `window` keys (itself included). Training and prefill have S == T (causal from position 0);
-decoding with a KV cache has S > T: the queries sit at positions S-T .. S-1.
-
-- reference_attention: F.scaled_dot_product_attention as PyTorch dispatches it, with is_causal for the full
-  context and an explicit boolean mask for a window (simple and exact; any device, any length, KV caches).
-- cudnn_attention: full context on CUDA, SDPA pinned to cuDNN first (faster than SDPA's flash backend on
-  Hopper: dev/LOG.md).
-- flex_attention: a sliding window on CUDA at the training length, FlexAttention with a block mask that
-  skips the masked blocks (a dense mask makes a window slower than the full context). Compiled for that
-  one shape, so other lengths (e.g. CORE's) take the reference instead of recompiling.
+Attention in PyTorch's own kernels, for q (B, Hq, T, D) and k/v (B, Hkv, S, D): causal, each query seeing at
+most `window` keys (itself included); S > T when decoding with a KV cache (the queries sit at S-T .. S-1).
+- reference_attention: SDPA as PyTorch dispatches it, is_causal for the full context and a boolean mask for a
+  window (any device, any length, KV caches)
+- cudnn_attention: the full context on CUDA, SDPA pinned to cuDNN first (faster than its flash backend on Hopper)
+- flex_attention: a sliding window on CUDA at the training length, with a block mask that skips the masked blocks
 """
 
 import torch

@@ -5,16 +5,12 @@ SoftcapCrossEntropy is the math), around one Triton kernel.
     raw = x @ W^T                      z = cap * tanh(raw / cap)          loss_i = logsumexp(z_i) - z_i[t_i]
     d loss_i / d raw_ij = (softmax(z_i)_j - [j == t_i]) * (1 - (z_ij / cap)^2)
 
-Each program takes one row of the (N, V) logits:
-- it reads the row once for the logsumexp (since |z| <= cap, exp(z - cap) never overflows, so no
-  running maximum is needed: one sum per row) and writes the row's loss;
-- when a gradient is wanted, it reads the row again and writes d loss_i / d raw_i over it, unscaled,
-  in the forward already.
-The backward then only multiplies: the incoming gradient is almost always one scalar spread over the
-rows (a mean or a sum), and it scales the two small products (N x d and V x d) instead of the (N, V)
-gradient. No fp32 copy of the logits is ever stored. The kernel is bound by instructions (two exponentials
-and a division per logit), not by HBM: fewer instructions per logit is what made it faster (dev/LOG.md,
-2026-11-21). Tests check it against gpt.py's math through Triton's interpreter (TRITON_INTERPRET=1).
+Each program takes one row of the (N, V) logits: it reads the row once for the logsumexp (|z| <= cap, so
+exp(z - cap) never overflows: one sum, no running maximum) and writes the loss; when a gradient is wanted, it
+reads the row again and writes d loss_i / d raw_i over it, in the forward already. The backward only scales the
+two small products by the incoming gradient (almost always one scalar over the rows); no fp32 copy of the logits
+is stored. The kernel is bound by instructions (two exponentials and a division per logit), not by HBM
+(dev/LOG.md, 2026-11-21). Tests check it against gpt.py's math through Triton's interpreter.
 """
 
 import torch

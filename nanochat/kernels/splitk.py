@@ -1,9 +1,7 @@
 """
-A manual split-K for weight gradients: dW = dy^T x over N tokens, computed as `split` products over slices of
-the tokens (one bmm) and summed. It pays for gradients with too few output tiles to fill the GPU's SMs in
-whole waves: on an H200, d20's MLP weights went from 598 to 742 TFLOP/s alone; no d12 weight gained.
-Whether it pays is measured per weight shape at start (tune), on CUDA only; the reference is split = 1,
-one plain product (which is what autograd computes through F.linear).
+Split-K weight gradients: dW = dy^T x over N tokens as `split` products over slices of the tokens (one bmm),
+summed. It pays for weights with too few output tiles to fill the GPU's SMs in whole waves; whether it does is
+timed per weight shape at start (tune, CUDA only). The reference is split = 1, autograd's own product.
 """
 
 import torch

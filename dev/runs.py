@@ -1,0 +1,237 @@
+"""
+The run library of the dev tools (not a tool): launch scripts.base_train in a checkout, read the run back
+from its metrics.jsonl (nanochat.run_log.Run), and the statistics the tools take from a run. bench_train,
+quality_ab and vs_upstream launch every run through start().
+
+    job = runs.start(flags, "tag", tree="../other", env={"NANOCHAT_KERNELS": "reference"}, log="tag.log")
+    run = job.run()                   # waits; the Run, or RunFailed with what went wrong and the log's last lines
+    runs.summary(run, warmup=5)       # medians over the steps from 5 on, the peak memory, the final val bpb
+
+A run in another tree imports that tree's nanochat: the process runs with cwd = tree. Its record is
+$NANOCHAT_BASE_DIR/base_checkpoints/<model-tag>/metrics.jsonl, with NANOCHAT_BASE_DIR from the run's
+environment; start() always passes --model-tag, and removes a previous run's record of that tag first.
+
+Two things are read from a run's printout, each by one function here:
+- old_tree_records: a tree from before the run record (no nanochat/run_log.py) prints its steps instead of
+  recording them; its log is read into the same records, so that a comparison can take an old commit as its
+  baseline. Only such trees go through it. (Upstream nanochat, another project, is read by dev/vs_upstream.py.)
+"""
+
+import os
+import re
+import sys
+import json
+import time
+import argparse
+import statistics
+import subprocess
+
+from nanochat.run_log import Run, metrics_path
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QUIET = ["--core-metric-every=-1", "--sample-every=-1"]  # no CORE, no samples: the tools time and score training
+
+
+class RunFailed(Exception):
+    """A run that did not give what was asked: a non-zero exit, a timeout, no step recorded, fp8 not active."""
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The module docstring as written, and every flag's default (unless its help says it, or there is none)."""
+
+    def _get_help_string(self, action):
+        if "default:" in (action.help or "") or action.default is False or action.default in (None, "", []):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def argument_parser(doc):
+    """A tool's command line: its docstring as the help, defaults shown."""
+    return argparse.ArgumentParser(description=doc, formatter_class=HelpFormatter)
+
+
+def add_data_args(parser):
+    """Where base_train finds its data and tokenizer."""
+    parser.add_argument("--data-dir", type=str, default=None, help="folder of parquet shards (default: NANOCHAT_DATA_DIR)")
+    parser.add_argument("--base-dir", type=str, default=None, help="tokenizer and outputs (default: NANOCHAT_BASE_DIR)")
+
+
+def data_env(args):
+    """The environment settings of add_data_args' flags."""
+    return {var: os.path.abspath(path) for path, var in ((args.data_dir, "NANOCHAT_DATA_DIR"),
+                                                          (args.base_dir, "NANOCHAT_BASE_DIR")) if path}
+
+
+def check_tree(path, flag):
+    """The absolute root of a nanochat checkout, or exit naming the flag."""
+    tree = os.path.abspath(path)
+    if not os.path.exists(os.path.join(tree, "scripts", "base_train.py")):
+        sys.exit(f"{flag} {tree}: no scripts/base_train.py there (give the root of a nanochat checkout)")
+    return tree
+
+
+def flag_value(flags, name, default=None):
+    """The value of `--name=value` in a flag list (the last one given), else default."""
+    values = [f.split("=", 1)[1] for f in flags if f.startswith(name + "=")]
+    return values[-1] if values else default
+
+
+def metrics_file(env, model_tag):
+    from nanochat.common import get_base_dir  # the default base dir; the run's environment names it first
+    base_dir = env.get("NANOCHAT_BASE_DIR") or get_base_dir()
+    return metrics_path(os.path.join(base_dir, "base_checkpoints", model_tag))
+
+
+# -----------------------------------------------------------------------------
+# Launching
+
+
+class Job:
+    """A base_train process that start() launched: done() polls it, wait() ends it, run() reads it."""
+
+    def __init__(self, cmd, tree, env, flags, model_tag, log_path, timeout, metrics):
+        self.cmd, self.tree, self.flags, self.model_tag = cmd, tree, flags, model_tag
+        self.log_path, self.timeout = log_path, timeout
+        self.metrics = metrics  # None: a tree from before the run record
+        self.t0, self.wall_s, self.text, self.timed_out = time.time(), None, None, False
+        os.makedirs(os.path.dirname(log_path), exist_ok=True)
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def done(self):
+        """Whether the process has ended; one past its timeout is ended here."""
+        if self.proc.poll() is None and self.timeout and time.time() - self.t0 > self.timeout:
+            self.wait()
+        return self.proc.poll() is not None
+
+    def wait(self):
+        """Wait for the end (killing the process at its timeout); returns the log's text."""
+        if self.text is not None:
+            return self.text
+        try:
+            self.proc.wait(timeout=max(1.0, self.timeout - (time.time() - self.t0)) if self.timeout else None)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            self.timed_out = True
+        self.wall_s = time.time() - self.t0
+        self.log.close()
+        with open(self.log_path, errors="replace") as f:
+            self.text = f.read()
+        return self.text
+
+    def failure(self):
+        """Why the process failed (None if it exited 0): the exit status or timeout and the log's last lines."""
+        self.wait()
+        if self.timed_out:
+            return f"timed out after {self.timeout} s (log {self.log_path})"
+        if self.proc.returncode != 0:
+            return f"exit {self.proc.returncode}: " + " / ".join(self.text.strip().splitlines()[-3:])
+        return None
+
+    def run(self):
+        """The run as its record tells it, once the process has ended. RunFailed: a failure above, no step
+        recorded, or --fp8 asked for but not trained in (base_train falls back to bf16 where fp8 cannot run)."""
+        failure = self.failure()
+        if failure:
+            raise RunFailed(failure)
+        path = self.metrics
+        if path is None:
+            path = self.log_path + ".metrics.jsonl"
+            with open(path, "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in old_tree_records(self.text, self.flags))
+        try:
+            run = Run(path)
+        except FileNotFoundError as e:
+            raise RunFailed(str(e)) from None
+        if not run.series("dt"):
+            raise RunFailed(f"no training step recorded in {path}")
+        if "--fp8" in self.flags and not run.header.get("fp8"):
+            raise RunFailed(f"--fp8 fell back to bf16 (see {self.log_path})")
+        return run
+
+
+def start(flags, model_tag, tree=REPO, env=None, nproc=1, gpus=None, log=None, timeout=None):
+    """Launch `python -m scripts.base_train FLAGS --model-tag=TAG` in `tree`: under torchrun with nproc > 1,
+    on the GPUs `gpus` (a list of indices for CUDA_VISIBLE_DEVICES; None: as this process has it), with this
+    process's environment plus `env`, its output in the file `log` (default: TAG.log here). Returns the Job."""
+    tree = check_tree(tree, "tree")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    if gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
+    module = ["-m", "scripts.base_train"] + list(flags) + [f"--model-tag={model_tag}"]
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
+    metrics = None
+    if os.path.exists(os.path.join(tree, "nanochat", "run_log.py")):
+        metrics = metrics_file(env, model_tag)
+        if os.path.exists(metrics):  # a previous run's record under this tag must not be read as this one's
+            os.remove(metrics)
+    log = os.path.abspath(log or f"{model_tag}.log")
+    return Job([sys.executable] + launcher + module, tree, env, list(flags), model_tag, log, timeout, metrics)
+
+
+# -----------------------------------------------------------------------------
+# Statistics
+
+
+def median(run, key, from_step=0):
+    """Median of `key` over the steps from `from_step` on (after warm-up: the first steps compile); None when
+    no such step has it."""
+    values = list(run.series(key, from_step).values())
+    return statistics.median(values) if values else None
+
+
+def summary(run, warmup=0):
+    """What the tools report of a run: steps run and timed, medians from step `warmup` on of the step time
+    (ms), tok/s and MFU (%), the peak memory (GiB, rank 0: the largest of its per-step peaks), the last epoch
+    and the final val bpb (None where not measured)."""
+    dt = run.series("dt")
+    peaks = list(run.series("peak_mem_gib").values())
+    step_s = median(run, "dt", warmup)
+    return dict(steps=max(dt) + 1, steps_timed=len(run.series("dt", warmup)),
+                step_ms=step_s * 1000 if step_s is not None else None,
+                tok_per_sec=median(run, "tok_per_sec", warmup), mfu=median(run, "mfu", warmup),
+                peak_mem_gib=max(peaks) if peaks else None, epoch=run.last("epoch"), val_bpb=run.last("val_bpb"))
+
+
+def rank_peaks(run):
+    """{rank tag: peak GiB} of a run of several processes, from its end record; {} for one process (or a run
+    that recorded no end, or none on a CPU)."""
+    peaks = (run.end or {}).get("peak_mem_gib", {})
+    return {tag: gib for tag, gib in peaks.items() if gib is not None} if len(peaks) > 1 else {}
+
+
+# -----------------------------------------------------------------------------
+# Trees from before the run record: their printout, read into the same records (for them only)
+
+OLD_STEP = re.compile(r"^step (\d+)/\d+ .*\| loss: ([\d.]+) \| lrm: ([\d.]+) \| dt: ([\d.]+)ms \| tok/sec: ([\d,]+)"
+                      r"(?: \| mfu: ([\d.]+))?(?: \| epoch: (\d+))?", re.M)
+
+
+def old_tree_records(text, flags):
+    """The records metrics.jsonl would hold, from the log of a tree that prints its steps instead: a header
+    (attention, fp8 on unless it fell back, Muon's weight decay) and per step loss_smooth (the printed loss),
+    lrm, dt, tok_per_sec, mfu, epoch; val_bpb and the peak memory after the last step."""
+    attention = re.findall(r"^attention: (.*)$", text, re.M)
+    decay = re.findall(r"Muon weight decay = ([\d.]+) x .* = ([\d.]+)", text)
+    header = {"kind": "header", "attention": attention[0] if attention else "",
+              "fp8": "--fp8" in flags and "continuing without fp8" not in text}
+    if decay:
+        header.update(weight_decay=float(decay[0][1]), flags={"weight_decay": float(decay[0][0])})
+    records = [header]
+    for step, loss, lrm, dt, tok, mfu, epoch in OLD_STEP.findall(text):
+        record = dict(step=int(step), loss_smooth=float(loss), lrm=float(lrm), dt=float(dt) / 1000,
+                      tok_per_sec=float(tok.replace(",", "")))
+        record.update({k: v for k, v in (("mfu", float(mfu) if mfu else None), ("epoch", int(epoch) if epoch else None))
+                       if v is not None})
+        records.append(record)
+    bpb = re.findall(r"^Validation bpb: ([\d.]+)", text, re.M)
+    peak = re.search(r"(?<!\] )peak memory: ([\d.]+) GiB", text)  # the summary line (one process)
+    last = {}
+    if bpb:
+        last["val_bpb"] = float(bpb[-1])
+    if peak:
+        last["peak_mem_gib"] = float(peak.group(1))
+    if last and len(records) > 1:
+        records.append(dict(step=records[-1]["step"], **last))
+    return records

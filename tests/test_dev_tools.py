@@ -1,0 +1,98 @@
+"""The dev tools (dev/) on CPU: every tool has a main() and a --help that runs nothing; dev/runs.py launches a tiny
+base_train and reads it back from its metrics.jsonl (and reads an old tree's printout into the same records);
+bench_recompute's CPU smoke builds through training.setup and prints its table; bench_train's table sets the
+ratios (to bf16, to one GPU, to the ideal pipeline step) from the runs' results."""
+
+import os
+import sys
+import json
+import importlib
+import subprocess
+
+from conftest import REPO, TINY_MODEL
+
+TOOLS = sorted(f[:-3] for f in os.listdir(os.path.join(REPO, "dev"))
+               if f.endswith(".py") and f not in ("__init__.py", "runs.py"))
+
+
+def test_every_tool_has_main_and_a_help_that_runs_nothing(capsys):
+    assert {"bench_train", "bench_kernels", "bench_recompute", "profile_step", "quality_ab", "vs_upstream",
+            "score_bpb", "comm_model", "plot_scaling"} <= set(TOOLS)
+    for tool in TOOLS:
+        module = importlib.import_module(f"dev.{tool}")
+        assert callable(getattr(module, "main", None)), tool
+    assert capsys.readouterr().out == ""  # importing printed nothing: no work on import
+    procs = {tool: subprocess.Popen([sys.executable, "-m", f"dev.{tool}", "--help"], cwd=REPO, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True) for tool in TOOLS}
+    for tool, p in procs.items():
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0 and "usage:" in out, (tool, err[-2000:])
+
+
+def test_runs_launches_base_train_and_reads_its_metrics(env, tmp_path):
+    from dev import runs
+    flags = TINY_MODEL + ["--device-batch-size", "4", "--total-batch-size", "512", "--num-iterations", "3"]
+    job = runs.start(flags, "dev_runs", env=env, log=str(tmp_path / "run.log"), timeout=300)
+    run = job.run()
+    assert sorted(run.losses()) == [0, 1, 2] and run.header["model_config"]["n_layer"] == 2
+    s = runs.summary(run, warmup=1)
+    assert s["steps"] == 3 and s["steps_timed"] == 2 and s["step_ms"] > 0 and s["tok_per_sec"] > 0
+    assert s["val_bpb"] is not None and s["epoch"] == 1 and s["peak_mem_gib"] is None  # CPU: no peak memory
+    # a run that asked for fp8 and trained in bf16 (no GPU here) is a failure, not a bf16 figure
+    job = runs.start(flags + ["--fp8", "--eval-tokens", "0"], "dev_runs_fp8", env=env, log=str(tmp_path / "fp8.log"))
+    try:
+        job.run()
+        raise AssertionError("a bf16 fallback was read as an fp8 run")
+    except runs.RunFailed as e:
+        assert "--fp8 fell back to bf16" in str(e)
+
+
+OLD_LOG = """attention: SDPA (cuDNN)
+LR scale sqrt(B/2^19) = 0.3536; Muon weight decay = 0.28 x 0.3536 x D_ref/D 100.8500 = 9.98400; total FLOPs 1e15
+step 00000/00002 (0.00%) | loss: 10.397000 | lrm: 0.03 | dt: 9000.00ms | tok/sec: 7,282 | mfu: 1.10 | epoch: 1
+step 00001/00002 (50.00%) | loss: 10.100000 | lrm: 0.05 | dt: 110.50ms | tok/sec: 593,080 | mfu: 55.20 | epoch: 1
+[dp=0 pp=0] peak memory: 40.61 GiB; allocated after the last step: 3.00 GiB
+[dp=0 pp=1] peak memory: 24.70 GiB; allocated after the last step: 2.00 GiB
+Validation bpb: 1.470300
+minimum validation bpb: 1.470300; peak memory: 40.61 GiB
+"""
+
+
+def test_old_tree_printout_reads_as_records(tmp_path):
+    from dev import runs
+    path = tmp_path / "old.metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in runs.old_tree_records(OLD_LOG, ["--fp8"])))
+    run = runs.Run(str(path))
+    assert run.header["attention"] == "SDPA (cuDNN)" and run.header["fp8"] and run.header["weight_decay"] == 9.984
+    s = runs.summary(run, warmup=1)
+    assert s["steps"] == 2 and s["step_ms"] == 110.5 and s["tok_per_sec"] == 593080 and s["mfu"] == 55.2
+    assert s["val_bpb"] == 1.4703 and s["peak_mem_gib"] == 40.61
+    assert runs.rank_peaks(OLD_LOG) == {"[dp=0 pp=0]": 40.61, "[dp=0 pp=1]": 24.7}
+
+
+def test_bench_recompute_cpu_smoke(env):
+    p = subprocess.run([sys.executable, "-m", "dev.bench_recompute", "--depths", "2", "--seq-len", "64",
+                        "--device-batch-size", "2", "--batches", "1,2", "--steps", "2", "--warmup", "1"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    table = p.stdout.split("\n\n")[-1].splitlines()
+    assert table[0].split(" | ")[0].strip() == "depth" and [r.split("|")[1].strip() for r in table[2:]] == \
+        ["none", "selective", "block"]
+
+
+def test_bench_train_table_ratios():
+    from dev import bench_train
+    configs = [c for c in bench_train.parallel_configs() if c.label.startswith("d26 m=16")]
+    trees = ["/old", "/new"]
+    row = lambda tok, step, peaks="": {"tok/s (median)": tok, "step ms (median)": step, "mfu % (median)": "",
+                                       "peak mem GiB (max)": 50.0, "peak mem per rank": peaks}
+    results = {(c.label, t): None for c in configs for t in trees}
+    results[("d26 m=16 one GPU", "/old")] = row(38000, 3438.4)
+    results[("d26 m=16 PP=4 1f1b", "/old")] = row(118000, 1107.0, "[dp=0 pp=0]35.0 [dp=0 pp=1]27.8 [dp=0 pp=2]19.9 [dp=0 pp=3]12.7")
+    results[("d26 m=16 PP=4 1f1b", "/new")] = row(121540, 1100.0)
+    lines = bench_train.table(configs, trees, results).splitlines()
+    pp4 = next(line for line in lines if line.startswith("| d26 m=16 PP=4 1f1b |")).split(" | ")
+    ideal = 3438.4 / 4 * (16 + 4 - 1) / 16
+    assert pp4[2] == "3.105x one GPU" and pp4[4] == f"{1107.0 / ideal:.3f} (ideal {ideal:,.0f} ms)"
+    assert pp4[5] == "35.0 / 27.8 / 19.9 / 12.7 GiB" and pp4[-1].rstrip(" |") == "1.030"
+    assert "MFU" not in lines[0]  # no run measured one: the column is left out
