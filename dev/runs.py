@@ -211,7 +211,7 @@ OLD_STEP = re.compile(r"^step (\d+)/\d+ .*\| loss: ([\d.]+) \| lrm: ([\d.]+) \| 
 def old_tree_records(text, flags):
     """The records metrics.jsonl would hold, from the log of a tree that prints its steps instead: a header
     (attention, fp8 on unless it fell back, Muon's weight decay) and per step loss_smooth (the printed loss),
-    lrm, dt, tok_per_sec, mfu, epoch; val_bpb and the peak memory after the last step."""
+    lrm, dt, tok_per_sec, mfu, epoch; val_bpb and the peak memory after the last step; every rank's peak."""
     attention = re.findall(r"^attention: (.*)$", text, re.M)
     decay = re.findall(r"Muon weight decay = ([\d.]+) x .* = ([\d.]+)", text)
     header = {"kind": "header", "attention": attention[0] if attention else "",
@@ -234,4 +234,8 @@ def old_tree_records(text, flags):
         last["peak_mem_gib"] = float(peak.group(1))
     if last and len(records) > 1:
         records.append(dict(step=records[-1]["step"], **last))
+    # several processes: each printed its own peak at the end (`[dp=0 pp=1] peak memory: 24.70 GiB; ...`)
+    peaks = {tag: float(gib) for tag, gib in re.findall(r"^(\[[^\]]*\]) peak memory: ([\d.]+) GiB", text, re.M)}
+    if peaks:
+        records.append({"kind": "end", "step": records[-1].get("step", 0), "peak_mem_gib": peaks})
     return records

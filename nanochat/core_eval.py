@@ -1,31 +1,12 @@
 """
-The DCLM CORE metric: in-context learning on the 22 tasks of the DCLM "core" set, following the
-DCLM / llm-foundry ICL protocol.
+The DCLM CORE metric: in-context learning on the 22 tasks of the DCLM "core" set (the DCLM / llm-foundry ICL
+protocol). The bundle folder: core.yaml lists the tasks, eval_meta_data.csv their random-guess accuracy (%),
+eval_data/<dataset_uri> one JSON record per line.
 
-The bundle (a folder): core.yaml lists the tasks (label, dataset_uri, num_fewshot, icl_task_type,
-continuation_delimiter, " " when absent); eval_meta_data.csv gives each task's random-guess accuracy
-in percent; eval_data/<dataset_uri> holds one JSON record per line:
-  multiple_choice    {"query", "choices", "gold"}        options: query + delimiter -> each choice
-  schema             {"context_options", "continuation", "gold"}
-                                                         options: each context + delimiter -> continuation
-  language_modeling  {"context", "continuation"}         one option: context + delimiter -> continuation
-
-Per item:
-- few-shot: num_fewshot other items of the same task, drawn with random.Random(1234 + item index),
-  each rendered as its correct option, joined by blank lines ("\n\n") in front of the item
-- tokens: <|bos|> + the whole prompt of each option. The scored continuation is, for multiple choice,
-  what follows the tokens all options share at the start; for schema, the tokens all options share at
-  the end; for language modeling, what follows the tokens of the prompt without its continuation.
-  (Tokenizing the whole text keeps the tokens the model would see, e.g. " Paris" rather than " " "Paris".)
-- a prompt longer than the model's context loses its start (left truncation); the continuation stays
-- multiple choice and schema: the option with the lowest mean cross-entropy over its continuation wins;
-  language modeling: correct iff the argmax at every continuation position is the target token
-- all options of an item (and, up to a token budget, of consecutive items) run as one right-padded batch;
-  only real positions are read, and attention is causal, so padding changes nothing
-
-Per task: accuracy over its first `max_per_task` items (all with -1), items strided over DP ranks;
-centered = (accuracy - b) / (1 - b) with the random baseline b. CORE = the mean centered accuracy over
-the tasks whose data file exists (the bundle may lack some: they are listed and left out).
+Each option's whole prompt (few-shot examples first) is tokenized at once, so the continuation keeps the tokens
+the model would see (" Paris", not " " "Paris"); a prompt longer than the context loses its start. Multiple
+choice and schema: the lowest mean cross-entropy wins; language modeling: correct iff the argmax is right at
+every continuation position. CORE = the mean of (accuracy - b) / (1 - b) over the tasks with a data file.
 """
 
 import os
@@ -45,42 +26,30 @@ import torch.nn.functional as F
 import torch.distributed as dist
 
 from nanochat.common import UserError, get_base_dir, print0, Progress
-from nanochat.distributed import barrier
+from nanochat.distributed import barrier, gather_objects
 from nanochat.signals import stop_point
 
 # The public DCLM eval bundle (the CORE tasks in this layout); NANOCHAT_EVAL_BUNDLE_URL overrides it.
 EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
 DOWNLOAD_TIMEOUT_S = 30
 FEWSHOT_SEED = 1234
-# Rows x longest row per forward pass. Logits are computed only at the scored positions, so this bounds
-# the activations; large passes keep a GPU busy (small ones are launch-bound in eager mode).
+# Rows x longest row per forward pass: bounds the activations (logits only at scored positions); large
+# passes keep a GPU busy, small ones are launch-bound in eager mode.
 DEFAULT_BATCH_TOKENS = 32768
-TASK_KEYS = {
-    "multiple_choice": ("query", "choices", "gold"),
-    "schema": ("context_options", "continuation", "gold"),
-    "language_modeling": ("context", "continuation"),
-}
+TASK_KEYS = {"multiple_choice": ("query", "choices", "gold"), "schema": ("context_options", "continuation", "gold"),
+             "language_modeling": ("context", "continuation")}
 
 
 class EvalBundleError(UserError):
     """No bundle, or a malformed one; the message says what to do."""
 
 
-# -----------------------------------------------------------------------------
-# The bundle: find (or download) it, read the task list and the task files
-
-
 def is_bundle(path):
     return os.path.isfile(os.path.join(path, "core.yaml")) and os.path.isfile(os.path.join(path, "eval_meta_data.csv"))
 
 
-def bundle_url():
-    return os.environ.get("NANOCHAT_EVAL_BUNDLE_URL") or EVAL_BUNDLE_URL
-
-
 def download_bundle(url, dest, timeout=DOWNLOAD_TIMEOUT_S):
-    """Download the zip and unpack it to a temporary folder beside `dest`, then rename it into place:
-    `dest` either holds a whole bundle or does not exist."""
+    """Unpack the zip beside `dest`, then rename it into place: `dest` holds a whole bundle or does not exist."""
     tmp_zip, tmp_dir = f"{dest}.zip.tmp.{os.getpid()}", f"{dest}.tmp.{os.getpid()}"
     print(f"downloading the CORE eval bundle from {url} to {dest}", flush=True)
     try:
@@ -95,28 +64,26 @@ def download_bundle(url, dest, timeout=DOWNLOAD_TIMEOUT_S):
                     next_report += 0.1
         with zipfile.ZipFile(tmp_zip) as z:  # extractall drops absolute paths and '..' in member names
             z.extractall(tmp_dir)
+        # the zip holds the bundle at its top level or inside one folder
+        candidates = [tmp_dir] + [os.path.join(tmp_dir, d) for d in sorted(os.listdir(tmp_dir))]
+        root = next((c for c in candidates if is_bundle(c)), None)
+        if root is None:
+            raise EvalBundleError(f"{url} does not hold a CORE eval bundle (no core.yaml and eval_meta_data.csv); "
+                                  f"pass --eval-bundle DIR with a local copy")
+        try:
+            os.replace(root, dest)
+        except OSError:
+            if not is_bundle(dest):  # not a concurrent download that finished first
+                raise EvalBundleError(f"{dest} exists but is not a CORE eval bundle: remove it, or pass "
+                                      f"--eval-bundle DIR") from None
     except (OSError, ValueError, zipfile.BadZipFile) as e:  # URLError, HTTPError and timeouts are OSErrors
-        shutil.rmtree(tmp_dir, ignore_errors=True)
         raise EvalBundleError(f"could not download the CORE eval bundle from {url} ({type(e).__name__}: {e}). "
                               f"Offline? Pass --eval-bundle DIR with a local copy of the bundle (a folder holding "
                               f"core.yaml, eval_meta_data.csv and eval_data/), or put one at {dest}") from None
     finally:
         if os.path.exists(tmp_zip):
             os.remove(tmp_zip)
-    # the zip holds the bundle at its top level or inside one folder
-    candidates = [tmp_dir] + [os.path.join(tmp_dir, d) for d in sorted(os.listdir(tmp_dir))]
-    root = next((c for c in candidates if is_bundle(c)), None)
-    if root is None:
         shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise EvalBundleError(f"{url} does not hold a CORE eval bundle (no core.yaml and eval_meta_data.csv); "
-                              f"pass --eval-bundle DIR with a local copy")
-    try:
-        os.replace(root, dest)
-    except OSError:
-        if not is_bundle(dest):  # not a concurrent download that finished first
-            shutil.rmtree(tmp_dir, ignore_errors=True)
-            raise EvalBundleError(f"{dest} exists but is not a CORE eval bundle: remove it, or pass --eval-bundle DIR") from None
-    shutil.rmtree(tmp_dir, ignore_errors=True)
     print(f"CORE eval bundle ready in {dest}", flush=True)
 
 
@@ -128,28 +95,23 @@ def _find_or_download(path):
         return os.path.abspath(path)
     default = os.path.join(get_base_dir(), "eval_bundle")
     if not is_bundle(default):
-        download_bundle(bundle_url(), default)
+        download_bundle(os.environ.get("NANOCHAT_EVAL_BUNDLE_URL") or EVAL_BUNDLE_URL, default)
     return default
 
 
 def find_eval_bundle(path=None, layout=None):
-    """The bundle folder: `path` when given, else $NANOCHAT_BASE_DIR/eval_bundle, downloaded there when
-    absent. Under torchrun local rank 0 of every node looks (and downloads) first while the node's other
-    ranks wait at a barrier (the base dir may be per node or shared); a failure reaches every rank."""
-    if layout is None or layout.world_size == 1:
-        return _find_or_download(path)
-    error = None
-    if layout.local_rank == 0:
-        try:
-            _find_or_download(path)
-        except EvalBundleError as e:
-            error = str(e)
-    barrier(layout, "the CORE eval bundle download (local rank 0 of each node)")
-    errors = [None] * layout.world_size
-    dist.all_gather_object(errors, error, group=layout.cpu_group)
-    first = next((e for e in errors if e is not None), None)
-    if first is not None:
-        raise EvalBundleError(first)
+    """The bundle folder: `path`, else $NANOCHAT_BASE_DIR/eval_bundle, downloaded when absent (by local rank 0
+    of each node while the others wait: the base dir may be per node or shared). Every rank sees a failure."""
+    if layout is not None and layout.world_size > 1:
+        error = None
+        if layout.local_rank == 0:
+            try:
+                _find_or_download(path)
+            except EvalBundleError as e:
+                error = str(e)
+        barrier(layout, "the CORE eval bundle download (local rank 0 of each node)")
+        if any(errors := gather_objects(error, layout.cpu_group)):
+            raise EvalBundleError(next(e for e in errors if e))
     return _find_or_download(path)
 
 
@@ -215,10 +177,6 @@ def load_records(task):
     return records
 
 
-# -----------------------------------------------------------------------------
-# Prompts
-
-
 def fewshot_indices(idx, n, k):
     """k distinct indices of [0, n) other than idx, the same on every call for the same item."""
     k = min(k, n - 1)
@@ -240,11 +198,10 @@ def item_options(task_type, record, delimiter):
 
 def render_item(task, records, idx):
     """(full prompt per option, the first option's prompt without its continuation, gold)."""
-    demos = []
+    prefix = ""
     for j in fewshot_indices(idx, len(records), task.num_fewshot):
         options, gold = item_options(task.task_type, records[j], task.delimiter)
-        demos.append("".join(options[gold]))
-    prefix = "".join(demo + "\n\n" for demo in demos)
+        prefix += "".join(options[gold]) + "\n\n"
     options, gold = item_options(task.task_type, records[idx], task.delimiter)
     if not 0 <= gold < len(options):
         raise EvalBundleError(f"{task.path} item {idx}: gold {gold} is not the index of one of its {len(options)} options")
@@ -261,8 +218,7 @@ def common_prefix_len(seqs):
 
 
 def continuation_starts(task_type, rows, context=None):
-    """Per row, the index of its first continuation token (the continuation runs to the row's end).
-    `context`: the tokens of the prompt without its continuation (language modeling only)."""
+    """Per row, its first continuation token's index (`context`: the prompt without it, for language modeling)."""
     if task_type == "multiple_choice":
         starts = [common_prefix_len(rows)] * len(rows)
     elif task_type == "schema":
@@ -272,14 +228,6 @@ def continuation_starts(task_type, rows, context=None):
         starts = [common_prefix_len([rows[0], context])]
     # every row scores at least its last token, and never position 0 (nothing predicts it)
     return [min(max(s, 1), len(r) - 1) for s, r in zip(starts, rows)]
-
-
-def truncate_left(row, start, max_len):
-    """Keep the last max_len tokens. A continuation longer than the window loses its first tokens."""
-    cut = len(row) - max_len
-    if cut <= 0:
-        return row, start
-    return row[cut:], max(1, start - cut)
 
 
 PreparedItem = namedtuple("PreparedItem", ["rows", "starts", "gold"])  # int32 arrays, ints, int
@@ -299,13 +247,10 @@ def prepare_items(task, records, indices, tokenizer, max_len):
         pos += len(option_texts)
         context = ids[len(indices) + i] if lm else None  # LM items have one option: contexts follow all rows
         starts = continuation_starts(task.task_type, rows, context)
-        rows, starts = zip(*(truncate_left(r, s, max_len) for r, s in zip(rows, starts)))
-        items.append(PreparedItem(list(rows), list(starts), gold))
+        # keep the last max_len tokens: a continuation longer than the window loses its first tokens
+        cut = [max(0, len(r) - max_len) for r in rows]
+        items.append(PreparedItem([r[c:] for r, c in zip(rows, cut)], [max(1, s - c) for s, c in zip(starts, cut)], gold))
     return items
-
-
-# -----------------------------------------------------------------------------
-# Scoring
 
 
 @torch.no_grad()
@@ -313,8 +258,7 @@ def score_rows(model, rows, starts, device):
     """One forward pass over right-padded rows. Returns per row (as lists) the mean cross-entropy over
     its continuation rows[i][starts[i]:] and whether the argmax matched every continuation token."""
     lengths = np.array([len(r) for r in rows])
-    T = lengths.max()
-    ids = np.zeros((len(rows), T), dtype=np.int64)  # the pad id is irrelevant: never read
+    ids = np.zeros((len(rows), lengths.max()), dtype=np.int64)  # the pad id is irrelevant: never read
     for i, r in enumerate(rows):
         ids[i, :len(r)] = r
     # logits at position p predict token p+1: continuation tokens start..len-1 are read at start-1..len-2
@@ -326,16 +270,13 @@ def score_rows(model, rows, starts, device):
     targets = ids[row_idx, col_idx + 1]
     losses = F.cross_entropy(logits, targets, reduction="none")
     wrong = (logits.argmax(dim=-1) != targets).float()
-    sums = torch.zeros((2, len(rows)), dtype=torch.float32, device=device)
-    sums[0].index_add_(0, row_idx, losses)
-    sums[1].index_add_(0, row_idx, wrong)
+    sums = torch.zeros((2, len(rows)), device=device).index_add_(1, row_idx, torch.stack([losses, wrong]))
     counts = torch.from_numpy(lengths - np.array(starts)).to(device)
     return (sums[0] / counts).tolist(), (sums[1] == 0).tolist()
 
 
 def item_batches(items, batch_tokens):
-    """Consecutive items grouped so that rows x longest row stays within batch_tokens (an item alone
-    may exceed it: its options always share one pass)."""
+    """Runs of items with rows x longest row <= batch_tokens (or one item alone: its options share a pass)."""
     batch, n_rows, longest = [], 0, 0
     for item in items:
         item_longest = max(len(r) for r in item.rows)
@@ -348,32 +289,23 @@ def item_batches(items, batch_tokens):
         yield batch
 
 
-def is_correct(task_type, item, mean_losses, exact):
-    if task_type == "language_modeling":
-        return exact[0]
-    return mean_losses.index(min(mean_losses)) == item.gold  # ties go to the first option
-
-
 def evaluate_task(model, tokenizer, task, records, device, max_per_task=-1, layout=None,
                   batch_tokens=DEFAULT_BATCH_TOKENS, cache=None):
-    """(accuracy, number of items) over the first max_per_task items (all with -1). Each DP rank scores
-    items rank, rank + dp, ...; the counts are summed over the DP group. `cache` (a dict) keeps the
-    tokenized items between calls (training evaluates the same items again and again)."""
+    """(accuracy, number of items) over the first max_per_task items (-1: all), strided over DP ranks.
+    `cache` (a dict) keeps the tokenized items for the next call (training evaluates them again and again)."""
     n = len(records) if max_per_task is None or max_per_task < 0 else min(max_per_task, len(records))
     dp_rank, dp_size = (layout.dp_rank, layout.dp_size) if layout is not None else (0, 1)
     max_len = model.config.sequence_len
     key = (tokenizer, task, n, dp_rank, dp_size, max_len)  # the tokenizer by identity
-    items = cache.get(key) if cache is not None else None
-    if items is None:
-        items = prepare_items(task, records, range(dp_rank, n, dp_size), tokenizer, max_len)
-        if cache is not None:
-            cache[key] = items
-    correct = 0
+    cache = {} if cache is None else cache
+    if key not in cache:
+        cache[key] = prepare_items(task, records, range(dp_rank, n, dp_size), tokenizer, max_len)
+    items = cache[key]
+    correct, done = 0, 0
     # a stop request ends a long task within a batch in one process; under torchrun the ranks run different
     # numbers of batches, so they agree on stopping once per task (evaluate_core)
     alone = layout is None or layout.world_size == 1
     progress = Progress(f"  {task.label}", len(items), unit="items")
-    done = 0
     for batch in item_batches(items, batch_tokens):
         if alone:
             stop_point()
@@ -382,10 +314,10 @@ def evaluate_task(model, tokenizer, task, records, device, max_per_task=-1, layo
         mean_losses, exact = score_rows(model, [r for it in batch for r in it.rows],
                                         [s for it in batch for s in it.starts], device)
         offset = 0
-        for item in batch:
-            k = len(item.rows)
-            correct += is_correct(task.task_type, item, mean_losses[offset:offset + k], exact[offset:offset + k])
-            offset += k
+        for item in batch:  # language modeling: the exact match; else the lowest loss wins (ties: the first option)
+            losses = mean_losses[offset:offset + len(item.rows)]
+            correct += exact[offset] if task.task_type == "language_modeling" else losses.index(min(losses)) == item.gold
+            offset += len(item.rows)
     counts = torch.tensor([correct, len(items)], dtype=torch.int64, device=device)
     if dp_size > 1:  # SUM: gloo has no AVG
         dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=layout.dp_group)
@@ -393,13 +325,11 @@ def evaluate_task(model, tokenizer, task, records, device, max_per_task=-1, layo
     return correct / total, total
 
 
-def centered_accuracy(accuracy, baseline):
-    """0 at random guessing, 1 at perfect."""
+def centered_accuracy(accuracy, baseline):  # 0 at random guessing, 1 at perfect
     return (accuracy - baseline) / (1.0 - baseline)
 
 
-def core_score(results):
-    """The mean centered accuracy over the tasks that ran."""
+def core_score(results):  # the mean centered accuracy over the tasks that ran
     return sum(r["centered"] for r in results.values()) / len(results)
 
 
@@ -423,24 +353,19 @@ def evaluate_core(model, tokenizer, device, bundle_dir, max_per_task=-1, layout=
             records_by_path[task.path] = load_records(task)
         accuracy, n = evaluate_task(model, tokenizer, task, records_by_path[task.path], device, max_per_task, layout,
                                     batch_tokens, cache)
-        results[task.label] = {"accuracy": accuracy, "centered": centered_accuracy(accuracy, task.baseline),
-                               "items": n, "seconds": time.time() - t0}
-        r = results[task.label]
+        r = results[task.label] = {"accuracy": accuracy, "centered": centered_accuracy(accuracy, task.baseline),
+                                   "items": n, "seconds": time.time() - t0}
         print0(f"  {task.label:<34} {n:>6} items | accuracy {accuracy:.4f} | centered {r['centered']:+.4f} | {r['seconds']:.1f}s")
     return {"core": core_score(results), "tasks_run": len(results), "tasks_total": len(tasks) + len(missing),
             "results": results, "missing": missing}
 
 
-# -----------------------------------------------------------------------------
-# During training
-
 _TRAINING_CACHE = {}  # tokenized items and the bundle's location, kept across a run's CORE evaluations
 
 
 def evaluate_core_for_training(model, tokenizer, device, layout, eval_bundle, max_per_task):
-    """CORE from inside base_train, or None (with a one-line note) without a bundle. Never stops the
-    training run for a missing bundle. `model` takes whole sequences (base_train gathers a pipeline- or
-    sequence-parallel model first)."""
+    """CORE from inside base_train, or None with a one-line note when there is no bundle (never stops the
+    run). `model` takes whole sequences (base_train gathers a pipeline- or sequence-parallel model first)."""
     bundle_key = ("bundle", eval_bundle)
     if bundle_key not in _TRAINING_CACHE:  # look (and maybe download) once per run
         try:

@@ -1,8 +1,7 @@
 """
 Data parallelism, written out (no DDP wrapper): every DP rank holds the whole model (or its TP shard, or its
-pipeline stage) and runs its own micro-batches; the gradients are summed over the DP group, and the optimizer's
-work is shared out so that no two ranks compute the same update (ZeRO-2: optimizer state and updates sharded,
-weights and gradients whole on every rank).
+pipeline stage) and runs its own micro-batches; gradients are summed over the DP group, and the optimizer's work
+is shared out so that no two ranks compute the same update (ZeRO-2: optimizer state and updates sharded).
 
 Collectives, all over the DP group (gloo has no AVG everywhere: gradients are summed, then divided by W):
   reduce_scatter_tensor   per Muon round: its W gradients -> this rank's matrix, summed
@@ -14,22 +13,17 @@ Collectives, all over the DP group (gloo has no AVG everywhere: gradients are su
   all_gather_into_tensor  for a checkpoint: the owners' optimizer state, into whole tensors
   all_reduce              the step's loss, for the log
 
-Who updates what:
-- Muon matrices of one shape form a stack, cut into rounds of W (the DP size) consecutive matrices; rank r owns
-  matrix r of every round. A round is one reduce-scatter that hands each rank its matrix whole (Muon
-  orthogonalizes whole matrices), and its matrices are neighbouring layers, whose gradients are final together.
-- AdamW tensors of at least 1024 elements whose first dim divides by W are owned by rows: rank r gets rows
-  [r, r+1) x rows/W of the summed gradient, keeps that slice's state and updates it.
-- The other AdamW tensors (scalars, small gates) are summed as one flat buffer and updated on every rank.
-Each of these is a bucket, one collective; the owners' updates are then all-gathered.
+Who updates what, each a bucket (one collective): Muon matrices of one shape form a stack, cut into rounds of W
+consecutive matrices, rank r owning matrix r of every round, whole (Muon orthogonalizes whole matrices; a round's
+matrices are neighbouring layers, whose gradients are final together); AdamW tensors of >= 1024 elements whose
+first dim divides by W are owned by rows; the other AdamW tensors are summed as one flat buffer and updated on
+every rank. The owners' updates are then all-gathered.
 
-Overlap (--overlap-grad-reduce): the training step calls prepare_last_backward() before the backward of its last
-micro-batch; a post-accumulate-grad hook on every parameter counts its bucket down, and a bucket whose gradients
-are final launches its collective while the rest of the backward runs. Collectives on a group must be issued in
-one order on every rank, so buckets launch in a fixed order, each once it and every bucket before it are ready:
-the order in which rank 0's buckets became ready in its first overlapped backward (broadcast; that first step
-launches everything after the backward). A whole-model compiled graph yields every gradient at its end, so with
-overlap the blocks are compiled one by one (training.py).
+Overlap (--overlap-grad-reduce): the step calls prepare_last_backward() before its last micro-batch's backward;
+a post-accumulate-grad hook on every parameter counts its bucket down, and a bucket whose gradients are final
+launches its collective while the backward runs on. Buckets launch in one order on every rank (collectives on
+a group must), each once it and every bucket before it are ready: rank 0's readiness order in its first
+overlapped backward (broadcast; that step launches everything after the backward).
 """
 
 import math
@@ -72,8 +66,7 @@ class GradBucket:
     def reset(self):
         self.remaining = len(self.params)  # members whose gradient is not final yet (overlap only)
         self.ready = self.launched = False
-        self.work = None
-        self.result = None  # what the step reads once the work is done
+        self.work = self.result = None  # the collective in flight; what the step reads once it is done
 
     def start(self):
         self.work = self.launch(self)
@@ -94,7 +87,6 @@ class DataParallel:
         self.size = dist.get_world_size(group) if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0
         self.owners = [RoundRobin(len(params), self.size, self.rank) for params in muon_stacks]
-        self.muon_stacks = muon_stacks
         self.muon_grads = [None] * len(muon_stacks)  # per stack: this rank's summed (rounds, *shape) gradients
         # the buckets, in the default launch order: Muon's first (they feed the most compute), then the large
         # AdamW tensors one by one, then the small ones as one flat buffer
@@ -248,10 +240,9 @@ class DataParallel:
         """A stack's per-owner state (rounds, ...) -> the state of its K matrices, in stack order (blocking)."""
         if self.size == 1:
             return local
-        owner = self.owners[s]
         full, work = self.gather_muon_updates(s, local)
         work.wait()
-        return full[[owner.slot(i) for i in range(owner.K)]]
+        return full[[self.owners[s].slot(i) for i in range(self.owners[s].K)]]
 
     def gather_row_state(self, local):
         full, work = self.gather_rows(local)

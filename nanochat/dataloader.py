@@ -1,21 +1,16 @@
 """
-Best-fit BOS packing of documents into (B, T) batches.
+Best-fit BOS packing of documents into (B, T) batches: every row of a (B, T+1) block starts with <|bos|>
+and holds whole documents, no padding. From a buffer of tokenized documents sorted by length, each row
+takes the LARGEST document that still fits; when none fits, the SHORTEST one is cropped to fill the row
+(its rest dropped, or with keep_remainder put back as a new piece starting with <|bos|>).
 
-Every row of a (B, T+1) token block starts with <|bos|> and is filled with whole documents, no padding:
-keep a buffer of tokenized documents sorted by length; for each row, repeatedly take the LARGEST
-document that still fits the space left (best fit); when none fits, crop the SHORTEST one to fill the
-row exactly. Cropped tokens are dropped, or with keep_remainder=True put back into the buffer as a new
-piece that starts with <|bos|>. inputs = block[:, :-1], targets = block[:, 1:].
-
-Data order: the global list of (shard, row group) is read as an endless sequence g = 0, 1, 2, ...
-(row group g % N, epoch g // N + 1); DP rank r of n reads g = r, r+n, r+2n, ...  TP and PP peers share
-a DP rank and so see the same batches.
-
-Resume: each batch comes with a small state (next g, and a reference (g, row, token offset) for every
-buffered document) that rebuilds the buffer exactly: same DP size -> bit-exact continuation;
-another DP size -> `reshard_states` continues from the same position with every buffered document kept.
+Data order: row group g % N of the global (shard, row group) list, epoch g // N + 1, for g = r, r+n, ...
+on DP rank r of n (TP and PP peers share a DP rank). Each batch comes with a small state (the next g, and
+(g, row, offset) of each buffered document) that rebuilds the buffer exactly: resuming at the same DP size
+is bit-exact; reshard_states continues at another DP size, every buffered document kept.
 """
 
+import os
 import bisect
 import queue
 import atexit
@@ -24,8 +19,7 @@ import threading
 import numpy as np
 import torch
 
-from nanochat.dataset import (resolve_data_dir, split_files, list_row_groups, read_row_group, row_group_rows,
-                              no_text_error, DataError)
+from nanochat.dataset import resolve_data_dir, split_files, list_row_groups, read_row_group, row_group_rows, DataError
 
 
 class BestFitPacker:
@@ -40,7 +34,7 @@ class BestFitPacker:
         data_dir = resolve_data_dir(data_dir, quiet=(split == "val"))
         self.files = split_files(data_dir, split)
         self.row_groups = list_row_groups(self.files)
-        if len(self.row_groups) == 0:
+        if not self.row_groups:
             raise DataError(f"the {split} shards in {data_dir} hold no row groups")
         self.N = len(self.row_groups)
         # a buffer as large as the data would hold copies of the same documents from several epochs at
@@ -49,13 +43,9 @@ class BestFitPacker:
         self.buffer_docs = max(1, min(buffer_docs, rows_per_rank // 2))
         # the buffer: lengths sorted ascending, with the token arrays and references in the same order
         self.lengths, self.docs, self.refs = [], [], []
-        self.g = dp_rank
-        self.tokens_in, self.tokens_cropped = 0, 0
-        self.epoch = 1
+        self.g, self.epoch, self.tokens_in, self.tokens_cropped = dp_rank, 1, 0, 0
         if state is not None:
             self._restore(state)
-
-    # --- reading ----------------------------------------------------------------
 
     def _tokenize_rows(self, g, rows=None):
         """{row: int32 array of [bos] + tokens} for row group g (all rows with text, or the given ones)."""
@@ -70,10 +60,6 @@ class BestFitPacker:
         self.docs.insert(i, tokens)
         self.refs.insert(i, ref)
 
-    def _pop(self, i):
-        self.lengths.pop(i)
-        return self.docs.pop(i), self.refs.pop(i)
-
     def _refill(self):
         reads = 0  # at most N row groups per refill: data with little text cannot fill the buffer
         while len(self.docs) < self.buffer_docs and reads < self.N:
@@ -83,9 +69,9 @@ class BestFitPacker:
             self.g += self.dp_size
             reads += 1
         if not self.docs:
-            raise no_text_error(self.files)
-
-    # --- packing ----------------------------------------------------------------
+            names = ", ".join(os.path.basename(f) for f in self.files[:3]) + (", ..." if len(self.files) > 3 else "")
+            raise DataError(f"the shards {names} in {os.path.dirname(self.files[0])} hold no text (every row's `text` "
+                            f"is empty): check how they were written (one document per row in the `text` column)")
 
     def next_block(self):
         """A (B, T+1) int32 array, every row starting with <|bos|>."""
@@ -96,34 +82,31 @@ class BestFitPacker:
                 self._refill()
                 space = self.T + 1 - pos
                 i = bisect.bisect_right(self.lengths, space) - 1  # the largest document that fits
+                j = max(i, 0)  # when nothing fits (i = -1), the shortest one
+                self.lengths.pop(j)
+                tokens, (g, row, offset) = self.docs.pop(j), self.refs.pop(j)
                 if i >= 0:
-                    tokens, (g, _, _) = self._pop(i)
                     block[b, pos:pos + len(tokens)] = tokens
                     pos += len(tokens)
                 else:  # nothing fits: crop the shortest document to fill the row exactly
-                    tokens, (g, row, offset) = self._pop(0)
                     block[b, pos:] = tokens[:space]
                     pos += space
-                    rest = len(tokens) - space
                     if self.keep_remainder:
                         # piece(o) = [bos] + doc[1 + o:]; taking `space` tokens of piece(o) leaves piece(o + space - 1)
                         new_offset = offset + space - 1
                         self._insert(np.concatenate([[self.bos], tokens[space:]]).astype(np.int32), (g, row, new_offset))
                         self.tokens_in += 1  # the new bos
                     else:
-                        self.tokens_cropped += rest
+                        self.tokens_cropped += len(tokens) - space
                 self.epoch = max(self.epoch, g // self.N + 1)  # the newest epoch whose data was packed
         return block
-
-    # --- state ------------------------------------------------------------------
 
     def state(self):
         return {"g": self.g, "buffer": [list(r) for r in self.refs], "dp_rank": self.dp_rank, "dp_size": self.dp_size,
                 "epoch": self.epoch, "tokens_in": self.tokens_in, "tokens_cropped": self.tokens_cropped}
 
     def _restore(self, state):
-        self.g = state["g"]
-        self.epoch = state.get("epoch", 1)
+        self.g, self.epoch = state["g"], state.get("epoch", 1)
         self.tokens_in, self.tokens_cropped = state.get("tokens_in", 0), state.get("tokens_cropped", 0)
         by_g = {}
         for g, row, _ in state["buffer"]:
@@ -140,9 +123,8 @@ class BestFitPacker:
 
 
 def reshard_states(states, new_dp_size):
-    """Turn the per-rank states saved at one DP size into states for another: continue after the
-    furthest row group any rank had read, and share the buffered documents out round-robin.
-    No states (a checkpoint from before the first step) means fresh loaders."""
+    """States saved at one DP size, for another: continue after the furthest row group any rank had read,
+    buffered documents shared out round-robin. No states (saved before the first step): fresh loaders."""
     states = [s for s in states if s is not None]
     if not states:
         return [None] * new_dp_size
@@ -150,29 +132,21 @@ def reshard_states(states, new_dp_size):
     if old == new_dp_size:
         return [dict(s) for s in states]
     start = max(s["g"] for s in states) - old + 1  # every row group below this was read, or is skipped
-    refs = [ref for s in states for ref in s["buffer"]]
-    refs.sort(key=lambda r: (r[0], r[1], r[2]))
-    new_states = []
-    for r in range(new_dp_size):
-        mine = refs[r::new_dp_size]
-        new_states.append({"g": start + r, "buffer": mine, "dp_rank": r, "dp_size": new_dp_size,
-                           "epoch": max(s.get("epoch", 1) for s in states),
-                           "tokens_in": sum(s.get("tokens_in", 0) for s in states) // new_dp_size,
-                           "tokens_cropped": sum(s.get("tokens_cropped", 0) for s in states) // new_dp_size})
-    return new_states
+    refs = sorted((ref for s in states for ref in s["buffer"]), key=lambda r: (r[0], r[1], r[2]))
+    shared = {"dp_size": new_dp_size, "epoch": max(s.get("epoch", 1) for s in states),
+              **{k: sum(s.get(k, 0) for s in states) // new_dp_size for k in ("tokens_in", "tokens_cropped")}}
+    return [{"g": start + r, "buffer": refs[r::new_dp_size], "dp_rank": r, **shared} for r in range(new_dp_size)]
 
 
 class DataLoader:
-    """Yields (inputs, targets, state) forever: (B, T) int64 tensors on `device` and the state after
-    this batch. A background thread packs the next batches while the model computes; close() stops it
-    (also at interpreter exit) so no native call is cut off mid-way."""
+    """Yields (inputs, targets, state after this batch) forever, (B, T) int64 on `device`. A thread packs the
+    next batches while the model computes; close() (also at exit) stops it between native calls."""
 
     def __init__(self, tokenizer, B, T, split, device, data_dir=None, dp_rank=0, dp_size=1, state=None,
                  keep_remainder=False, prefetch=2, buffer_docs=512):
         self.packer = BestFitPacker(tokenizer, B, T, split, data_dir, dp_rank, dp_size,
                                     buffer_docs=buffer_docs, keep_remainder=keep_remainder, state=state)
         self.device = torch.device(device) if isinstance(device, str) else device
-        self.pin = self.device.type == "cuda"
         self.queue = queue.Queue(maxsize=prefetch)
         self.stats = {"epoch": self.packer.epoch, "crop_fraction": self.packer.crop_fraction}  # until a batch arrives
         self.stopping = threading.Event()
@@ -184,7 +158,7 @@ class DataLoader:
         try:
             while not self.stopping.is_set():
                 block = torch.from_numpy(self.packer.next_block()).long()
-                if self.pin:
+                if self.device.type == "cuda":
                     block = block.pin_memory()
                 stats = {"epoch": self.packer.epoch, "crop_fraction": self.packer.crop_fraction}
                 self._put((block, self.packer.state(), stats))
@@ -192,12 +166,11 @@ class DataLoader:
             self._put(e)
 
     def _put(self, item):
-        while not self.stopping.is_set():
+        while not self.stopping.is_set():  # a timeout, so that close() is seen while the queue is full
             try:
-                self.queue.put(item, timeout=0.1)
-                return
+                return self.queue.put(item, timeout=0.1)
             except queue.Full:
-                continue
+                pass
 
     def close(self):
         self.stopping.set()

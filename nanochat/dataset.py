@@ -1,13 +1,7 @@
 """
-Pretraining text as parquet shards: one column `text`, one document per row, a few row groups each.
-
-- A data folder holds shards sorted by name; the LAST shard is validation, the rest are training.
-- The folder is `--data-dir`, else NANOCHAT_DATA_DIR, else $NANOCHAT_BASE_DIR/base_data. When that
-  folder has no shards, the small sample bundled with the package is used (with a notice), so a fresh
-  checkout trains end to end offline.
-- Readers stride over the global list of (shard, row group): DP rank r of n takes row groups
-  r, r+n, r+2n, ... (dataloader.py does this).
-- `python -m nanochat.dataset -n 8` downloads shards of the default remote dataset with huggingface_hub.
+Pretraining text as parquet shards (a `text` column, one document per row), sorted by name; the LAST one is
+validation. The folder: --data-dir, else NANOCHAT_DATA_DIR, else $NANOCHAT_BASE_DIR/base_data or, when that is
+empty, the bundled sample (a fresh checkout trains offline). `python -m nanochat.dataset -n 8` downloads shards.
 """
 
 import os
@@ -34,10 +28,11 @@ def default_data_dir():
 
 
 def list_parquet_files(data_dir):
-    """All *.parquet files of a folder, sorted by name (the last is the validation shard)."""
-    if not os.path.isdir(data_dir):
-        return []
-    return sorted(os.path.join(data_dir, f) for f in os.listdir(data_dir) if f.endswith(".parquet"))
+    names = os.listdir(data_dir) if os.path.isdir(data_dir) else []
+    return sorted(os.path.join(data_dir, f) for f in names if f.endswith(".parquet"))
+
+
+_notice_shown = False
 
 
 def resolve_data_dir(data_dir=None, allow_sample=True, quiet=False):
@@ -60,9 +55,6 @@ def resolve_data_dir(data_dir=None, allow_sample=True, quiet=False):
               f"(Wikipedia, CC BY-SA). For real runs: `python -m nanochat.dataset -n 8` or --data-dir.", flush=True)
         _notice_shown = True
     return SAMPLE_DIR
-
-
-_notice_shown = False
 
 
 @lru_cache(maxsize=None)
@@ -92,15 +84,13 @@ def list_row_groups(files):
     return [(f, i) for f in files for i in range(_open(f).num_row_groups)]
 
 
-def row_group_rows(path, index):
-    """The number of rows of a row group (from the footer: nothing is read)."""
+def row_group_rows(path, index):  # from the footer: nothing is read
     return _open(path).metadata.row_group(index).num_rows
 
 
 def check_data(data_dir=None):
-    """Resolve the data folder and open every shard once, so a bad file fails the run at the start
-    (naming the file), not hours later at the first evaluation; the first row group of each split must
-    hold text. Returns the folder."""
+    """The resolved data folder, after opening every shard and reading the first row group of each split: a bad
+    file fails the run at the start, not hours later at the first evaluation."""
     data_dir = resolve_data_dir(data_dir)
     for split in ("train", "val"):
         row_groups = list_row_groups(split_files(data_dir, split))
@@ -120,20 +110,12 @@ def shard_listing(data_dir):
 
 
 def read_row_group(path, index):
-    """The documents (strings) of one row group."""
+    pf = _open(path)
     try:
-        table = _open(path).read_row_group(index, columns=["text"])
-    except DataError:
-        raise
+        table = pf.read_row_group(index, columns=["text"])
     except Exception as e:
         raise DataError(f"cannot read row group {index} of {path} ({type(e).__name__}: {e}); the file may be corrupt") from None
     return table.column("text").to_pylist()
-
-
-def no_text_error(files):
-    names = ", ".join(os.path.basename(f) for f in files[:3]) + (", ..." if len(files) > 3 else "")
-    return DataError(f"the shards {names} in {os.path.dirname(files[0])} hold no text (every row's `text` is empty): "
-                     f"check how they were written (one document per row in the `text` column)")
 
 
 def iter_documents(files, start=0, step=1):
@@ -143,29 +125,27 @@ def iter_documents(files, start=0, step=1):
         yield from read_row_group(*row_groups[i])
 
 
-# -----------------------------------------------------------------------------
-# Download
-
-
 def download_shards(num_shards, data_dir=None, repo_id=REMOTE_REPO, workers=8, retries=5):
-    """Fetch the first num_shards-1 training shards plus the dataset's last shard (validation) from the
-    Hugging Face hub into data_dir. Finished files are skipped; partial ones resume."""
+    """The first num_shards-1 shards and the last (validation) from the hub; finished files skipped, partial resumed."""
     try:
-        from huggingface_hub import hf_hub_download
+        from huggingface_hub import hf_hub_download, get_hf_file_metadata, hf_hub_url
     except ImportError:
         raise DataError("downloading needs huggingface_hub: pip install huggingface-hub") from None
     from concurrent.futures import ThreadPoolExecutor
-
     data_dir = data_dir or default_data_dir()
     os.makedirs(data_dir, exist_ok=True)
     num_shards = max(2, min(num_shards, REMOTE_NUM_SHARDS))
-    indices = list(range(num_shards - 1)) + [REMOTE_NUM_SHARDS - 1]
-    names = [f"shard_{i:05d}.parquet" for i in indices]
+    names = [f"shard_{i:05d}.parquet" for i in [*range(num_shards - 1), REMOTE_NUM_SHARDS - 1]]
     todo = [n for n in names if not os.path.exists(os.path.join(data_dir, n))]
     print(f"{len(names) - len(todo)}/{len(names)} shards already in {data_dir}; downloading {len(todo)} from {repo_id}", flush=True)
     if not todo:
         return data_dir
-    _check_hub_reachable(repo_id, todo[0], data_dir)
+    try:  # fail in seconds, with directions, when the hub cannot be reached (offline machines)
+        get_hf_file_metadata(hf_hub_url(repo_id, todo[0], repo_type="dataset"), timeout=10)
+    except Exception as e:
+        raise DataError(f"cannot reach the Hugging Face hub to download {repo_id} ({type(e).__name__}: {e}).\n"
+                        f"Offline? Copy parquet shards (a `text` column; the last file is validation) into "
+                        f"{data_dir}, or pass --data-dir DIR / set NANOCHAT_DATA_DIR=DIR.") from None
 
     def fetch(name):
         for attempt in range(1, retries + 1):
@@ -174,10 +154,8 @@ def download_shards(num_shards, data_dir=None, repo_id=REMOTE_REPO, workers=8, r
             except Exception as e:  # network hiccups: back off and retry, resuming the partial file
                 if attempt == retries:
                     raise DataError(f"failed to download {name} after {retries} attempts: {e}") from None
-                wait = 2 ** attempt
-                print(f"{name}: attempt {attempt} failed ({type(e).__name__}); retrying in {wait}s", flush=True)
-                time.sleep(wait)
-
+                print(f"{name}: attempt {attempt} failed ({type(e).__name__}); retrying in {2 ** attempt}s", flush=True)
+                time.sleep(2 ** attempt)
     t0 = time.time()
     with ThreadPoolExecutor(max_workers=workers) as pool:
         for i, path in enumerate(pool.map(fetch, todo), 1):
@@ -185,19 +163,7 @@ def download_shards(num_shards, data_dir=None, repo_id=REMOTE_REPO, workers=8, r
     return data_dir
 
 
-def _check_hub_reachable(repo_id, filename, data_dir):
-    """Fail in seconds, with directions, when the hub cannot be reached (offline machines)."""
-    from huggingface_hub import get_hf_file_metadata, hf_hub_url
-    try:
-        get_hf_file_metadata(hf_hub_url(repo_id, filename, repo_type="dataset"), timeout=10)
-    except Exception as e:
-        raise DataError(
-            f"cannot reach the Hugging Face hub to download {repo_id} ({type(e).__name__}: {e}).\n"
-            f"Offline? Use local shards instead: copy parquet files (one `text` column; the last file is "
-            f"validation) into {data_dir}, or pass --data-dir DIR / set NANOCHAT_DATA_DIR=DIR.") from None
-
-
-def main():
+if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="Download pretraining shards from the Hugging Face hub")
     parser.add_argument("-n", "--num-shards", type=int, default=8, help="shards to fetch (the last one is validation)")
     parser.add_argument("--data-dir", type=str, default=None, help="destination (default: NANOCHAT_DATA_DIR or $NANOCHAT_BASE_DIR/base_data)")
@@ -208,7 +174,3 @@ def main():
         download_shards(args.num_shards, args.data_dir, args.repo, args.workers)
     except DataError as e:
         raise SystemExit(f"ERROR: {e}")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,17 +1,13 @@
 """
-The process-group layout: torchrun's processes as a grid of world = PP x DP x TP, with every group created
-explicitly and printed at start. The parallel dimensions (data_parallel.py, tensor_parallel.py,
-pipeline_parallel.py) each use their own group from the Layout; nothing else builds groups.
+The process-group layout: torchrun's processes as a grid of world = PP x DP x TP, every group created explicitly
+and printed at start; the parallel files each take their group from the Layout. Ranks are numbered TP fastest,
+then DP, then PP: TP peers (which communicate in every block) are neighbouring ranks, on one node's fastest links.
 
-Ranks are numbered with TP fastest, then DP, then PP: TP peers are neighbouring ranks, which on one node share
-the fastest links (TP communicates in every block), and PP, which sends only activations between neighbours,
-spans the farthest ones.
-
-Collectives here (all host-side or one scalar):
-  barrier          on a gloo group of all ranks (cpu_group under NCCL), so that a waiting rank fails after
-                   --dist-timeout naming what it waited for, instead of hanging
-  all_reduce MAX   of one float over all ranks (all_reduce_max: a stop request, an error flag)
-  all_gather_object  the message of a rank that failed (agree_on_error)
+Collectives here (host-side or one scalar):
+  barrier            on a gloo group of all ranks, so that a rank waiting in vain fails after --dist-timeout
+                     naming what it waited for
+  all_reduce MAX     of one float over all ranks (all_reduce_max: a stop request, an error flag)
+  all_gather_object  objects of every rank (gather_objects): the message of a rank that failed (agree_on_error)
 """
 
 import os
@@ -103,10 +99,6 @@ def build_layout(rank, world_size, local_rank, tp=1, pp=1):
     return L
 
 
-def is_distributed():
-    return all(k in os.environ for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
-
-
 def compute_init(device_type="", tp=1, pp=1, seed=42, timeout_s=None):
     """Set up device, seeds and (under torchrun) the process groups, whose collectives fail after
     timeout_s seconds (None: PyTorch's default). Under NCCL the flight recorder is on (nanochat.watchdog)
@@ -121,7 +113,7 @@ def compute_init(device_type="", tp=1, pp=1, seed=42, timeout_s=None):
     if device_type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls (rare here) may use tf32
         torch.backends.cudnn.allow_tf32 = True
-    if not is_distributed():
+    if not all(k in os.environ for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")):  # not under torchrun
         if tp * pp > 1:
             raise UserError(f"--tp={tp} --pp={pp} need {tp * pp} processes at least: launch with "
                             f"torchrun --nproc_per_node={tp * pp} -m scripts.base_train ...")
@@ -179,14 +171,19 @@ def all_reduce_max(value: float, device) -> float:
     return t.item()
 
 
+def gather_objects(obj, group=None):
+    """Every rank's `obj`, in rank order (a collective over `group`, all ranks by default); [obj] in one process."""
+    if not dist.is_initialized():
+        return [obj]
+    objects = [None] * dist.get_world_size(group)
+    dist.all_gather_object(objects, obj, group=group)
+    return objects
+
+
 def agree_on_error(message, device):
     """A collective: every rank passes its error message (None when it had none) and gets the first failing
     rank's message, or None when no rank failed. Ranks that go on after a peer failed would wait for it in
     their next collective until the timeout; this way they all stop together, with the same message."""
-    if not dist.is_initialized():
+    if not dist.is_initialized() or all_reduce_max(float(message is not None), device) == 0:
         return message
-    if all_reduce_max(float(message is not None), device) == 0:
-        return None
-    messages = [None] * dist.get_world_size()
-    dist.all_gather_object(messages, message)
-    return next(m for m in messages if m is not None)
+    return next(m for m in gather_objects(message) if m is not None)

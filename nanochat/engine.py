@@ -1,11 +1,6 @@
 """
-Inference: a KV cache, and sampling with it.
-
-Prefill runs the prompt once (batch 1) and fills the cache; the cache is then copied for each of the
-num_samples rows and decoding feeds one token per row per step. The model's forward takes the cache
-and handles positions itself (rotary offset, causal/window mask over the cached keys, and the smear's
-previous embedding). At temperature 0 this equals naive generation that recomputes the whole sequence
-every step (tests/test_engine.py checks it).
+Inference with a KV cache: prefill runs the prompt once (batch 1), then num_samples copies of the cache decode
+one token per step. At temperature 0 this equals recomputing the whole sequence every step (tests/test_engine.py).
 """
 
 import torch
@@ -27,9 +22,8 @@ class KVCache:
         if self.pos + T > self.max_len:
             raise ValueError(f"KV cache full: {self.pos} + {T} > {self.max_len} tokens")
         if layer_idx not in self.k:
-            B, H, _, D = k.shape
-            self.k[layer_idx] = torch.empty((B, H, self.max_len, D), dtype=k.dtype, device=k.device)
-            self.v[layer_idx] = torch.empty((B, H, self.max_len, D), dtype=v.dtype, device=v.device)
+            shape = (k.size(0), k.size(1), self.max_len, k.size(3))
+            self.k[layer_idx], self.v[layer_idx] = k.new_empty(shape), v.new_empty(shape)
         self.k[layer_idx][:, :, self.pos:self.pos + T] = k
         self.v[layer_idx][:, :, self.pos:self.pos + T] = v
         return self.k[layer_idx][:, :, :self.pos + T], self.v[layer_idx][:, :, :self.pos + T]
@@ -61,17 +55,14 @@ def sample_next(logits, temperature, top_k, generator):
         return logits.argmax(dim=-1)
     logits = logits / temperature
     if top_k is not None and top_k > 0:
-        k = min(top_k, logits.size(-1))
-        values, _ = torch.topk(logits, k, dim=-1)
+        values, _ = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1)
         logits = logits.masked_fill(logits < values[:, -1:], float("-inf"))
-    probs = F.softmax(logits, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator).squeeze(-1)
 
 
 @torch.no_grad()
 def generate(model, prompt, max_tokens, num_samples=1, temperature=1.0, top_k=None, seed=42, stop_tokens=()):
-    """Complete a prompt (list of ids). Returns num_samples lists of new ids; a row stops at the first
-    stop token (kept in its output) or after max_tokens."""
+    """num_samples lists of new ids after `prompt`, each ending at its first stop token (kept) or max_tokens."""
     device = model.cos.device
     generator = torch.Generator(device=device).manual_seed(seed)
     cache = KVCache(1, len(prompt) + max_tokens)
@@ -93,25 +84,9 @@ def generate(model, prompt, max_tokens, num_samples=1, temperature=1.0, top_k=No
     return out
 
 
-@torch.no_grad()
-def generate_naive(model, prompt, max_tokens):
-    """Greedy generation that recomputes the whole sequence at each step (the reference)."""
-    device = model.cos.device
-    ids = list(prompt)
-    for _ in range(max_tokens):
-        logits = model(torch.tensor([ids], dtype=torch.long, device=device))[:, -1]
-        ids.append(int(logits.argmax(dim=-1)))
-    return ids[len(prompt):]
-
-
-SAMPLE_PROMPTS = [
-    "The capital of France is",
-    "The chemical symbol of gold is",
-    "If yesterday was Friday, then tomorrow will be",
-    "The opposite of hot is",
-    "The planets of the solar system are:",
-    "My favorite color is",
-]
+SAMPLE_PROMPTS = ["The capital of France is", "The chemical symbol of gold is",
+                  "If yesterday was Friday, then tomorrow will be", "The opposite of hot is",
+                  "The planets of the solar system are:", "My favorite color is"]
 
 
 def sample_completions(model, tokenizer, prompts=SAMPLE_PROMPTS, max_tokens=16, temperature=0.0):
@@ -119,7 +94,7 @@ def sample_completions(model, tokenizer, prompts=SAMPLE_PROMPTS, max_tokens=16, 
     bos = tokenizer.get_bos_token_id()
     out = []
     for prompt in prompts:
-        ids = tokenizer.encode(prompt, prepend=bos)
-        new = generate(model, ids, max_tokens, temperature=temperature, stop_tokens=(bos,))[0]
+        new = generate(model, tokenizer.encode(prompt, prepend=bos), max_tokens, temperature=temperature,
+                       stop_tokens=(bos,))[0]
         out.append(prompt + tokenizer.decode([t for t in new if t != bos]))
     return out

@@ -22,11 +22,9 @@ The MLP's fused products (the kernels of relu_square_mm.py, which return the ama
 reads the (tokens, 4C) activation again for it) ask the kernels facade; elsewhere the PyTorch math below runs.
 Each matmul takes both operands K-major (Hopper's fp8 rule), so the backward makes transposed fp8 copies.
 
-Scales under tensor parallelism: a shard's amax is not the whole tensor's, so the tensors a rank holds only a
-shard of take the global amax, an all-reduce MAX of one fp32 over the TP group (to_fp8's `group`): the weights,
-the row-parallel input, the column-parallel output gradient. Each element is then cast exactly as at TP=1 (12
-scalar all-reduces per block and micro-batch). Local scales would need none, but a run would then not reproduce
-at another layout (tests/test_fp8_parallel.py).
+Under tensor parallelism a shard's amax is not the whole tensor's: the weights, the row-parallel input and the
+column-parallel output gradient take the global amax (to_fp8's `group`: an all-reduce MAX of one fp32), so each
+element is cast exactly as at TP=1 and a run reproduces at another layout (tests/test_fp8_parallel.py).
 """
 
 import importlib.util
@@ -43,8 +41,7 @@ from nanochat.gpt import MLP
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2  # activations and weights; gradients
 
 
-def is_eligible(module, fqn):
-    """The filter: a bias-free Linear with both dims multiples of 16 and >= 128, not the lm_head."""
+def is_eligible(module, fqn):  # the filter of the module docstring
     if not isinstance(module, torch.nn.Linear) or fqn.endswith("lm_head"):
         return False
     n_in, n_out = module.in_features, module.out_features
@@ -81,8 +78,7 @@ def convert_to_fp8(model, device=None, force=False):
 
 
 def make_fp8(module):
-    """A gpt.MLP or kernels.Linear becomes its fp8 subclass in place: the same object, the same weight Parameters
-    and checkpoint keys, with the fp8 flag on."""
+    """A gpt.MLP or kernels.Linear becomes its fp8 subclass in place (the same object, weights and keys)."""
     module.__class__ = Fp8MLP if isinstance(module, MLP) else Fp8Linear
     module.fp8 = True
     return module
@@ -90,8 +86,7 @@ def make_fp8(module):
 
 @contextmanager
 def bf16_linears(model):
-    """Run the block in bf16: every fp8 module's flag is off inside it (the same modules and weights run
-    their plain products), and back on afterwards."""
+    """Run the block in bf16: every fp8 module's flag is off inside it, and back on afterwards."""
     on = [m for m in model.modules() if getattr(m, "fp8", False)]
     for m in on:
         m.fp8 = False
@@ -115,11 +110,8 @@ def to_fp8(t, dtype, amax=None, group=None):
 
 
 def global_amax(amax, group):
-    """The largest of every rank's amax over the group (functional: it traces under torch.compile); amax
-    itself without a group."""
-    if group is None:
-        return amax
-    return torch.as_tensor(funcol.all_reduce(amax, "max", group))
+    """The largest of every rank's amax over the group, if any (functional: it traces under torch.compile)."""
+    return amax if group is None else torch.as_tensor(funcol.all_reduce(amax, "max", group))
 
 
 def scaled_mm(a, b, a_inv, b_inv, out_dtype):
@@ -150,9 +142,8 @@ class _Fp8Linear(torch.autograd.Function):
 
 
 def fp8_linear(x, weight):
-    """x @ weight^T in tensorwise fp8, for a whole weight or a tensor-parallel shard of one: its tp_dim says
-    which tensors are shards (0, column-parallel: the weight and the output gradient; 1, row-parallel: the
-    weight and the input), whose scales take the global amax over its tp_group. Token counts that are not a
+    """x @ weight^T in tensorwise fp8, for a whole weight or a TP shard of one (tp_dim 0, column-parallel: the weight
+    and the output gradient are shards; 1, row-parallel: the weight and the input). Token counts that are not a
     multiple of 16 (fp8 products need every dim one; never training's, B x 2048) take the plain product."""
     rows = x.reshape(-1, x.size(-1))
     if rows.size(0) % 16:
@@ -163,8 +154,7 @@ def fp8_linear(x, weight):
 
 
 class Fp8Linear(Linear):
-    """A Linear whose product runs in tensorwise fp8 (fp8_linear) while `fp8` is on (made by convert_to_fp8
-    on the Linear's own weight)."""
+    """A Linear whose product runs in tensorwise fp8 (fp8_linear) while `fp8` is on."""
 
     def forward(self, x):
         return fp8_linear(x, self.weight) if self.fp8 else super().forward(x)
@@ -218,12 +208,9 @@ class _Fp8MLP(torch.autograd.Function):
 
 
 class Fp8MLP(MLP):
-    """gpt.MLP in tensorwise fp8 with ReLU^2 fused into its products (_Fp8MLP) while `fp8` is on, holding
-    the MLP's own children (the same weights and checkpoint keys). Under tensor parallelism they are the
-    column-parallel c_fc, the row-parallel c_proj and the region's entry tp_enter; the product is then this
-    rank's partial sum, which c_proj.reduce sums over the TP group. The weight gradients are products over the
-    tokens, and fp8 products need every dim a multiple of 16: other token counts (never training's, B x 2048)
-    take gpt.MLP's path, as does `fp8` off."""
+    """gpt.MLP with ReLU^2 fused into its fp8 products (_Fp8MLP) while `fp8` is on; token counts that are not a
+    multiple of 16 take gpt.MLP's path, as in fp8_linear. Under TP the product is this rank's partial sum, which
+    c_proj.reduce sums over the TP group."""
 
     def product(self, x):
         rows = x.reshape(-1, x.size(-1))

@@ -60,9 +60,7 @@ class GPTConfig:
         return self.n_embd // self.n_head
 
     def to_dict(self):
-        d = asdict(self)
-        d["l3_after_layers"] = list(self.l3_after_layers)
-        return d
+        return {**asdict(self), "l3_after_layers": list(self.l3_after_layers)}
 
     @classmethod
     def from_dict(cls, d):
@@ -100,8 +98,7 @@ def window_sizes(config):
     return sizes
 
 
-def has_value_embed(layer_idx, n_layer):
-    """Value embeddings on alternating layers, the last one included."""
+def has_value_embed(layer_idx, n_layer):  # alternating layers, the last one included
     return layer_idx % 2 == (n_layer - 1) % 2
 
 
@@ -135,7 +132,6 @@ def relu_square(h):
 
 
 def softcap(logits):
-    """15 tanh(logits / 15), in fp32."""
     return SOFTCAP * torch.tanh(logits.float() / SOFTCAP)
 
 
@@ -149,8 +145,7 @@ def reduce_losses(losses, targets, reduction):
     return losses.sum() / (targets != -1).sum()
 
 
-# -----------------------------------------------------------------------------
-# Building blocks
+# --- Building blocks --------------------------------------------------------------
 
 
 VE_GATE_CHANNELS = 32  # value-embedding gate reads the first channels of the block input
@@ -186,8 +181,7 @@ class CausalSelfAttention(nn.Module):
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v)
         y = kernels.attention(q, k, v, window)  # softmax(q k^T / sqrt(hd) + causal window mask) v
-        y = y.transpose(1, 2).reshape(B, T, -1)
-        return self.c_proj(y)
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
 class MLP(nn.Module):
@@ -201,7 +195,6 @@ class MLP(nn.Module):
         return self.product(self.tp_enter(x))
 
     def product(self, x):
-        """c_proj(relu(c_fc(x))^2)."""
         if kernels.takes_fused_mlp(x, self.c_fc, self.c_proj):  # ReLU^2 inside both matmuls
             return kernels.fused_mlp(x, self.c_fc, self.c_proj)
         return self.c_proj(relu_square(self.c_fc(x)))
@@ -211,12 +204,10 @@ RECOMPUTE_MODES = ("none", "selective", "block")
 
 
 class Block(nn.Module):
-    """Pre-norm attention and MLP around the residual stream. `recompute` (set by training.setup; only
-    while training with grad enabled) drops activations in the forward and recomputes them in the backward
-    (torch.utils.checkpoint): "block" keeps only the block's inputs, "selective" the block's inputs and the
-    outputs of the attention kernel and the fused ReLU^2 product (kernels.SELECTIVE_KEEPS), the ops that cost
-    the most to run again per byte kept. Under tensor parallelism the recomputed region's collectives run
-    again in the backward, in the same order on every rank."""
+    """Pre-norm attention and MLP around the residual stream. `recompute` (set by training.setup; only while
+    training with grad enabled) recomputes activations in the backward (torch.utils.checkpoint): "block" keeps
+    only the block's inputs, "selective" also the outputs of kernels.SELECTIVE_KEEPS. Under tensor parallelism
+    the recomputed region's collectives run again in the backward, in the same order on every rank."""
 
     recompute = "none"
 
@@ -233,8 +224,7 @@ class Block(nn.Module):
     def forward(self, x, x0, idx, cos, sin, window, kv_cache=None):
         if self.recompute == "none" or not (self.training and torch.is_grad_enabled()):
             return self._forward(x, x0, idx, cos, sin, window, kv_cache)
-        # non-reentrant: works under torch.compile and with inputs that need no grad; no RNG state to keep
-        # (the model has no dropout or other randomness), so the recompute is the same computation
+        # non-reentrant: works under torch.compile and with inputs that need no grad; no RNG state (no randomness)
         context = {}
         if self.recompute == "selective":  # the outputs of these ops are saved, and the recompute reuses them
             context["context_fn"] = functools.partial(torch.utils.checkpoint.create_selective_checkpoint_contexts,
@@ -250,9 +240,8 @@ class Block(nn.Module):
 
 
 class SoftcapCrossEntropy(nn.Module):
-    """Logits in fp32, soft-capped to (-15, 15), then cross-entropy (ignore_index=-1). The loss applies
-    the lm_head itself, so that the matmul and the loss can be one kernel. Tensor parallelism swaps in a
-    vocab-parallel version with the same interface."""
+    """Logits in fp32, soft-capped to (-15, 15), then cross-entropy (ignore_index=-1). It applies the lm_head itself,
+    so that the matmul and the loss can be one kernel; tensor parallelism swaps in a vocab-parallel twin."""
 
     def logits(self, raw):
         return softcap(raw)
@@ -276,8 +265,7 @@ class Residual:
     x_mid: torch.Tensor = None
 
 
-# -----------------------------------------------------------------------------
-# The model
+# --- The model --------------------------------------------------------------------
 
 
 class GPT(nn.Module):
@@ -295,11 +283,8 @@ class GPT(nn.Module):
         self.criterion = SoftcapCrossEntropy()
         self.embed_exit = nn.Identity()  # sequence parallelism swaps in a split along the sequence
         # the hook for Large Lookup Layers: {block index: layer}, run after that block as x = x + layer(x, idx)
-        self.l3 = nn.ModuleDict()
-        for i in config.l3_after_layers:
-            self.l3[str(i)] = L3Layer.from_config(config)
-        # rotary tables for 10x the training context (generation may run past it); not saved
-        self.rotary_len = config.sequence_len * 10
+        self.l3 = nn.ModuleDict({str(i): L3Layer.from_config(config) for i in config.l3_after_layers})
+        self.rotary_len = config.sequence_len * 10  # rotary tables: generation may run past the training context
         cos, sin = rotary_tables(self.rotary_len, config.head_dim)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
@@ -333,19 +318,13 @@ class GPT(nn.Module):
         self.cos.copy_(cos)
         self.sin.copy_(sin)
 
-    def set_compute_dtype(self, dtype):
-        self.compute_dtype = dtype
-
     # --- the three pieces of the forward ------------------------------------------
 
     def embed(self, idx, kv_cache=None):
         """Token embedding, norm, smear. Returns the Residual that enters block 0."""
         x = norm(self.wte(idx).to(self.compute_dtype))
-        # smear: x[t] += lambda * sigmoid(gate(x[t])) * x[t-1]
-        if kv_cache is not None:
-            prev = kv_cache.prev_embedding(x)  # the last embedding of the previous call, or zeros
-        else:
-            prev = F.pad(x[:, :-1], (0, 0, 1, 0))
+        # smear: x[t] += lambda * sigmoid(gate(x[t])) * x[t-1]; decoding: x[-1] of the previous call, or zeros
+        prev = kv_cache.prev_embedding(x) if kv_cache is not None else F.pad(x[:, :-1], (0, 0, 1, 0))
         gate = self.smear_lambda.to(x.dtype) * torch.sigmoid(self.smear_gate(x[..., :SMEAR_GATE_CHANNELS]))
         x = self.embed_exit(x + gate * prev)
         return Residual(x=x, x0=x)
@@ -359,8 +338,7 @@ class GPT(nn.Module):
         """Blocks start..end-1 (and the L3 layers placed after them)."""
         pos = kv_cache.pos if kv_cache is not None else 0
         cos, sin = self.rotary(idx.size(1), pos)
-        x = h.x
-        x_mid = h.x_mid
+        x, x_mid = h.x, h.x_mid
         for i in range(start, end):
             if i == self.backout_layer:
                 x_mid = x
@@ -440,14 +418,13 @@ class GPT(nn.Module):
                 matrices.append(p)
             else:  # lambdas, smear gate, L3 norms
                 scalars.append(p)
-        groups = [
-            dict(kind="adamw", params=embeds, lr=embedding_lr * dim_scale, betas=(0.8, 0.95), eps=1e-10, weight_decay=0.0),
-            dict(kind="adamw", params=unembed, lr=unembedding_lr * dim_scale, betas=(0.8, 0.95), eps=1e-10, weight_decay=0.0),
-            dict(kind="adamw", params=scalars, lr=scalar_lr, betas=(0.8, 0.95), eps=1e-10, weight_decay=0.0),
-            dict(kind="muon", params=matrices, lr=matrix_lr, momentum=0.95, weight_decay=weight_decay),
-        ]
-        if tables:
-            groups.append(dict(kind="adamw", params=tables, lr=embedding_lr * dim_scale, betas=(0.8, 0.95), eps=1e-10, weight_decay=0.0))
+
+        def adamw(params, lr):
+            return dict(kind="adamw", params=params, lr=lr, betas=(0.8, 0.95), eps=1e-10, weight_decay=0.0)
+        groups = [adamw(embeds, embedding_lr * dim_scale), adamw(unembed, unembedding_lr * dim_scale),
+                  adamw(scalars, scalar_lr),
+                  dict(kind="muon", params=matrices, lr=matrix_lr, momentum=0.95, weight_decay=weight_decay),
+                  adamw(tables, embedding_lr * dim_scale)]  # L3's tables, if any
         return [g for g in groups if g["params"]]
 
 
@@ -457,5 +434,5 @@ def build_model(config, device, compute_dtype=torch.float32):
         model = GPT(config)
     model.to_empty(device=device)
     model.init_weights()
-    model.set_compute_dtype(compute_dtype)
+    model.compute_dtype = compute_dtype
     return model

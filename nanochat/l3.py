@@ -30,6 +30,7 @@ follow gpt.py: fp32 parameters, compute-dtype activations, fp32 softmax and tabl
 """
 
 import bisect
+import itertools
 import math
 import time
 
@@ -42,22 +43,13 @@ import torch.distributed as dist
 from nanochat.kernels import Linear
 from nanochat.common import print0
 
-# LZW runs over this many training tokens: ~6 s of pure Python; enough that the credit of every token
-# that matters for the table (the top few thousand own most rows) is well estimated.
-L3_LZW_SAMPLE_TOKENS = 10_000_000
-# LZW dictionary cap; cleared when full. 2^22 entries ~ 0.5 GB of Python dict.
-L3_LZW_MAX_ENTRIES = 1 << 22
-# n_emb == 0: this many table rows per vocabulary entry on average (d12, vocab 32768: 2^19 rows of 768, 1.5 GiB
-# fp32 per layer, 6 GiB with its gradient and AdamW moments)
-L3_ROWS_PER_TOKEN = 16
-# blocked path: sorted positions per block (the M of each block's score matmul)
-L3_BLOCK_POSITIONS = 64
-# blocked path: a chunk's window width is padded to a multiple of this (extra rows are masked out)
-L3_WIDTH_ALIGN = 16
-# blocked path: most bytes of one gathered (rows, d) tensor of a chunk, in the compute dtype
-L3_CHUNK_BYTES = 512 << 20
-# padded path (CPU only): used while its (N, max d_t, d) gather stays this small and pads little
-L3_PADDED_MAX_BYTES = 64 << 20
+L3_LZW_SAMPLE_TOKENS = 10_000_000  # enough to estimate the credit of the few thousand tokens that own most rows
+L3_LZW_MAX_ENTRIES = 1 << 22  # LZW dictionary cap; cleared when full. 2^22 entries ~ 0.5 GB of Python dict
+L3_ROWS_PER_TOKEN = 16  # rows per vocabulary entry when n_emb == 0 (d12: 1.5 GiB fp32 a layer, 6 GiB with AdamW)
+L3_BLOCK_POSITIONS = 64  # blocked path: sorted positions per block (the M of each block's score matmul)
+L3_WIDTH_ALIGN = 16  # blocked path: a chunk's window width is padded to a multiple of this (extra rows masked out)
+L3_CHUNK_BYTES = 512 << 20  # blocked path: most bytes of one chunk's gathered (rows, d) tensor, in the compute dtype
+L3_PADDED_MAX_BYTES = 64 << 20  # padded path (CPU): while its (N, max d_t, d) gather is this small and pads little
 
 
 def default_n_emb(vocab_size, k_max):
@@ -65,24 +57,19 @@ def default_n_emb(vocab_size, k_max):
     return vocab_size * min(L3_ROWS_PER_TOKEN, k_max)
 
 
-# -----------------------------------------------------------------------------
-# Allocation: LZW credits -> rows per token
+# --- Allocation: LZW credits -> rows per token ------------------------------------
 
 
 def lzw_credits(tokens, vocab_size, max_entries=L3_LZW_MAX_ENTRIES):
-    """Per token: 1 (its entry in LZW's initial dictionary) + the number of new dictionary entries
-    (n-grams) that end with it. `tokens` is a 1-D sequence of ids (list, numpy array or tensor).
-    The dictionary maps (prefix code, token) -> code, keyed by the int prefix * vocab + token (faster
-    than tuples); it is cleared when it holds max_entries entries. Returns an int64 numpy array."""
+    """Per token (int64 numpy array): 1 (its entry in LZW's initial dictionary) + the number of new dictionary
+    entries (n-grams) that end with it, over `tokens` (list, numpy array or tensor). The dictionary maps (prefix
+    code, token) -> code, keyed by prefix * vocab + token (faster than tuples); cleared when it is full."""
     tokens = np.asarray(tokens.cpu() if torch.is_tensor(tokens) else tokens, dtype=np.int64).reshape(-1)
     if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
         raise ValueError(f"token ids must lie in [0, {vocab_size}); got [{tokens.min()}, {tokens.max()}]")
-    credits = [1] * vocab_size
-    if tokens.size == 0:
-        return np.asarray(credits, dtype=np.int64)
-    table = {}
+    credits, table = [1] * vocab_size, {}
     next_code, limit = vocab_size, vocab_size + max_entries
-    w = int(tokens[0])  # code of the current prefix; single tokens are their own codes
+    w = int(tokens[0]) if tokens.size else 0  # code of the current prefix; single tokens are their own codes
     step = 1 << 20  # tolist() a slice at a time: a list of 10M Python ints alone would take ~400 MB
     for lo in range(1, tokens.size, step):
         for c in tokens[lo:lo + step].tolist():
@@ -142,24 +129,12 @@ def sample_training_tokens(tokenizer, data_dir, n_tokens):
     """The first n_tokens of the training shards, read in order as documents each prefixed with <|bos|>
     (what the dataloader feeds the model). Fewer if the shards hold fewer. int32 numpy array."""
     from nanochat.dataset import iter_documents, split_files, resolve_data_dir
-    bos = tokenizer.get_bos_token_id()
-    parts, total, batch = [], 0, []
-
-    def flush():
-        nonlocal total
-        for ids in tokenizer.encode(batch, prepend=bos):
+    docs = iter_documents(split_files(resolve_data_dir(data_dir, quiet=True), "train"))
+    parts, total = [], 0
+    while total < n_tokens and (batch := list(itertools.islice(docs, 64))):
+        for ids in tokenizer.encode(batch, prepend=tokenizer.get_bos_token_id()):
             parts.append(np.asarray(ids, dtype=np.int32))
             total += len(ids)
-        batch.clear()
-
-    for doc in iter_documents(split_files(resolve_data_dir(data_dir, quiet=True), "train")):
-        batch.append(doc)
-        if len(batch) == 64:
-            flush()
-            if total >= n_tokens:
-                break
-    if batch and total < n_tokens:
-        flush()
     return np.concatenate(parts)[:n_tokens] if parts else np.zeros(0, dtype=np.int32)
 
 
@@ -201,8 +176,7 @@ def allocate_for_model(model, tokenizer, data_dir, layout, sample_tokens=L3_LZW_
         layer.set_allocation(counts, mean_rows.item())
 
 
-# -----------------------------------------------------------------------------
-# The lookup h = V_t^T softmax(K_t x), two ways
+# --- The lookup h = E_t^T softmax(E_t x), two ways --------------------------------
 
 
 def _acc_dtype(dtype):
@@ -249,9 +223,8 @@ class _Plan:
         self.width = self.end[self.first + self.count - 1] - self.lo  # ends are sorted: the last one is the max
         self.by_width = torch.argsort(self.width, descending=True, stable=True)
         # chunks: at most max_rows rows gathered (blocks x max(width, block)), and widths within 2x of the
-        # chunk's widest, so padding every block to that width at most doubles the work. The padded width
-        # is rounded up to a multiple of L3_WIDTH_ALIGN: the bmms' row strides then stay 16-byte aligned,
-        # which cuBLAS needs for its Hopper kernels (measured: unaligned widths ran sm75 "align1" kernels)
+        # chunk's widest, so padding every block to that width at most doubles the work. Padded widths are
+        # multiples of L3_WIDTH_ALIGN: 16-byte aligned row strides, which cuBLAS's Hopper kernels need
         widths = self.width[self.by_width].tolist()
         ascending = [-w for w in widths]
         self.chunks, i = [], 0
@@ -298,8 +271,7 @@ class _BlockedLookup(torch.autograd.Function):
             eb = tc[rows]
             a = _block_attention(xs[slot], eb, mask, acc)
             hs.index_copy_(0, target, torch.bmm(a.to(x.dtype), eb).flatten(0, 1))
-        # the cast table is kept for the backward: a second cast costs more time than the copy costs memory
-        ctx.save_for_backward(x, tc)
+        ctx.save_for_backward(x, tc)  # the cast table: a second cast costs more time than the copy costs memory
         ctx.plan, ctx.table_dtype = plan, table.dtype
         return torch.empty_like(hs[:-1]).index_copy_(0, plan.order, hs[:-1])
 
@@ -331,9 +303,8 @@ class _BlockedLookup(torch.autograd.Function):
 
 
 def lookup_blocked(x, ids, table, bounds, block=L3_BLOCK_POSITIONS, chunk_bytes=L3_CHUNK_BYTES, window=None):
-    """The GPU path: x (N, d), ids (N,) -> h (N, d) by blocks of sorted positions, in chunks whose gathered
-    (rows, d) tensors stay under chunk_bytes. window: an upper bound on any token's row count (the layer passes
-    k_max; None reads it off the bounds, a host sync)."""
+    """The GPU path: x (N, d), ids (N,) -> h (N, d) by blocks of sorted positions, in chunks under chunk_bytes.
+    window: an upper bound on any token's row count (the layer passes k_max; None reads the bounds: a host sync)."""
     if window is None:
         window = int((bounds[1:] - bounds[:-1]).max())
     # one gathered row costs its channels, or its column of fp32 scores (block entries) if that is more
@@ -353,8 +324,7 @@ def choose_path(x, ids, bounds):
     return "padded" if small and 2 * padded_slots <= 3 * int(count.sum()) else "blocked"
 
 
-# -----------------------------------------------------------------------------
-# The layer
+# --- The layer --------------------------------------------------------------------
 
 
 class L3Layer(nn.Module):
@@ -379,16 +349,14 @@ class L3Layer(nn.Module):
 
     @classmethod
     def from_config(cls, config):
-        """d_up = l3_d_up or 4 * n_embd; n_emb = l3_n_emb or default_n_emb(...)."""
         n_emb = config.l3_n_emb or default_n_emb(config.vocab_size, config.l3_k_max)
-        return cls(config.vocab_size, config.n_embd, n_emb, d_up=config.l3_d_up or 4 * config.n_embd, k_max=config.l3_k_max)
+        return cls(config.vocab_size, config.n_embd, n_emb, d_up=config.l3_d_up, k_max=config.l3_k_max)
 
     @torch.no_grad()
     def init_weights(self):
-        """The table uniform with std 1/sqrt(d): scores E_t x start with std ~ rms(x), a soft but not flat
-        attention (as values their scale is free: a LayerNorm follows W_up). W_up uniform like every matrix
-        (std 1/sqrt(fan_in)); W_mix zero, so the layer starts as a no-op. The allocation is reset to a uniform
-        split; allocate_for_model replaces it."""
+        """The table uniform with std 1/sqrt(d): scores E_t x start with std ~ rms(x), a soft but not flat attention
+        (as values their scale is free: a LayerNorm follows W_up). W_up uniform like every matrix; W_mix zero, a
+        no-op at start. The allocation is reset to a uniform split; allocate_for_model replaces it."""
         s = math.sqrt(3) / math.sqrt(self.d_model)
         nn.init.uniform_(self.key_table, -s, s)
         nn.init.uniform_(self.w_up.weight, -s, s)
@@ -414,14 +382,11 @@ class L3Layer(nn.Module):
         return [self.w_up.weight, self.w_mix.weight]
 
     def estimate_flops(self):
-        """Training FLOPs per token: 6 * (W_up + W_mix params) + 12 * r * d, where r is the mean rows a training
-        token reads (scores 2 r d and mix 2 r d forward, twice that backward). r comes from the allocation
-        sample; on the meta device (before any allocation exists) r = k_max, an upper bound. These are the useful
-        FLOPs; the blocked path also multiplies the masked-out part of its tiles, which like masked attention is
-        not counted."""
+        """Training FLOPs per token: 6 * (W_up + W_mix params) + 12 * r * d, r the mean rows a training token reads
+        (scores 2 r d and mix 2 r d forward, twice that backward; k_max on the meta device, an upper bound). Useful
+        FLOPs only: like masked attention, the masked-out part of the blocked path's tiles is not counted."""
         r = self.k_max if self.rows_per_token.is_meta else float(self.rows_per_token)
-        dense = sum(p.numel() for p in self.dense_parameters())
-        return 6 * dense + 12 * r * self.d_model
+        return 6 * sum(p.numel() for p in self.dense_parameters()) + 12 * r * self.d_model
 
     @torch.compiler.disable  # data-dependent sizes; see the module docstring
     def lookup(self, x, ids):

@@ -1,13 +1,7 @@
 """
-Bits per byte: a tokenizer-independent loss.
-
-    bpb = sum of per-token cross-entropy (nats) over tokens that stand for bytes
-          / (ln 2 * total bytes of those tokens)
-
-Special tokens (<|bos|>, 0 bytes) and ignored targets (-1) count neither nats nor bytes. Every rank
-evaluates its own batches; the sums are reduced over the data-parallel group (and, with pipeline
-parallelism, sent from the last stage, which holds the losses, to the others). A long evaluation prints
-its progress and stops within a batch when Ctrl-C / SIGTERM asked the run to stop (signals.stop_point).
+Bits per byte, a tokenizer-independent loss: the cross-entropy (nats) summed over the tokens that stand for
+bytes, over ln 2 * their total bytes (special tokens and ignored targets count neither). The sums are reduced
+over the DP group and, with pipeline parallelism, sent from the last stage (which holds the losses) to the others.
 """
 
 import math
@@ -20,21 +14,16 @@ from nanochat.dataset import DataError
 from nanochat.distributed import grid_rank, agree_on_error
 from nanochat.signals import stop_point
 
-# The default tokens per evaluation: 20 batches of 2^19 on a GPU (seconds); on a CPU that would take hours
-EVAL_TOKENS_GPU = 20 * 524288
-EVAL_TOKENS_CPU = 2 ** 18
-
-
 def default_eval_tokens(device_type):
-    return EVAL_TOKENS_GPU if device_type == "cuda" else EVAL_TOKENS_CPU
+    """20 batches of 2^19 tokens on a GPU (seconds); on a CPU that would take hours, so 2^18 tokens."""
+    return 20 * 524288 if device_type == "cuda" else 2 ** 18
 
 
 @torch.no_grad()
 def evaluate_bpb(loss_fn, batches, steps, token_bytes, layout=None, label="bpb"):
-    """loss_fn(x, y) -> per-token losses (any shape matching y), or None on a pipeline stage without
-    the head. batches yields (x, y, ...). token_bytes: int tensor, bytes per token id (0 = special).
-    Raises signals.Interrupted when a stop is requested, and DataError when a rank cannot read its batch (every
-    rank at the same batch, so that none waits for the others in a collective)."""
+    """loss_fn(x, y) -> per-token losses (shaped like y), or None on a pipeline stage without the head;
+    batches yields (x, y, ...); token_bytes[id] = bytes of the token (0 = special). Raises signals.Interrupted
+    on a stop request, and DataError on every rank when one cannot read its batch (none hangs in a collective)."""
     device = token_bytes.device
     total_nats = torch.zeros((), dtype=torch.float64, device=device)
     total_bytes = torch.zeros((), dtype=torch.int64, device=device)
@@ -66,6 +55,4 @@ def evaluate_bpb(loss_fn, batches, steps, token_bytes, layout=None, label="bpb")
         last = grid_rank(layout, layout.dp_rank, layout.tp_rank, layout.pp_size - 1)
         dist.broadcast(sums, src=last, group=layout.pp_group)
     nats, nbytes = sums.tolist()
-    if nbytes == 0:
-        return float("inf")
-    return nats / (math.log(2) * nbytes)
+    return nats / (math.log(2) * nbytes) if nbytes else float("inf")

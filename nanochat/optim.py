@@ -111,11 +111,9 @@ class MuonStack:
 
 
 class MuonAdamW(torch.optim.Optimizer):
-    """groups: dicts with kind='adamw' (lr, betas, eps, weight_decay) or kind='muon' (lr, momentum,
-    weight_decay). names: {param: fully qualified name} for saving. dp_group: the data-parallel group
-    (None in one process). compute_dtype: Muon's orthogonalization dtype. compile: torch.compile the
-    stacked updates (CUDA). overlap_grad_reduce: start each DP reduction during the last micro-batch's
-    backward (data_parallel.py)."""
+    """groups: dicts of kind 'adamw' (lr, betas, eps, weight_decay) or 'muon' (lr, momentum, weight_decay); names:
+    {param: name} for saving; dp_group None in one process; compute_dtype: Muon's orthogonalization dtype;
+    compile: the stacked updates; overlap_grad_reduce: reductions during the last backward (data_parallel.py)."""
 
     def __init__(self, groups, names, dp_group=None, compute_dtype=torch.float32, compile=False,
                  overlap_grad_reduce=False):

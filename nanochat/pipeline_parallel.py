@@ -13,9 +13,8 @@ Collectives, over this pipeline's ranks (the PP group, or the previous and next 
 Stages. Block i costs its matmul and attention FLOPs per token; stage 0 also holds the embeddings, the last
 stage the head and loss (as much as several blocks at small depth). The split minimizes the most expensive
 stage. Modules a stage does not own are removed, so its state_dict holds only its own parameters, under their
-global names (checkpoints stay layout-free). Across a stage boundary go the residual stream x, the normed
-embedding x0 (every block mixes it back in), the mid-depth residual x_mid once past the middle (for backout),
-and the token ids (value embeddings and L3 look them up); the backward sends the gradients of x, x0 and x_mid.
+global names (checkpoints stay layout-free). Across a stage boundary go gpt.Residual (x, x0, and x_mid once past
+the middle) and the token ids (value embeddings and L3 look them up); back go the gradients of the Residual.
 
 Schedules, over the m >= p micro-batches of a step, are lists of actions per stage (Pipeline.actions: what
 train_step runs and --pp-print-schedule prints):
@@ -25,8 +24,11 @@ train_step runs and --pp-print-schedule prints):
 Bubble fraction for both: (p - 1) / (m + p - 1).
 
 Evaluation: val bpb runs through the stages (forward_loss); CORE and sampling take sequences of any length,
-which fixed-shape messages cannot carry, so they run on a whole copy of the model (whole_model_copy).
+which neither fixed-shape messages nor sequence parallelism's equal split can take, so they run on a whole copy
+of the model (whole_model_copy).
 """
+
+import itertools
 
 import torch
 import torch.nn as nn
@@ -45,8 +47,7 @@ def block_costs(model):
         matmul = sum(p.numel() for n, p in block.named_parameters() if p.ndim == 2 and "value_embed" not in n)
         l3 = model.l3[str(i)].estimate_flops() if str(i) in model.l3 else 0
         costs.append(6 * matmul + model.attention_flops(i) + l3)
-    head = 6 * model.lm_head.weight.numel()
-    return costs, head
+    return costs, 6 * model.lm_head.weight.numel()
 
 
 def split_stages(costs, head_cost, num_stages):
@@ -55,12 +56,9 @@ def split_stages(costs, head_cost, num_stages):
     n = len(costs)
     if num_stages > n:
         raise ConfigError(f"--pp {num_stages} is more stages than blocks ({n}); each stage needs at least one block")
-    prefix = [0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-    INF = float("inf")
+    prefix = list(itertools.accumulate(costs, initial=0))
     # best[k][i]: minimal max-cost splitting blocks[:i] into k stages (the head not yet counted)
-    best = [[INF] * (n + 1) for _ in range(num_stages + 1)]
+    best = [[float("inf")] * (n + 1) for _ in range(num_stages + 1)]
     cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
     best[0][0] = 0
     for k in range(1, num_stages + 1):
@@ -70,33 +68,43 @@ def split_stages(costs, head_cost, num_stages):
                 value = max(best[k - 1][j], stage)
                 if value < best[k][i]:
                     best[k][i], cut[k][i] = value, j
-    bounds, i = [], n
+    cuts = [n]  # the cut points, walked back from the end
     for k in range(num_stages, 0, -1):
-        j = cut[k][i]
-        bounds.append((j, i))
-        i = j
-    return bounds[::-1]
+        cuts.insert(0, cut[k][cuts[0]])
+    return list(zip(cuts, cuts[1:]))
 
 
 def _p2p(ops):
     """Post a list of (op, tensor, peer) together and wait for all of them."""
-    if not ops:
-        return
-    reqs = dist.batch_isend_irecv([dist.P2POp(op, t, peer) for op, t, peer in ops])
-    for r in reqs:
-        r.wait()
+    if ops:
+        for request in dist.batch_isend_irecv([dist.P2POp(op, t, peer) for op, t, peer in ops]):
+            request.wait()
+
+
+def _carried(h, with_mid):
+    """What of a Residual crosses a stage boundary: x, x0, and x_mid once past the middle."""
+    return [h.x, h.x0] + ([h.x_mid] if with_mid else [])
+
+
+def stage_actions(schedule, p, m, stage):
+    """The ordered list of ("F", i) / ("B", i) that `stage` of p runs in one step of m micro-batches: train_step
+    runs exactly this list, --pp-print-schedule prints it, dev/pipeline_sim.py replays it."""
+    if schedule == "gpipe":
+        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+    warmup = min(p - stage - 1, m)
+    acts = [("F", i) for i in range(warmup)]  # warm-up: fill the pipeline
+    for f in range(warmup, m):  # steady state: one forward, one backward
+        acts += [("F", f), ("B", f - warmup)]
+    return acts + [("B", i) for i in range(m - warmup, m)]  # cool-down: the warm-up micro-batches' backwards
 
 
 class Pipeline:
-    """This rank's stage of the model and the schedule that drives it. sequence_parallel: the model was
-    parallelized with it (tensor_parallel.parallelize), so the residual stream between blocks, and in the
-    messages, holds this rank's share of the sequence."""
+    """This rank's stage of the model and the schedule that drives it. sequence_parallel: the model was parallelized
+    with it, so the residual stream between blocks, and in the messages, holds this rank's share of the sequence."""
 
     def __init__(self, model, layout, num_microbatches, micro_batch_size, schedule="1f1b", sequence_parallel=False):
-        self.model, self.layout = model, layout
-        self.micro_batch_size = micro_batch_size
-        self.num_stages, self.stage = layout.pp_size, layout.pp_rank
-        self.num_microbatches = num_microbatches
+        self.model, self.layout, self.micro_batch_size = model, layout, micro_batch_size
+        self.num_stages, self.stage, self.num_microbatches = layout.pp_size, layout.pp_rank, num_microbatches
         if num_microbatches < self.num_stages:
             raise ConfigError(f"pipeline parallelism needs at least pp={self.num_stages} micro-batches per step, "
                               f"got {num_microbatches}")
@@ -108,31 +116,25 @@ class Pipeline:
         self.start, self.end = self.stage_bounds[self.stage]
         self.stage_costs = [sum(costs[a:b]) + (head_cost if k == self.num_stages - 1 else 0)
                             for k, (a, b) in enumerate(self.stage_bounds)]
-        self._remove_other_stages()
-        # x_mid exists on the way into this stage if the backout block lies in an earlier stage
-        self.receives_mid = model.backout_layer < self.start
-        self.sends_mid = model.backout_layer < self.end
-        self.dtype = model.compute_dtype
-        self.n_embd = model.config.n_embd
-        self.seq_shards = layout.tp_size if sequence_parallel else 1
-        self.device = next(model.parameters()).device
         self.first, self.last = self.stage == 0, self.stage == self.num_stages - 1
-
-    def _remove_other_stages(self):
-        """Drop the modules and parameters this stage does not run (blocks become empty Identities,
-        keeping the global block indices in parameter names)."""
-        model = self.model
+        # drop the modules this stage does not run (blocks become empty Identities: names keep the global indices)
         for i in range(len(model.blocks)):
             if not (self.start <= i < self.end):
                 model.blocks[i] = nn.Identity()
                 if str(i) in model.l3:
                     del model.l3[str(i)]
-        if self.stage != 0:
+        if not self.first:
             model.wte = model.smear_gate = model.smear_lambda = None
-        if self.stage != self.num_stages - 1:
+        if not self.last:
             model.lm_head = model.backout_lambda = None
+        # x_mid exists on the way into this stage if the backout block lies in an earlier stage
+        self.receives_mid = model.backout_layer < self.start
+        self.sends_mid = model.backout_layer < self.end
+        self.dtype, self.n_embd = model.compute_dtype, model.config.n_embd
+        self.seq_shards = layout.tp_size if sequence_parallel else 1
+        self.device = next(model.parameters()).device
 
-    # --- the schedule: what train_step runs and schedule_table prints ---------------------
+    # --- the schedule: what train_step runs and schedule_text prints ----------------------
 
     def describe(self):
         p, m = self.num_stages, self.num_microbatches
@@ -140,51 +142,15 @@ class Pipeline:
                 f"{[round(c / 1e9, 3) for c in self.stage_costs]}; bubble (p-1)/(m+p-1) = {(p - 1) / (m + p - 1):.3f}")
 
     def actions(self, stage):
-        """The ordered list of ('F', i) / ('B', i) a stage performs in one step: train_step runs exactly
-        this list, and schedule_table prints it."""
-        m = self.num_microbatches
-        if self.schedule == "gpipe":
-            return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
-        warmup = min(self.num_stages - stage - 1, m)  # fill the pipeline
-        acts = [("F", i) for i in range(warmup)]
-        f, b = warmup, 0
-        while f < m:  # steady state: one forward, one backward
-            acts += [("F", f), ("B", b)]
-            f, b = f + 1, b + 1
-        acts += [("B", i) for i in range(b, m)]  # cool-down: the backwards of the warm-up micro-batches
-        return acts
+        """What this pipeline's `stage` runs in one step, in order (stage_actions)."""
+        return stage_actions(self.schedule, self.num_stages, self.num_microbatches, stage)
 
-    def schedule_table(self):
-        """Simulated time slots for every stage, as text: F3 = forward of micro-batch 3, B3 its
-        backward, . = idle. A forward waits for the previous stage's forward, a backward for the next
-        stage's backward (or, on the last stage, for its own forward); each takes one slot."""
-        p, m = self.num_stages, self.num_microbatches
-        queues = [self.actions(s) for s in range(p)]
-        done, pos = set(), [0] * p
-        rows = [[] for _ in range(p)]
-        while any(pos[s] < len(queues[s]) for s in range(p)):
-            finished_now = []
-            for s in range(p):
-                if pos[s] == len(queues[s]):
-                    rows[s].append(".")
-                    continue
-                kind, i = queues[s][pos[s]]
-                if kind == "F":
-                    ready = s == 0 or ("F", i, s - 1) in done
-                else:
-                    ready = ("F", i, s) in done if s == p - 1 else ("B", i, s + 1) in done
-                rows[s].append(f"{kind}{i}" if ready else ".")
-                if ready:
-                    finished_now.append((kind, i, s))
-                    pos[s] += 1
-            done.update(finished_now)
-        width = max(len(c) for r in rows for c in r)
-        slots, busy = len(rows[0]), 2 * m
-        lines = [f"pipeline schedule ({self.schedule}, p={p}, m={m}); time runs left to right"]
-        lines += [f"stage {s}: " + " ".join(c.rjust(width) for c in r) for s, r in enumerate(rows)]
-        lines.append(f"slots {slots}, busy {busy} per stage: simulated bubble {1 - busy / slots:.3f} "
-                     f"(formula (p-1)/(m+p-1) = {(p - 1) / (m + p - 1):.3f})")
-        return "\n".join(lines)
+    def schedule_text(self):
+        """--pp-print-schedule: every stage's action list (F3 = forward of micro-batch 3, B3 its backward), in the
+        order train_step runs it. dev/pipeline_sim.py replays these lists in time."""
+        lines = [f"pipeline schedule ({self.schedule}, p={self.num_stages}, m={self.num_microbatches}): {self.describe()}"]
+        return "\n".join(lines + [f"stage {s}: " + " ".join(f"{k}{i}" for k, i in self.actions(s))
+                                   for s in range(self.num_stages)])
 
     # --- messages ---------------------------------------------------------------
     # A forward message is [x, x0, (x_mid), idx]; a backward message is [dx, dx0, (dx_mid)]. Each action
@@ -199,15 +165,12 @@ class Pipeline:
                 return [], None
             B, T = self.micro_batch_size, self.model.config.sequence_len
             x = torch.empty((B, T // self.seq_shards, self.n_embd), dtype=self.dtype, device=self.device)
-            x0 = torch.empty_like(x)
-            mid = torch.empty_like(x) if self.receives_mid else None
+            h = Residual(x, torch.empty_like(x), torch.empty_like(x) if self.receives_mid else None)
             idx = torch.empty((B, T), dtype=torch.long, device=self.device)
-            tensors = [x, x0] + ([mid] if mid is not None else []) + [idx]
-            return [(dist.irecv, t, self.layout.pp_prev) for t in tensors], (Residual(x, x0, mid), idx)
+            return [(dist.irecv, t, self.layout.pp_prev) for t in _carried(h, self.receives_mid) + [idx]], (h, idx)
         if self.last:
             return [], None
-        h = self._saved_outputs[i][0]
-        grads = [torch.empty_like(h.x), torch.empty_like(h.x0)] + ([torch.empty_like(h.x_mid)] if self.sends_mid else [])
+        grads = [torch.empty_like(t) for t in _carried(self._saved_outputs[i][0], self.sends_mid)]
         return [(dist.irecv, g, self.layout.pp_next) for g in grads], grads
 
     def _send_ops(self, kind, output):
@@ -216,7 +179,7 @@ class Pipeline:
             if self.last:
                 return []
             h, idx = output
-            tensors = [h.x, h.x0] + ([h.x_mid] if self.sends_mid else []) + [idx]
+            tensors = _carried(h, self.sends_mid) + [idx]
             return [(dist.isend, t.detach().contiguous(), self.layout.pp_next) for t in tensors]
         if self.first:
             return []
@@ -229,13 +192,11 @@ class Pipeline:
         received from the previous stage. Returns (Residual, idx), or the loss on the last stage."""
         model = self.model
         if self.first:
-            idx = self.xs[i]
-            h = model.embed(idx)
+            h, idx = model.embed(self.xs[i]), self.xs[i]
         else:
             h, idx = inputs
-            for t in (h.x, h.x0, h.x_mid):
-                if t is not None:
-                    t.requires_grad_(True)
+            for t in _carried(h, self.receives_mid):
+                t.requires_grad_(True)
         self._saved_inputs[i] = h
         h = model.run_blocks(h, idx, self.start, self.end)
         if self.last:
@@ -255,26 +216,17 @@ class Pipeline:
         if self.last:
             torch.autograd.backward(out)
         else:
-            h = out[0]
-            outs = [h.x, h.x0] + ([h.x_mid] if self.sends_mid else [])
-            torch.autograd.backward(outs, grads)
-        if self.first:
-            return None
-        return [inputs.x.grad, inputs.x0.grad] + ([inputs.x_mid.grad] if self.receives_mid else [])
+            torch.autograd.backward(_carried(out[0], self.sends_mid), grads)
+        return None if self.first else [t.grad for t in _carried(inputs, self.receives_mid)]
 
     # --- one training step ----------------------------------------------------------
 
     def train_step(self, batches, before_last_backward=None):
-        """Forward and backward of the micro-batches [(x, y), ...] (x on stage 0, y on the last stage, None
-        elsewhere) in the order actions(stage) lists; gradients accumulate into .grad. Returns the mean loss
-        on every stage. before_last_backward (the optimizer's prepare_last_backward, for overlapped DP
-        gradient reduction) is called right before this stage's backward of the last micro-batch.
-        Where a forward meets a backward (1F1B's steady state, GPipe's turn), the one's send and the other's
-        receive go to the same neighbour and are posted together: with NCCL, posted one after the other,
-        the two stages can each wait on the other's kernel."""
+        """Forward and backward of the micro-batches [(x, y), ...] (x on stage 0, y on the last stage, None elsewhere)
+        in the order actions(stage) lists; gradients accumulate into .grad. Returns the mean loss on every stage.
+        before_last_backward (the optimizer's prepare_last_backward) runs right before the last micro-batch's."""
         self.device = next(self.model.parameters()).device
-        self.xs = [b[0] for b in batches]
-        self.ys = [b[1] for b in batches]
+        self.xs, self.ys = [b[0] for b in batches], [b[1] for b in batches]
         self._saved_inputs, self._saved_outputs = {}, {}
         self.total_loss = torch.zeros((), device=self.device)
         actions = self.actions(self.stage)
@@ -290,18 +242,14 @@ class Pipeline:
                 _p2p(send)
                 break
             recv, inputs = self._recv_ops(following)
-            if following[0] != kind:
+            if following[0] != kind:  # a forward meets a backward: one neighbour, posted at once (module docstring)
                 _p2p(send + recv)
             else:
                 _p2p(send)
                 _p2p(recv)
         assert not self._saved_outputs, "schedule left micro-batches without a backward"
-        return self._broadcast_loss(self.total_loss / self.num_microbatches)
-
-    def _broadcast_loss(self, loss):
-        """The loss lives on the last stage: send it to every stage of this pipeline."""
-        L = self.layout
-        loss = loss.detach().clone()
+        L, loss = self.layout, (self.total_loss / self.num_microbatches).detach()
+        # the loss lives on the last stage: send it to every stage of this pipeline
         dist.broadcast(loss, src=grid_rank(L, L.dp_rank, L.tp_rank, self.num_stages - 1), group=L.pp_group)
         return loss
 
@@ -325,11 +273,9 @@ class Pipeline:
 
 
 def whole_model_copy(model, layout):
-    """A whole, unsharded copy of a tensor- and/or pipeline-parallel model, on every rank: for CORE and
-    sampling during training, whose variable-length inputs neither the pipeline schedule (fixed message
-    shapes) nor sequence parallelism (a sequence split in equal parts) can take. TP shards are all-gathered
-    (checkpoint_manager.full_model_state); then, stage by stage, the rank holding each tensor broadcasts it
-    over its PP group. Costs one full model (plus a CPU copy of the local part) per rank while it lives."""
+    """A whole, unsharded copy of a TP and/or PP model on every rank, for CORE and sampling (module docstring): TP
+    shards all-gathered (checkpoint_manager.full_model_state), then each tensor broadcast over the PP group from
+    the stage holding it. Costs one full model (plus a CPU copy of the local part) per rank while it lives."""
     from nanochat.checkpoint_manager import full_model_state, load_model_state
     device = next(model.parameters()).device
     state = full_model_state(model)

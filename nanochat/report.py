@@ -1,9 +1,7 @@
 """
-The run report. Each stage appends its own section as a small markdown file under
-$NANOCHAT_BASE_DIR/report/ (so stages can run, fail and re-run independently); `generate()` stitches
-them into report.md with a header (environment, git commit, hardware, software), a summary table,
-a loss-curve figure and the wall time and cost of the run. A stage that did not run, or skipped a
-part (CORE without a bundle, `--skip-core`), is said so in the report.
+The run report: each stage writes its own section under $NANOCHAT_BASE_DIR/report/ (so stages can run,
+fail and re-run independently); generate() stitches them into report.md with a summary, a loss curve,
+the run's wall time and cost, and the names of the stages that did not run.
 
     python -m nanochat.report reset               # start a new report (writes the environment section)
     python -m nanochat.report stage NAME SECONDS  # record a stage's wall time
@@ -25,19 +23,15 @@ from nanochat.common import get_base_dir, get_rank
 # Sections in the order the pipeline produces them; anything else is appended after.
 SECTION_ORDER = ["Environment", "Tokenizer training", "Tokenizer evaluation", "Base model training",
                  "Base model evaluation", "Base model samples", "Stage wall times"]
-# What the summary table shows: (section, key as written by the stage, label)
-SUMMARY_KEYS = [
-    ("Tokenizer evaluation", "val ours bytes/token", "tokenizer bytes/token (val)"),
-    ("Base model training", "parameters", "parameters"),
-    ("Base model training", "tokens trained", "tokens trained"),
-    ("Base model training", "minimum validation bpb", "min val bpb (training)"),
-    ("Base model training", "training time (min)", "training time (min)"),
-    ("Base model training", "mfu (%)", "MFU (%)"),
-    ("Base model evaluation", "train bpb", "train bpb"),
-    ("Base model evaluation", "val bpb", "val bpb"),
-    ("Base model evaluation", "CORE", "CORE"),
-    ("Stage wall times", "total of stages (min)", "pipeline wall time (min)"),
-]
+# What the summary table shows: {section: [(key as written by the stage, label)]}
+SUMMARY_KEYS = {
+    "Tokenizer evaluation": [("val ours bytes/token", "tokenizer bytes/token (val)")],
+    "Base model training": [("parameters", "parameters"), ("tokens trained", "tokens trained"),
+                            ("minimum validation bpb", "min val bpb (training)"),
+                            ("training time (min)", "training time (min)"), ("mfu (%)", "MFU (%)")],
+    "Base model evaluation": [("train bpb", "train bpb"), ("val bpb", "val bpb"), ("CORE", "CORE")],
+    "Stage wall times": [("total of stages (min)", "pipeline wall time (min)")],
+}
 GPU_HOUR_USD = float(os.environ.get("NANOCHAT_GPU_HOUR_USD", "3.0"))  # the stated price for the cost line
 
 
@@ -59,67 +53,39 @@ def _format_value(v):
     return str(v)
 
 
-def render_items(items):
-    """dicts become `- key: value` lines; strings are kept as they are (markdown)."""
-    lines = []
-    for item in items:
-        if isinstance(item, dict):
-            lines += [f"- {k}: {_format_value(v)}" for k, v in item.items()]
-        else:
-            lines.append(str(item))
-        lines.append("")
-    return "\n".join(lines)
-
-
 def log_section(title, items):
-    """Write (or overwrite) one stage's section. Only rank 0 writes."""
+    """Write one stage's section (rank 0 only): dicts become `- key: value` lines, strings stay as they are."""
     if get_rank() != 0:
         return None
+    lines = []
+    for item in items:
+        lines += [f"- {k}: {_format_value(v)}" for k, v in item.items()] if isinstance(item, dict) else [str(item)]
+        lines.append("")
     stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
     path = os.path.join(report_dir(), f"{slug(title)}.md")
     with open(path, "w") as f:
-        f.write(f"## {title}\n_timestamp: {stamp}_\n\n{render_items(items)}\n")
+        f.write(f"## {title}\n_timestamp: {stamp}_\n\n" + "\n".join(lines) + "\n")
     return path
-
-
-def parse_section(path):
-    """The `- key: value` pairs of a section file (values as strings, thousands separators removed)."""
-    pairs = {}
-    with open(path) as f:
-        for line in f:
-            m = re.match(r"^- ([^:]+): (.*)$", line.rstrip("\n"))
-            if m:
-                pairs[m.group(1)] = m.group(2)
-    return pairs
-
-
-# -----------------------------------------------------------------------------
-# Environment
-
-
-def git_info():
-    def run(*cmd):
-        try:
-            return subprocess.run(cmd, capture_output=True, text=True, timeout=5, cwd=os.path.dirname(__file__)).stdout.strip()
-        except Exception:
-            return ""
-    commit = run("git", "rev-parse", "--short", "HEAD") or "unknown"
-    dirty = bool(run("git", "status", "--porcelain"))
-    return {"git commit": commit + (" (dirty)" if dirty else ""), "git branch": run("git", "rev-parse", "--abbrev-ref", "HEAD") or "unknown"}
 
 
 def environment():
     import torch
+
+    def git(*args):  # "" without git or outside a checkout
+        try:
+            return subprocess.run(["git", *args], capture_output=True, text=True, timeout=5,
+                                  cwd=os.path.dirname(__file__)).stdout.strip()
+        except Exception:
+            return ""
+    dirty = " (dirty)" if git("status", "--porcelain") else ""
     info = {"hostname": socket.gethostname(), "platform": platform.platform(), "python": platform.python_version(),
-            "torch": torch.__version__, "cpu cores": os.cpu_count()}
-    info.update(git_info())
+            "torch": torch.__version__, "cpu cores": os.cpu_count(),
+            "git commit": (git("rev-parse", "--short", "HEAD") or "unknown") + dirty,
+            "git branch": git("rev-parse", "--abbrev-ref", "HEAD") or "unknown", "gpus": "none (cpu)"}
     if torch.cuda.is_available():
-        n = torch.cuda.device_count()
         props = torch.cuda.get_device_properties(0)
-        info.update({"gpus": f"{n} x {props.name}", "gpu memory (GiB)": round(props.total_memory / 2**30, 1),
-                     "cuda": torch.version.cuda})
-    else:
-        info["gpus"] = "none (cpu)"
+        info.update({"gpus": f"{torch.cuda.device_count()} x {props.name}",
+                     "gpu memory (GiB)": round(props.total_memory / 2**30, 1), "cuda": torch.version.cuda})
     return info
 
 
@@ -129,7 +95,7 @@ def reset():
         return
     d = report_dir()
     for f in os.listdir(d):
-        if f.endswith(".md") or f.endswith(".csv") or f.endswith(".png") or f.endswith(".json"):
+        if f.endswith((".md", ".csv", ".png", ".json")):
             os.remove(os.path.join(d, f))
     with open(os.path.join(d, "run.json"), "w") as f:
         json.dump({"start_time": time.time()}, f)
@@ -150,13 +116,8 @@ def log_stage_time(name, seconds):
     log_section("Stage wall times", [{"total of stages (min)": round(sum(stages.values()) / 60, 2)}, "\n".join(rows)])
 
 
-# -----------------------------------------------------------------------------
-# report.md
-
-
 def plot_loss_curve(metrics, png_path):
-    """Training loss (and val bpb where measured) vs step, from a run's metrics.jsonl. Returns a note when it
-    cannot plot."""
+    """Training loss (and val bpb where measured) vs step from metrics.jsonl; a note when it cannot plot."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -168,8 +129,7 @@ def plot_loss_curve(metrics, png_path):
     losses, vals = run.series("loss_smooth"), run.series("val_bpb")
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(list(losses), list(losses.values()), label="train loss (nats/token, EMA)")
-    ax.set_xlabel("step")
-    ax.set_ylabel("train loss")
+    ax.set(xlabel="step", ylabel="train loss")
     if vals:
         ax2 = ax.twinx()
         ax2.plot(list(vals), list(vals.values()), "o-", color="tab:red", label="val bpb")
@@ -180,7 +140,6 @@ def plot_loss_curve(metrics, png_path):
     fig.tight_layout()
     fig.savefig(png_path, dpi=110)
     plt.close(fig)
-    return None
 
 
 def generate():
@@ -190,28 +149,20 @@ def generate():
     ordered = [slug(t) for t in SECTION_ORDER if slug(t) in files]
     ordered += sorted(k for k in files if k not in ordered)
     out = ["# nanochat run report", "", f"_generated: {datetime.datetime.now().strftime('%Y-%m-%d %H:%M:%S')}_", ""]
-
-    # summary table
-    rows = []
-    for section, key, label in SUMMARY_KEYS:
-        if slug(section) in files:
-            value = parse_section(files[slug(section)]).get(key)
-            if value is not None:
-                rows.append((label, value))
-    wall = None
+    pairs = {}  # per section, its `- key: value` lines (values as written)
+    for k, path in files.items():
+        with open(path) as f:
+            pairs[k] = dict(m.groups() for line in f if (m := re.match(r"^- ([^:]+): (.*)$", line.rstrip("\n"))))
+    train = pairs.get("base-model-training", {})
+    rows = [(label, pairs[slug(section)][key]) for section, keys in SUMMARY_KEYS.items() for key, label in keys
+            if key in pairs.get(slug(section), {})]
     run_json = os.path.join(d, "run.json")
     if os.path.exists(run_json):
         with open(run_json) as f:
             wall = time.time() - json.load(f)["start_time"]
-    if wall is not None:
-        # GPUs billed: those the training used (its section), else every visible one (environment)
-        n_gpus = 0
-        train, env = files.get("base-model-training"), files.get("environment")
-        if train and "gpus used" in parse_section(train):
-            n_gpus = int(parse_section(train)["gpus used"].replace(",", ""))
-        elif env:
-            m = re.match(r"(\d+) x", parse_section(env).get("gpus", ""))
-            n_gpus = int(m.group(1)) if m else 0
+        # GPUs billed: those the training used, else every visible one (environment)
+        m = re.match(r"(\d+) x", pairs.get("environment", {}).get("gpus", ""))
+        n_gpus = int(train["gpus used"].replace(",", "")) if "gpus used" in train else int(m.group(1) if m else 0)
         rows.append(("total wall time", f"{wall / 3600:.2f} h ({wall / 60:.1f} min)"))
         rows.append((f"cost at ${GPU_HOUR_USD:.2f}/GPU-hour (NANOCHAT_GPU_HOUR_USD)",
                      f"${wall / 3600 * n_gpus * GPU_HOUR_USD:.2f} ({n_gpus} GPUs)" if n_gpus else "$0.00 (CPU run)"))
@@ -219,14 +170,10 @@ def generate():
     absent = [t for t in SECTION_ORDER if slug(t) not in files]
     if absent:
         out += [f"Not in this report (the stage did not run, or did not finish): {', '.join(absent)}.", ""]
-
-    # figure
-    metrics = parse_section(files["base-model-training"]).get("metrics") if "base-model-training" in files else None
+    metrics = train.get("metrics")
     if metrics and os.path.exists(metrics):
-        png = os.path.join(d, "loss_curve.png")
-        note = plot_loss_curve(metrics, png)
+        note = plot_loss_curve(metrics, os.path.join(d, "loss_curve.png"))
         out += ["## Loss curve", "", note if note else "![loss curve](loss_curve.png)", ""]
-
     for key in ordered:
         with open(files[key]) as f:
             out.append(f.read())

@@ -1,18 +1,12 @@
 """
-A run's record, in a file that tools read instead of its printout: metrics.jsonl beside the run's checkpoints
-($NANOCHAT_BASE_DIR/base_checkpoints/<model-tag>/metrics.jsonl), one JSON object per line.
-
-  {"kind": "header", ...}   at every launch: the flags, model config, layout, device, attention kernel, fp8 on or
-                            off, the recipe, the start time and the step it started from
-  {"step": s, ...}          per step: loss (the step's mean), loss_smooth (the debiased EMA the log line shows),
-                            lrm, dt (s), tok_per_sec, mfu (%, on GPUs), peak_mem_gib (GPUs), epoch; and
-                            val_bpb / core at the steps that evaluated them (the last step: those alone)
-  {"kind": "end", ...}      when the run ends (completed or stopped): its last step, training time, and every
-                            rank's peak memory (pipeline stages and shards differ)
-
-A resumed run keeps the records before its first step and drops the rest, so the file always tells one
-trajectory. Rank 0 writes, line by line (a crash loses at most the line being written, which readers skip);
-wandb, when a run name is given, gets the same records.
+A run's record, in a file tools read instead of its printout: metrics.jsonl beside the run's checkpoints
+($NANOCHAT_BASE_DIR/base_checkpoints/<model-tag>/), one JSON object per line:
+  {"kind": "header", ...}  at every launch: flags, model config, layout, device, attention kernel, fp8, recipe
+  {"step": s, ...}         per step: loss (the step's mean), loss_smooth (the debiased EMA the log line shows),
+                           lrm, dt (s), tok_per_sec, mfu (%), peak_mem_gib, epoch; val_bpb and core where evaluated
+  {"kind": "end", ...}     at the end (completed or stopped): the last step, training time, every rank's peak memory
+A resumed run keeps the records before its first step, so the file tells one trajectory. Rank 0 writes line by
+line (a line a crash cuts off is skipped when read); wandb, when named, gets the same records.
 """
 
 import os

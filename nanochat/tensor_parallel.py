@@ -41,8 +41,7 @@ from nanochat.gpt import softcap, reduce_losses
 from nanochat.fp8 import fp8_linear
 
 
-# -----------------------------------------------------------------------------
-# Shards <-> full tensors (used by the optimizer and checkpoints)
+# --- Shards <-> full tensors (used by the optimizer and checkpoints) --------------
 
 
 def is_sharded(p):
@@ -70,32 +69,23 @@ def local_shard(t, p):
     """This rank's slice of a full tensor `t` shaped like the whole of p."""
     if not is_sharded(p):
         return t
-    rank = dist.get_rank(p.tp_group)
-    return t.chunk(p.tp_size, dim=p.tp_dim)[rank]
+    return t.chunk(p.tp_size, dim=p.tp_dim)[dist.get_rank(p.tp_group)]
 
 
 def reduce_partial_grad(p, grad):
-    """Under sequence parallelism a replicated parameter used on this rank's slice of the sequence
-    gets only part of its gradient: sum the parts (`grad`, p's gradient or its DP-reduced copy) over
-    the TP group, in place."""
+    """Under sequence parallelism a replicated parameter used on this rank's slice of the sequence gets only part of
+    its gradient: sum the parts (`grad`, p's gradient or its DP-reduced copy) over the TP group, in place."""
     if getattr(p, "tp_partial_grad", False):
         dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=p.tp_group)
 
 
-# -----------------------------------------------------------------------------
-# The collectives. `funcol` (functional collectives) return new tensors, which torch.compile can trace; they
-# work on gloo (CPU) and NCCL alike.
+# --- The collectives --------------------------------------------------------------
+# `funcol` (functional collectives) return new tensors, which torch.compile can trace; gloo (CPU) and NCCL alike.
 
 
 def _all_gather(x, dim, group):
     """Concatenate every rank's x along dim (all_gather works on dim 0: move dim to the front)."""
     y = funcol.all_gather_tensor(x.movedim(dim, 0).contiguous(), 0, group)
-    return torch.as_tensor(y).movedim(0, dim)
-
-
-def _reduce_scatter(x, dim, group):
-    """Sum x over ranks and keep this rank's chunk along dim."""
-    y = funcol.reduce_scatter_tensor(x.movedim(dim, 0).contiguous(), "sum", 0, group)
     return torch.as_tensor(y).movedim(0, dim)
 
 
@@ -114,9 +104,10 @@ def _gather_tokens(x, group):
     return _all_gather(x.reshape(B * t, D), 0, group).view(B, t * dist.get_world_size(group), D)
 
 
-def _reduce_scatter_tokens(x, group):
+def _reduce_scatter_tokens(x, group):  # sum over ranks, keep this rank's tokens
     B, T, D = x.shape
-    return _reduce_scatter(x.reshape(B * T, D), 0, group).view(B, T // dist.get_world_size(group), D)
+    y = funcol.reduce_scatter_tensor(x.reshape(B * T, D).contiguous(), "sum", 0, group)
+    return torch.as_tensor(y).view(B, T // dist.get_world_size(group), D)
 
 
 def _my_tokens(x, group):
@@ -125,8 +116,7 @@ def _my_tokens(x, group):
 
 
 def _conjugate(name, forward, backward):
-    """An autograd function: `forward(x, group)` in the forward, its conjugate `backward(grad, group)` in the
-    backward."""
+    """An autograd function: `forward(x, group)` in the forward, its conjugate `backward(grad, group)` after."""
     def fwd(ctx, x, group):
         ctx.group = group
         return forward(x, group)
@@ -167,8 +157,7 @@ def _my_token_ids(idx, group):
     return _my_tokens(idx.unsqueeze(-1), group).squeeze(-1)
 
 
-# -----------------------------------------------------------------------------
-# Sharded layers. Each holds only its shard; `tp_dim` says along which dim the full weight was cut.
+# --- Sharded layers: each holds only its shard, `tp_dim` says along which dim ------
 
 
 def _shard_parameter(full, dim, layout):
@@ -180,15 +169,12 @@ def _shard_parameter(full, dim, layout):
 
 def _linear(module, x):
     """x @ W^T for a sharded linear: in fp8 (global scales, fp8.py) when it was made from an fp8 one."""
-    if module.fp8:
-        return fp8_linear(x, module.weight)
-    return F.linear(x, module.weight.to(x.dtype))
+    return fp8_linear(x, module.weight) if module.fp8 else F.linear(x, module.weight.to(x.dtype))
 
 
 class ColumnParallelLinear(nn.Module):
-    """y_local = x W_local^T with W cut along its outputs (rows). The input must already be inside
-    the TP region (region_enter); the output stays sharded (local heads / hidden units). Keeps the fp8 flag
-    of the linear it is made from (fp8.Fp8Linear)."""
+    """y_local = x W_local^T with W cut along its outputs (rows), inside the TP region (region_enter): the output
+    stays sharded (local heads / hidden units). Keeps the fp8 flag of the linear it is made from (fp8.Fp8Linear)."""
 
     def __init__(self, linear, layout):
         super().__init__()
@@ -200,9 +186,8 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """y = sum over ranks of x_local W_local^T with W cut along its inputs (columns): leaves the TP
-    region with g (all-reduce) or, with sequence parallelism, a reduce-scatter along the sequence.
-    Keeps the fp8 flag of the linear it is made from (fp8.Fp8Linear)."""
+    """y = sum over ranks of x_local W_local^T with W cut along its inputs (columns): leaves the TP region with g
+    (all-reduce) or, with sequence parallelism, a reduce-scatter along the sequence. Keeps the fp8 flag too."""
 
     def __init__(self, linear, layout, sequence_parallel):
         super().__init__()
@@ -269,16 +254,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, vocab_start, group):
         n_local = logits.size(-1)
-        logits_max = logits.max(dim=-1).values
-        logits_max = torch.as_tensor(funcol.all_reduce(logits_max, "max", group))
+        logits_max = torch.as_tensor(funcol.all_reduce(logits.max(dim=-1).values, "max", group))
         shifted = logits - logits_max.unsqueeze(-1)
         exp = shifted.exp()
         sum_exp = _all_reduce(exp.sum(dim=-1), group)
         local_t = targets - vocab_start
         mine = (local_t >= 0) & (local_t < n_local)
         local_t = local_t.clamp(0, n_local - 1)
-        target_logit = shifted.gather(-1, local_t.unsqueeze(-1)).squeeze(-1) * mine
-        target_logit = _all_reduce(target_logit, group)
+        target_logit = _all_reduce(shifted.gather(-1, local_t.unsqueeze(-1)).squeeze(-1) * mine, group)
         valid = targets >= 0
         loss = (sum_exp.log() - target_logit) * valid
         ctx.save_for_backward(exp / sum_exp.unsqueeze(-1), local_t, mine, valid)
@@ -312,12 +295,7 @@ class VocabParallelSoftcapCrossEntropy(nn.Module):
         return reduce_losses(loss, targets, reduction)
 
 
-# -----------------------------------------------------------------------------
-# Applying TP to the model
-
-
-def _divisors(n, limit=64):
-    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
+# --- Applying TP to the model -----------------------------------------------------
 
 
 def check_tp_size(config, tp, sequence_parallel=False):
@@ -326,8 +304,7 @@ def check_tp_size(config, tp, sequence_parallel=False):
               ("MLP width (4 x n_embd)", 4 * config.n_embd), ("vocabulary (vocab_size)", config.vocab_size)]
     for what, n in checks:
         if n % tp != 0:
-            valid = [d for d in _divisors(config.n_head) if config.n_kv_head % d == 0 and config.vocab_size % d == 0
-                     and (4 * config.n_embd) % d == 0]
+            valid = [d for d in range(1, min(config.n_head, 64) + 1) if all(m % d == 0 for _, m in checks)]
             raise ConfigError(f"--tp {tp} does not divide the {what} = {n}; valid --tp values for this model: {valid}. "
                              f"(head count = model_dim / head_dim: pick --depth/--aspect-ratio/--head-dim so it divides)")
     if sequence_parallel and config.sequence_len % tp != 0:
@@ -335,12 +312,9 @@ def check_tp_size(config, tp, sequence_parallel=False):
 
 
 def parallelize(model, layout, sequence_parallel=False):
-    """Shard an initialized GPT in place for this rank: attention and MLP Megatron-style, value
-    embeddings along their kv-head columns, token embedding and lm_head along the vocabulary with a
-    vocab-parallel soft-capped cross-entropy. Every rank must hold the same full weights before."""
-    config = model.config
-    tp = layout.tp_size
-    check_tp_size(config, tp, sequence_parallel)
+    """Shard an initialized GPT in place for this rank, as the module docstring says. Every rank must hold the
+    same full weights before."""
+    check_tp_size(model.config, layout.tp_size, sequence_parallel)
     group = layout.tp_group
     for block in model.blocks:
         attn, mlp = block.attn, block.mlp
@@ -355,20 +329,15 @@ def parallelize(model, layout, sequence_parallel=False):
         mlp.tp_enter = region_enter(group, sequence_parallel)
         mlp.c_fc = ColumnParallelLinear(mlp.c_fc, layout)
         mlp.c_proj = RowParallelLinear(mlp.c_proj, layout, sequence_parallel)
-        if sequence_parallel:  # the lambdas act on this rank's part of the sequence only
-            block.resid_lambda.tp_partial_grad = True
-            block.x0_lambda.tp_partial_grad = True
-            block.resid_lambda.tp_group = block.x0_lambda.tp_group = group
-    if sequence_parallel:  # L3 layers stay replicated (module docstring): each rank looks up its own
-        for layer in model.l3.values():  # tokens, so their gradients are partial, summed over TP
-            layer.token_share = Collective(_my_token_ids, group)
-            for p in layer.parameters():
-                p.tp_partial_grad, p.tp_group = True, group
     model.wte = VocabParallelEmbedding(model.wte, layout)
     model.lm_head = VocabParallelLMHead(model.lm_head, layout, sequence_parallel)
-    model.criterion = VocabParallelSoftcapCrossEntropy(config.vocab_size, layout)
+    model.criterion = VocabParallelSoftcapCrossEntropy(model.config.vocab_size, layout)
     if sequence_parallel:
         model.embed_exit = Collective(_SplitSequence.apply, group)
-        model.backout_lambda.tp_partial_grad = True
-        model.backout_lambda.tp_group = group
+        for layer in model.l3.values():  # replicated (module docstring): each rank looks up its own tokens
+            layer.token_share = Collective(_my_token_ids, group)
+        # replicated parameters used on this rank's part of the sequence only: partial gradients, summed over TP
+        lambdas = [model.backout_lambda] + [p for b in model.blocks for p in (b.resid_lambda, b.x0_lambda)]
+        for p in lambdas + list(model.l3.parameters()):
+            p.tp_partial_grad, p.tp_group = True, group
     return model

@@ -1,11 +1,9 @@
 """
-Byte-level BPE: trained with rustbpe (Rust, parallel), used through tiktoken (fast encode/decode).
-
-Saved under $NANOCHAT_BASE_DIR/tokenizer/ in plain, non-executable files:
+Byte-level BPE: trained with rustbpe (Rust, parallel), used through tiktoken (fast encode/decode). Saved under
+$NANOCHAT_BASE_DIR/tokenizer/ in plain, non-executable files:
   tokenizer.tiktoken   one line per mergeable token: base64(bytes) rank   (tiktoken's own format)
   tokenizer.json       the split pattern and the special tokens with their ids
-  token_bytes.pt       int32 tensor, token_bytes[id] = byte length of the token (0 for specials),
-                       used to turn a loss in nats/token into bits per byte
+  token_bytes.pt       int32 tensor: the byte length of each token (0 for specials), for bits per byte
 """
 
 import os
@@ -22,14 +20,9 @@ from nanochat.common import UserError, get_base_dir, atomic_write_bytes, atomic_
 # vocabulary, fewer number tokens leave room for more words.
 SPLIT_PATTERN = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
 
-SPECIAL_TOKENS = [
-    "<|bos|>",  # begins every document
-    # reserved for chat fine-tuning
-    "<|user_start|>", "<|user_end|>",
-    "<|assistant_start|>", "<|assistant_end|>",
-    "<|python_start|>", "<|python_end|>",
-    "<|output_start|>", "<|output_end|>",
-]
+SPECIAL_TOKENS = ["<|bos|>",  # begins every document; the others are reserved for chat fine-tuning
+                  "<|user_start|>", "<|user_end|>", "<|assistant_start|>", "<|assistant_end|>",
+                  "<|python_start|>", "<|python_end|>", "<|output_start|>", "<|output_end|>"]
 
 
 class TokenizerError(UserError):
@@ -45,9 +38,7 @@ class Tokenizer:
 
     def __init__(self, mergeable_ranks: dict, pattern: str, special_tokens: dict):
         import tiktoken
-        self.mergeable_ranks = mergeable_ranks
-        self.pattern = pattern
-        self.special_tokens = special_tokens
+        self.mergeable_ranks, self.pattern, self.special_tokens = mergeable_ranks, pattern, special_tokens
         self.enc = tiktoken.Encoding(name="nanochat", pat_str=pattern, mergeable_ranks=mergeable_ranks,
                                      special_tokens=special_tokens)
         self.bos_token_id = special_tokens["<|bos|>"]
@@ -55,15 +46,13 @@ class Tokenizer:
 
     @property
     def hash(self):
-        """The tokenizer's identity: 16 hex digits of a SHA-256 over its merges, split pattern and special
-        tokens. Checkpoints record it (another tokenizer of the same vocab size would load silently)."""
+        """16 hex digits of a SHA-256 over the merges, split pattern and special tokens, which checkpoints
+        record (another tokenizer of the same vocab size would load silently)."""
         h = hashlib.sha256(self.pattern.encode())
         for tok, rank in sorted(self.mergeable_ranks.items(), key=lambda kv: kv[1]):
             h.update(rank.to_bytes(4, "little") + len(tok).to_bytes(4, "little") + tok)
         h.update(json.dumps(self.special_tokens, sort_keys=True).encode())
         return h.hexdigest()[:16]
-
-    # --- training and files ----------------------------------------------------
 
     @classmethod
     def train_from_iterator(cls, text_iterator, vocab_size, pattern=SPLIT_PATTERN):
@@ -117,8 +106,6 @@ class Tokenizer:
         tokenizer.directory = directory
         return tokenizer
 
-    # --- encode / decode -------------------------------------------------------
-
     def get_vocab_size(self):
         return self.enc.n_vocab
 
@@ -131,27 +118,14 @@ class Tokenizer:
     def encode(self, text, prepend=None, append=None, num_threads=8):
         """Encode a string (-> list of ids) or a list of strings (-> list of lists). Special-token text in
         the input is treated as plain text. prepend/append: an id or a special token's name."""
-        pre = self._as_id(prepend)
-        post = self._as_id(append)
+        as_ids = lambda t: [] if t is None else [t if isinstance(t, int) else self.special_tokens[t]]
+        pre, post = as_ids(prepend), as_ids(append)
         if isinstance(text, str):
-            ids = self.enc.encode_ordinary(text)
-            return ([pre] if pre is not None else []) + ids + ([post] if post is not None else [])
-        batch = self.enc.encode_ordinary_batch(text, num_threads=num_threads)
-        if pre is not None:
-            batch = [[pre] + ids for ids in batch]
-        if post is not None:
-            for ids in batch:
-                ids.append(post)
-        return batch
-
-    def _as_id(self, token):
-        if token is None or isinstance(token, int):
-            return token
-        return self.special_tokens[token]
+            return pre + self.enc.encode_ordinary(text) + post
+        return [pre + ids + post for ids in self.enc.encode_ordinary_batch(text, num_threads=num_threads)]
 
     def decode(self, ids):
-        """Text of a sequence of ids. A sequence that cuts a UTF-8 character shows U+FFFD there; use
-        decode_bytes for the exact bytes."""
+        """Text of the ids, U+FFFD where they cut a UTF-8 character (decode_bytes gives the exact bytes)."""
         return self.enc.decode(list(ids), errors="replace")
 
     def decode_bytes(self, ids):
@@ -162,9 +136,9 @@ class Tokenizer:
 
     def token_bytes(self):
         """int32 tensor: the UTF-8 byte length of each token, 0 for special tokens."""
-        special_ids = set(self.special_tokens.values())
-        lengths = [0 if i in special_ids else len(self.enc.decode_single_token_bytes(i)) for i in range(self.get_vocab_size())]
-        return torch.tensor(lengths, dtype=torch.int32)
+        specials = set(self.special_tokens.values())
+        return torch.tensor([0 if i in specials else len(self.id_to_token(i)) for i in range(self.get_vocab_size())],
+                            dtype=torch.int32)
 
 
 def get_tokenizer(directory=None):

@@ -1,19 +1,11 @@
 """
-The training core, written once: scripts/base_train.py, the parallel-equivalence tests (tests/parallel_harness.py)
-and the dev tools build the model and step it through `setup` and the Trainer it returns, so the tests check what
-the product runs. setup does the whole order, in one function as torchtitan applies its plan:
-  build      the model on the meta device, materialized and initialized
-  L3         the tables' rows allocated from the training data (a fresh run; a resumed one loads them)
-  fp8        the eligible linears converted
-  resume     the saved weights loaded into the whole model, before it is cut up
-  TP, PP     tensor parallelism, then only this rank's pipeline stage kept
-  attention  the kernel settled (and FlexAttention's masks built) before anything is traced
-  split-K    per weight shape, whether a split weight gradient is faster on this GPU (CUDA)
-  optimizer  Muon + AdamW over the model's parameter groups (and its saved state)
-  recompute  activation recompute in the blocks
-  compile    the module the step calls
-The loop: Schedule (LR, Muon momentum and decay by step) and Trainer (one step, evaluation mode, the whole model
-for CORE, the checkpoint save).
+The training core, written once: base_train, the parallel-equivalence tests (tests/parallel_harness.py) and the
+dev tools build the model and step it through `setup` and its Trainer, so the tests check what the product runs.
+setup does the whole order in one function (as torchtitan applies its plan): build (meta, materialize, init) ->
+L3 rows allocated from the data (a fresh run) -> fp8 linears -> resumed weights into the whole model -> tensor
+parallelism -> this rank's pipeline stage -> attention kernel settled before any trace -> split-K tuned (CUDA) ->
+optimizer (and its state) -> recompute -> compile. The loop: Schedule (LR, Muon momentum and decay by step) and
+Trainer (one step, evaluation mode, the whole model for CORE, the checkpoint save).
 """
 
 import os
@@ -26,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from nanochat.common import print0, ConfigError
-from nanochat.distributed import barrier, all_reduce_max
+from nanochat.distributed import barrier, all_reduce_max, gather_objects
 from nanochat.gpt import build_model, Block, RECOMPUTE_MODES
 from nanochat import kernels
 from nanochat.optim import MuonAdamW
@@ -100,14 +92,11 @@ def setup(config, layout, device, dtype, lrs, fp8=False, l3_data=None, after_ini
 
 
 def compile_for_training(model, pipeline, per_block, backend):
-    """torch.compile for the training step. Without a pipeline the whole model is one graph (returned: the
-    step calls it; the uncompiled module stays for checkpoints, sampling and CORE). Under a pipeline the
-    schedule calls the pieces one micro-batch at a time: this stage's blocks are one graph (model.run_blocks,
-    compiled in place; the loss is a second one), so that the L3 layers after the blocks compile too and the
-    ops where one block ends and the next begins fuse; the messages and the schedule stay eager. Every
-    micro-batch has the same shapes: the first compiles, the rest of the run reuses it. Overlapped gradient
-    reduction (per_block) needs each block's gradients when its backward ends, where one graph yields them
-    all at its end: then each block (of this stage) and the loss are compiled in place."""
+    """torch.compile for the training step: the whole model as one graph (returned; the uncompiled module serves
+    checkpoints, sampling and CORE). Under a pipeline, this stage's blocks (with their L3 layers) as one graph and
+    the loss as another, the messages and schedule eager. Overlapped gradient reduction (per_block) needs each
+    block's gradients when its backward ends, where one graph yields them all at its end: each block is then
+    compiled in place, and the loss."""
     if pipeline is None and not per_block:
         return torch.compile(model, dynamic=False, backend=backend)
     if per_block:
@@ -127,8 +116,7 @@ def check_ranks_agree(layout, data_dir, ckpt_dir, saves):
     ranks would stride over different lists (raises ConfigError naming the ranks). Checkpoints are written
     by one rank per stage and read by every rank on resume, so ckpt_dir must be one file system for all:
     returns a warning naming the hosts that cannot see it (None when they all can, or nothing is saved)."""
-    listings = [None] * layout.world_size
-    dist.all_gather_object(listings, (os.uname().nodename, data_dir, shard_listing(data_dir)), group=layout.cpu_group)
+    listings = gather_objects((os.uname().nodename, data_dir, shard_listing(data_dir)), layout.cpu_group)
     differ = [f"rank {r} ({host}: {d})" for r, (host, d, lst) in enumerate(listings) if lst != listings[0][2]]
     if differ:
         raise ConfigError(f"the data differs between ranks: {', '.join(differ)} do not see the shards of rank 0 "
@@ -140,8 +128,7 @@ def check_ranks_agree(layout, data_dir, ckpt_dir, saves):
         os.makedirs(ckpt_dir, exist_ok=True)
         open(probe, "w").close()
     barrier(layout, "creating the checkpoint folder")
-    seen = [None] * layout.world_size
-    dist.all_gather_object(seen, (os.uname().nodename, os.path.exists(probe)), group=layout.cpu_group)
+    seen = gather_objects((os.uname().nodename, os.path.exists(probe)), layout.cpu_group)
     if layout.rank == 0:  # every rank has looked: the gather above completed
         os.remove(probe)
     blind = sorted({host for host, ok in seen if not ok})
@@ -206,11 +193,8 @@ def next_batches(loader, n):
     data (loader None) pass placeholders: their inputs come from the previous stage."""
     if loader is None:
         return [(None, None)] * n, None
-    batches = []
-    for _ in range(n):
-        x, y, state = next(loader)
-        batches.append((x, y))
-    return batches, state
+    items = [next(loader) for _ in range(n)]
+    return [(x, y) for x, y, _ in items], items[-1][2]
 
 
 @dataclass
@@ -223,11 +207,11 @@ class Trainer:
     pipeline: object
     optimizer: MuonAdamW
     layout: object
-    fp8: bool = False               # fp8 linears in training: evaluation turns their fp8 flags off (bf16)
     sequence_parallel: bool = False
-    flops_per_token: float = 0.0    # of the whole model (estimate_flops), before it was cut up
-    attention: str = ""             # the attention kernel that trains (for the log)
-    wgrad_splits: dict = field(default_factory=dict)  # split-K per weight shape (for the log)
+    fp8: bool = False               # fp8 linears in training (evaluation runs them in bf16)
+    flops_per_token: float = 0.0    # of the whole model, before it was cut up
+    attention: str = ""             # the kernel that trains, and split-K per weight shape (for the log)
+    wgrad_splits: dict = field(default_factory=dict)
 
     def step(self, batches, schedule, it):
         """One optimizer step on the micro-batches [(x, y), ...]: forward and backward (through the
@@ -257,15 +241,11 @@ class Trainer:
 
     @contextlib.contextmanager
     def evaluating(self):
-        """Evaluation and sampling: eval mode and, with fp8, bf16 linears (same weights); train mode after."""
+        """Evaluation and sampling: eval mode and bf16 linears where training runs fp8 (the same weights)."""
+        from nanochat.fp8 import bf16_linears
         self.model.eval()
-        if self.fp8:
-            from nanochat.fp8 import bf16_linears
-            in_bf16 = bf16_linears(self.model)
-        else:
-            in_bf16 = contextlib.nullcontext()
         try:
-            with in_bf16:
+            with bf16_linears(self.model):
                 yield
         finally:
             self.model.train()
@@ -287,12 +267,9 @@ class Trainer:
         return self.model
 
     def save_checkpoint(self, ckpt_dir, step, data_state, meta, keep_last=-1):
-        """Write the checkpoint of `step`; a collective, every rank calls it. Full tensors: TP shards
-        gathered, each pipeline stage writes its own files (from its DP 0 / TP 0 rank), then rank 0 writes
-        meta_<step>.json last: `meta` plus every DP rank's data state (data_state: this rank's, None on
-        ranks that read no data) and the layout; then only the newest keep_last checkpoints stay (-1: all).
-        Weights that are not finite on any rank are not saved (CheckpointError): a diverged run never
-        becomes the latest checkpoint."""
+        """Write the checkpoint of `step` (a collective): whole tensors, one set of files per pipeline stage, then
+        meta_<step>.json with `meta`, every DP rank's data state (None on ranks that read none) and the layout;
+        only the newest keep_last stay (-1: all). Weights that are not finite are never saved (CheckpointError)."""
         t0 = time.time()
         L = self.layout
         bad = ckpt.nonfinite_tensors(self.model.state_dict())
@@ -302,12 +279,9 @@ class Trainer:
                                        (f"; e.g. {', '.join(bad[:3])}" if bad else " on another rank") +
                                        "): not saving; try a lower LR, or resume from an earlier checkpoint")
         mine = data_state if L.tp_rank == 0 and L.is_first_stage else None
-        if L.world_size == 1:
-            data_states = [mine]
-        else:
-            everything = [None] * L.world_size
-            dist.all_gather_object(everything, mine)
-            data_states = sorted((s for s in everything if s is not None), key=lambda s: s["dp_rank"])
+        everything = gather_objects(mine)
+        data_states = sorted((s for s in everything if s is not None), key=lambda s: s["dp_rank"]) if L.world_size > 1 \
+            else everything
         writer = L.dp_rank == 0 and L.tp_rank == 0
         model_state = ckpt.full_model_state(self.model, keep=writer)
         optim_state = self.optimizer.full_state_dict(keep=writer)

@@ -1,21 +1,10 @@
 """
-Hang diagnostics: what each rank was doing when a run stops making progress.
-
-Every rank keeps one small record: the step, the phase (e.g. "forward/backward", "optimizer step: DP
-reductions", "checkpoint save"), when that phase began, and the last collective the training script
-named. A daemon thread looks at it every few seconds; when one phase has lasted longer than the
-timeout (--dist-timeout), it writes the record and the Python stack of every thread to stderr and to
-<report_dir>/rank<R>.txt, once per phase; if the phase still has not ended at twice the timeout, it
-reports again and ends the process (exit status 1), so that torchrun stops the others: a gloo
-collective may wait forever on a peer that stopped. An uncaught exception (e.g. gloo's timeout error in a
-collective) writes the same record before its traceback. That names both sides of a hang: the rank
-that stalls (a slow download or compile, a deadlock) and the ranks waiting for it in a collective.
-
-On NCCL, PyTorch's flight recorder keeps the last collectives of every process group (sequence
-number, op, sizes, state) and dumps them when its watchdog times out; enable_flight_recorder() turns it
-on, writing <report_dir>/nccl_trace_rank_<R>, unless the user set the variables. Read the dumps with
-`torchfrtrace <report_dir> -j` (torch.distributed.flight_recorder): it names the collective where the
-ranks diverged.
+Hang diagnostics: every rank keeps a record (step, phase, when it began, the last collective named). A daemon
+thread reports a phase that outlasts --dist-timeout (the record and every thread's stack, to stderr and
+<report_dir>/rank<R>.txt); at twice the timeout it exits 1 so that torchrun stops the others (a gloo collective
+may wait forever). An uncaught exception writes the same record. On NCCL, enable_flight_recorder() makes
+PyTorch dump each group's last collectives on a timeout; `torchfrtrace <report_dir> -j` names the one where
+the ranks diverged.
 """
 
 import os

@@ -1,14 +1,11 @@
 """
-Evaluate a base-model checkpoint: the CORE metric (nanochat/core_eval.py) and bits per byte on the
-training and validation data. Prints a table of tasks and `CORE (n/22 tasks): x.xxxx`, writes
-$NANOCHAT_BASE_DIR/base_eval/<tag>_<step, 6 digits>.csv and the "Base model evaluation" report section.
+Evaluate a base-model checkpoint: CORE (nanochat/core_eval.py) and bits per byte on train and val data, to
+$NANOCHAT_BASE_DIR/base_eval/<tag>_<step:06d>.csv and the report. Eager (CORE's batch shapes vary).
 
     python -m scripts.base_eval                                  # latest checkpoint of the latest tag
     python -m scripts.base_eval --model-tag d20 --max-per-task 500
     python -m scripts.base_eval --eval-bundle ~/eval_bundle      # a local copy of the bundle (offline)
     torchrun --nproc_per_node=8 -m scripts.base_eval             # items and batches split over ranks
-
-The model runs eagerly (no torch.compile): CORE's batches change shape from item to item.
 """
 
 import os
@@ -27,23 +24,6 @@ from nanochat.loss_eval import evaluate_bpb, default_eval_tokens
 from nanochat.core_eval import find_eval_bundle, evaluate_core
 from nanochat import report
 from nanochat import kernels
-
-
-def core_table(core):
-    """The per-task results as a markdown table."""
-    lines = ["| task | items | accuracy | centered |", "| --- | --- | --- | --- |"]
-    lines += [f"| {label} | {r['items']} | {r['accuracy']:.4f} | {r['centered']:.4f} |" for label, r in core["results"].items()]
-    return "\n".join(lines)
-
-
-def write_csv(path, core):
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["task", "accuracy", "centered"])
-        for label, r in core["results"].items():
-            w.writerow([label, f"{r['accuracy']:.6f}", f"{r['centered']:.6f}"])
-        w.writerow(["CORE", "", f"{core['core']:.6f}"])
 
 
 def main():
@@ -89,19 +69,23 @@ def evaluate(args, layout, device):
     model_tag, step = meta["model_tag"], meta["step"]
     print0(f"evaluating {model_tag} step {step} (sequence length {model.config.sequence_len}, "
            f"compute dtype {model.compute_dtype}) on dp {layout.dp_size} x tp {layout.tp_size}")
-
     items = {"model tag": model_tag, "step": step}
     sections = []
     if not args.skip_core:
         core = evaluate_core(model, tokenizer, device, bundle, args.max_per_task, layout)
-        table = core_table(core)
+        table = "\n".join(["| task | items | accuracy | centered |", "| --- | --- | --- | --- |"]
+                          + [f"| {label} | {r['items']} | {r['accuracy']:.4f} | {r['centered']:.4f} |"
+                             for label, r in core["results"].items()])
         print0(table)
         if core["missing"]:
             print0(f"missing (no data file in the bundle, left out of CORE): {', '.join(core['missing'])}")
         print0(f"CORE ({core['tasks_run']}/{core['tasks_total']} tasks): {core['core']:.4f}")
         csv_path = os.path.join(get_base_dir(), "base_eval", f"{model_tag}_{step:06d}.csv")
-        if layout.rank == 0:
-            write_csv(csv_path, core)
+        if layout.rank == 0:  # the table, and the CORE row that scripts/export_hf.py reads
+            os.makedirs(os.path.dirname(csv_path), exist_ok=True)
+            rows = [[label, f"{r['accuracy']:.6f}", f"{r['centered']:.6f}"] for label, r in core["results"].items()]
+            with open(csv_path, "w", newline="") as f:
+                csv.writer(f).writerows([["task", "accuracy", "centered"], *rows, ["CORE", "", f"{core['core']:.6f}"]])
         print0(f"wrote {csv_path}")
         items.update({"CORE": round(core["core"], 6), "CORE tasks": f"{core['tasks_run']}/{core['tasks_total']}",
                       "missing tasks": ", ".join(core["missing"]) or "none",
@@ -109,7 +93,6 @@ def evaluate(args, layout, device):
         sections.append(table)
     else:
         items["CORE"] = "skipped (--skip-core)"
-
     if not args.skip_bpb:
         T = model.config.sequence_len
         if device.type == "cpu" and (error := cpu_memory_error(sum(p.numel() for p in model.parameters()), model.config,
@@ -128,7 +111,6 @@ def evaluate(args, layout, device):
         items["bpb tokens per split"] = steps * args.device_batch_size * T * layout.dp_size
     else:
         items["val bpb"] = "skipped (--skip-bpb)"
-
     report.log_section("Base model evaluation", [items] + sections)
 
 

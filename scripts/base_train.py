@@ -4,23 +4,18 @@ Pretrain a base model. One dial, --depth; the scaling-law formulas pick the rest
     python -m scripts.base_train --depth=12
     torchrun --nproc_per_node=8 -m scripts.base_train --depth=20
     torchrun --nproc_per_node=4 -m scripts.base_train --depth=32 --tp=2 --pp=2
-    torchrun --nnodes=2 --nproc-per-node=8 --rdzv-backend=c10d --rdzv-endpoint=$HEAD_NODE:29500 \
-        --rdzv-id=d26 -m scripts.base_train --depth=26                        (the same on every node)
 
 The recipe (derive_recipe; printed at start):
   horizon  D = --num-iterations * B, else --target-flops / FLOPs-per-token, else ratio * scaling params
-  batch    B = 2^19 * (D / D_ref)^0.383 rounded to a power of 2 (Power Lines, arXiv 2505.13738),
-           D_ref = ratio * N(d12)
+  batch    B = 2^19 * (D / D_ref)^0.383 rounded to a power of 2 (Power Lines, arXiv 2505.13738), D_ref = ratio * N(d12)
   LRs      every LR * sqrt(B / 2^19)
   decay    wd = wd_ref * sqrt(B / 2^19) * D_ref / D (constant T_epoch, arXiv 2405.13698)
-  schedule LR: 40-step warmup, flat, linear warmdown over the last 65% to 5%; Muon momentum
-           0.85 -> 0.97 over 400 steps, then -> 0.90 during warmdown; Muon wd cosine-decayed to 0
+  schedule LR: 40-step warmup, flat, linear warmdown over the last 65% to 5%; Muon momentum 0.85 -> 0.97 over 400
+           steps, then -> 0.90 during warmdown; Muon wd cosine-decayed to 0
 
-main() reads top to bottom: flags; processes; tokenizer, data and model config; the recipe; the flag checks;
-setup (training.py, shared with the tests and dev tools); the loop, a row of "once in a while" blocks (val bpb,
-checkpoint, CORE, samples) before each step; the summary. Errors the user can fix (common.UserError) stop the run
-with one line, in main(); a stop request or a data error mid-run saves the current step first. What the run
-measures goes to metrics.jsonl beside its checkpoints (run_log.py), which the tools read.
+main() reads top to bottom: flags, processes, config, recipe, flag checks, setup (training.py, shared with the
+tests and dev tools), the loop (a row of "once in a while" blocks before each step), the summary. Errors the user
+can fix stop the run with one line, in main(); a stop request or a data error mid-run saves the step first.
 """
 
 import os
@@ -33,10 +28,9 @@ import argparse
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from nanochat.common import UserError, ConfigError, print0, print_rank, get_compute_dtype, get_peak_flops, device_name, fail
-from nanochat.distributed import compute_init, compute_cleanup, barrier, hang_report_dir, agree_on_error
+from nanochat.distributed import compute_init, compute_cleanup, barrier, hang_report_dir, agree_on_error, gather_objects
 from nanochat.signals import install_stop_handlers, stop_agreed, Interrupted
 from nanochat.memory import cpu_memory_error
 from nanochat.watchdog import Watchdog
@@ -111,7 +105,7 @@ def parse_args(argv=None):
     add("--sequence-parallel", action="store_true", help="with --tp: shard norms/residual along the sequence")
     add("--pp", type=int, default=1, help="pipeline-parallel degree")
     add("--pp-schedule", type=str, default="1f1b", choices=["gpipe", "1f1b"], help="pipeline schedule")
-    add("--pp-print-schedule", action="store_true", help="print the pipeline schedule table at start")
+    add("--pp-print-schedule", action="store_true", help="print every stage's action list at start")
     add("--overlap-grad-reduce", type=int, default=-1, choices=(-1, 0, 1),
         help="1: start each DP gradient reduction during the last micro-batch's backward (blocks are then compiled "
              "one by one); 0: after the backward; -1: 1 when the run spans several nodes")
@@ -157,14 +151,6 @@ class Recipe:
     flops_per_token: float      # of the config on the meta device (L3 assumed at k_max rows per token)
     num_scaling_params: int
     param_counts: dict
-
-    def learning_rates(self, args):
-        return training.LearningRates(args.embedding_lr * self.lr_scale, args.unembedding_lr * self.lr_scale,
-                                      args.matrix_lr * self.lr_scale, args.scalar_lr * self.lr_scale, self.weight_decay)
-
-    def schedule(self, args):
-        return training.Schedule(self.num_iterations, self.weight_decay, args.warmup_steps, args.warmdown_ratio,
-                                 args.final_lr_frac)
 
 
 def derive_recipe(args, config):
@@ -291,12 +277,21 @@ class Run:
                  resume_meta, watch):
         self.args, self.layout, self.device, self.tokenizer, self.data_dir = args, layout, device, tokenizer, data_dir
         self.ckpt_dir, self.config, self.recipe, self.grad_accum, self.watch = ckpt_dir, config, recipe, grad_accum, watch
-        self.schedule = recipe.schedule(args)
-        resume = self.load_checkpoint(resume_meta) if resume_meta is not None else None
+        self.schedule = training.Schedule(recipe.num_iterations, recipe.weight_decay, args.warmup_steps,
+                                          args.warmdown_ratio, args.final_lr_frac)
+        s = recipe.lr_scale
+        lrs = training.LearningRates(args.embedding_lr * s, args.unembedding_lr * s, args.matrix_lr * s,
+                                     args.scalar_lr * s, recipe.weight_decay)
+        resume = None
+        if resume_meta is not None:  # the weights go into the whole model, before it is cut up
+            weights_only = resume_meta.get("weights_only", False)  # e.g. imported by scripts.import_hf
+            resume = ckpt.load_checkpoint(ckpt_dir, args.resume_from_step, "cpu", load_optimizer=not weights_only)[:2]
+            if weights_only:
+                print0("the checkpoint holds weights only (no optimizer state): the optimizer starts fresh")
         multi_node = int(os.environ.get("LOCAL_WORLD_SIZE", layout.world_size)) < layout.world_size
         use_compile = (device.type == "cuda") if args.compile < 0 else bool(args.compile)
         self.trainer = training.setup(
-            config, layout, device, dtype, recipe.learning_rates(args), fp8=args.fp8,
+            config, layout, device, dtype, lrs, fp8=args.fp8,
             l3_data=(tokenizer, data_dir) if resume_meta is None else None, resume=resume,
             sequence_parallel=args.sequence_parallel, pp_schedule=args.pp_schedule, num_microbatches=grad_accum,
             micro_batch_size=args.device_batch_size, recompute=args.recompute, compile="inductor" if use_compile else None,
@@ -329,21 +324,12 @@ class Run:
                           args.wandb_run if args.wandb_run != "dummy" else None, enabled=layout.rank == 0)
         install_stop_handlers()  # Ctrl-C / SIGTERM: stop at the next step or evaluation batch, save, exit 0
 
-    def load_checkpoint(self, meta):
-        """(model state, optimizer state or None) of the resumed step: the weights go into the whole model."""
-        weights_only = meta.get("weights_only", False)  # e.g. imported by scripts.import_hf
-        model_state, optim_state, _ = ckpt.load_checkpoint(self.ckpt_dir, self.args.resume_from_step, device="cpu",
-                                                           load_optimizer=not weights_only)
-        if weights_only:
-            print0("the checkpoint holds weights only (no optimizer state): the optimizer starts fresh")
-        return model_state, optim_state
-
     def describe_setup(self):
         t, layout = self.trainer, self.layout
         if t.pipeline is not None:
             print0(f"pipeline: {t.pipeline.describe()}")
             if self.args.pp_print_schedule:
-                print0(t.pipeline.schedule_table())
+                print0(t.pipeline.schedule_text())
         if t.wgrad_splits:
             print0("weight gradients, split-K by shape (out x in: split, ms plain -> ms split): " + ", ".join(
                 f"{o}x{i}: {s} ({t1:.3f} -> {ts:.3f})" for (o, i), (s, t1, ts) in t.wgrad_splits.items()))
@@ -428,16 +414,14 @@ class Run:
         self.saved_step = self.step
 
     def evaluate_core(self):
-        """CORE on every rank (DP splits the items; under TP the forward is collective), printed by rank 0. A
-        broken or missing bundle must not end a training run: it is reported and the run goes on."""
+        """CORE on every rank (DP splits the items). A broken or missing bundle is reported and the run goes on."""
         from nanochat.core_eval import evaluate_core_for_training, EvalBundleError
         self.watch.phase("CORE (eval bundle download on local rank 0, count all-reduces)", self.step)
-        model = self.trainer.whole_model()
         self.core_status = "skipped: no CORE bundle (--eval-bundle DIR, or a network to download it)"
         try:
             with self.trainer.evaluating():
-                core = evaluate_core_for_training(model, self.tokenizer, self.device, self.layout, self.args.eval_bundle,
-                                                  self.args.core_metric_max_per_task)
+                core = evaluate_core_for_training(self.trainer.whole_model(), self.tokenizer, self.device, self.layout,
+                                                  self.args.eval_bundle, self.args.core_metric_max_per_task)
         except EvalBundleError as e:
             print0(f"step {self.step:05d} | CORE failed: {e}")
             self.core_status = f"failed: {e}"
@@ -450,15 +434,14 @@ class Run:
     def sample(self):
         from nanochat.engine import sample_completions
         self.watch.phase("samples", self.step)
-        model = self.trainer.whole_model()
         with self.trainer.evaluating():
-            for text in sample_completions(model, self.tokenizer):
+            for text in sample_completions(self.trainer.whole_model(), self.tokenizer):
                 print0(f"  sample: {text!r}")
 
     # --- one step ------------------------------------------------------------------
 
     def next_batches(self):
-        """The step's micro-batches; a shard that cannot be read on any rank raises DataError on all of them."""
+        """The step's micro-batches; a shard one rank cannot read raises DataError on every rank."""
         self.watch.phase("data: next batches", self.step)
         error = None
         try:
@@ -514,7 +497,7 @@ class Run:
             gc.collect()
 
     def diverged(self, loss):
-        """A loss that is not finite: the run stops. A checkpoint saved moments ago holds the weights that gave it."""
+        """A loss that is not finite stops the run; a checkpoint saved moments ago holds the weights that gave it."""
         withdrawn = self.saved_step == self.step
         if withdrawn and self.layout.rank == 0:
             ckpt.delete_checkpoint(self.ckpt_dir, self.step)
@@ -535,24 +518,23 @@ class Run:
 
     def data_error(self, error):
         resume = self.save_before_stopping()
-        return f"{error} (at step {self.step}; " + ("saved: " + resume + " once the file is replaced)" if resume != "not saved" else "not saved)")
+        return f"{error} (at step {self.step}; " + (f"saved: {resume} once the file is replaced)" if "resume" in resume else "not saved)")
 
     def finish(self):
         """The summary lines, the report section (a completed run), and the closing of loaders and logs."""
         layout = self.layout
         peak_mem = torch.cuda.max_memory_allocated() / 2**30 if self.device.type == "cuda" else None
-        peaks = [(layout.tag(), peak_mem)]
-        if layout.world_size > 1:  # ranks differ (pipeline stages, shards): each reports, and the record holds all
-            dist.all_gather_object(peaks := [None] * layout.world_size, peaks[0])
-            if peak_mem is not None:
-                print_rank(layout, f"peak memory: {peak_mem:.2f} GiB; allocated after the last step: "
-                                   f"{torch.cuda.memory_allocated() / 2**30:.2f} GiB")
+        peaks = gather_objects((layout.tag(), peak_mem))  # ranks differ (pipeline stages, shards): the record holds all
+        if peak_mem is not None and layout.world_size > 1:
+            print_rank(layout, f"peak memory: {peak_mem:.2f} GiB; allocated after the last step: "
+                               f"{torch.cuda.memory_allocated() / 2**30:.2f} GiB")
         self.log.write({"kind": "end", "step": self.step, "training_time_s": self.total_time, "peak_mem_gib": dict(peaks)})
         if self.val_bpb is not None:
             print0(f"Validation bpb: {self.val_bpb:.6f}")
+        t = self.total_time
         summary = ([f"minimum validation bpb: {self.min_val_bpb:.6f}"] if math.isfinite(self.min_val_bpb) else []) + \
-                  (["training time: " + (f"{self.total_time / 60:.2f} min" if self.total_time >= 60 else f"{self.total_time:.1f}s")]
-                   if self.total_time > 0 else []) + ([f"peak memory: {peak_mem:.2f} GiB"] if peak_mem else [])
+                  ([f"training time: {t / 60:.2f} min" if t >= 60 else f"training time: {t:.1f}s"] if t > 0 else []) + \
+                  ([f"peak memory: {peak_mem:.2f} GiB"] if peak_mem else [])
         if summary:
             print0("; ".join(summary))
         if layout.rank == 0 and self.step == self.recipe.num_iterations:

@@ -1,29 +1,23 @@
 """
-Export a base-model checkpoint as a Hugging Face folder that transformers loads (nanochat/hf/convert.py
-lists what it holds):
+Export a base-model checkpoint as a Hugging Face folder (nanochat/hf/convert.py lists what it holds) for
+AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True): the fp32 master weights (fp8 training
+included), or bf16 with --dtype bfloat16. --push-to-hub checks the Hub login (`hf auth login` or HF_TOKEN) first.
 
-    python -m scripts.export_hf --model-tag d20 --out hf/d20
-    python -m scripts.export_hf --model-tag d20 --step 5000 --out hf/d20 --dtype bfloat16
+    python -m scripts.export_hf --model-tag d20 --out hf/d20 [--step 5000] [--dtype bfloat16]
     python -m scripts.export_hf --model-tag d20 --out hf/d20 --push-to-hub you/nanochat-d20 [--private]
-
-    model = AutoModelForCausalLM.from_pretrained("hf/d20", trust_remote_code=True)
-    tokenizer = AutoTokenizer.from_pretrained("hf/d20")
-
-The weights are the checkpoint's fp32 master weights (whatever the training precision, fp8 included), or
-bf16 with --dtype bfloat16. --push-to-hub checks that the Hub answers and you are logged in before any
-work (`hf auth login` or HF_TOKEN), then uploads the folder.
 """
 
 import os
+import csv
 import time
 import argparse
 
 import torch
 
-from nanochat.common import get_base_dir, fail
+from nanochat.common import UserError, get_base_dir, fail
 from nanochat import checkpoint_manager as ckpt
-from nanochat.tokenizer import get_tokenizer, TokenizerError
-from nanochat.hf.convert import export, read_core, ConvertError
+from nanochat.tokenizer import get_tokenizer
+from nanochat.hf.convert import export
 
 parser = argparse.ArgumentParser(description="Export a checkpoint as a Hugging Face transformers folder")
 parser.add_argument("--model-tag", type=str, default=None, help="checkpoint folder (default: the most recent one)")
@@ -50,18 +44,17 @@ if os.path.isdir(args.out) and os.listdir(args.out):
 
 try:
     model_tag = args.model_tag or ckpt.latest_model_tag()
-    ckpt_dir = ckpt.checkpoint_dir(model_tag)
     t0 = time.time()
-    model_state, _, meta = ckpt.load_checkpoint(ckpt_dir, args.step, load_optimizer=False)
+    model_state, _, meta = ckpt.load_checkpoint(ckpt.checkpoint_dir(model_tag), args.step, load_optimizer=False)
     tokenizer = get_tokenizer()
-except (ckpt.CheckpointError, TokenizerError) as e:
-    fail(str(e))
-meta["model_tag"] = model_tag
-step = meta["step"]
-core = read_core(os.path.join(get_base_dir(), "base_eval", f"{model_tag}_{step:06d}.csv"))
-try:
+    meta["model_tag"] = model_tag
+    step = meta["step"]
+    core, csv_path = None, os.path.join(get_base_dir(), "base_eval", f"{model_tag}_{step:06d}.csv")
+    if os.path.exists(csv_path):  # base_eval's table, ending with the CORE row
+        with open(csv_path, newline="") as f:
+            core = next((float(row[2]) for row in csv.reader(f) if row and row[0] == "CORE"), None)
     files = export(model_state, meta, tokenizer, args.out, getattr(torch, args.dtype), core, args.push_to_hub)
-except ConvertError as e:
+except UserError as e:  # a missing or damaged checkpoint or tokenizer, or one that cannot be converted
     fail(str(e))
 size = sum(os.path.getsize(os.path.join(args.out, f)) for f in os.listdir(args.out))
 print(f"exported {model_tag} step {step} to {args.out}: {len(files)} weight file(s), {size / 2**20:,.1f} MiB, "

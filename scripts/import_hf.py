@@ -1,15 +1,11 @@
 """
-Turn a folder written by scripts.export_hf (local, or downloaded from the Hub) back into a nanochat
-checkpoint that base_eval, sample and base_train --resume-from-step take:
+Turn a folder written by scripts.export_hf back into a nanochat checkpoint (fp32) for base_eval, sample and
+base_train --resume-from-step. The meta is the exported one (step, loop and data position carry over) with
+weights_only: true ("start the optimizer fresh"). The tokenizer goes to NANOCHAT_BASE_DIR/tokenizer when none
+is there; a different one there is an error.
 
     python -m scripts.import_hf --dir hf/d20 --model-tag d20-hf
-    python -m scripts.base_eval --model-tag d20-hf
     python -m scripts.base_train --model-tag d20-hf --resume-from-step 5000 [the original run's flags]
-
-It writes base_checkpoints/<tag>/model_<step>.pt and meta_<step>.json (the exported checkpoint's meta, so the
-step, loop and data position carry over) with weights_only: true, which base_train reads as "no optimizer
-state: start the optimizer fresh". A bf16 export comes back upcast to fp32. The tokenizer is written to
-NANOCHAT_BASE_DIR/tokenizer when none is there; a different one there is an error.
 """
 
 import os

@@ -1,12 +1,9 @@
 """
-Complete prompts with a base-model checkpoint (KV-cache sampling, nanochat/engine.py).
+Complete prompts with a base-model checkpoint (KV-cache sampling, nanochat/engine.py); a completion stops at
+<|bos|> (the start of another document) or after --max-tokens tokens.
 
-    python -m scripts.sample --prompt "The capital of France is" --num-samples 3
+    python -m scripts.sample --prompt "The capital of France is" --num-samples 3 [--temperature 0] [--report]
     python -m scripts.sample                       # prompts from stdin, one per line (interactive)
-    python -m scripts.sample --prompt "Hello" --temperature 0 --report
-
-A completion stops at <|bos|> (the start of another document) or after --max-tokens tokens.
---report writes the prompts and completions to the "Base model samples" report section.
 """
 
 import sys
@@ -51,9 +48,8 @@ print(f"sampling from {model_tag} step {meta['step']} (temperature {args.tempera
 
 def stdin_prompts():
     """One prompt per non-empty line until end of input."""
-    interactive = sys.stdin.isatty()
     while True:
-        if interactive:
+        if sys.stdin.isatty():
             print("prompt> ", end="", flush=True)
         line = sys.stdin.readline()
         if not line:
@@ -62,7 +58,7 @@ def stdin_prompts():
             yield line.rstrip("\n")
 
 
-done = []  # (prompt, completions) for the report
+done = []  # prompt + completion, for the report
 for prompt in args.prompt + (SAMPLE_PROMPTS if args.fixed_prompts else []) or stdin_prompts():
     ids = tokenizer.encode(prompt, prepend=bos)
     if len(ids) + args.max_tokens > model.rotary_len:
@@ -71,14 +67,12 @@ for prompt in args.prompt + (SAMPLE_PROMPTS if args.fixed_prompts else []) or st
         continue
     samples = generate(model, ids, args.max_tokens, num_samples=args.num_samples, temperature=args.temperature,
                        top_k=args.top_k or None, seed=args.seed, stop_tokens=(bos,))
-    completions = [tokenizer.decode([t for t in s if t != bos]) for s in samples]
-    for i, text in enumerate(completions):
-        print(f"--- [{i + 1}/{args.num_samples}] {prompt}{text}", flush=True)
-    done.append((prompt, completions))
+    for i, s in enumerate(samples):
+        done.append(prompt + tokenizer.decode([t for t in s if t != bos]))
+        print(f"--- [{i + 1}/{args.num_samples}] {done[-1]}", flush=True)
 
 if args.report:
-    texts = [p + c for p, cs in done for c in cs]
-    lines = [f"{i}. `{t!r}`" for i, t in enumerate(texts, 1)]
+    lines = [f"{i}. `{t!r}`" for i, t in enumerate(done, 1)]
     report.log_section("Base model samples", [{"model tag": model_tag, "step": meta["step"], "temperature": args.temperature,
                                                "top-k": args.top_k, "seed": args.seed}, "\n".join(lines)])
 compute_cleanup()

@@ -1,8 +1,6 @@
 """
-How well the tokenizer compresses: bytes per token on training and validation text, and against the
-GPT-2 and GPT-4 encodings when tiktoken can load them (it downloads them once; offline they are skipped).
-
-    python -m scripts.tok_eval --max-chars 10000000
+Tokenizer compression, bytes per token on train and val text: ours, and GPT-2's and GPT-4's when tiktoken can
+load them (offline and not cached: skipped). Usage: `python -m scripts.tok_eval --max-chars 10000000`
 """
 
 import os
@@ -35,18 +33,16 @@ try:
 except (DataError, TokenizerError) as e:
     raise SystemExit(f"ERROR: {e}")
 
+
 def reference_encoding(name):
-    """tiktoken's GPT-2/GPT-4 encodings: from its cache, or downloaded when the host answers within
-    a few seconds (an offline machine can otherwise hang on the download)."""
+    """tiktoken's GPT-2/GPT-4 encoding, or None: from its cache (TIKTOKEN_CACHE_DIR), or downloaded when the
+    host answers within seconds (an offline machine can otherwise hang on the download)."""
     import socket
     import tiktoken
     try:
-        socket.create_connection(("openaipublic.blob.core.windows.net", 443), timeout=3).close()
-        reachable = True
-    except OSError:
-        reachable = False
-    try:
-        return tiktoken.get_encoding(name) if reachable or os.environ.get("TIKTOKEN_CACHE_DIR") else None
+        if not os.environ.get("TIKTOKEN_CACHE_DIR"):
+            socket.create_connection(("openaipublic.blob.core.windows.net", 443), timeout=3).close()
+        return tiktoken.get_encoding(name)
     except Exception:
         return None
 

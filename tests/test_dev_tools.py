@@ -67,7 +67,7 @@ def test_old_tree_printout_reads_as_records(tmp_path):
     s = runs.summary(run, warmup=1)
     assert s["steps"] == 2 and s["step_ms"] == 110.5 and s["tok_per_sec"] == 593080 and s["mfu"] == 55.2
     assert s["val_bpb"] == 1.4703 and s["peak_mem_gib"] == 40.61
-    assert runs.rank_peaks(OLD_LOG) == {"[dp=0 pp=0]": 40.61, "[dp=0 pp=1]": 24.7}
+    assert runs.rank_peaks(run) == {"[dp=0 pp=0]": 40.61, "[dp=0 pp=1]": 24.7}
 
 
 def test_bench_recompute_cpu_smoke(env):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from nanochat.gpt import GPTConfig, build_model, window_sizes
-from nanochat.engine import generate, generate_naive
+from nanochat.engine import generate
 
 V = 128
 
@@ -24,6 +24,16 @@ def random_gpt(**config):
                 p.uniform_(0.2, 0.8)
     model.eval()
     return model
+
+
+@torch.no_grad()
+def generate_naive(model, prompt, max_tokens):
+    """Greedy generation that recomputes the whole sequence at each step (the reference)."""
+    ids = list(prompt)
+    for _ in range(max_tokens):
+        logits = model(torch.tensor([ids], dtype=torch.long, device=model.cos.device))[:, -1]
+        ids.append(int(logits.argmax(dim=-1)))
+    return ids[len(prompt):]
 
 
 CONFIGS = {

@@ -1,18 +1,66 @@
 """
-The FlashAttention-4 custom op's plumbing, on CPU (where the op runs its PyTorch math): the window
-convention and the log-sum-exp against an independent float64 computation, the gradients through the
-registered backward against autograd through SDPA, the op's registration (opcheck), and that
-torch.compile keeps it as one node. The CUDA kernels themselves are checked against cuDNN/FlexAttention
-by dev/bench_attention.py on a GPU, and by the CUDA test at the end where one is present.
+The FlashAttention-4 custom op's plumbing, on CPU, where the op's math in PyTorch (below, registered as its CPU
+kernel, as flash kernels compute it) stands in for the kernels: the window convention and the log-sum-exp
+against an independent float64 computation, the gradients through the registered backward against autograd
+through SDPA, the op's registration (opcheck), and that torch.compile keeps it as one node. The CUDA kernels
+themselves are checked against the same math where a GPU with flash-attn-4 is present (the last test), and
+timed against cuDNN/FlexAttention by `python -m dev.bench_kernels attention`.
 """
+
+import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from nanochat import kernels
-from nanochat.kernels.flash_attention import flash_attention as fa_op, math_attention
+from nanochat.kernels.flash_attention import flash_attention as fa_op, flash_attention_backward
 from nanochat.kernels.sdpa import dense_mask
+
+
+def _probabilities(q, k, window):
+    """Softmax probabilities P (B, Hq, T, T) and lse (B, Hq, T), fp32, with k already expanded to Hq heads."""
+    T, D = q.size(1), q.size(3)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) / math.sqrt(D)
+    pos = torch.arange(T, device=q.device)
+    offset = pos[:, None] - pos[None, :]  # query position - key position
+    scores = scores.masked_fill((offset < 0) | (offset >= window), float("-inf"))
+    lse = scores.logsumexp(dim=-1)
+    return (scores - lse[..., None]).exp(), lse
+
+
+def _expand(t, heads):
+    return t.repeat_interleave(heads // t.size(2), dim=2)  # GQA: each kv head serves heads/Hkv query heads
+
+
+def math_attention(q, k, v, window):
+    """The op's forward in PyTorch: (out, lse) as the kernels return them."""
+    p, lse = _probabilities(q, _expand(k, q.size(2)), window)
+    out = torch.einsum("bhqk,bkhd->bqhd", p, _expand(v, q.size(2)).float())
+    return out.to(q.dtype).contiguous(), lse.contiguous()
+
+
+def math_attention_backward(dout, q, k, v, out, window):
+    """The op's backward in PyTorch, as flash kernels compute it (recomputing P):
+    dV = P^T dO, dS = P * (dO V^T - rowsum(dO * O)), dQ = dS K / sqrt(D), dK = dS^T Q / sqrt(D);
+    under GQA the query heads that share a kv head add their dK and dV."""
+    Hq, Hkv, D = q.size(2), k.size(2), q.size(3)
+    ke, ve = _expand(k, Hq).float(), _expand(v, Hq).float()
+    p, _ = _probabilities(q, ke, window)
+    dout = dout.float()
+    dv = torch.einsum("bhqk,bqhd->bkhd", p, dout)
+    dp = torch.einsum("bqhd,bkhd->bhqk", dout, ve)
+    ds = p * (dp - (dout * out.float()).sum(-1).transpose(1, 2)[..., None]) / math.sqrt(D)
+    dq = torch.einsum("bhqk,bkhd->bqhd", ds, ke)
+    dk = torch.einsum("bhqk,bqhd->bkhd", ds, q.float())
+    dk, dv = (t.unflatten(2, (Hkv, Hq // Hkv)).sum(3) for t in (dk, dv))
+    return dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous()
+
+
+
+fa_op.register_kernel("cpu")(math_attention)
+flash_attention_backward.register_kernel("cpu")(
+    lambda dout, q, k, v, out, lse, window: math_attention_backward(dout, q, k, v, out, window))
 
 
 def _inputs(B=2, T=12, Hq=4, Hkv=2, D=16, dtype=torch.float32, device="cpu", seed=0):

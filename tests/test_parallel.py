@@ -124,7 +124,7 @@ def test_tp_that_does_not_divide_heads_is_a_clear_error():
         check_tp_size(GPTConfig(n_head=4, n_kv_head=4, n_embd=64, vocab_size=65), 2)
 
 
-def test_pipeline_stage_split_and_schedule_table():
+def test_pipeline_stage_split_and_schedule():
     import torch
     from nanochat.gpt import GPT, config_for_depth
     from nanochat.pipeline_parallel import split_stages, block_costs, Pipeline
@@ -139,10 +139,19 @@ def test_pipeline_stage_split_and_schedule_table():
     assert len(costs) == 12 and head > costs[0]  # d12's lm_head costs more than a block
     from nanochat.distributed import Layout
     pipe = Pipeline(model, Layout(pp_size=4, pp_rank=0), num_microbatches=8, micro_batch_size=1, schedule="1f1b")
-    table = pipe.schedule_table()
-    assert "stage 3:" in table and "formula (p-1)/(m+p-1) = 0.273" in table
-    first_row = table.splitlines()[1].split()[2:]
-    assert first_row[:4] == ["F0", "F1", "F2", "F3"]  # stage 0 warms up with p-1 = 3 forwards, then 1F1B
+    text = pipe.schedule_text()
+    assert "stage 3:" in text and "bubble (p-1)/(m+p-1) = 0.273" in text
+    first_row = text.splitlines()[1].split()[2:]
+    assert first_row[:6] == ["F0", "F1", "F2", "F3", "B0", "F4"]  # stage 0 warms up with p-1 = 3 forwards, then 1F1B
+    # replayed in time with equal forward and backward times, every stage idles the formula's fraction
+    from dev.pipeline_sim import simulate, report
+    from nanochat.pipeline_parallel import stage_actions
+    for schedule in ("1f1b", "gpipe"):
+        timeline = simulate([stage_actions(schedule, 4, 8, s) for s in range(4)], {"F": 1.0, "B": 1.0})
+        assert report(timeline, {"F": 1.0, "B": 1.0}, unit=False).endswith("0.273, 0.273, 0.273, 0.273")
+    # GPipe's critical path crosses each of the p-1 stage boundaries once each way: one message latency each
+    slow = simulate([stage_actions("gpipe", 4, 8, s) for s in range(4)], {"F": 1.0, "B": 1.0}, p2p=0.5)
+    assert max(t[-1][3] for t in slow) == 22.0 + 2 * 3 * 0.5
     with pytest.raises(ValueError, match="at least pp=4 micro-batches"):
         Pipeline(model, Layout(pp_size=4, pp_rank=0), num_microbatches=2, micro_batch_size=1)
 

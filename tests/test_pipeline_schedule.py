@@ -1,7 +1,7 @@
 """
 The pipeline runs the schedule it prints: in a 2-stage CPU run (gloo), for each schedule, the forwards and
-backwards each stage executes in train_step are exactly Pipeline.actions(stage), and the same list, read
-along the stage's row of schedule_table (the --pp-print-schedule table), without the idle slots.
+backwards each stage executes in train_step are exactly Pipeline.actions(stage), and the same list is the
+stage's line of schedule_text (what --pp-print-schedule prints).
 """
 
 import os
@@ -34,8 +34,8 @@ def _worker(rank, port, out_dir):
             setattr(pipe, method.__name__, lambda i, inputs, kind=kind, method=method: executed.append((kind, i)) or method(i, inputs))
         ids = torch.randint(0, 32, (MICROBATCHES, 1, 17), generator=torch.Generator().manual_seed(1))
         pipe.train_step([(x[:, :-1], x[:, 1:]) for x in ids])
-        row = pipe.schedule_table().splitlines()[1 + pipe.stage].split()[2:]
-        printed = [(cell[0], int(cell[1:])) for cell in row if cell != "."]
+        row = pipe.schedule_text().splitlines()[1 + pipe.stage].split()[2:]
+        printed = [(cell[0], int(cell[1:])) for cell in row]
         results[schedule] = (executed, pipe.actions(pipe.stage), printed)
     torch.save(results, os.path.join(out_dir, f"stage{rank}.pt"))
     dist.destroy_process_group()

@@ -1,22 +1,12 @@
 """
-Between nanochat checkpoints and Hugging Face folders (scripts/export_hf.py, scripts/import_hf.py).
+Between nanochat checkpoints and Hugging Face folders (scripts/export_hf.py, scripts/import_hf.py). An export
+folder holds config.json with configuration_nanochat.py and modeling_nanochat.py (trust_remote_code),
+model.safetensors (sharded above MAX_SHARD_SIZE) under nanochat's tensor names, generation_config.json,
+tokenizer.json, tokenizer_config.json, README.md (the model card), and nanochat_meta.json: the checkpoint's
+meta, so that an imported checkpoint resumes where it stopped.
 
-An export folder holds:
-  config.json, configuration_nanochat.py, modeling_nanochat.py   the model, for trust_remote_code
-  model.safetensors (or model-0000k-of-0000n.safetensors + model.safetensors.index.json above
-      MAX_SHARD_SIZE)   the checkpoint's tensors under their nanochat names
-  generation_config.json   <|bos|> begins and ends a document (so it is also eos and pad)
-  tokenizer.json, tokenizer_config.json   byte-level BPE with our split pattern, ranks and special tokens
-  nanochat_meta.json   the checkpoint's meta_<step>.json (config, flags, loop and data state): import
-      restores it, so an imported checkpoint resumes where the exported one stopped (weights only)
-  README.md   the model card
-
-The tokenizer: tiktoken merges the adjacent pair whose concatenation has the lowest rank; tokenizers' BPE
-merges by the position of the pair in its merge list. Listing, for every token, each split of it into two
-tokens, ordered by the token's rank, gives the same merges (the conversion transformers uses for tiktoken
-models); ignore_merges makes a pre-token that is itself a token come out whole, as tiktoken does. Typed
-special-token text encodes as plain text, like Tokenizer.encode (split_special_tokens), and the default
-add_special_tokens=True prepends <|bos|>, as training and evaluation do.
+The tokenizer: every split of every token into two tokens, ordered by the token's rank, is a merge list that
+merges as tiktoken's ranks do; ignore_merges keeps a pre-token that is a token whole, as tiktoken does.
 """
 
 import os
@@ -39,21 +29,11 @@ class ConvertError(UserError):
     """An export folder or checkpoint that cannot be converted; the message says why."""
 
 
-# -----------------------------------------------------------------------------
-# Tokenizer
-
-
 def bytes_to_unicode():
     """GPT-2's byte -> printable character map, which byte-level BPE vocabularies are written in."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]  # stand for chr(256), chr(257), ... in byte order
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
 
 
 def hf_tokenizer(tok: Tokenizer):
@@ -68,8 +48,7 @@ def hf_tokenizer(tok: Tokenizer):
         splits = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in ranks and token[i:] in ranks]
         merges += [(rank, ranks[l], ranks[r], as_str(l), as_str(r)) for l, r in splits]
     merges.sort()
-    bpe = models.BPE(vocab, [(l, r) for *_, l, r in merges], ignore_merges=True)
-    hf = HFTokenizer(bpe)
+    hf = HFTokenizer(models.BPE(vocab, [(l, r) for *_, l, r in merges], ignore_merges=True))
     hf.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(tok.pattern), behavior="isolated", invert=False),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
@@ -83,12 +62,6 @@ def hf_tokenizer(tok: Tokenizer):
     hf.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B:1",
                                                       special_tokens=[(bos, tok.bos_token_id)])
     return hf
-
-
-def tokenizer_config(model_max_length):
-    return {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|bos|>", "eos_token": "<|bos|>",
-            "pad_token": "<|bos|>", "add_bos_token": True, "split_special_tokens": True,
-            "clean_up_tokenization_spaces": False, "model_max_length": model_max_length}
 
 
 def tokenizer_from_hf(directory):
@@ -107,55 +80,9 @@ def tokenizer_from_hf(directory):
     return Tokenizer(ranks, split[0]["pattern"]["Regex"], specials)
 
 
-# -----------------------------------------------------------------------------
-# Config
-
-
-def hf_config(config: GPTConfig, bos_id, dtype):
-    """The NanochatConfig of a GPTConfig (window sizes resolved per layer)."""
-    from nanochat.hf.configuration_nanochat import NanochatConfig
-    from nanochat.l3 import default_n_emb
-    l3 = dict(l3_after_layers=list(config.l3_after_layers), l3_n_emb=config.l3_n_emb or default_n_emb(config.vocab_size, config.l3_k_max),
-              l3_d_up=config.l3_d_up or 4 * config.n_embd, l3_k_max=config.l3_k_max) \
-        if config.l3_after_layers else {}
-    hf = NanochatConfig(vocab_size=config.vocab_size, sequence_len=config.sequence_len, n_layer=config.n_layer,
-                        n_head=config.n_head, n_kv_head=config.n_kv_head, n_embd=config.n_embd,
-                        window_sizes=window_sizes(config), rotary_base=ROTARY_BASE, softcap=SOFTCAP,
-                        bos_token_id=bos_id, eos_token_id=bos_id, pad_token_id=bos_id, **l3)
-    hf.architectures = ["NanochatForCausalLM"]
-    hf.auto_map = {"AutoConfig": "configuration_nanochat.NanochatConfig",
-                   "AutoModelForCausalLM": "modeling_nanochat.NanochatForCausalLM"}
-    hf.dtype = dtype
-    return hf
-
-
-def gpt_config_from_hf(cfg: dict, meta: dict):
-    """The GPTConfig of an export's config.json: the original one from nanochat_meta.json when it agrees,
-    else the window pattern spelled out per layer."""
-    fields = {k: cfg[k] for k in ("sequence_len", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd")}
-    if cfg.get("l3_after_layers"):
-        fields.update(l3_after_layers=tuple(cfg["l3_after_layers"]), l3_n_emb=cfg["l3_n_emb"], l3_d_up=cfg["l3_d_up"],
-                      l3_k_max=cfg["l3_k_max"])
-    pattern = meta.get("model_config", {}).get("window_pattern")
-    seq = cfg["sequence_len"]
-    candidates = ([pattern] if pattern else []) + ["".join("S" if w < seq else "L" for w in cfg["window_sizes"])]
-    for p in candidates:
-        config = GPTConfig(**fields, window_pattern=p)
-        if window_sizes(config) == list(cfg["window_sizes"]):
-            return config
-    raise ConvertError(f"window_sizes {cfg['window_sizes']} in config.json are not a nanochat window pattern "
-                       f"(S = {window_sizes(GPTConfig(**fields, window_pattern='S'))[0]} tokens, L = {seq})")
-
-
-def expected_shapes(config: GPTConfig):
-    """Name -> shape of the tensors a nanochat checkpoint of this config holds (no memory: meta device)."""
-    with torch.device("meta"):
-        model = GPT(config)
-    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
-
-
 def check_state(state, config, source):
-    want = expected_shapes(config)
+    with torch.device("meta"):  # the shapes of a checkpoint of this config, without memory
+        want = {k: tuple(v.shape) for k, v in GPT(config).state_dict().items()}
     missing, extra = sorted(set(want) - set(state)), sorted(set(state) - set(want))
     wrong = [k for k in want if k in state and tuple(state[k].shape) != want[k]]
     if missing or extra or wrong:
@@ -163,62 +90,14 @@ def check_state(state, config, source):
                            f"wrong shapes {wrong[:3]}")
 
 
-# -----------------------------------------------------------------------------
-# Weights
-
-
-def write_weights(state, out_dir, dtype=torch.float32, max_shard_size=MAX_SHARD_SIZE):
-    """safetensors, sharded above max_shard_size (huggingface_hub's split). Floating tensors in `dtype`,
-    integer ones (L3's allocation) as they are. Returns the files written."""
-    from huggingface_hub import split_torch_state_dict_into_shards
-    from safetensors.torch import save_file
-    state = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in state.items()}
-    split = split_torch_state_dict_into_shards(state, filename_pattern="model{suffix}.safetensors",
-                                               max_shard_size=max_shard_size)
-    for filename, names in split.filename_to_tensors.items():
-        save_file({n: state[n] for n in names}, os.path.join(out_dir, filename), metadata={"format": "pt"})
-    if split.is_sharded:
-        index = {"metadata": {"total_size": sum(v.numel() * v.element_size() for v in state.values())},
-                 "weight_map": split.tensor_to_filename}
-        with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
-            json.dump(index, f, indent=2, sort_keys=True)
-    return sorted(split.filename_to_tensors)
-
-
-def read_weights(directory):
-    """Name -> tensor from model.safetensors or its shards."""
-    from safetensors.torch import load_file
-    index = os.path.join(directory, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    elif os.path.exists(os.path.join(directory, "model.safetensors")):
-        files = ["model.safetensors"]
-    else:
-        raise ConvertError(f"no model.safetensors (or model.safetensors.index.json) in {directory}")
-    state = {}
-    for name in files:
-        state.update(load_file(os.path.join(directory, name)))
-    return state
-
-
-# -----------------------------------------------------------------------------
-# The model card
-
-
 def model_card(meta, repo_id=None, core=None):
-    """README.md: what the model is and what its checkpoint recorded (training flags, tokens seen, val bpb, CORE)."""
+    """README.md: how to load the model and what its checkpoint recorded."""
     na = "not recorded"
     cfg = meta.get("model_config", {})
-    loop = meta.get("loop_state", {})
-    bpb = loop.get("min_val_bpb")
+    bpb = meta.get("loop_state", {}).get("min_val_bpb")
     bpb = f"{bpb:.4f} (best during training)" if isinstance(bpb, (int, float)) and math.isfinite(bpb) else na
-    tokens = meta.get("tokens_seen")
-    tokens = f"{tokens:,}" if tokens else na
+    tokens = f"{meta['tokens_seen']:,}" if meta.get("tokens_seen") else na
     core = f"{core:.4f} (scripts.base_eval)" if core is not None else na
-    name = repo_id or f"nanochat {meta.get('model_tag', '')}".strip()
-    layout = meta.get("layout")
-    layout = " x ".join(f"{k} {v}" for k, v in layout.items()) if layout else na
     flags = meta.get("user_config")
     flag_lines = "\n".join(f"{k}: {v}" for k, v in sorted(flags.items())) if flags else na
     return f"""---
@@ -228,17 +107,16 @@ tags:
 - nanochat
 ---
 
-# {name}
+# {repo_id or f"nanochat {meta.get('model_tag', '')}".strip()}
 
-A base (pretrained, not chat-tuned) language model trained with [nanochat](https://github.com/karpathy/nanochat):
-a decoder-only transformer with value embeddings, smear, backout, QK-norm, ReLU^2, sliding-window attention
-and soft-capped logits. Its modeling code ships in this folder:
+A base (not chat-tuned) model trained with [nanochat](https://github.com/karpathy/nanochat); its modeling code
+ships in this folder. The tokenizer prepends `<|bos|>`, and generation stops at the next one.
 
 ```python
 from transformers import AutoModelForCausalLM, AutoTokenizer
 model = AutoModelForCausalLM.from_pretrained("{repo_id or 'DIR'}", trust_remote_code=True)
 tokenizer = AutoTokenizer.from_pretrained("{repo_id or 'DIR'}")
-ids = tokenizer("The capital of France is", return_tensors="pt")   # starts with <|bos|>
+ids = tokenizer("The capital of France is", return_tensors="pt")
 print(tokenizer.decode(model.generate(**ids, max_new_tokens=32, do_sample=False)[0]))
 ```
 
@@ -252,12 +130,8 @@ print(tokenizer.decode(model.generate(**ids, max_new_tokens=32, do_sample=False)
 | context / window pattern | {cfg.get('sequence_len', na)} / {cfg.get('window_pattern', na)} |
 | vocabulary | {cfg.get('vocab_size', na)} |
 | L3 layers after blocks | {list(cfg.get('l3_after_layers', [])) or 'none'} |
-| training layout | {layout} |
 
-Every document began with `<|bos|>` in training; the tokenizer prepends it (add_special_tokens=True) and
-generation stops at the next one. No chat template yet.
-
-## Training configuration
+Training flags:
 
 ```
 {flag_lines}
@@ -265,26 +139,14 @@ generation stops at the next one. No chat template yet.
 """
 
 
-def read_core(csv_path):
-    """The CORE row of a base_eval CSV, or None."""
-    if not os.path.exists(csv_path):
-        return None
-    with open(csv_path) as f:
-        for line in f:
-            parts = line.strip().split(",")
-            if parts[0] == "CORE":
-                return float(parts[2])
-    return None
-
-
-# -----------------------------------------------------------------------------
-# Export and import
-
-
 def export(model_state, meta, tok: Tokenizer, out_dir, dtype=torch.float32, core=None, repo_id=None,
            max_shard_size=MAX_SHARD_SIZE):
     """Write an export folder from a checkpoint's full tensors and meta. Returns the weight files."""
     from transformers import GenerationConfig
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+    from nanochat.hf.configuration_nanochat import NanochatConfig
+    from nanochat.l3 import default_n_emb
     config = GPTConfig.from_dict(meta["model_config"])
     check_state(model_state, config, "the checkpoint")
     if tok.get_vocab_size() != config.vocab_size:
@@ -292,22 +154,47 @@ def export(model_state, meta, tok: Tokenizer, out_dir, dtype=torch.float32, core
                            f"export with the tokenizer it was trained with (NANOCHAT_BASE_DIR/tokenizer)")
     os.makedirs(out_dir, exist_ok=True)
     bos = tok.get_bos_token_id()
-    hf_config(config, bos, str(dtype).removeprefix("torch.")).save_pretrained(out_dir)
+    l3 = dict(l3_after_layers=list(config.l3_after_layers), l3_d_up=config.l3_d_up or 4 * config.n_embd,
+              l3_n_emb=config.l3_n_emb or default_n_emb(config.vocab_size, config.l3_k_max),
+              l3_k_max=config.l3_k_max) if config.l3_after_layers else {}
+    hf = NanochatConfig(vocab_size=config.vocab_size, sequence_len=config.sequence_len, n_layer=config.n_layer,
+                        n_head=config.n_head, n_kv_head=config.n_kv_head, n_embd=config.n_embd,
+                        window_sizes=window_sizes(config), rotary_base=ROTARY_BASE, softcap=SOFTCAP,
+                        bos_token_id=bos, eos_token_id=bos, pad_token_id=bos, **l3)
+    hf.architectures = ["NanochatForCausalLM"]
+    hf.auto_map = {"AutoConfig": "configuration_nanochat.NanochatConfig",
+                   "AutoModelForCausalLM": "modeling_nanochat.NanochatForCausalLM"}
+    hf.dtype = str(dtype).removeprefix("torch.")
+    hf.save_pretrained(out_dir)
     for name in MODEL_FILES:
         shutil.copyfile(os.path.join(HERE, name), os.path.join(out_dir, name))
     GenerationConfig(bos_token_id=bos, eos_token_id=bos, pad_token_id=bos).save_pretrained(out_dir)
     hf_tokenizer(tok).save(os.path.join(out_dir, "tokenizer.json"))
-    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
-        json.dump(tokenizer_config(config.sequence_len), f, indent=2)
-    with open(os.path.join(out_dir, "nanochat_meta.json"), "w") as f:
-        json.dump(meta, f, indent=2)
-    with open(os.path.join(out_dir, "README.md"), "w") as f:
-        f.write(model_card(meta, repo_id, core))
-    return write_weights(model_state, out_dir, dtype, max_shard_size)
+    tok_config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|bos|>", "eos_token": "<|bos|>",
+                  "pad_token": "<|bos|>", "add_bos_token": True, "split_special_tokens": True,
+                  "clean_up_tokenization_spaces": False, "model_max_length": config.sequence_len}
+    for name, text in [("tokenizer_config.json", json.dumps(tok_config, indent=2)),
+                       ("nanochat_meta.json", json.dumps(meta, indent=2)),
+                       ("README.md", model_card(meta, repo_id, core))]:
+        with open(os.path.join(out_dir, name), "w") as f:
+            f.write(text)
+    # safetensors, sharded above max_shard_size; floating tensors in `dtype`, integer ones (L3's allocation) as is
+    state = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in model_state.items()}
+    split = split_torch_state_dict_into_shards(state, filename_pattern="model{suffix}.safetensors",
+                                               max_shard_size=max_shard_size)
+    for filename, names in split.filename_to_tensors.items():
+        save_file({n: state[n] for n in names}, os.path.join(out_dir, filename), metadata={"format": "pt"})
+    if split.is_sharded:
+        index = {"metadata": {"total_size": sum(v.numel() * v.element_size() for v in state.values())},
+                 "weight_map": split.tensor_to_filename}
+        with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+            json.dump(index, f, indent=2, sort_keys=True)
+    return sorted(split.filename_to_tensors)
 
 
 def load_export(directory):
     """(fp32 state in nanochat names, GPTConfig, meta) of an export folder."""
+    from safetensors.torch import load_file
     path = os.path.join(directory, "config.json")
     if not os.path.exists(path):
         raise ConvertError(f"no config.json in {directory}: pass a folder written by scripts.export_hf")
@@ -320,7 +207,29 @@ def load_export(directory):
     if os.path.exists(meta_path):
         with open(meta_path) as f:
             meta = json.load(f)
-    config = gpt_config_from_hf(cfg, meta)
-    state = {k: (v.float() if v.is_floating_point() else v) for k, v in read_weights(directory).items()}
+    # the GPTConfig: the original window pattern (nanochat_meta.json) when it agrees, else spelled out per layer
+    fields = {k: cfg[k] for k in ("sequence_len", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd")}
+    if cfg.get("l3_after_layers"):
+        fields.update(l3_after_layers=tuple(cfg["l3_after_layers"]), l3_n_emb=cfg["l3_n_emb"], l3_d_up=cfg["l3_d_up"],
+                      l3_k_max=cfg["l3_k_max"])
+    pattern, seq = meta.get("model_config", {}).get("window_pattern"), cfg["sequence_len"]
+    patterns = ([pattern] if pattern else []) + ["".join("S" if w < seq else "L" for w in cfg["window_sizes"])]
+    for p in patterns:
+        config = GPTConfig(**fields, window_pattern=p)
+        if window_sizes(config) == list(cfg["window_sizes"]):
+            break
+    else:
+        raise ConvertError(f"window_sizes {cfg['window_sizes']} in config.json are not a nanochat window pattern "
+                           f"(S = {window_sizes(GPTConfig(**fields, window_pattern='S'))[0]} tokens, L = {seq})")
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.exists(os.path.join(directory, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        raise ConvertError(f"no model.safetensors (or model.safetensors.index.json) in {directory}")
+    state = {k: (v.float() if v.is_floating_point() else v)
+             for name in files for k, v in load_file(os.path.join(directory, name)).items()}
     check_state(state, config, directory)
     return state, config, meta

@@ -1,8 +1,6 @@
 """
-nanochat's GPT for transformers: what an exported folder runs with
-AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True). Plain PyTorch and transformers only
-(copied into the export folder; it imports nothing from nanochat), written from nanochat/gpt.py's math so
-that fp32 logits equal the training model's:
+nanochat's GPT for transformers (AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)): plain
+PyTorch and transformers, importing nothing from nanochat, with nanochat/gpt.py's math (equal fp32 logits):
 
 - token embedding, RMSNorm (no weight), smear: x[t] += smear_lambda * sigmoid(smear_gate(x[t][:24])) * x[t-1]
 - blocks: x = resid_lambda * x + x0_lambda * x0; x += attn(norm(x)); x += mlp(norm(x)), MLP = relu(.)^2
@@ -13,12 +11,8 @@ that fp32 logits equal the training model's:
 - backout: subtract backout_lambda * (the input of block n_layer // 2) before the final norm
 - untied lm_head; logits 15 * tanh(raw / 15) in fp32
 
-Parameter names are nanochat's own, so the safetensors keys are its checkpoint keys. Attention is SDPA with
-the windows (and any padding) as a boolean mask. Padding: left or right, through attention_mask (a padded
-key is never attended to; a token after padding smears in zeros, as at the start of a sequence). The KV
-cache is transformers' DynamicCache; the smear needs the token before the first new one, which
-prepare_inputs_for_generation passes as smear_prev_ids. transformers 5.24 renamed the cache argument and
-output field from `past_key_values` to `cache`: forward takes either and returns the one this version uses.
+Parameter names are nanochat's own. SDPA takes the windows and padding (left or right) as one boolean mask; a
+token after padding smears in zeros; generate passes the token before the first new one as smear_prev_ids.
 """
 
 import torch
@@ -30,7 +24,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration_nanochat import NanochatConfig
 
-# the output's cache field: `cache` from transformers 5.24 on, `past_key_values` before
+# transformers 5.24 renamed `past_key_values` (argument and output) to `cache`: forward takes either
 CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 VE_GATE_CHANNELS = 32
@@ -47,11 +41,11 @@ def has_value_embed(layer_idx, n_layer):
     return layer_idx % 2 == (n_layer - 1) % 2
 
 
-def rotary(positions, head_dim, base):
-    """cos, sin (1, T, 1, D/2) in fp32 for integer positions (T,)."""
+def rotary(positions, head_dim, base, dtype):
+    """cos, sin (1, T, 1, D/2) for integer positions (T,), computed in fp32, returned in `dtype`."""
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim))
     freqs = torch.outer(positions.float(), inv_freq)
-    return freqs.cos()[None, :, None, :], freqs.sin()[None, :, None, :]
+    return freqs.cos()[None, :, None, :].to(dtype), freqs.sin()[None, :, None, :].to(dtype)
 
 
 def rotary_norm(x, cos, sin):
@@ -85,22 +79,17 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x, ve, cos, sin, mask, cache):
         B, T, _ = x.shape
-        hd = self.head_dim
-        q = self.c_q(x).view(B, T, -1, hd)
-        k = self.c_k(x).view(B, T, -1, hd)
-        v = self.c_v(x).view(B, T, -1, hd)
+        q, k, v = (proj(x).view(B, T, -1, self.head_dim) for proj in (self.c_q, self.c_k, self.c_v))
         if ve is not None:
             gate = 2 * torch.sigmoid(self.ve_gate(x[..., :VE_GATE_CHANNELS]))
-            v = v + gate.unsqueeze(-1) * ve.view(B, T, -1, hd)
+            v = v + gate.unsqueeze(-1) * ve.view(B, T, -1, self.head_dim)
         q, k = rotary_norm(q, cos, sin), rotary_norm(k, cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
-        gqa = q.size(1) != k.size(1)
-        if mask is None:  # full context, no cache, no padding
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        # no mask: full context, no cache, no padding
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                           enable_gqa=q.size(1) != k.size(1))
         return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -168,19 +157,18 @@ class L3Layer(nn.Module):
 
 
 def attention_mask_4d(q_len, past_len, window, attention_mask, device):
-    """Boolean (B or 1, 1, T, S) mask: causal, at most `window` keys back (the query included), no padded key
-    except the query itself (so a padded query row stays finite)."""
+    """Boolean (B or 1, 1, T, S): causal, at most `window` keys back (the query included), no padded key but
+    the query itself (a padded query row stays finite)."""
     S = past_len + q_len
     q_pos = torch.arange(past_len, S, device=device)[:, None]
     k_pos = torch.arange(S, device=device)[None, :]
     mask = (k_pos <= q_pos) & (q_pos - k_pos < window)
-    if attention_mask is None:
-        return mask
-    keep = attention_mask[:, None, None, :S].bool() | (k_pos == q_pos)
-    return mask & keep
+    if attention_mask is not None:
+        mask = mask & (attention_mask[:, None, None, :S].bool() | (k_pos == q_pos))
+    return mask
 
 
-class NanochatPreTrainedModel(PreTrainedModel):
+class NanochatForCausalLM(PreTrainedModel, GenerationMixin):
     config_class = NanochatConfig
     base_model_prefix = "nanochat"
     _no_split_modules = ["Block"]
@@ -189,8 +177,6 @@ class NanochatPreTrainedModel(PreTrainedModel):
     def _init_weights(self, module):
         """The weights always come from a checkpoint; nothing is trained from this init."""
 
-
-class NanochatForCausalLM(NanochatPreTrainedModel, GenerationMixin):
     def __init__(self, config):
         super().__init__(config)
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
@@ -211,10 +197,8 @@ class NanochatForCausalLM(NanochatPreTrainedModel, GenerationMixin):
 
     def embed(self, idx, smear_prev_ids, prev_valid):
         x = norm(self.wte(idx))
-        if smear_prev_ids is not None:  # decoding with a cache: the token before the first new one
-            first = norm(self.wte(smear_prev_ids))
-        else:
-            first = torch.zeros_like(x[:, :1])
+        # decoding with a cache: smear_prev_ids is the token before the first new one
+        first = norm(self.wte(smear_prev_ids)) if smear_prev_ids is not None else torch.zeros_like(x[:, :1])
         prev = torch.cat([first, x[:, :-1]], dim=1)
         if prev_valid is not None:
             prev = prev * prev_valid[..., None].to(prev.dtype)
@@ -224,7 +208,7 @@ class NanochatForCausalLM(NanochatPreTrainedModel, GenerationMixin):
     def forward(self, input_ids, attention_mask=None, cache=None, use_cache=None, labels=None,
                 smear_prev_ids=None, logits_to_keep=0, past_key_values=None, **kwargs):
         cfg = self.config
-        cache = cache if cache is not None else past_key_values  # either name (see the docstring)
+        cache = cache if cache is not None else past_key_values  # either name (see CACHE_FIELD)
         B, T = input_ids.shape
         use_cache = cfg.use_cache if use_cache is None else use_cache
         if use_cache and cache is None:
@@ -236,16 +220,11 @@ class NanochatForCausalLM(NanochatPreTrainedModel, GenerationMixin):
         S = past_len + T
         if attention_mask is not None and bool(attention_mask[:, :S].all()):
             attention_mask = None  # no padding: the plain causal path
-        prev_valid = None
-        if attention_mask is not None:  # the smear reads zeros after a padded position
-            prev_valid = F.pad(attention_mask[:, :S], (1, 0))[:, past_len:S]
-        x = self.embed(input_ids, smear_prev_ids, prev_valid)
-        x0 = x
-        head_dim = cfg.n_embd // cfg.n_head
-        cos, sin = rotary(torch.arange(past_len, S, device=x.device), head_dim, cfg.rotary_base)
-        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-        masks = {}
-        x_mid = None
+        # the smear reads zeros after a padded position
+        prev_valid = F.pad(attention_mask[:, :S], (1, 0))[:, past_len:S] if attention_mask is not None else None
+        x0 = x = self.embed(input_ids, smear_prev_ids, prev_valid)
+        cos, sin = rotary(torch.arange(past_len, S, device=x.device), cfg.n_embd // cfg.n_head, cfg.rotary_base, x.dtype)
+        masks, x_mid = {}, None  # one mask per window size; x_mid: the input of the backout layer
         for i, block in enumerate(self.blocks):
             window = cfg.window_sizes[i]
             plain = attention_mask is None and past_len == 0 and window >= T

@@ -35,8 +35,7 @@ MODES = ("auto", "reference")
 
 class Kernels:
     """The switch, and what the fast paths settle before torch.compile traces the model (deciding inside a trace
-    is slow and fragile): where FlashAttention-4 runs, and FlexAttention's block masks of the sliding windows at
-    the training length."""
+    is slow and fragile): where FlashAttention-4 runs, FlexAttention's block masks at the training length."""
 
     def __init__(self, mode):
         self.mode = self.check(mode, "NANOCHAT_KERNELS=")
@@ -91,9 +90,8 @@ def tunable_linears(model):
 
 
 def tune_wgrad_splits(model, tokens, dtype):
-    """Per weight shape of the model's Linears (both dims >= 128), the split-K that makes its weight gradient
-    fastest on this GPU: {(out, in): (split, ms plain, ms split)} for set_wgrad_splits; {} off CUDA and in
-    reference mode."""
+    """Per weight shape of the model's Linears (both dims >= 128), the split-K fastest for its weight gradient here:
+    {(out, in): (split, ms plain, ms split)} for set_wgrad_splits; {} off CUDA and in reference mode."""
     return splitk.tune(tunable_linears(model), tokens, dtype) if KERNELS.on else {}
 
 
@@ -129,8 +127,7 @@ def prepare_attention(config, window_sizes, device, dtype):
     for window in set(window_sizes):
         if window < T and (T, window, str(device)) not in KERNELS.block_masks:
             KERNELS.block_masks[T, window, str(device)] = sdpa.block_mask(T, window, device)
-    windowed = min(window_sizes) < T
-    return "SDPA (cuDNN)" + (" + FlexAttention for the sliding windows" if windowed else "")
+    return "SDPA (cuDNN)" + (" + FlexAttention for the sliding windows" if min(window_sizes) < T else "")
 
 
 # what --recompute selective keeps rather than runs again in the backward (gpt.Block): the outputs of the ops that
@@ -152,8 +149,7 @@ def takes_fa4(q):
     return q.is_cuda and fa4_runs(q.device, q.dtype, q.size(-1))
 
 
-def takes_cudnn(q, window):
-    """cuDNN through SDPA takes the full context on CUDA."""
+def takes_cudnn(q, window):  # cuDNN through SDPA: the full context on CUDA
     return q.is_cuda and window >= q.size(2)
 
 
@@ -182,13 +178,12 @@ def attention(q, k, v, window):
 
 
 def takes_fused_mlp(x, c_fc, c_proj):
-    """The fused kernels take the plain Linears only: tensor parallelism swaps in its own, which take the
-    module path, and fp8 replaces the whole MLP (fp8.Fp8MLP)."""
+    """The plain Linears only: tensor parallelism's take the module path; fp8 replaces the whole MLP (Fp8MLP)."""
     return KERNELS.on and type(c_fc) is Linear and type(c_proj) is Linear and relu_square_mm.supported(x)
 
 
 def fused_mlp(x, c_fc, c_proj):
-    """c_proj(relu(c_fc(x))^2) with ReLU^2 inside both products, the weight gradients split as the Linears'."""
+    """ReLU^2 inside both products, the weight gradients split as the Linears'."""
     rows = x.reshape(-1, x.size(-1))
     out = relu_square_mm.FusedMLP.apply(rows, c_fc.weight.to(x.dtype), c_proj.weight.to(x.dtype),
                                         splitk.split_for(rows, c_fc.wgrad_split), splitk.split_for(rows, c_proj.wgrad_split))
@@ -196,7 +191,6 @@ def fused_mlp(x, c_fc, c_proj):
 
 
 def relu_square(h):
-    """relu(h)^2 as a Function that keeps only its output for the backward (relu(h) = sqrt(y))."""
     return relu_square_mm.ReluSquare.apply(h)
 
 
@@ -214,7 +208,6 @@ def takes_rotary_norm(x):
 
 
 def rotary_norm(x, cos, sin, scale):
-    """scale * rms_norm(rotate(x)) for x (B, T, H, D) and cos/sin (1, T, 1, D/2), on the Triton kernels."""
     return rotary.rotary_norm_op(x, cos, sin, scale)
 
 
@@ -223,6 +216,4 @@ def takes_head_loss(x):
 
 
 def head_losses(x, weight, targets, cap):
-    """Per-token cross-entropy (N,) fp32 of the soft-capped logits x @ weight^T (ignore_index=-1: 0 there), the
-    matmul and the loss as one function around the Triton kernel."""
     return softcap_ce.kernel_head_losses(x, weight, targets, cap)

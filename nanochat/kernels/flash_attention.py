@@ -7,12 +7,11 @@ DSL, compiled on first use) behind one custom op, which torch.compile keeps as o
     query's log-sum-exp of scaled scores, which the backward needs.
 
 Sliding windows run natively (the kernels skip the tiles outside the band), in the (B, T, H, D) layout the
-projections produce. Off the GPU the op runs the same math in PyTorch (math_attention), which the CPU tests use
-to check its plumbing: shapes, the window convention, the log-sum-exp, the gradients through its backward.
+projections produce. The op runs on CUDA only; the CPU tests register its math in PyTorch as the op's CPU kernel
+to check its plumbing (tests/test_flash_attention.py).
 """
 
 import functools
-import math
 import warnings
 
 import torch
@@ -49,76 +48,26 @@ def _left(window, T):
     return window - 1 if window < T else None
 
 
-def _probabilities(q, k, window):
-    """Softmax probabilities P (B, Hq, T, T) and lse (B, Hq, T), fp32, with k already expanded to Hq heads."""
-    T, D = q.size(1), q.size(3)
-    scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) / math.sqrt(D)
-    pos = torch.arange(T, device=q.device)
-    offset = pos[:, None] - pos[None, :]  # query position - key position
-    scores = scores.masked_fill((offset < 0) | (offset >= window), float("-inf"))
-    lse = scores.logsumexp(dim=-1)
-    return (scores - lse[..., None]).exp(), lse
-
-
-def _expand(t, heads):
-    return t.repeat_interleave(heads // t.size(2), dim=2)  # GQA: each kv head serves heads/Hkv query heads
-
-
-def math_attention(q, k, v, window):
-    """The op's forward in PyTorch: (out, lse) as the kernels return them."""
-    p, lse = _probabilities(q, _expand(k, q.size(2)), window)
-    out = torch.einsum("bhqk,bkhd->bqhd", p, _expand(v, q.size(2)).float())
-    return out.to(q.dtype).contiguous(), lse.contiguous()
-
-
-def math_attention_backward(dout, q, k, v, out, window):
-    """The op's backward in PyTorch, as flash kernels compute it (recomputing P):
-    dV = P^T dO, dS = P * (dO V^T - rowsum(dO * O)), dQ = dS K / sqrt(D), dK = dS^T Q / sqrt(D);
-    under GQA the query heads that share a kv head add their dK and dV."""
-    Hq, Hkv, D = q.size(2), k.size(2), q.size(3)
-    ke, ve = _expand(k, Hq).float(), _expand(v, Hq).float()
-    p, _ = _probabilities(q, ke, window)
-    dout = dout.float()
-    dv = torch.einsum("bhqk,bqhd->bkhd", p, dout)
-    dp = torch.einsum("bqhd,bkhd->bhqk", dout, ve)
-    ds = p * (dp - (dout * out.float()).sum(-1).transpose(1, 2)[..., None]) / math.sqrt(D)
-    dq = torch.einsum("bhqk,bkhd->bqhd", ds, ke)
-    dk = torch.einsum("bhqk,bqhd->bkhd", ds, q.float())
-    dk, dv = (t.unflatten(2, (Hkv, Hq // Hkv)).sum(3) for t in (dk, dv))
-    return dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous()
-
-
 @torch.library.custom_op("nanochat::flash_attention", mutates_args=())
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
-    if q.is_cuda:
-        out, lse = _fa4()._flash_attn_fwd(q, k, v, causal=True, window_size_left=_left(window, q.size(1)),
-                                          return_lse=True)
-        return out, lse
-    return math_attention(q, k, v, window)
+    return _fa4()._flash_attn_fwd(q, k, v, causal=True, window_size_left=_left(window, q.size(1)), return_lse=True)
 
 
 @torch.library.custom_op("nanochat::flash_attention_backward", mutates_args=())
 def flash_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                              lse: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if q.is_cuda:
-        return _fa4()._flash_attn_bwd(q, k, v, out, dout, lse, causal=True, window_size_left=_left(window, q.size(1)))
-    return math_attention_backward(dout, q, k, v, out, window)
+    return _fa4()._flash_attn_bwd(q, k, v, out, dout, lse, causal=True, window_size_left=_left(window, q.size(1)))
 
 
-@flash_attention.register_fake
-def _(q, k, v, window):
-    B, T, H, _ = q.shape  # the kernels return fresh contiguous tensors
-    return q.new_empty(q.shape), q.new_empty(B, H, T, dtype=torch.float32)
-
-
-@flash_attention_backward.register_fake
-def _(dout, q, k, v, out, lse, window):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+# the outputs' shapes, for torch.compile's tracing: the kernels return fresh contiguous tensors, lse (B, Hq, T)
+flash_attention.register_fake(
+    lambda q, k, v, window: (q.new_empty(q.shape), q.new_empty(q.size(0), q.size(2), q.size(1), dtype=torch.float32)))
+flash_attention_backward.register_fake(
+    lambda dout, q, k, v, out, lse, window: (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, window = inputs
-    out, lse = output
+    (q, k, v, window), (out, lse) = inputs, output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.window = window
 

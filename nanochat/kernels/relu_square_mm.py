@@ -30,8 +30,7 @@ except ImportError:  # CPU-only installs: relu_square between the Linears is use
 
 RELU_SQUARE, RELU_SQUARE_GRAD = 0, 1  # the two epilogues
 
-# per (epilogue, fp8 operands): (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_stages, num_warps), chosen on H200s
-# with dev/bench_relu_square_mm.py (dev/LOG.md)
+# per (epilogue, fp8 operands): (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_stages, num_warps), tuned on H200s (dev/LOG.md)
 CONFIGS = {(RELU_SQUARE, False): (128, 256, 64, 8, 3, 8), (RELU_SQUARE_GRAD, False): (128, 256, 64, 4, 3, 8),
            (RELU_SQUARE, True): (128, 256, 128, 8, 3, 8), (RELU_SQUARE_GRAD, True): (128, 256, 128, 4, 3, 8)}
 
@@ -94,25 +93,19 @@ def _launch(a, b, epilogue, y=None, config=None, scale=None, out_dtype=None):
     b_desc = TensorDescriptor.from_tensor(b, [block_n, block_k])
     c_desc = TensorDescriptor.from_tensor(c, [block_m, block_n // 2])
     y_desc = TensorDescriptor.from_tensor(y, [block_m, block_n // 2]) if y is not None else c_desc
-    tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
-    programs = min(tiles, _sm_count(a.device))
+    # one program per SM; under the interpreter (tests) a few, so that the persistent loop runs more than once
+    sms = torch.cuda.get_device_properties(a.device).multi_processor_count if a.is_cuda else 4
+    programs = min(triton.cdiv(M, block_m) * triton.cdiv(N, block_n), sms)
     _mm_kernel[(programs,)](a_desc, b_desc, c_desc, y_desc, scale, amax, M, N, K,
                             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
                             NUM_PROGRAMS=programs, EPILOGUE=epilogue, FP8=fp8, num_stages=stages, num_warps=warps)
     return (c, amax) if fp8 else c
 
 
-def _sm_count(device):
-    if device.type != "cuda":
-        return 4  # the interpreter (tests): a few programs, so the persistent loop runs more than once
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def supported(x):
     """Whether the kernels take the activations x (..., C): on CUDA with Triton installed, 16-bit floats, and
     rows of a multiple of 16 bytes, as TMA needs (the weights, (4C, C) and (C, 4C), follow)."""
-    return (triton is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
-            and x.size(-1) % 8 == 0)
+    return triton is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.size(-1) % 8 == 0
 
 
 def _tma_ready(t):
@@ -131,19 +124,8 @@ def fc_relu_square(x: torch.Tensor, w_fc: torch.Tensor) -> torch.Tensor:
 def relu_square_input_grad(dy: torch.Tensor, w_proj: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """(dy @ w_proj) * 2 sqrt(y): the gradient at ReLU^2's input, for dy (M, C) at c_proj's output,
     w_proj (C, 4C) and y (M, 4C) = ReLU^2's output."""
-    # from a transposed copy of w_proj (13 MB at d20): the kernel then reads B as the forward does, (N, K);
-    # reading w_proj as it lies, (K, N), ran 9% slower at d20 on an H200, and as fast at d12 (dev/LOG.md)
+    # from a transposed copy of w_proj: B read as the forward reads it, (N, K), beats (K, N) at d20 (dev/LOG.md)
     return _launch(_tma_ready(dy), w_proj.t().contiguous(), RELU_SQUARE_GRAD, y=_tma_ready(y))
-
-
-@fc_relu_square.register_fake
-def _(x, w_fc):
-    return x.new_empty((x.size(0), w_fc.size(0)))
-
-
-@relu_square_input_grad.register_fake
-def _(dy, w_proj, y):
-    return torch.empty_like(y, memory_format=torch.contiguous_format)
 
 
 @torch.library.custom_op("nanochat::fc_relu_square_fp8", mutates_args=())
@@ -162,22 +144,20 @@ def relu_square_input_grad_fp8(dy8: torch.Tensor, w_proj8_t: torch.Tensor, y: to
                    out_dtype=y.dtype)
 
 
-@fc_relu_square_fp8.register_fake
-def _(x8, w_fc8, scale, out_dtype):
-    return x8.new_empty((x8.size(0), w_fc8.size(0)), dtype=out_dtype), scale.new_empty(())
-
-
-@relu_square_input_grad_fp8.register_fake
-def _(dy8, w_proj8_t, y, scale):
-    return torch.empty_like(y, memory_format=torch.contiguous_format), scale.new_empty(())
+# the outputs' shapes and dtypes, for torch.compile's tracing (fresh contiguous tensors; the amax is 0-d fp32)
+fc_relu_square.register_fake(lambda x, w_fc: x.new_empty((x.size(0), w_fc.size(0))))
+relu_square_input_grad.register_fake(lambda dy, w_proj, y: torch.empty_like(y, memory_format=torch.contiguous_format))
+fc_relu_square_fp8.register_fake(lambda x8, w_fc8, scale, out_dtype: (
+    x8.new_empty((x8.size(0), w_fc8.size(0)), dtype=out_dtype), scale.new_empty(())))
+relu_square_input_grad_fp8.register_fake(lambda dy8, w_proj8_t, y, scale: (
+    torch.empty_like(y, memory_format=torch.contiguous_format), scale.new_empty(())))
 
 
 # ---- the MLP around the kernels, and without them ----
 
 class FusedMLP(torch.autograd.Function):
-    """c_proj(relu(c_fc(x))^2) for x (tokens, C), with ReLU^2 inside the products beside it: in the forward,
-    c_fc's; in the backward, c_proj's input gradient. It keeps what the unfused path keeps, x and
-    y = relu(h)^2, and splits the weight gradients as the Linears would (splitk.py)."""
+    """c_proj(relu(c_fc(x))^2) for x (tokens, C), ReLU^2 inside c_fc's product and c_proj's input gradient. It keeps
+    what the unfused path keeps, x and y = relu(h)^2, and splits the weight gradients as the Linears would."""
 
     @staticmethod
     def forward(ctx, x, w_fc, w_proj, fc_split, proj_split):
@@ -196,10 +176,8 @@ class FusedMLP(torch.autograd.Function):
 
 
 class ReluSquare(torch.autograd.Function):
-    """relu(h)^2 that keeps only its output y for the backward, not h too: relu(h) = sqrt(y), so the gradient
-    2 relu(h) dy needs nothing else, and c_proj keeps y anyway for its weight gradient: one (tokens, 4C)
-    activation a layer instead of two (dev/LOG.md, 2026-11-22). In bf16, sqrt(y) is relu(h) to within half of
-    y's rounding error, finer than h's own bf16 rounding."""
+    """relu(h)^2 keeping only y for the backward, 2 sqrt(y) dy (dev/LOG.md, 2026-11-22). In bf16, sqrt(y) is
+    relu(h) to within half of y's rounding error, finer than h's own bf16 rounding."""
 
     @staticmethod
     def forward(ctx, h):

@@ -66,49 +66,41 @@ if triton is not None:
 
 
 def supported(x):
-    """Whether the kernels take x: a CUDA tensor, with Triton installed. (No gradient flows to cos/sin through
-    them: they are fixed tables.)"""
+    """Whether the kernels take x: a CUDA tensor, with Triton installed (cos/sin, fixed tables, get no gradient)."""
     return triton is not None and x.is_cuda
 
 
-def _launch(kernel, x, cos, sin, *tensors, scale):
-    """Launch over all head vectors of x (B, T, H, D), contiguous; cos/sin (1, T, 1, D/2)."""
+def _launch(kernel, x, cos, sin, scale, *inputs):
+    """Launch over all head vectors of x (B, T, H, D), cos/sin (1, T, 1, D/2), and the backward's dy (`inputs`).
+    Returns the output, y or dx, a fresh contiguous tensor like x."""
     B, T, H, D = x.shape
-    cos, sin = cos.reshape(T, D // 2), sin.reshape(T, D // 2)
     half = D // 2
+    x, cos, sin = x.contiguous(), cos.contiguous().reshape(T, half), sin.contiguous().reshape(T, half)
+    out = torch.empty_like(x)
     block_half = triton.next_power_of_2(half)
     rows_per_program = max(1, 2048 // block_half)  # ~4096 values of x per program
     n_rows = B * T * H
     kernel[(triton.cdiv(n_rows, rows_per_program),)](
-        x, cos, sin, *tensors, n_rows, T, H, cos.stride(0), scale, EPS,
+        x, cos, sin, *[t.contiguous() for t in inputs], out, n_rows, T, H, cos.stride(0), scale, EPS,
         HALF=half, ROWS=rows_per_program, BLOCK_HALF=block_half, num_warps=4)
+    return out
 
 
 @torch.library.custom_op("nanochat::rotary_norm", mutates_args=())
 def rotary_norm_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale: float) -> torch.Tensor:
-    x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
-    y = torch.empty_like(x)
-    _launch(_forward_kernel, x, cos, sin, y, scale=scale)
-    return y
+    return _launch(_forward_kernel, x, cos, sin, scale)
 
 
 @torch.library.custom_op("nanochat::rotary_norm_backward", mutates_args=())
 def rotary_norm_backward_op(dy: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                             scale: float) -> torch.Tensor:
-    x, cos, sin, dy = x.contiguous(), cos.contiguous(), sin.contiguous(), dy.contiguous()
-    dx = torch.empty_like(x)
-    _launch(_backward_kernel, x, cos, sin, dy, dx, scale=scale)
-    return dx
+    return _launch(_backward_kernel, x, cos, sin, scale, dy)
 
 
-@rotary_norm_op.register_fake
-def _(x, cos, sin, scale):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
-
-
-@rotary_norm_backward_op.register_fake
-def _(dy, x, cos, sin, scale):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
+# the outputs' shapes, for torch.compile's tracing: fresh contiguous tensors like x
+rotary_norm_op.register_fake(lambda x, cos, sin, scale: torch.empty_like(x, memory_format=torch.contiguous_format))
+rotary_norm_backward_op.register_fake(
+    lambda dy, x, cos, sin, scale: torch.empty_like(x, memory_format=torch.contiguous_format))
 
 
 def _setup_context(ctx, inputs, output):

@@ -28,14 +28,12 @@ def reference_attention(q, k, v, window):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=dense_mask(T, S, window, q.device), enable_gqa=gqa)
 
 
-_CUDA_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
-
-
 def cudnn_attention(q, k, v):
     """Full causal context on CUDA, S == T."""
     if q.size(1) != k.size(1):  # cuDNN/flash in SDPA want equal head counts: expand k/v
         k, v = (t.repeat_interleave(q.size(1) // k.size(1), dim=1) for t in (k, v))
-    with sdpa_kernel(_CUDA_BACKENDS, set_priority=True):
+    backends = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+    with sdpa_kernel(backends, set_priority=True):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 

@@ -9,8 +9,7 @@ Each program takes one row of the (N, V) logits: it reads the row once for the l
 exp(z - cap) never overflows: one sum, no running maximum) and writes the loss; when a gradient is wanted, it
 reads the row again and writes d loss_i / d raw_i over it, in the forward already. The backward only scales the
 two small products by the incoming gradient (almost always one scalar over the rows); no fp32 copy of the logits
-is stored. The kernel is bound by instructions (two exponentials and a division per logit), not by HBM
-(dev/LOG.md, 2026-11-21). Tests check it against gpt.py's math through Triton's interpreter.
+is stored (dev/LOG.md, 2026-11-21). Tests check it against gpt.py's math through Triton's interpreter.
 """
 
 import torch
@@ -89,20 +88,15 @@ class _HeadLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         x, weight, grad_raw = ctx.saved_tensors
-        scale = None
-        if grad_loss.stride(0) == 0:  # one scalar for every row: scale the small products below
-            scale = grad_loss[:1].float()
-        else:  # a weight per row (rare): one more pass over the gradient
+        # almost always one scalar for every row: it scales the two small products, not the (N, V) gradient
+        scale = grad_loss[:1].float() if grad_loss.stride(0) == 0 else None
+        if scale is None:  # a weight per row (rare): one more pass over the gradient
             grad_raw.mul_(grad_loss.unsqueeze(1))
-        grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:
-            grad_x = grad_raw @ weight
-            if scale is not None:
-                grad_x.mul_(scale)
-        if ctx.needs_input_grad[1]:
-            grad_w = grad_raw.t() @ x
-            if scale is not None:
-                grad_w.mul_(scale)
+        grad_x = grad_raw @ weight if ctx.needs_input_grad[0] else None
+        grad_w = grad_raw.t() @ x if ctx.needs_input_grad[1] else None
+        for grad in (grad_x, grad_w):
+            if grad is not None and scale is not None:
+                grad.mul_(scale)
         return grad_x, grad_w, None, None
 
 

@@ -38,8 +38,7 @@ class SplitWeightGradLinear(torch.autograd.Function):
     def backward(ctx, dy):
         x, w = ctx.saved_tensors
         grad_x = dy @ w if ctx.needs_input_grad[0] else None
-        grad_w = weight_grad(dy, x, ctx.split)
-        return grad_x, grad_w, None
+        return grad_x, weight_grad(dy, x, ctx.split), None
 
 
 @torch.no_grad()
