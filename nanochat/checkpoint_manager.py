@@ -11,7 +11,12 @@ import os
 import re
 import glob
 import json
+import time
+import contextlib
+import errno
 import pickle
+import shutil
+import socket
 
 import torch
 
@@ -37,25 +42,100 @@ def nonfinite_tensors(state):  # names of the floating-point tensors holding a N
 
 def save_stage_files(ckpt_dir, step, model_state, optim_state, stage=0, num_stages=1):
     """Write one pipeline stage's model and optimizer files (tensors must be full and on CPU), first deleting
-    the <file>.tmp.<pid> files of interrupted saves (their process is gone)."""
+    the <file>.tmp.<pid> files of interrupted saves (their process is gone). A disk without room for them is
+    named before anything is written (and if it fills up during the write), with the step that stays intact."""
     os.makedirs(ckpt_dir, exist_ok=True)
     for path in glob.glob(os.path.join(ckpt_dir, "*.tmp.*")):
-        if m := re.search(r"\.tmp\.(\d+)$", path):
+        if (m := re.search(r"\.tmp\.(\d+)$", path)) and not process_alive(int(m.group(1))):
+            os.remove(path)
+    need = sum(t.numel() * t.element_size() for t in _tensors([model_state, optim_state]))
+    free = shutil.disk_usage(ckpt_dir).free
+    if free < need * 1.05 + 2**20:
+        raise _no_space(ckpt_dir, step, need, free)
+    with _full_disk_named(ckpt_dir, step, need):
+        atomic_torch_save(model_state, _tensor_file(ckpt_dir, "model", step, stage, num_stages))
+        if optim_state is not None:
+            atomic_torch_save(optim_state, _tensor_file(ckpt_dir, "optim", step, stage, num_stages))
+
+
+def _tensors(obj):
+    if torch.is_tensor(obj):
+        yield obj
+    elif isinstance(obj, (dict, list, tuple)):
+        for v in obj.values() if isinstance(obj, dict) else obj:
+            yield from _tensors(v)
+
+
+@contextlib.contextmanager
+def _full_disk_named(ckpt_dir, step, need):
+    try:
+        yield
+    except (OSError, RuntimeError) as e:  # the disk filled up while writing (the earlier files stay as they were)
+        cause = e if isinstance(e, OSError) else e.__context__  # torch.save's zip writer raises over the OSError
+        if not (isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT)):
+            raise
+        raise _no_space(ckpt_dir, step, need, shutil.disk_usage(ckpt_dir).free) from None
+
+
+def _no_space(ckpt_dir, step, need, free):
+    intact = saved_steps(ckpt_dir)
+    size = lambda n: f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+    return CheckpointError(f"the disk is full: saving step {step} in {ckpt_dir} needs about {size(need)} and "
+                           f"{size(free)} is free; " + (f"step {intact[-1]} is intact there (resume with "
+                           f"--resume-from-step {intact[-1]}). " if intact else "no earlier step was saved there. ") +
+                           "Free some space, or set NANOCHAT_BASE_DIR to a disk with room")
+
+
+def process_alive(pid):
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process, alive
+        return True
+    return True
+
+
+def take_lock(ckpt_dir):
+    """One run per checkpoint folder: create <ckpt_dir>/run.lock holding this process's host, PID and start time,
+    or refuse naming the run that holds it. A lock whose process is gone (on this host) is taken over, with a
+    note. Returns the lock's path (release_lock removes it)."""
+    os.makedirs(ckpt_dir, exist_ok=True)
+    path = os.path.join(ckpt_dir, "run.lock")
+    me = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    while True:
+        try:
+            with open(path, "x") as f:
+                json.dump(me, f)
+            return path
+        except FileExistsError:
             try:
-                os.kill(int(m.group(1)), 0)  # signal 0: only asks whether the process exists
-            except ProcessLookupError:
-                os.remove(path)
-            except PermissionError:  # someone else's process, alive
-                pass
-    atomic_torch_save(model_state, _tensor_file(ckpt_dir, "model", step, stage, num_stages))
-    if optim_state is not None:
-        atomic_torch_save(optim_state, _tensor_file(ckpt_dir, "optim", step, stage, num_stages))
+                with open(path) as f:
+                    holder = json.load(f)
+            except (OSError, ValueError):  # written by a process killed at that moment
+                holder = {"host": me["host"], "pid": -1, "started": "?"}
+        if holder["host"] != me["host"] or process_alive(holder["pid"]):
+            raise CheckpointError(f"{ckpt_dir} is in use by another run (PID {holder['pid']} on {holder['host']}, "
+                                  f"started {holder['started']}): wait for it to end or use another --model-tag "
+                                  f"(if that run is gone, delete {path})")
+        print(f"note: took over {path} from a run that is gone (PID {holder['pid']} on {holder['host']}, started "
+              f"{holder['started']})", flush=True)
+        os.remove(path)
+
+
+def release_lock(path):
+    if path and os.path.exists(path):
+        with open(path) as f:
+            mine = json.load(f).get("pid") == os.getpid()
+        if mine:
+            os.remove(path)
 
 
 def save_meta(ckpt_dir, step, meta, num_stages=1):
     """Write meta_<step>.json last: it marks the checkpoint as complete."""
-    meta = dict(meta, step=step, num_stages=num_stages)
-    atomic_write_bytes(os.path.join(ckpt_dir, f"meta_{step:06d}.json"), json.dumps(meta, indent=2).encode())
+    data = json.dumps(dict(meta, step=step, num_stages=num_stages), indent=2).encode()
+    with _full_disk_named(ckpt_dir, step, len(data)):
+        atomic_write_bytes(os.path.join(ckpt_dir, f"meta_{step:06d}.json"), data)
 
 
 def saved_steps(ckpt_dir):

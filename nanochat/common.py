@@ -1,11 +1,12 @@
 """
 What every script needs: where files live (written so that a crash never damages them), which device and dtype
 to compute in (bf16 on GPUs with fast bf16, SM80+; fp32 elsewhere; NANOCHAT_DTYPE overrides; weights stay fp32),
-the peak FLOP/s that MFU is measured against, rank-aware printing and progress, and the error a script prints
-as one line.
+the peak FLOP/s that MFU is measured against, rank-aware printing and progress, the scripts' --help (defaults
+shown), and the error a script prints as one line.
 """
 
 import os
+import argparse
 import sys
 import time
 import statistics
@@ -47,14 +48,29 @@ def base_dir_hint():
             f"run with NANOCHAT_BASE_DIR={RUNCPU_BASE_DIR} to use them)")
 
 
+class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
+    """The scripts' --help: each flag with its default, unless its help says it already or there is none (None,
+    an off switch)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def atomic_write(path, write):
-    """write(f) into a temporary file beside `path`, fsync, then rename over it: a crash leaves the old file."""
+    """write(f) into a temporary file beside `path`, fsync, then rename over it: a crash leaves the old file intact."""
     tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a full disk, a kill: nothing half-written stays behind
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
 
 
 def atomic_write_bytes(path, data: bytes):
@@ -133,7 +149,8 @@ def cuda_time_ms(fn, repeats=20, warmup=3):
 
 
 def get_rank():
-    return dist.get_rank() if dist.is_initialized() else 0
+    """This process's global rank: torchrun's RANK until the process group exists (errors before it print once)."""
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
 
 
 def print0(*args, **kwargs):
@@ -154,9 +171,9 @@ def fail(msg, every_rank=False):
         print(f"[rank {get_rank()}] ERROR: {msg}", flush=True)
     else:
         print0(f"ERROR: {msg}")
+    if get_rank() != 0:  # torchrun stops every process when one exits: let rank 0 print the line first
+        time.sleep(2)
     if dist.is_initialized():
-        if get_rank() != 0:  # torchrun stops every process when one exits: let rank 0 print the line first
-            time.sleep(2)
         dist.destroy_process_group()
     sys.exit(1)
 

@@ -9,6 +9,7 @@ import time
 import argparse
 from functools import lru_cache
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from nanochat.common import UserError, get_base_dir
@@ -67,6 +68,10 @@ def _open(path):
                         f"Delete or re-download it; the data folder must hold only parquet shards.") from None
     if "text" not in pf.schema_arrow.names:
         raise DataError(f"{path} has no `text` column (columns: {pf.schema_arrow.names})")
+    kind = pf.schema_arrow.field("text").type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        raise DataError(f"{path}: its `text` column holds {kind}, not strings; write one document per row as a "
+                        f"string column")
     return pf
 
 
@@ -104,9 +109,39 @@ def check_data(data_dir=None):
 
 
 def shard_listing(data_dir):
-    """(name, row groups, rows) of every shard of a folder: ranks that read their own copies (one per
-    node) must see the same listing, or DP ranks would stride over different lists."""
-    return [(os.path.basename(f), _open(f).num_row_groups, _open(f).metadata.num_rows) for f in list_parquet_files(data_dir)]
+    """[name, bytes, [[rows, row groups of that many rows], ...]] of every shard of a folder (row groups run-length
+    coded: a shard is mostly groups of one size): what the data position of a run means. Ranks that read their own
+    copies (one per node) must see the same listing, and a checkpoint records it."""
+    listing = []
+    for f in list_parquet_files(data_dir):
+        runs = []
+        for i in range(_open(f).num_row_groups):
+            rows = _open(f).metadata.row_group(i).num_rows
+            if runs and runs[-1][0] == rows:
+                runs[-1][1] += 1
+            else:
+                runs.append([rows, 1])
+        listing.append([os.path.basename(f), os.path.getsize(f), runs])
+    return listing
+
+
+def listing_changes(saved, now):
+    """What differs between two shard listings, in words (empty when they are the same)."""
+    saved, now = {s[0]: s[1:] for s in saved}, {s[0]: s[1:] for s in now}
+    changes = [f"{name} removed" for name in saved if name not in now]
+    changes += [f"{name} added" for name in now if name not in saved]
+    for name in (n for n in saved if n in now and saved[n] != now[n]):
+        (size_a, runs_a), (size_b, runs_b) = saved[name], now[name]
+        rows_a, rows_b = ([rows for rows, count in runs for _ in range(count)] for runs in (runs_a, runs_b))
+        if len(rows_a) != len(rows_b):
+            what = f"{len(rows_a)} -> {len(rows_b)} row groups"
+        elif rows_a != rows_b:
+            i = next(i for i, (a, b) in enumerate(zip(rows_a, rows_b)) if a != b)
+            what = f"row group {i}: {rows_a[i]} -> {rows_b[i]} rows"
+        else:
+            what = f"{size_a:,} -> {size_b:,} bytes"
+        changes.append(f"{name} changed ({what})")
+    return changes
 
 
 def read_row_group(path, index):

@@ -122,6 +122,11 @@ def compute_init(device_type="", tp=1, pp=1, seed=42, timeout_s=None):
         return build_layout(0, 1, 0), device
     rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
     timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if device_type == "cuda" and per_node > torch.cuda.device_count():
+        raise UserError(f"torchrun started {per_node} processes on this node, which has {torch.cuda.device_count()} "
+                        f"GPU(s): one GPU per process; use --nproc_per_node={torch.cuda.device_count()} (or "
+                        f"--device-type=cpu)")
     if device_type == "cuda":
         from nanochat.watchdog import enable_flight_recorder
         enable_flight_recorder(hang_report_dir())

@@ -419,13 +419,16 @@ class GPT(nn.Module):
             else:  # lambdas, smear gate, L3 norms
                 scalars.append(p)
 
-        def adamw(params, lr):
-            return dict(kind="adamw", params=params, lr=lr, betas=(0.8, 0.95), eps=1e-10, weight_decay=0.0)
-        groups = [adamw(embeds, embedding_lr * dim_scale), adamw(unembed, unembedding_lr * dim_scale),
-                  adamw(scalars, scalar_lr),
-                  dict(kind="muon", params=matrices, lr=matrix_lr, momentum=0.95, weight_decay=weight_decay),
-                  adamw(tables, embedding_lr * dim_scale)]  # L3's tables, if any
+        def adamw(name, params, lr):
+            return dict(name=name, kind="adamw", params=params, lr=lr, betas=(0.8, 0.95), eps=1e-10, weight_decay=0.0)
+        groups = [adamw("embeddings", embeds, embedding_lr * dim_scale), adamw("lm_head", unembed, unembedding_lr * dim_scale),
+                  adamw("scalars", scalars, scalar_lr),
+                  dict(name="matrices", kind="muon", params=matrices, lr=matrix_lr, momentum=0.95, weight_decay=weight_decay),
+                  adamw("l3_tables", tables, embedding_lr * dim_scale)]  # L3's tables, if any
         return [g for g in groups if g["params"]]
+
+
+PARAM_GROUPS = ("embeddings", "lm_head", "scalars", "matrices", "l3_tables")  # param_groups' names, in its order
 
 
 def build_model(config, device, compute_dtype=torch.float32):

@@ -27,9 +27,11 @@ their gradients summed over TP first. State is saved and loaded as whole tensors
 import math
 
 import torch
+import torch.distributed as dist
 
 from nanochat import tensor_parallel as tp
 from nanochat.data_parallel import DataParallel
+from nanochat.gpt import PARAM_GROUPS
 
 # Polar Express coefficients for 5 iterations of X <- aX + (bA + cA^2)X, A = X X^T (arXiv 2505.16932,
 # with the paper's safety factor): they drive singular values in (0, 1] towards 1 faster than Newton-Schulz.
@@ -111,16 +113,19 @@ class MuonStack:
 
 
 class MuonAdamW(torch.optim.Optimizer):
-    """groups: dicts of kind 'adamw' (lr, betas, eps, weight_decay) or 'muon' (lr, momentum, weight_decay); names:
-    {param: name} for saving; dp_group None in one process; compute_dtype: Muon's orthogonalization dtype;
-    compile: the stacked updates; overlap_grad_reduce: reductions during the last backward (data_parallel.py)."""
+    """groups: dicts of kind 'adamw' (lr, betas, eps, weight_decay) or 'muon' (lr, momentum, weight_decay), each
+    named (one of gpt.PARAM_GROUPS); names: {param: name} for saving; dp_group None in one process; compute_dtype:
+    Muon's orthogonalization dtype; compile: the stacked updates; overlap_grad_reduce: reductions during the last
+    backward (data_parallel.py); counts_replicated: this rank counts, in the gradient norm, the parameters that are
+    whole on every tensor-parallel rank (TP rank 0 does)."""
 
     def __init__(self, groups, names, dp_group=None, compute_dtype=torch.float32, compile=False,
-                 overlap_grad_reduce=False):
+                 overlap_grad_reduce=False, counts_replicated=True):
         for g in groups:
             g["initial_lr"] = g["lr"]
         super().__init__(groups, {})
-        self.names = names
+        self.names, self.counts_replicated = names, counts_replicated
+        self.grad_norms = None  # after a step: (the global gradient norm, then each of PARAM_GROUPS'), a device tensor
         self.compute_dtype = compute_dtype
         self.adamw_step = 0
         self._muon_update = torch.compile(muon_update, dynamic=False) if compile else muon_update
@@ -164,6 +169,9 @@ class MuonAdamW(torch.optim.Optimizer):
         W = self.dp.size
         self.dp.launch_remaining()
         pending = []  # (what to apply, its all-gather's result, the work to wait for)
+        # the gradient norm, from the reduced gradients each rank holds anyway: per group, the squares of what this
+        # rank alone holds (its Muon matrices and AdamW rows; the rest on DP rank 0, and TP rank 0 where whole)
+        squares = torch.zeros(len(PARAM_GROUPS), dtype=torch.float32, device=self.param_groups[0]["params"][0].device)
         # Muon, stack by stack as its rounds land: this rank's matrices (whole under TP), steps 1-5, the updates
         # all-gathered in the compute dtype (exact in fp32)
         for s, stack in enumerate(self.muon_stacks):
@@ -174,6 +182,8 @@ class MuonAdamW(torch.optim.Optimizer):
             tp.reduce_partial_grad(p0, grads)  # replicated matrices under sequence parallelism (L3): sum over TP
             if W > 1:
                 grads.div_(W)
+            if self.counts_replicated:
+                squares[PARAM_GROUPS.index(stack.group["name"])] += grads.float().square().sum()
             momentum = torch.tensor(stack.group["momentum"], dtype=torch.float32)
             update = self._muon_update(grads, stack.momentum, stack.second, momentum, self.compute_dtype)
             pending.append((stack, *self.dp.gather_muon_updates(s, update.to(self.compute_dtype))))
@@ -183,6 +193,8 @@ class MuonAdamW(torch.optim.Optimizer):
             if W > 1:
                 g.div_(W)
             group = self.adamw_group[p]
+            if (self.dp.owns_rows(p) or self.dp.rank == 0) and (tp.is_sharded(p) or self.counts_replicated):
+                squares[PARAM_GROUPS.index(group["name"])] += g.float().square().sum()
             beta1, beta2 = group["betas"]
             state = self._adamw_state(p)
             # LR, decay and step go in as tensors so the compiled update is not recompiled when they change
@@ -195,6 +207,9 @@ class MuonAdamW(torch.optim.Optimizer):
             else:
                 self._adamw_update(p.data, g, state["exp_avg"], state["exp_avg_sq"], *args)
         self.dp.finish_step()
+        if dist.is_initialized():  # every rank's part: DP ranks, TP shards, pipeline stages
+            dist.all_reduce(squares)
+        self.grad_norms = torch.cat([squares.sum().sqrt().view(1), squares.sqrt()])
         for target, full, work in pending:
             if work is not None:
                 work.wait()

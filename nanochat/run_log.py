@@ -3,22 +3,28 @@ A run's record, in a file tools read instead of its printout: metrics.jsonl besi
 ($NANOCHAT_BASE_DIR/base_checkpoints/<model-tag>/), one JSON object per line:
   {"kind": "header", ...}  at every launch: flags, model config, layout, device, attention kernel, fp8, recipe
   {"step": s, ...}         per step: loss (the step's mean), loss_smooth (the debiased EMA the log line shows),
-                           lrm, dt (s), tok_per_sec, mfu (%), peak_mem_gib, epoch; val_bpb and core where evaluated
+                           grad_norm (global) and grad_norm_<group> (gpt.PARAM_GROUPS), lrm, dt (s), tok_per_sec,
+                           mfu (%), peak_mem_gib, epoch; spikes where SpikeWatch saw one; val_bpb and core where
+                           evaluated
   {"kind": "end", ...}     at the end (completed or stopped): the last step, training time, every rank's peak memory
 A resumed run keeps the records before its first step, so the file tells one trajectory. Rank 0 writes line by
-line (a line a crash cuts off is skipped when read); wandb, when named, gets the same records.
+line (a line a crash cuts off is skipped when read); wandb and TensorBoard, when asked for, get the same numbers.
 """
 
 import os
 import json
+import math
 import time
+import statistics
+
+from nanochat.common import UserError
 
 
 class RunLog:
     """Appends a run's records (on rank 0; elsewhere every call is a no-op)."""
 
-    def __init__(self, path, header, start_step=0, wandb_run=None, enabled=True):
-        self.path, self.wandb = (path if enabled else None), None
+    def __init__(self, path, header, start_step=0, wandb_run=None, tensorboard_dir=None, enabled=True):
+        self.path, self.wandb, self.tensorboard = (path if enabled else None), None, None
         if self.path is None:
             return
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -31,6 +37,13 @@ class RunLog:
         if wandb_run:
             import wandb
             self.wandb = wandb.init(project="nanochat", name=wandb_run, config=header.get("flags", {}))
+        if tensorboard_dir:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise UserError("--tensorboard needs the tensorboard package: pip install 'nanochat[tensorboard]'") from None
+            # a resumed run's events for steps it trains again are dropped by TensorBoard in favour of the newest
+            self.tensorboard = SummaryWriter(tensorboard_dir, purge_step=start_step if start_step > 0 else None)
 
     def write(self, record):
         if self.path is None:
@@ -44,10 +57,44 @@ class RunLog:
         self.write(record)
         if self.wandb is not None:
             self.wandb.log(record)
+        if self.tensorboard is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self.tensorboard.add_scalar(key, value, step)
 
     def finish(self):
         if self.wandb is not None:
             self.wandb.finish()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+
+
+class SpikeWatch:
+    """Loss and gradient-norm spikes. A step is above the rule when its loss is above loss_ratio x the median of
+    the previous `window` steps' losses, or its gradient norm above grad_ratio x theirs, judged once `min_steps`
+    steps are in the window. A spike starts at the first step above the rule; the steps after it that stay above
+    belong to it (they are not reported again). Steps whose numbers are not finite are judged, not kept."""
+
+    def __init__(self, window=50, min_steps=20, loss_ratio=1.2, grad_ratio=3.0, history=None):
+        self.window, self.min_steps, self.loss_ratio, self.grad_ratio = window, min_steps, loss_ratio, grad_ratio
+        self.history = [tuple(h) for h in history or []]  # (loss, grad norm) of the latest steps; saved in checkpoints
+        self.spiking = set()  # what is above the rule at the latest step
+
+    def check(self, loss, grad_norm, judge=True):
+        """[(what, value, ratio to the median, the median, steps in the window)] of the spikes that start at this
+        step; then the step joins the window. judge=False: it only joins (the LR warmup, when the norms move fast)."""
+        above = []
+        if judge and len(self.history) >= self.min_steps:
+            for what, value, past, limit in (("loss", loss, [h[0] for h in self.history], self.loss_ratio),
+                                             ("grad norm", grad_norm, [h[1] for h in self.history], self.grad_ratio)):
+                median = statistics.median(past)
+                if not value <= limit * median:  # NaN too
+                    above.append((what, value, value / median if median > 0 else math.inf, median, len(past)))
+        started = [spike for spike in above if spike[0] not in self.spiking]
+        self.spiking = {spike[0] for spike in above}
+        if all(map(math.isfinite, (loss, grad_norm))):
+            self.history = (self.history + [(loss, grad_norm)])[-self.window:]
+        return started
 
 
 def read_records(path):

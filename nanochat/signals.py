@@ -1,22 +1,27 @@
 """
-Ctrl-C and SIGTERM as a request to stop, which the training loop and the evaluations poll: a run stops within
-seconds at any time (an evaluation included) and saves its checkpoint on the way out, instead of dying mid-step.
+Ctrl-C, SIGTERM and a STOP file as a request to stop, which the training loop and the evaluations poll: a run
+stops within seconds at any time (an evaluation included) and saves its checkpoint on the way out, instead of
+dying mid-step. The file serves where a signal cannot end the run cleanly: torchrun, once signalled itself,
+exits 1 whatever its workers did.
 """
 
+import os
 import signal
 
 from nanochat.distributed import all_reduce_max
 
 
 class Interrupted(Exception):
-    """A stop was requested (Ctrl-C or SIGTERM) while a long operation polled stop_point()."""
+    """A stop was requested (Ctrl-C, SIGTERM or the STOP file) while a long operation polled stop_point()."""
 
 
-_stop_signal = None
+_stop_signal, _stop_file = None, None
 
 
-def install_stop_handlers():
-    """Ctrl-C and SIGTERM set the stop request instead of killing the process."""
+def install_stop_handlers(stop_file=None):
+    """Ctrl-C and SIGTERM set the stop request instead of killing the process; so does creating stop_file (when
+    given), which the first poll that finds it removes."""
+    global _stop_file
     def request_stop(signum, frame):
         global _stop_signal
         if _stop_signal is None:
@@ -24,9 +29,18 @@ def install_stop_handlers():
         _stop_signal = signum
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
+    _stop_file = stop_file
 
 
 def stop_requested():
+    global _stop_signal
+    if _stop_signal is None and _stop_file is not None and os.path.exists(_stop_file):
+        try:
+            os.remove(_stop_file)  # a resume must not stop at once; another rank may have removed it first
+        except FileNotFoundError:
+            pass
+        print(f"found {_stop_file}: stopping at the next step or evaluation batch", flush=True)
+        _stop_signal = "STOP file"
     return _stop_signal is not None
 
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from nanochat.common import print0, ConfigError
-from nanochat.distributed import barrier, all_reduce_max, gather_objects
+from nanochat.distributed import barrier, all_reduce_max, gather_objects, agree_on_error
 from nanochat.gpt import build_model, Block, RECOMPUTE_MODES
 from nanochat import kernels
 from nanochat.optim import MuonAdamW
@@ -77,7 +77,8 @@ def setup(config, layout, device, dtype, lrs, fp8=False, l3_data=None, after_ini
         kernels.set_wgrad_splits(model, wgrad_splits)
     groups = model.param_groups(**vars(lrs))
     optimizer = MuonAdamW(groups, {p: n for n, p in model.named_parameters()}, dp_group=layout.dp_group,
-                          compute_dtype=dtype, compile=compile == "inductor", overlap_grad_reduce=overlap_grad_reduce)
+                          compute_dtype=dtype, compile=compile == "inductor", overlap_grad_reduce=overlap_grad_reduce,
+                          counts_replicated=layout.tp_rank == 0)
     if resume is not None and resume[1] is not None:
         optimizer.load_full_state_dict(resume[1])
     if recompute not in RECOMPUTE_MODES:
@@ -285,15 +286,20 @@ class Trainer:
         writer = L.dp_rank == 0 and L.tp_rank == 0
         model_state = ckpt.full_model_state(self.model, keep=writer)
         optim_state = self.optimizer.full_state_dict(keep=writer)
-        if writer:
-            ckpt.save_stage_files(ckpt_dir, step, model_state, optim_state, L.pp_rank, L.pp_size)
-        if L.world_size > 1:
-            dist.barrier()
-        if L.rank == 0:
-            meta = dict(meta, dataloader_states=data_states, layout={"dp": L.dp_size, "tp": L.tp_size, "pp": L.pp_size})
-            ckpt.save_meta(ckpt_dir, step, meta, L.pp_size)
-            if keep_last > 0:
-                ckpt.prune_checkpoints(ckpt_dir, keep_last)
-        if L.world_size > 1:
-            dist.barrier()
+        # the stage files, then (once all are written) the meta file that marks the step complete; a CheckpointError
+        # on a writer (a full disk) stops every rank with its line, after the agreement that is also the barrier
+        meta = dict(meta, dataloader_states=data_states, layout={"dp": L.dp_size, "tp": L.tp_size, "pp": L.pp_size})
+        for mine, write in ((writer, lambda: ckpt.save_stage_files(ckpt_dir, step, model_state, optim_state,
+                                                                    L.pp_rank, L.pp_size)),
+                            (L.rank == 0, lambda: ckpt.save_meta(ckpt_dir, step, meta, L.pp_size))):
+            error = None
+            try:
+                if mine:
+                    write()
+            except ckpt.CheckpointError as e:
+                error = str(e)
+            if (error := agree_on_error(error, device)) is not None:
+                raise ckpt.CheckpointError(error)
+        if L.rank == 0 and keep_last > 0:
+            ckpt.prune_checkpoints(ckpt_dir, keep_last)
         print0(f"saved checkpoint for step {step} to {ckpt_dir} ({time.time() - t0:.1f}s)")

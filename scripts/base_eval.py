@@ -12,7 +12,7 @@ import os
 import csv
 import argparse
 
-from nanochat.common import UserError, ConfigError, print0, get_base_dir, get_compute_dtype, fail
+from nanochat.common import HelpWithDefaults, UserError, ConfigError, print0, get_base_dir, get_compute_dtype, fail
 from nanochat.distributed import compute_init, compute_cleanup
 from nanochat.signals import install_stop_handlers, Interrupted
 from nanochat.memory import cpu_memory_error
@@ -27,7 +27,8 @@ from nanochat import kernels
 
 
 def main():
-    parser = argparse.ArgumentParser(description="Evaluate a base model: CORE and bits per byte")
+    parser = argparse.ArgumentParser(description="Evaluate a base model: CORE and bits per byte",
+                                     formatter_class=HelpWithDefaults)
     parser.add_argument("--model-tag", type=str, default=None, help="checkpoint folder (default: the most recent one)")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
     parser.add_argument("--device-type", type=str, default="", help="cuda|cpu|mps (default: autodetect)")

@@ -24,23 +24,26 @@ import math
 import time
 import json
 import atexit
+import difflib
 import argparse
+import traceback
 from dataclasses import dataclass
 
 import torch
 
-from nanochat.common import UserError, ConfigError, print0, print_rank, get_compute_dtype, get_peak_flops, device_name, fail
+from nanochat.common import (HelpWithDefaults, UserError, ConfigError, print0, print_rank, get_compute_dtype, get_peak_flops,
+                             device_name, fail)
 from nanochat.distributed import compute_init, compute_cleanup, barrier, hang_report_dir, agree_on_error, gather_objects
 from nanochat.signals import install_stop_handlers, stop_agreed, Interrupted
 from nanochat.memory import cpu_memory_error
 from nanochat.watchdog import Watchdog
-from nanochat.gpt import GPTConfig, config_for_depth, window_sizes, GPT, RECOMPUTE_MODES
+from nanochat.gpt import GPTConfig, config_for_depth, window_sizes, GPT, RECOMPUTE_MODES, PARAM_GROUPS
 from nanochat import kernels
 from nanochat.dataloader import reshard_states
-from nanochat.dataset import DataError, check_data
+from nanochat.dataset import DataError, check_data, shard_listing, listing_changes
 from nanochat.tokenizer import get_tokenizer, get_token_bytes
 from nanochat.loss_eval import evaluate_bpb, default_eval_tokens
-from nanochat.run_log import RunLog, metrics_path
+from nanochat.run_log import RunLog, SpikeWatch, metrics_path
 from nanochat import checkpoint_manager as ckpt
 from nanochat import report
 from nanochat import training
@@ -54,10 +57,12 @@ LRS = training.LearningRates()
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description="Pretrain a base model", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(description="Pretrain a base model", formatter_class=HelpWithDefaults)
     add = parser.add_argument
     # runtime
     add("--wandb-run", type=str, default="dummy", help="wandb run name ('dummy' = no wandb)")
+    add("--tensorboard", type=str, default=None, help="also write the step numbers as TensorBoard events into this "
+                                                      "folder (pip install 'nanochat[tensorboard]')")
     add("--device-type", type=str, default="", help="cuda|cpu|mps (empty: autodetect)")
     add("--data-dir", type=str, default=None, help="folder of parquet shards (default: NANOCHAT_DATA_DIR or base_data)")
     # model
@@ -95,6 +100,8 @@ def parse_args(argv=None):
     add("--save-every", type=int, default=-1, help="checkpoint every N steps (-1 = only at the end, 0 = never)")
     add("--keep-last", type=int, default=-1, help="keep only the newest N checkpoints of the model tag (-1 = all)")
     add("--resume-from-step", type=int, default=-1, help="resume from this checkpoint step (-1 = start fresh)")
+    add("--resume-on-new-data", action="store_true", help="resume although the data folder's shards differ from "
+                                                          "those the checkpoint was trained on, reading them from the start")
     add("--model-tag", type=str, default=None, help="checkpoint folder name (default: d<depth>)")
     add("--compile", type=int, default=-1, help="torch.compile the model and optimizer (-1 = on CUDA only)")
     add("--recompute", type=str, default="none", choices=RECOMPUTE_MODES,
@@ -119,7 +126,13 @@ def parse_args(argv=None):
     add("--l3-n-emb", type=int, default=0, help="rows of the L3 table (0 = 16 per vocabulary entry)")
     add("--l3-d-up", type=int, default=0, help="L3 up-projection width (0 = 4 * model_dim)")
     add("--l3-k-max", type=int, default=512, help="most table rows one token may own")
-    return parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # one line, with the nearest flag (argparse prints its whole usage and no suggestion)
+        flags = [f for action in parser._actions for f in action.option_strings]
+        hints = [f"{u} (did you mean {' or '.join(near)}?)" if (near := difflib.get_close_matches(u.split("=")[0], flags, 2))
+                 else u for u in unknown]
+        parser.exit(2, f"base_train: error: unrecognized arguments: {', '.join(hints)}; see --help\n")
+    return args
 
 
 # -----------------------------------------------------------------------------
@@ -257,24 +270,58 @@ def start(args, layout, device):
         warning = training.check_ranks_agree(layout, data_dir, ckpt_dir, saves=args.save_every != 0)
         if warning:
             print0(warning)
-    resume_meta = None
+    resume_meta, new_data = None, False
     if args.resume_from_step >= 0:
         resume_meta = ckpt.load_meta(ckpt_dir, args.resume_from_step)
         ckpt.check_tokenizer(resume_meta, tokenizer, ckpt_dir)
+        new_data = check_data_unchanged(args, data_dir, resume_meta)
     config = model_config(args, tokenizer.get_vocab_size(), resume_meta)
     recipe = derive_recipe(args, config)
     grad_accum = check_flags(args, config, recipe, layout, device, resume_meta)
     if resume_meta is not None:
         print0(f"resuming from step {args.resume_from_step} of {ckpt_dir}")
     print_plan(args, config, recipe, layout, grad_accum)
-    return Run(args, layout, device, dtype, tokenizer, data_dir, ckpt_dir, config, recipe, grad_accum, resume_meta, watch)
+    take_lock(layout, device, ckpt_dir)  # before anything is written there
+    return Run(args, layout, device, dtype, tokenizer, data_dir, ckpt_dir, config, recipe, grad_accum, resume_meta,
+               new_data, watch)
+
+
+def take_lock(layout, device, ckpt_dir):
+    """One run per checkpoint folder: rank 0 holds <ckpt_dir>/run.lock until the process ends; a folder in use
+    stops every rank with the holder's line."""
+    error = None
+    if layout.rank == 0:
+        try:
+            atexit.register(ckpt.release_lock, ckpt.take_lock(ckpt_dir))
+        except ckpt.CheckpointError as e:
+            error = str(e)
+    if (error := agree_on_error(error, device)) is not None:
+        raise ckpt.CheckpointError(error)
+
+
+def check_data_unchanged(args, data_dir, resume_meta):
+    """The data position in a checkpoint means something only for the shards it was saved with: a resume that
+    finds others stops, unless --resume-on-new-data (then the new data is read from its start). Returns whether
+    the run goes on with new data."""
+    if "data_listing" not in resume_meta:  # saved without a listing (imported weights)
+        return False
+    changes = listing_changes(resume_meta["data_listing"], shard_listing(data_dir))
+    step = resume_meta["loop_state"]["step"]
+    if changes and not args.resume_on_new_data:
+        shown = "; ".join(changes[:4]) + (f"; and {len(changes) - 4} more" if len(changes) > 4 else "")
+        raise ConfigError(f"the shards in {data_dir} differ from those step {step} was trained on: {shown}. Put the "
+                          f"saved shards back, or pass --resume-on-new-data to read the new data from its start")
+    if changes:
+        print0(f"note: the shards in {data_dir} differ from step {step}'s ({len(changes)} changes); "
+               f"--resume-on-new-data: reading them from the start")
+    return bool(changes)
 
 
 class Run:
     """One training process: its Trainer and data, the loop state, and the periodic work at each step boundary."""
 
     def __init__(self, args, layout, device, dtype, tokenizer, data_dir, ckpt_dir, config, recipe, grad_accum,
-                 resume_meta, watch):
+                 resume_meta, new_data, watch):
         self.args, self.layout, self.device, self.tokenizer, self.data_dir = args, layout, device, tokenizer, data_dir
         self.ckpt_dir, self.config, self.recipe, self.grad_accum, self.watch = ckpt_dir, config, recipe, grad_accum, watch
         self.schedule = training.Schedule(recipe.num_iterations, recipe.weight_decay, args.warmup_steps,
@@ -298,17 +345,21 @@ class Run:
             overlap_grad_reduce=args.overlap_grad_reduce == 1 or (args.overlap_grad_reduce == -1 and multi_node))
         self.describe_setup()
         # the loop state and data position, fresh or from the checkpoint
-        self.step, self.smooth_loss, self.total_time, self.min_val_bpb = 0, 0.0, 0.0, float("inf")
+        loop = resume_meta["loop_state"] if resume_meta is not None else {}
+        self.step, self.smooth_loss = loop.get("step", 0), loop.get("smooth_loss", 0.0)
+        self.total_time, self.min_val_bpb = loop.get("total_time", 0.0), loop.get("min_val_bpb", float("inf"))
+        self.spikes, self.spike_count = SpikeWatch(history=loop.get("spike_window")), loop.get("spike_count", 0)
+        self.new_data_at = loop.get("new_data_at", []) + ([self.step] if new_data else [])  # --resume-on-new-data
         loader_state = None
-        if resume_meta is not None:
-            loop = resume_meta["loop_state"]
-            self.step, self.smooth_loss, self.total_time, self.min_val_bpb = (loop["step"], loop["smooth_loss"],
-                                                                             loop["total_time"], loop["min_val_bpb"])
+        if resume_meta is not None and not new_data:
             saved_states = resume_meta["dataloader_states"]
             loader_state = reshard_states(saved_states, layout.dp_size)[layout.dp_rank]
             if len(saved_states) != layout.dp_size:
                 print0(f"data: resharded the data position from dp {len(saved_states)} to dp {layout.dp_size}")
+        self.data_listing = shard_listing(data_dir)
         self.first_step, self.last_state, self.saved_step = self.step, loader_state, None
+        self.launch_time = 0.0  # this launch's steps, all of them (total_time leaves out each launch's first 10)
+        self.grad_norm_names = [g for g in PARAM_GROUPS if g != "l3_tables" or config.l3_after_layers]
         self.val_bpb, self.evals, self.core_status = None, {}, "not run" if args.core_metric_every > 0 else "off (--core-metric-every -1)"
         self.mfu, self.tok_per_sec, self.epoch = None, 0.0, 1
         # middle pipeline stages read no data: their inputs come from the previous stage
@@ -321,8 +372,9 @@ class Run:
         self.eval_steps = max(1, eval_tokens // (args.device_batch_size * args.max_seq_len * layout.dp_size)) if eval_tokens > 0 else 0
         self.peak_flops = get_peak_flops(device_name(device.type)) if device.type == "cuda" else None
         self.log = RunLog(metrics_path(ckpt_dir), self.header(dtype, use_compile), self.step,
-                          args.wandb_run if args.wandb_run != "dummy" else None, enabled=layout.rank == 0)
-        install_stop_handlers()  # Ctrl-C / SIGTERM: stop at the next step or evaluation batch, save, exit 0
+                          args.wandb_run if args.wandb_run != "dummy" else None, args.tensorboard, enabled=layout.rank == 0)
+        # Ctrl-C, SIGTERM or `touch <ckpt_dir>/STOP`: stop at the next step or evaluation batch, save, exit 0
+        install_stop_handlers(os.path.join(ckpt_dir, "STOP"))
 
     def describe_setup(self):
         t, layout = self.trainer, self.layout
@@ -359,21 +411,21 @@ class Run:
         print0(f"training from step {self.step} to {self.recipe.num_iterations}")
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        args = self.args
+        args, self.started = self.args, time.time()
         while True:
             final = self.step == self.recipe.num_iterations
             self.val_bpb = None
             if self.eval_steps and (final or self.due(args.eval_every, final)):
-                self.evaluate_val()
+                self.guarded("validation", self.evaluate_val)
             self.watch.collective("stop-flag all-reduce (all ranks)")
             if stop_agreed(self.device):
                 raise Interrupted()
             if args.save_every != 0 and (final or (self.due(args.save_every, final) and self.step != args.resume_from_step)):
                 self.save()
             if self.due(args.core_metric_every, final):
-                self.evaluate_core()
+                self.guarded("CORE", self.evaluate_core)
             if self.due(args.sample_every, final):
-                self.sample()
+                self.guarded("sampling", self.sample)
             if final:
                 if self.evals:
                     self.log.log(self.step, **self.evals)
@@ -381,6 +433,22 @@ class Run:
             self.train_step()
 
     # --- once in a while -------------------------------------------------------------
+
+    def guarded(self, phase, work):
+        """An evaluation or sampling: if it raises on every rank (a bad validation shard, a bug, memory), this step
+        is saved first, then the run stops with one line (the traceback goes to stderr). A stop request passes."""
+        error = None
+        try:
+            work()
+        except Interrupted:
+            raise
+        except UserError as e:
+            error = f"{phase} at step {self.step}: {e}"
+        except Exception as e:
+            traceback.print_exc()
+            error = f"{phase} failed at step {self.step}: {type(e).__name__}: {e}"
+        if (error := agree_on_error(error, self.device)) is not None:
+            raise UserError(f"{error} ({self.save_before_stopping()})")
 
     def evaluate_val(self):
         self.watch.phase("val bpb (loss all-reduces; PP: stage p2p)", self.step)
@@ -407,9 +475,11 @@ class Run:
             return
         self.watch.phase("checkpoint save (state gathers, barriers)", self.step)
         loop_state = {"step": self.step, "smooth_loss": self.smooth_loss, "total_time": self.total_time,
-                      "min_val_bpb": self.min_val_bpb}
+                      "min_val_bpb": self.min_val_bpb, "spike_window": self.spikes.history,
+                      "spike_count": self.spike_count, "new_data_at": self.new_data_at}
         meta = {"model_config": self.config.to_dict(), "user_config": vars(self.args), "tokenizer_hash": self.tokenizer.hash,
-                "loop_state": loop_state, "tokens_seen": self.step * self.recipe.total_batch_size}
+                "loop_state": loop_state, "tokens_seen": self.step * self.recipe.total_batch_size,
+                "data_listing": self.data_listing}
         self.trainer.save_checkpoint(self.ckpt_dir, self.step, self.last_state, meta, self.args.keep_last)
         self.saved_step = self.step
 
@@ -464,8 +534,12 @@ class Run:
         dt = time.time() - t0
         if not math.isfinite(loss):
             self.diverged(loss)
+        norms = self.trainer.optimizer.grad_norms.tolist()  # [global, then each of PARAM_GROUPS]
+        grad_norms = {"grad_norm": norms[0], **{f"grad_norm_{g}": norms[1 + PARAM_GROUPS.index(g)]
+                                                for g in self.grad_norm_names}}
         self.smooth_loss = 0.9 * self.smooth_loss + 0.1 * loss
         smooth = self.smooth_loss / (1 - 0.9 ** (self.step + 1))  # debiased
+        self.launch_time += dt
         if self.step - self.first_step > 10:  # the first steps of a process include compilation
             self.total_time += dt
         self.tok_per_sec = self.recipe.total_batch_size / dt
@@ -473,13 +547,21 @@ class Run:
             self.mfu = 100 * self.trainer.flops_per_token * self.tok_per_sec / (self.peak_flops * self.layout.world_size)
         if self.train_loader is not None:
             self.epoch = self.train_loader.stats["epoch"]
-        n = self.recipe.num_iterations
-        print0(f"step {self.step:05d}/{n:05d} ({100 * self.step / n:.2f}%) | loss: {smooth:.6f} | lrm: {lrm:.2f} | "
-               f"dt: {dt * 1000:.2f}ms | tok/sec: {self.tok_per_sec:,.0f}" +
-               (f" | mfu: {self.mfu:.2f}" if self.mfu is not None else "") + f" | epoch: {self.epoch}")
+        n, timed = self.recipe.num_iterations, self.step - self.first_step - 10  # steps in total_time this launch
+        per_step = self.total_time / timed if timed > 0 else dt  # after the compile warm-up: the mean
+        print0(f"step {self.step:05d}/{n:05d} ({100 * self.step / n:.2f}%) | loss: {smooth:.6f} | "
+               f"grad norm: {grad_norms['grad_norm']:.4f} | lrm: {lrm:.2f} | dt: {dt * 1000:.2f}ms | "
+               f"tok/sec: {self.tok_per_sec:,.0f}" + (f" | mfu: {self.mfu:.2f}" if self.mfu is not None else "") +
+               f" | epoch: {self.epoch} | elapsed: {duration(time.time() - self.started)} | "
+               f"eta: {duration(per_step * (n - self.step - 1))}")
+        spikes = self.spikes.check(loss, grad_norms["grad_norm"], judge=self.step >= self.args.warmup_steps)
+        for what, value, ratio, median, steps in spikes:
+            print0(f"step {self.step:05d} | WARNING: {what} spike: {value:.4f} is {ratio:.2f}x the median of the "
+                   f"previous {steps} steps ({median:.4f})")
+        self.spike_count += len(spikes)
         peak = torch.cuda.max_memory_allocated() / 2**30 if self.device.type == "cuda" else None
-        self.log.log(self.step, loss=loss, loss_smooth=smooth, lrm=lrm, dt=dt, tok_per_sec=self.tok_per_sec, mfu=self.mfu,
-                     peak_mem_gib=peak, epoch=self.epoch, **self.evals)
+        self.log.log(self.step, loss=loss, loss_smooth=smooth, **grad_norms, lrm=lrm, dt=dt, tok_per_sec=self.tok_per_sec,
+                     mfu=self.mfu, peak_mem_gib=peak, epoch=self.epoch, spikes=[s[0] for s in spikes] or None, **self.evals)
         self.evals = {}
         if self.step == self.first_step:  # the first step compiled (at its own pace on each rank): time together
             self.watch.phase("barrier after the compile warm-up (first step)", self.step)
@@ -508,17 +590,25 @@ class Run:
     # --- the end -------------------------------------------------------------------
 
     def save_before_stopping(self):
-        """A stop request or a data error: this step's checkpoint (unless the run saves nothing); says how to resume."""
-        if self.args.save_every != 0:
-            self.save()
-        return f"resume with --resume-from-step {self.step}" if self.saved_step == self.step else "not saved"
+        """A stop request or an error mid-run: this step's checkpoint (unless the run saves nothing); says how to
+        go on."""
+        if self.args.save_every == 0:
+            return f"step {self.step} not saved (--save-every 0)"
+        self.save()
+        return f"saved step {self.step}: resume with --resume-from-step {self.step}"
 
     def stop(self):
-        print0(f"stopped at step {self.step}: {self.save_before_stopping()}")
+        """Saves; returns the line to print last (after the summary)."""
+        return f"stopped: {self.save_before_stopping()}"
 
     def data_error(self, error):
-        resume = self.save_before_stopping()
-        return f"{error} (at step {self.step}; " + (f"saved: {resume} once the file is replaced)" if "resume" in resume else "not saved)")
+        return f"{error} ({self.save_before_stopping()}" + (" once the file is replaced)" if self.args.save_every else ")")
+
+    def training_time(self):
+        """(seconds, what they are): the steps after each launch's first 10 (compilation), else all of them."""
+        if self.total_time > 0:
+            return self.total_time, ""
+        return self.launch_time, f" ({self.step - self.first_step} steps, compilation included)"
 
     def finish(self):
         """The summary lines, the report section (a completed run), and the closing of loaders and logs."""
@@ -531,12 +621,12 @@ class Run:
         self.log.write({"kind": "end", "step": self.step, "training_time_s": self.total_time, "peak_mem_gib": dict(peaks)})
         if self.val_bpb is not None:
             print0(f"Validation bpb: {self.val_bpb:.6f}")
-        t = self.total_time
+        t, what = self.training_time()
         summary = ([f"minimum validation bpb: {self.min_val_bpb:.6f}"] if math.isfinite(self.min_val_bpb) else []) + \
-                  ([f"training time: {t / 60:.2f} min" if t >= 60 else f"training time: {t:.1f}s"] if t > 0 else []) + \
+                  [(f"training time: {t / 60:.2f} min" if t >= 60 else f"training time: {t:.1f}s") + what] + \
+                  ([f"spikes (loss or grad norm): {self.spike_count}"] if self.spike_count else []) + \
                   ([f"peak memory: {peak_mem:.2f} GiB"] if peak_mem else [])
-        if summary:
-            print0("; ".join(summary))
+        print0("; ".join(summary))
         if layout.rank == 0 and self.step == self.recipe.num_iterations:
             report.log_section("Base model training", [vars(self.args), self.report_items(peak_mem)])
         self.watch.stop()
@@ -557,10 +647,18 @@ class Run:
                 "gpus used": layout.world_size if self.device.type == "cuda" else 0,
                 "final validation bpb": measured(self.val_bpb, float), "CORE during training": self.core_status,
                 "minimum validation bpb": measured(self.min_val_bpb, float),
-                "training time (min)": round(self.total_time / 60, 3), "tok/sec (last step)": round(self.tok_per_sec),
+                "training time (min)": round(self.training_time()[0] / 60, 3), "tok/sec (last step)": round(self.tok_per_sec),
+                "spikes (loss or grad norm)": self.spike_count,
+                "data": "the same shards throughout" if not self.new_data_at else
+                        f"new shards from step {', '.join(map(str, self.new_data_at))} on (--resume-on-new-data)",
                 "mfu (%)": round(self.mfu, 2) if self.mfu is not None else "n/a",
                 "peak memory (GiB)": round(peak_mem, 2) if peak_mem else "n/a", "epoch": self.epoch,
                 "crop fraction": round(crop, 4) if crop is not None else "n/a", "metrics": self.log.path or "n/a"}
+
+
+def duration(seconds):
+    seconds = round(seconds)
+    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
 
 
 def main(argv=None):
@@ -568,14 +666,16 @@ def main(argv=None):
     try:
         kernels.set_mode(args.kernels)
         layout, device = compute_init(args.device_type, tp=args.tp, pp=args.pp, timeout_s=args.dist_timeout)
-        run = start(args, layout, device)
+        run, stopped = start(args, layout, device), None
         try:
             run.train()
         except Interrupted:  # every rank at the same point (a stop request is agreed on): save, then wrap up
-            run.stop()
+            stopped = run.stop()
         except DataError as e:  # every rank at the same point (agreed on): this step is saved first
             raise DataError(run.data_error(e)) from None
         run.finish()
+        if stopped:
+            print0(stopped)  # last: which step to resume from
     except UserError as e:
         fail(str(e), every_rank=e.every_rank)
     compute_cleanup()

@@ -14,12 +14,13 @@ import argparse
 
 import torch
 
-from nanochat.common import UserError, get_base_dir, fail
+from nanochat.common import HelpWithDefaults, UserError, get_base_dir, fail
 from nanochat import checkpoint_manager as ckpt
 from nanochat.tokenizer import get_tokenizer
 from nanochat.hf.convert import export
 
-parser = argparse.ArgumentParser(description="Export a checkpoint as a Hugging Face transformers folder")
+parser = argparse.ArgumentParser(description="Export a checkpoint as a Hugging Face transformers folder",
+                                 formatter_class=HelpWithDefaults)
 parser.add_argument("--model-tag", type=str, default=None, help="checkpoint folder (default: the most recent one)")
 parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
 parser.add_argument("--out", type=str, required=True, help="the folder to write (new or empty)")

@@ -11,12 +11,13 @@ is there; a different one there is an error.
 import os
 import argparse
 
-from nanochat.common import fail
+from nanochat.common import HelpWithDefaults, fail
 from nanochat import checkpoint_manager as ckpt
 from nanochat.tokenizer import default_tokenizer_dir, get_tokenizer
 from nanochat.hf.convert import load_export, tokenizer_from_hf, ConvertError
 
-parser = argparse.ArgumentParser(description="Import a Hugging Face export folder as a nanochat checkpoint")
+parser = argparse.ArgumentParser(description="Import a Hugging Face export folder as a nanochat checkpoint",
+                                 formatter_class=HelpWithDefaults)
 parser.add_argument("--dir", type=str, required=True, help="the folder scripts.export_hf wrote")
 parser.add_argument("--model-tag", type=str, required=True, help="checkpoint folder to write")
 parser.add_argument("--step", type=int, default=None, help="step to save it as (default: the exported step, else 0)")

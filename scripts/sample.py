@@ -9,7 +9,7 @@ Complete prompts with a base-model checkpoint (KV-cache sampling, nanochat/engin
 import sys
 import argparse
 
-from nanochat.common import UserError, get_compute_dtype
+from nanochat.common import HelpWithDefaults, UserError, get_compute_dtype
 from nanochat.distributed import compute_init, compute_cleanup
 from nanochat.checkpoint_manager import load_model
 from nanochat.tokenizer import get_tokenizer
@@ -17,7 +17,7 @@ from nanochat.engine import generate, SAMPLE_PROMPTS
 from nanochat import report
 from nanochat import kernels
 
-parser = argparse.ArgumentParser(description="Sample completions from a base model")
+parser = argparse.ArgumentParser(description="Sample completions from a base model", formatter_class=HelpWithDefaults)
 parser.add_argument("--model-tag", type=str, default=None, help="checkpoint folder (default: the most recent one)")
 parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
 parser.add_argument("--prompt", type=str, action="append", default=[], help="a prompt (repeatable); none = read stdin")

@@ -6,11 +6,12 @@ load them (offline and not cached: skipped). Usage: `python -m scripts.tok_eval 
 import os
 import argparse
 
+from nanochat.common import HelpWithDefaults
 from nanochat.dataset import resolve_data_dir, split_files, iter_documents, DataError
 from nanochat.tokenizer import get_tokenizer, TokenizerError
 from nanochat import report
 
-parser = argparse.ArgumentParser(description="Evaluate tokenizer compression")
+parser = argparse.ArgumentParser(description="Evaluate tokenizer compression", formatter_class=HelpWithDefaults)
 parser.add_argument("--max-chars", type=int, default=10_000_000, help="characters of each split to encode")
 parser.add_argument("--data-dir", type=str, default=None)
 args = parser.parse_args()

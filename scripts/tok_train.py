@@ -7,11 +7,13 @@ Train the BPE tokenizer on the training shards and save it under $NANOCHAT_BASE_
 import time
 import argparse
 
+from nanochat.common import HelpWithDefaults
 from nanochat.dataset import resolve_data_dir, split_files, iter_documents, DataError
 from nanochat.tokenizer import Tokenizer, TokenizerError, default_tokenizer_dir
 from nanochat import report
 
-parser = argparse.ArgumentParser(description="Train a byte-level BPE tokenizer (rustbpe)")
+parser = argparse.ArgumentParser(description="Train a byte-level BPE tokenizer (rustbpe)",
+                                 formatter_class=HelpWithDefaults)
 parser.add_argument("--max-chars", type=int, default=2_000_000_000, help="characters of training text to use at most")
 parser.add_argument("--doc-cap", type=int, default=10_000, help="characters taken from each document at most")
 parser.add_argument("--vocab-size", type=int, default=32768, help="vocabulary size, special tokens included")

@@ -25,16 +25,23 @@ def base_dir(tmp_path_factory):
     return str(d)
 
 
+def script_env(base_dir):
+    """Environment for the scripts under test: the test base dir, fp32, one thread, and no GPU: they run on the CPU,
+    as on CI, on a machine with GPUs too (the same checks in no more time, as a GPU would compile every tiny model,
+    and no torchrun rank left without a GPU of its own)."""
+    e = dict(os.environ, NANOCHAT_BASE_DIR=base_dir, NANOCHAT_DTYPE="float32", PYTHONUNBUFFERED="1",
+             OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    e.pop("NANOCHAT_DATA_DIR", None)
+    return e
+
+
 @pytest.fixture
 def env(base_dir, monkeypatch):
-    """Environment for subprocesses (and this process) pointing at the test base dir."""
+    """script_env for subprocesses; this process points at the test base dir too."""
     monkeypatch.setenv("NANOCHAT_BASE_DIR", base_dir)
     monkeypatch.delenv("NANOCHAT_DATA_DIR", raising=False)
     monkeypatch.setenv("NANOCHAT_DTYPE", "float32")
-    e = dict(os.environ)
-    e["PYTHONUNBUFFERED"] = "1"
-    e["OMP_NUM_THREADS"] = "1"
-    return e
+    return script_env(base_dir)
 
 
 @pytest.fixture
@@ -53,6 +60,22 @@ def run_script(module, args, env, nproc=1, timeout=600, check=True):
     if check and p.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({p.returncode}):\nSTDOUT:\n{p.stdout[-6000:]}\nSTDERR:\n{p.stderr[-6000:]}")
     return p
+
+
+def write_damaged_shard(path, docs):
+    """A shard of the sample's first `docs` documents in row groups of 8, whose last row group's pages are
+    damaged (its footer is sound): it passes the start-of-run check and fails when that row group is read."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    texts = pq.read_table(os.path.join(SAMPLE_DATA, "sample_00000.parquet")).column("text").to_pylist()[:docs]
+    pq.write_table(pa.table({"text": texts}), path, row_group_size=8, compression="snappy")
+    meta = pq.ParquetFile(path).metadata
+    last = meta.row_group(meta.num_row_groups - 1).column(0)
+    start = last.dictionary_page_offset or last.data_page_offset
+    data = bytearray(path.read_bytes())
+    for i in range(start + 64, start + last.total_compressed_size - 64):  # the pages, not the footer
+        data[i] ^= 0x5A
+    path.write_bytes(bytes(data))
 
 
 def read_run(env, tag):

@@ -102,12 +102,13 @@ def _worker(rank, world, tp, pp, sequence_parallel, schedule, steps, port, out_d
                              compile=compile_backend, overlap_grad_reduce=overlap)
     schedule_of_steps = training.Schedule(steps, LRS["weight_decay"], warmup_steps=0, warmdown_ratio=0.0)
     batches = fixed_batches(steps)
-    losses, overlapped, graphs = [], [], []
+    losses, overlapped, graphs, grad_norms = [], [], [], []
     for step in range(first_step, steps):
         rows = batches[step][layout.dp_rank * per_rank:(layout.dp_rank + 1) * per_rank]
         micro = [(rows[i:i + MICRO_BATCH, :-1], rows[i:i + MICRO_BATCH, 1:]) for i in range(0, per_rank, MICRO_BATCH)]
         loss, _ = trainer.step(micro, schedule_of_steps, step)
         losses.append(loss.item())
+        grad_norms.append(trainer.optimizer.grad_norms.tolist())
         overlapped.append(trainer.optimizer.dp.launched_in_backward)
         if compile_backend is not None:  # graphs compiled so far in this process: a recompile adds one
             graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
@@ -121,7 +122,7 @@ def _worker(rank, world, tp, pp, sequence_parallel, schedule, steps, port, out_d
     model_state = ckpt.full_model_state(trainer.model)
     if layout.dp_rank == 0 and layout.tp_rank == 0:
         torch.save({"losses": losses, "params": model_state, "eval_loss": eval_loss, "overlapped": overlapped,
-                    "graphs": graphs},
+                    "graphs": graphs, "grad_norms": grad_norms},
                    os.path.join(out_dir, f"stage{layout.pp_rank}.pt"))
     if world > 1:
         dist.barrier()
@@ -157,7 +158,7 @@ def run_layout(dp=1, tp=1, pp=1, sequence_parallel=False, schedule="1f1b", steps
         _worker(0, *args)
     else:
         mp.spawn(_worker, args=args, nprocs=world, join=True)
-    params, losses, eval_losses, overlapped, graphs = {}, None, [], [], []
+    params, losses, eval_losses, overlapped, graphs, grad_norms = {}, None, [], [], [], None
     for s in range(pp):
         part = torch.load(os.path.join(out_dir, f"stage{s}.pt"), weights_only=True)
         params.update(part["params"])
@@ -165,6 +166,6 @@ def run_layout(dp=1, tp=1, pp=1, sequence_parallel=False, schedule="1f1b", steps
         overlapped.append(part["overlapped"])
         graphs.append(part["graphs"])
         if s == pp - 1:
-            losses = part["losses"]
+            losses, grad_norms = part["losses"], part["grad_norms"]
     return {"losses": losses, "params": params, "eval_losses": eval_losses, "overlapped": overlapped, "graphs": graphs,
-            "dir": out_dir}
+            "grad_norms": grad_norms, "dir": out_dir}

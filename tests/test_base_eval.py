@@ -9,17 +9,11 @@ import subprocess
 
 import pytest
 
-from conftest import run_script, TINY_MODEL, REPO, CORE_BUNDLE as BUNDLE, CORE_TASKS
+from conftest import run_script, script_env, TINY_MODEL, REPO, CORE_BUNDLE as BUNDLE, CORE_TASKS
 TAG = "evaltest"
 EVAL = ["--model-tag", TAG, "--eval-bundle", BUNDLE, "--max-per-task", "4", "--eval-tokens", "512",
         "--device-batch-size", "4"]
 CORE_LINE = re.compile(r"^CORE \((\d+)/(\d+) tasks\): (-?\d+\.\d{4})$", re.M)
-
-
-def script_env(base_dir):
-    env = dict(os.environ, NANOCHAT_BASE_DIR=base_dir, NANOCHAT_DTYPE="float32", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    env.pop("NANOCHAT_DATA_DIR", None)
-    return env
 
 
 @pytest.fixture(scope="module")

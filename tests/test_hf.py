@@ -68,6 +68,9 @@ def test_export_folder(tiny):
     for name in ["modeling_nanochat.py", "configuration_nanochat.py"]:  # standalone: transformers + torch only
         with open(os.path.join(out, name)) as f:
             assert "nanochat." not in f.read().replace("nanochat.py", "")
+    # the weights are readable by whoever may read the rest (safetensors creates its files 0600)
+    modes = {name: os.stat(os.path.join(out, name)).st_mode & 0o777 for name in os.listdir(out)}
+    assert modes["model.safetensors"] == modes["config.json"], modes
 
 
 @pytest.mark.parametrize("T", [1, 37, 128, 200, 256])  # inside and beyond the 128-token window

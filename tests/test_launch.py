@@ -18,6 +18,7 @@ def script_flags(module):
     """The --flags of a script, from its --help."""
     p = subprocess.run([sys.executable, "-m", module, "--help"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
+    assert "(default: " in p.stdout, f"{module} --help shows no defaults"
     return sorted(set(re.findall(r"(--[a-z0-9][a-z0-9-]*)", p.stdout)) - {"--help"})
 
 

@@ -1,4 +1,4 @@
-"""DP, TP and PP against one process: same losses (rel 1e-4, fp32) and parameters (atol 1e-4) after
+"""DP, TP and PP against one process: same losses (rel 1e-4, fp32), gradient norms and parameters (atol 1e-4) after
 5 steps on the same batches (CPU, gloo), and the same whole-sequence evaluation loss afterwards. Also:
 checkpoints move between layouts."""
 
@@ -19,6 +19,9 @@ def assert_same_run(run, ref, steps=5):
     assert len(run["losses"]) == len(ref["losses"]) == steps
     for a, b in zip(run["losses"], ref["losses"]):
         assert abs(a - b) / abs(b) <= 1e-4, (run["losses"], ref["losses"])
+    # the gradient norm, global and per parameter group, from each rank's share of the reduced gradients
+    for norms, ref_norms in zip(run["grad_norms"], ref["grad_norms"]):
+        assert torch.allclose(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-4, atol=1e-6), (norms, ref_norms)
     assert run["params"].keys() == ref["params"].keys()
     for name, p in ref["params"].items():
         assert torch.allclose(run["params"][name], p, atol=1e-4), (name, (run["params"][name] - p).abs().max())

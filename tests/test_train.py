@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 
-from conftest import run_script, run_losses, read_run, TINY_MODEL, REPO
+from conftest import run_script, run_losses, read_run, write_damaged_shard, TINY_MODEL, REPO, SAMPLE_DATA
 
 TRAIN = ["--device-batch-size", "4", "--total-batch-size", "512", "--warmup-steps", "2",
          "--embedding-lr", "0.05", "--scalar-lr", "0.05"] + TINY_MODEL
@@ -39,12 +39,13 @@ def test_log_line_format(env):
     assert "note: --warmup-steps 5 is longer than the run (3 steps)" in p.stdout
     assert "nanobind" not in p.stderr  # no leak report at exit (the collector was frozen with triton imported)
     assert p.stdout.count("NOTICE: no parquet shards") == 1
-    assert "training time" not in p.stdout and "minimum validation bpb: 4" in p.stdout  # nothing timed in 3 steps
+    # a run too short to leave out the compile warm-up reports all its steps' time
+    assert re.search(r"^minimum validation bpb: 4\.\d+; training time: [\d.]+s \(3 steps, compilation included\)$",
+                     p.stdout, re.M), p.stdout[-500:]
     lines = [l for l in p.stdout.splitlines() if l.startswith("step 00001/")]
     assert len(lines) == 1
-    import re
-    assert re.match(r"^step 00001/00003 \(33\.33%\) \| loss: \d+\.\d{6} \| lrm: \d\.\d\d \| dt: [\d.]+ms \| "
-                    r"tok/sec: [\d,]+ \| epoch: \d+$", lines[0]), lines[0]
+    assert re.match(r"^step 00001/00003 \(33\.33%\) \| loss: \d+\.\d{6} \| grad norm: \d+\.\d{4} \| lrm: \d\.\d\d \| "
+                    r"dt: [\d.]+ms \| tok/sec: [\d,]+ \| epoch: \d+ \| elapsed: \d+m\d\ds \| eta: \d+m\d\ds$", lines[0]), lines[0]
     assert "local parameters: " in p.stdout
     assert re.search(r"^Validation bpb: \d+\.\d{6}$", p.stdout, re.M)
 
@@ -123,12 +124,14 @@ def test_sigterm_saves_then_exits(env):
     rest, err = proc.communicate(timeout=120)
     out += rest
     assert proc.returncode == 0, err
-    assert "saved checkpoint for step" in out
     ckpt_dir = os.path.join(env["NANOCHAT_BASE_DIR"], "base_checkpoints", "sig")
     metas = [f for f in os.listdir(ckpt_dir) if f.startswith("meta_")]
     assert len(metas) == 1
     meta = json.load(open(os.path.join(ckpt_dir, metas[0])))
-    assert meta["loop_state"]["step"] >= 3 and len(meta["dataloader_states"]) == 1
+    step = meta["loop_state"]["step"]
+    assert step >= 3 and len(meta["dataloader_states"]) == 1 and f"saved checkpoint for step {step}" in out
+    # the last line: the step saved and the flag that resumes it
+    assert out.splitlines()[-1] == f"stopped: saved step {step}: resume with --resume-from-step {step}", out[-500:]
 
 
 def test_dp2_torchrun_then_resume_at_dp1(env):
@@ -156,14 +159,18 @@ def test_resume_with_other_recipe_is_refused(env):
 
 
 def test_bad_flags_are_clear_errors(env):
-    for flags, message in [(["--l3-after-layers", "4,x"], "must be comma-separated block indices"),
-                           (["--l3-after-layers", "7"], "block indices must be in 0..1"),
-                           (["--tp", "2"], "need 2 processes"),
-                           (["--device-batch-size", "0"], "--device-batch-size must be at least 1"),
-                           (["--head-dim", "0"], "--head-dim (0) positive")]:
-        p = run_script("scripts.base_train", TRAIN + ["--num-iterations", "1"] + flags, env, check=False)
-        assert p.returncode != 0 and message in p.stdout, (flags, p.stdout[-500:], p.stderr[-500:])
-        assert "Traceback" not in p.stderr, flags
+    cases = [(["--l3-after-layers", "4,x"], "must be comma-separated block indices"),
+             (["--l3-after-layers", "7"], "block indices must be in 0..1"),
+             (["--tp", "2"], "need 2 processes"),
+             (["--device-batch-size", "0"], "--device-batch-size must be at least 1"),
+             (["--head-dim", "0"], "--head-dim (0) positive")]
+    procs = [subprocess.Popen([sys.executable, "-m", "scripts.base_train"] + TRAIN + ["--num-iterations", "1"] + flags,
+                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for flags, _ in cases]  # at once: each is mostly the interpreter starting
+    for p, (flags, message) in zip(procs, cases):
+        out, err = p.communicate(timeout=300)
+        assert p.returncode != 0 and message in out, (flags, out[-500:], err[-500:])
+        assert "Traceback" not in err, flags
 
 
 def test_resume_at_the_final_step_wraps_up(env):
@@ -199,23 +206,11 @@ def test_cpu_batch_that_cannot_fit_is_refused_with_the_flags_to_change(env):
 
 
 def corrupt_last_row_group(tmp_path):
-    """A data folder whose first shard has a sound footer but damaged pages in its last row group: it passes
-    the start-of-run check and fails when that row group is read."""
+    """A data folder whose first shard (a.parquet) has a sound footer but damaged pages in its last row group:
+    it passes the start-of-run check and fails when that row group is read."""
     import shutil
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    from nanochat.dataset import SAMPLE_DIR
-    texts = pq.read_table(os.path.join(SAMPLE_DIR, "sample_00000.parquet")).column("text").to_pylist()[:64]
-    path = tmp_path / "a.parquet"
-    pq.write_table(pa.table({"text": texts}), path, row_group_size=8, compression="snappy")
-    meta = pq.ParquetFile(path).metadata
-    last = meta.row_group(meta.num_row_groups - 1).column(0)
-    start = last.dictionary_page_offset or last.data_page_offset
-    data = bytearray(path.read_bytes())
-    for i in range(start + 64, start + last.total_compressed_size - 64):  # the last row group's pages, not the footer
-        data[i] ^= 0x5A
-    path.write_bytes(bytes(data))
-    shutil.copy(os.path.join(SAMPLE_DIR, "sample_00001.parquet"), tmp_path / "b.parquet")
+    write_damaged_shard(tmp_path / "a.parquet", 64)
+    shutil.copy(os.path.join(SAMPLE_DATA, "sample_00001.parquet"), tmp_path / "b.parquet")
     return str(tmp_path)
 
 

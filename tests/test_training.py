@@ -4,6 +4,7 @@ warmdown; Muon weight decay cosine to 0. The step, setup and save are checked by
 (whose harness runs them) and tests/test_train.py (base_train end to end)."""
 
 import pytest
+import torch
 
 from nanochat.training import Schedule
 
@@ -23,3 +24,24 @@ def test_muon_momentum_and_weight_decay():
     assert s.muon_momentum(1000) == pytest.approx(0.90)
     assert s.muon_weight_decay(0) == pytest.approx(0.2) and s.muon_weight_decay(500) == pytest.approx(0.1)
     assert s.muon_weight_decay(1000) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_grad_norms_are_the_norms_of_the_gradients_global_and_per_group():
+    """MuonAdamW.grad_norms after a step: the global norm of every gradient, then each PARAM_GROUPS' (0 when absent),
+    as read from the parameters before the step. The layouts' norms equal these (tests/test_parallel.py)."""
+    from nanochat.gpt import GPTConfig, PARAM_GROUPS, build_model
+    from nanochat.optim import MuonAdamW
+    torch.manual_seed(0)
+    model = build_model(GPTConfig(sequence_len=16, vocab_size=64, n_layer=2, n_head=2, n_kv_head=2, n_embd=32), "cpu")
+    groups = model.param_groups(embedding_lr=0.01, unembedding_lr=0.004, matrix_lr=0.02, scalar_lr=0.02, weight_decay=0.0)
+    optimizer = MuonAdamW(groups, {p: n for n, p in model.named_parameters()})
+    x = torch.randint(0, 64, (2, 17))
+    model(x[:, :-1], x[:, 1:]).backward()
+    expected = torch.zeros(len(PARAM_GROUPS))
+    for g in groups:
+        expected[PARAM_GROUPS.index(g["name"])] = sum(p.grad.double().square().sum() for p in g["params"]).sqrt()
+    optimizer.step()
+    assert optimizer.grad_norms.shape == (1 + len(PARAM_GROUPS),)
+    assert torch.allclose(optimizer.grad_norms[1:], expected, rtol=1e-5)
+    assert torch.allclose(optimizer.grad_norms[0], expected.square().sum().sqrt(), rtol=1e-5)
+    assert optimizer.grad_norms[PARAM_GROUPS.index("l3_tables") + 1] == 0 and optimizer.grad_norms[0] > 0

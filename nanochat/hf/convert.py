@@ -182,8 +182,11 @@ def export(model_state, meta, tok: Tokenizer, out_dir, dtype=torch.float32, core
     state = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in model_state.items()}
     split = split_torch_state_dict_into_shards(state, filename_pattern="model{suffix}.safetensors",
                                                max_shard_size=max_shard_size)
+    umask = os.umask(0)
+    os.umask(umask)
     for filename, names in split.filename_to_tensors.items():
         save_file({n: state[n] for n in names}, os.path.join(out_dir, filename), metadata={"format": "pt"})
+        os.chmod(os.path.join(out_dir, filename), 0o666 & ~umask)  # safetensors writes 0600; readable as the rest
     if split.is_sharded:
         index = {"metadata": {"total_size": sum(v.numel() * v.element_size() for v in state.values())},
                  "weight_map": split.tensor_to_filename}

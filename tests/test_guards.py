@@ -1,0 +1,240 @@
+"""What keeps a run's work safe on any machine: one run per checkpoint folder (run.lock), every shard's schema
+checked at the start, a full disk named (on a small tmpfs where the test may mount one; a patched free-space call
+and write elsewhere), an evaluation that fails after training began (the step is saved first), a stop under
+torchrun (the STOP file: exit 0; Ctrl-C: the workers save), and torchrun asking for more GPUs than there are.
+A resume on other shards: tests/test_watch.py."""
+
+import os
+import re
+import json
+import errno
+import signal
+import shutil
+import socket
+import subprocess
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from conftest import run_script, write_damaged_shard, REPO, SAMPLE_DATA
+from nanochat import checkpoint_manager as ckpt
+from nanochat.common import UserError
+from nanochat.dataset import DataError, check_data
+
+TINY = ["--depth", "2", "--aspect-ratio", "32", "--head-dim", "32", "--max-seq-len", "64", "--device-batch-size", "4",
+        "--total-batch-size", "512", "--core-metric-every", "-1", "--sample-every", "-1", "--eval-every", "-1",
+        "--eval-tokens", "2048"]
+
+
+def ckpt_dir(env, tag):
+    return os.path.join(env["NANOCHAT_BASE_DIR"], "base_checkpoints", tag)
+
+
+def errors(p):
+    return [line for line in p.stdout.splitlines() if line.startswith("ERROR: ")]
+
+
+# -----------------------------------------------------------------------------
+# One run per checkpoint folder
+
+
+def write_lock(folder, host, pid):
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "run.lock"), "w") as f:
+        json.dump({"host": host, "pid": pid, "started": "2026-01-01 00:00:00"}, f)
+
+
+def test_a_folder_in_use_is_refused_naming_its_holder(env):
+    folder = ckpt_dir(env, "locked")
+    write_lock(folder, socket.gethostname(), os.getpid())  # this test's process: alive
+    p = run_script("scripts.base_train", TINY + ["--num-iterations", "2", "--model-tag", "locked"], env, check=False)
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert errors(p) == [f"ERROR: {folder} is in use by another run (PID {os.getpid()} on {socket.gethostname()}, "
+                         f"started 2026-01-01 00:00:00): wait for it to end or use another --model-tag (if that run is "
+                         f"gone, delete {folder}/run.lock)"], p.stdout[-1500:]
+    assert "step 00000" not in p.stdout and json.load(open(os.path.join(folder, "run.lock")))["pid"] == os.getpid()
+    # a lock held on another host counts as alive (its process cannot be asked from here)
+    write_lock(folder, "gpu-node-7", 1)
+    with pytest.raises(ckpt.CheckpointError, match=re.escape("is in use by another run (PID 1 on gpu-node-7")):
+        ckpt.take_lock(folder)
+
+
+def test_a_lock_whose_process_is_gone_is_taken_over_then_released(env):
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    write_lock(ckpt_dir(env, "stale"), socket.gethostname(), gone.pid)
+    p = run_script("scripts.base_train", TINY + ["--num-iterations", "2", "--model-tag", "stale"], env)
+    assert f"note: took over {ckpt_dir(env, 'stale')}/run.lock from a run that is gone (PID {gone.pid}" in p.stdout
+    assert not os.path.exists(os.path.join(ckpt_dir(env, "stale"), "run.lock"))  # released at the end
+    assert os.path.exists(os.path.join(ckpt_dir(env, "stale"), "meta_000002.json"))
+
+
+# -----------------------------------------------------------------------------
+# The data's schema, at the start
+
+
+def write_shard(path, texts):
+    pq.write_table(pa.table({"text": texts}), path)
+
+
+@pytest.mark.parametrize("bad", ["train", "val"])
+def test_a_text_column_of_another_type_is_named_at_the_start(env, tmp_path, bad):
+    """Every shard is opened at the start: a `text` column of integers stops the run before its first step,
+    naming the file, whether it is a training shard or the validation shard (the last)."""
+    shutil.copy(os.path.join(SAMPLE_DATA, "sample_00000.parquet"), tmp_path / "a.parquet")
+    shutil.copy(os.path.join(SAMPLE_DATA, "sample_00001.parquet"), tmp_path / "c.parquet")
+    wrong = tmp_path / ("b.parquet" if bad == "train" else "d.parquet")
+    write_shard(wrong, list(range(100)))
+    with pytest.raises(DataError, match=re.escape(f"{wrong}: its `text` column holds int64, not strings")):
+        check_data(str(tmp_path))
+    if bad == "val":  # and through base_train: one line, nothing trained
+        p = run_script("scripts.base_train", TINY + ["--num-iterations", "2", "--data-dir", str(tmp_path),
+                                                     "--model-tag", "schema"], env, check=False)
+        assert p.returncode == 1 and "Traceback" not in p.stderr and "step 00000" not in p.stdout, p.stderr[-2000:]
+        assert len(errors(p)) == 1 and str(wrong) in errors(p)[0], p.stdout[-1500:]
+
+
+def test_an_evaluation_that_fails_after_training_began_saves_the_step_first(env, tmp_path):
+    """A validation shard whose later pages are damaged passes the start-of-run check; the final evaluation
+    reaches them and fails: the step is saved first, and the run ends with one line saying so."""
+    shutil.copy(os.path.join(SAMPLE_DATA, "sample_00000.parquet"), tmp_path / "a.parquet")
+    write_damaged_shard(tmp_path / "b.parquet", 16)  # the validation shard: 2 row groups, the second damaged
+    p = run_script("scripts.base_train", TINY + ["--num-iterations", "4", "--data-dir", str(tmp_path), "--eval-tokens",
+                                                 "16384", "--model-tag", "evalfails"], env, check=False)
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    line = errors(p)
+    assert len(line) == 1 and line[0].startswith("ERROR: validation at step 4: ") and "b.parquet" in line[0], p.stdout[-1500:]
+    assert line[0].endswith("(saved step 4: resume with --resume-from-step 4)"), line[0]
+    assert os.path.exists(os.path.join(ckpt_dir(env, "evalfails"), "meta_000004.json"))
+
+
+# -----------------------------------------------------------------------------
+# A full disk
+
+
+def tiny_state(mib):
+    return {"w": torch.zeros(mib * 2**18)}  # mib MiB of fp32
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A folder on a 9 MiB tmpfs (None where this process may not mount one)."""
+    folder = tmp_path / "small"
+    folder.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=9m", "tmpfs", str(folder)],
+                             capture_output=True).returncode == 0 if shutil.which("mount") else False
+    yield str(folder) if mounted else None
+    if mounted:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
+def test_a_full_disk_is_named_and_the_earlier_step_stays_intact(small_disk, tmp_path, monkeypatch):
+    folder = small_disk or str(tmp_path / "patched")
+    ckpt.save_stage_files(folder, 1, tiny_state(1), None)
+    ckpt.save_meta(folder, 1, {"step": 1})
+    if small_disk is None:  # no tmpfs here: a disk with 2 MiB free
+        monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(9 << 20, 7 << 20, 2 << 20))
+    # before writing: 9 MiB do not fit in what is free
+    with pytest.raises(ckpt.CheckpointError, match=re.escape(f"the disk is full: saving step 2 in {folder} needs about "
+                                                             f"9.0 MiB and ")) as e:
+        ckpt.save_stage_files(folder, 2, tiny_state(9), None)
+    assert str(e.value).endswith("is free; step 1 is intact there (resume with --resume-from-step 1). Free some space, "
+                                 "or set NANOCHAT_BASE_DIR to a disk with room")
+    # while writing: the free-space call was wrong (another writer filled the disk); a real ENOSPC on the tmpfs
+    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(1 << 40, 0, 1 << 40))
+    if small_disk is None:
+        def no_space(obj, f, **kwargs):
+            f.write(b"\0" * 1000)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        monkeypatch.setattr(ckpt.torch, "save", no_space)
+    with pytest.raises(ckpt.CheckpointError, match="the disk is full: saving step 2 .* step 1 is intact there"):
+        ckpt.save_stage_files(folder, 2, tiny_state(9), None)
+    monkeypatch.undo()
+    assert sorted(os.listdir(folder)) == ["meta_000001.json", "model_000001.pt"]  # no half-written file left
+    assert ckpt.load_checkpoint(folder, 1, "cpu", load_optimizer=False)[0]["w"].numel() == 2**18
+
+
+def test_a_run_whose_disk_fills_up_stops_with_one_line(env, small_disk):
+    """base_train saving every 2 steps into a folder with room for one checkpoint: the step-4 save is refused with
+    the sizes and the intact step; the run exits 1 without a traceback."""
+    if small_disk is None:
+        pytest.skip("cannot mount a tmpfs here (the free-space check is tested with a patched call above)")
+    tag = "fulldisk"
+    os.makedirs(os.path.dirname(ckpt_dir(env, tag)), exist_ok=True)
+    os.symlink(small_disk, ckpt_dir(env, tag))
+    with open(os.path.join(small_disk, "filler"), "wb") as f:  # the tiny model's checkpoint is 3 MiB: room for one
+        f.write(b"\0" * (5 << 19))
+    p = run_script("scripts.base_train", TINY + ["--num-iterations", "6", "--save-every", "2", "--model-tag", tag], env,
+                   check=False)
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert "saved checkpoint for step 2" in p.stdout, p.stdout[-2000:]
+    assert len(errors(p)) == 1 and re.match(
+        rf"ERROR: the disk is full: saving step 4 in {re.escape(ckpt_dir(env, tag))} needs about [\d.]+ MiB and "
+        r"[\d.]+ MiB is free; step 2 is intact there \(resume with --resume-from-step 2\)", errors(p)[0]), p.stdout[-1500:]
+    assert not [f for f in os.listdir(small_disk) if ".tmp." in f]
+    os.remove(ckpt_dir(env, tag))
+
+
+# -----------------------------------------------------------------------------
+# Stopping under torchrun; more processes than GPUs
+
+
+def start_torchrun(env, tag):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+           "scripts.base_train"] + TINY + ["--num-iterations", "100000", "--model-tag", tag, "--device-batch-size", "2"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # its own process group, as a terminal's foreground job
+    out = ""
+    while "step 00003/" not in out:
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read()[-3000:]
+        out += line
+    return proc, out
+
+
+@pytest.mark.parametrize("how", ["STOP file", "Ctrl-C"])
+def test_a_stop_under_torchrun_saves_and_says_how_to_resume(env, how):
+    """The STOP file: the workers save and torchrun exits 0. Ctrl-C reaches torchrun too, which then exits 1
+    whatever its workers did (the README says so); the workers still save and print the same last line."""
+    tag = f"stop_{how.split()[0].lower().replace('-', '')}"
+    proc, out = start_torchrun(env, tag)
+    if how == "STOP file":
+        open(os.path.join(ckpt_dir(env, tag), "STOP"), "w").close()
+    else:
+        os.killpg(proc.pid, signal.SIGINT)
+    rest, err = proc.communicate(timeout=120)
+    out += rest
+    step = int(re.search(r"saved checkpoint for step (\d+)", out).group(1))
+    assert out.splitlines()[-1] == f"stopped: saved step {step}: resume with --resume-from-step {step}", out[-1000:]
+    assert os.path.exists(os.path.join(ckpt_dir(env, tag), f"meta_{step:06d}.json"))
+    assert not os.path.exists(os.path.join(ckpt_dir(env, tag), "run.lock"))
+    if how == "STOP file":
+        assert proc.returncode == 0 and not os.path.exists(os.path.join(ckpt_dir(env, tag), "STOP")), err[-2000:]
+
+
+def test_more_processes_than_gpus_is_one_line(monkeypatch):
+    from nanochat.distributed import compute_init
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for k, v in dict(RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2").items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(UserError, match=re.escape("torchrun started 2 processes on this node, which has 1 GPU(s): one "
+                                                  "GPU per process; use --nproc_per_node=1 (or --device-type=cpu)")):
+        compute_init("cuda")
+
+
+def test_stop_file_is_polled_and_removed(tmp_path):
+    """signals: creating the file is a stop request; the poll that finds it removes it (a resume goes on)."""
+    code = f"""
+import os
+from nanochat import signals
+signals.install_stop_handlers({str(tmp_path / 'STOP')!r})
+assert not signals.stop_requested()
+open({str(tmp_path / 'STOP')!r}, "w").close()
+assert signals.stop_requested() and not os.path.exists({str(tmp_path / 'STOP')!r}) and signals.stop_requested()
+"""
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and "found " in p.stdout, p.stderr
