@@ -1,81 +1,261 @@
 """
 Pipeline schedules in time: replays the action lists that nanochat.pipeline_parallel.stage_actions gives every
-stage (what train_step runs) with a time per forward and per backward of one micro-batch on one stage and a
-latency per message between stages, and prints the step time, each stage's idle fraction and, with unit times,
-the timeline (F3 = forward of micro-batch 3, B3 its backward, . = idle).
+rank (what train_step runs) with nanochat.pipeline_parallel.simulate, and prints the step time, each rank's idle
+fraction and the most micro-batch chunks each rank holds alive (peak_in_flight, what train_step measures).
 
-    python -m dev.pipeline_sim --schedule 1f1b --stages 4 --microbatches 8                 # unit times
-    python -m dev.pipeline_sim --stages 8 --microbatches 16 --forward-ms 31 --backward-ms 64 --p2p-ms 0.2
+    python -m dev.pipeline_sim --schedule zb --stages 4 --microbatches 8             # unit times: the timeline
+    python -m dev.pipeline_sim --measure 26 --out d26.json                            # one GPU: every block's times
+    python -m dev.pipeline_sim --times d26.json --table                               # p x m x schedule, priced
+    python -m dev.pipeline_sim --times d26.json --schedule 1f1b --stages 4 --microbatches 16
 
-Each stage runs its actions in order, each as soon as the stage is free and its input is there: a forward
-waits for the previous stage's forward of that micro-batch, a backward for the next stage's backward (the last
-stage: its own forward); a message between stages takes --p2p-ms. The ideal step is m (F + B): no bubble.
+--measure times, on one GPU in bf16, the forward (F) and the whole backward of every block, the embedding and the
+head with its loss, then with the linears recording as under zb their forward, input-gradient backward (B) and
+weight-gradient pass (W), on micro-batches of --batch x --seq tokens (window L; --compile inductor: each block and
+the loss compiled, as training compiles them with overlapped reduction), and the bytes each forward saves. --times sums them into each chunk of the layout (pipeline_parallel.split_stages,
+as training splits): F, and B = the whole backward, or under zb B and W. A message between ranks takes --p2p-ms, or
+(by default) the bytes of one boundary (x, x0, ids; gradients: x, x0) over --p2p-gbps.
+The ideal step is every chunk's work over p ranks: m x sum(F + B (+ W)) / p.
 """
 
 import argparse
+import json
+import statistics
 
-from nanochat.pipeline_parallel import stage_actions
-
-
-def simulate(actions, times, p2p=0.0):
-    """actions: per stage, its list of (kind, micro-batch); times: {kind: duration}. Returns per stage the list of
-    (kind, micro-batch, start, end), in the order run."""
-    p = len(actions)
-    done, timeline, queues, free = {}, [[] for _ in range(p)], [list(a) for a in actions], [0.0] * p
-    while any(queues):
-        progressed = False
-        for s in range(p):
-            while queues[s]:
-                kind, i = queues[s][0]
-                if kind == "F":
-                    dep = None if s == 0 else ("F", i, s - 1)
-                else:
-                    dep = ("F", i, s) if s == p - 1 else ("B", i, s + 1)
-                if dep is not None and dep not in done:
-                    break
-                ready = 0.0 if dep is None else done[dep] + (p2p if dep[2] != s else 0.0)
-                start = max(free[s], ready)
-                free[s] = done[kind, i, s] = start + times[kind]
-                timeline[s].append((kind, i, start, free[s]))
-                queues[s].pop(0)
-                progressed = True
-        if not progressed:
-            raise ValueError("the action lists wait on each other: no stage can run its next action")
-    return timeline
+from nanochat.pipeline_parallel import (SCHEDULES, idle_formula, peak_in_flight, simulate, split_stages,
+                                        stage_actions, action_name)
 
 
-def report(timeline, times, unit):
-    step = max(t[-1][3] for t in timeline)
+def report(timeline, ideal=None):
+    """Step time, its ratio to the ideal (if given) and each rank's idle fraction."""
+    step = max(events[-1][2] for events in timeline)
+    busy = [sum(end - start for _, start, end in events) for events in timeline]
+    ratio = f" ({step / ideal:.3f}x the ideal {ideal:.2f})" if ideal else ""
+    return step, f"step {step:.2f}{ratio}; idle per rank: " + ", ".join(f"{1 - b / step:.3f}" for b in busy)
+
+
+def draw(timeline, virtual):
+    """With unit times: one slot per unit, F3 = forward of micro-batch 3 (F3c5: of chunk 5), . = idle."""
+    step = round(max(events[-1][2] for events in timeline))
     lines = []
-    if unit:  # the timeline, one slot per unit of time
-        for s, events in enumerate(timeline):
-            slots = ["."] * round(step)
-            for kind, i, start, end in events:
-                slots[round(start)] = f"{kind}{i}"
-            lines.append(f"stage {s}: " + " ".join(c.rjust(3) for c in slots))
-    busy = [sum(end - start for _, _, start, end in events) for events in timeline]
-    m = sum(1 for e in timeline[0] if e[0] == "F")
-    ideal = m * sum(times.values())
-    lines.append(f"step {step:.2f} (ideal {ideal:.2f}: {step / ideal:.3f}x); idle per stage: " +
-                 ", ".join(f"{1 - b / step:.3f}" for b in busy))
+    for r, events in enumerate(timeline):
+        slots = ["."] * step
+        for action, start, _ in events:
+            slots[round(start)] = action_name(action, virtual)
+        lines.append(f"rank {r}: " + " ".join(c.rjust(4 if virtual > 1 else 3) for c in slots))
     return "\n".join(lines)
+
+
+# --- measured times ------------------------------------------------------------------------------------
+
+def measure(depth, batch, seq, reps, compile_backend=None):
+    """Per block (and the embedding, the head): median ms of F and the whole backward, the bytes of the tensors its
+    forward saves, then with the linears recording as under zb: F again ("F_zb"), B and W; on this machine's GPU
+    (bf16; the CPU in fp32 without one). compile_backend: each block and the loss compiled as training compiles
+    them with overlapped reduction (under zb the linears then run between the graphs)."""
+    import time
+    import torch
+    from types import SimpleNamespace
+    from nanochat import kernels
+    from nanochat.gpt import Residual, build_model, config_for_depth
+    from nanochat.pipeline_parallel import backward_input, backward_weight, record_linears
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    config = config_for_depth(depth, sequence_len=seq, window_pattern="L")
+    model = build_model(config, device, dtype)
+    kernels.prepare_attention(config, model.window_sizes, device, dtype)
+    if compile_backend:
+        torch._dynamo.config.cache_size_limit = 64
+        for block in model.blocks:
+            block.compile(dynamic=False, backend=compile_backend)
+        model.criterion.compile(dynamic=False, backend=compile_backend)
+    holder = SimpleNamespace(_recording=None)
+    idx = torch.randint(0, config.vocab_size, (batch, seq), device=device)
+
+    def timed(fn, prepare=lambda: None):
+        """Median ms of fn() over reps (after 2 warm-ups), prepare() untimed before each."""
+        times = []
+        for _ in range(reps + 2):
+            prepare()
+            sync()
+            start = time.perf_counter()
+            fn()
+            sync()
+            times.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(times[2:])
+
+    def leaf():
+        return torch.randn(model.embed(idx).x.shape, device=device, dtype=dtype, requires_grad=True)
+
+    parts = []  # (where the result goes, forward() -> output tensors, its carried inputs, its parameters)
+    results = {"depth": depth, "batch": batch, "seq": seq, "n_embd": config.n_embd, "compile": compile_backend,
+               "blocks": [{} for _ in range(depth)], "embed": {}, "head": {}}
+    for i in range(depth):
+        x, x0 = leaf(), leaf()
+        parts.append((results["blocks"][i], lambda i=i, x=x, x0=x0: _carried_out(
+            model.run_blocks(Residual(x, x0, None), idx, i, i + 1)), (x, x0), list(model.blocks[i].parameters())))
+    parts.append((results["embed"], lambda: _carried_out(model.embed(idx)), (),
+                  [model.wte.weight, model.smear_gate.weight, model.smear_lambda]))
+    x = leaf()
+    parts.append((results["head"], lambda: [model.head(Residual(x, x, None), idx)], (x,), [model.lm_head.weight]))
+    state = {}
+
+    def run_forward(forward, record=False):
+        holder._recording = [] if record else None
+        state["outputs"], state["recorded"] = forward(), holder._recording
+        holder._recording = None
+        out = state["outputs"]
+        state["grads"] = None if out[0].ndim == 0 else [torch.randn_like(o) for o in out]
+
+    for result, forward, inputs, params in parts:  # as 1F1B runs them
+        saved = {}  # storage -> bytes, of the tensors autograd saves in one forward
+
+        def pack(t):
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            run_forward(forward)
+        result["bytes"] = sum(saved.values())
+        result["F"] = timed(lambda: run_forward(forward))
+        result["backward"] = timed(lambda: torch.autograd.backward(state["outputs"], state["grads"]),
+                                   lambda: run_forward(forward))
+    record_linears(model, holder)  # as zb runs them
+    if compile_backend:
+        torch._dynamo.reset()  # the blocks compile again, with the recording linears between their graphs
+        torch._functorch.config.donated_buffer = False  # as training.compile_for_training sets it under zb
+
+    def b_pass(inputs, params):
+        backward_input(state["outputs"], state["grads"], list(inputs), state["recorded"], params)
+
+    for result, forward, inputs, params in parts:
+        result["F_zb"] = timed(lambda: run_forward(forward, record=True))
+        result["B"] = timed(lambda: b_pass(inputs, params), lambda: run_forward(forward, record=True))
+        result["W"] = timed(lambda: backward_weight(state["recorded"]),
+                            lambda: (run_forward(forward, record=True), b_pass(inputs, params)))
+    for i, r in enumerate(results["blocks"]):
+        print(f"block {i}: " + ", ".join(f"{k} {v:.3f}" if k != "bytes" else f"{v / 2**20:.0f} MiB"
+                                         for k, v in r.items()), flush=True)
+    print("embed:", results["embed"], "\nhead:", results["head"])
+    return results
+
+
+def _carried_out(h):
+    return [h.x, h.x0]
+
+
+def chunk_durations(measured, p, virtual, zb):
+    """{(kind, chunk): ms} for the p x virtual chunks training would cut (split_stages on the FLOP costs)."""
+    import torch
+    from nanochat.gpt import GPT, config_for_depth
+    from nanochat.pipeline_parallel import block_costs
+    with torch.device("meta"):
+        model = GPT(config_for_depth(measured["depth"], sequence_len=measured["seq"], window_pattern="L"))
+    costs, head_cost = block_costs(model)
+    bounds = split_stages(costs, head_cost, p * virtual)
+    times = {}
+    for c, (a, b) in enumerate(bounds):
+        parts = measured["blocks"][a:b] + ([measured["embed"]] if c == 0 else []) + \
+            ([measured["head"]] if c == len(bounds) - 1 else [])
+        times["F", c] = sum(t["F_zb" if zb else "F"] for t in parts)
+        if zb:
+            times["B", c], times["W", c] = sum(t["B"] for t in parts), sum(t["W"] for t in parts)
+        else:
+            times["B", c] = sum(t["backward"] for t in parts)
+    kept = [sum(t["bytes"] for t in measured["blocks"][a:b]) for a, b in bounds]
+    return times, kept, bounds
+
+
+def price(measured, schedule, p, m, virtual, p2p_ms):
+    """Simulated step (ms), its ideal, each rank's idle fraction and peak activation GiB."""
+    times, kept, _ = chunk_durations(measured, p, virtual, schedule == "zb")
+    actions = [stage_actions(schedule, p, m, r, virtual) for r in range(p)]
+    timeline = simulate(actions, lambda a: times[a[0], a[2]], p2p_ms)
+    ideal = m * sum(times.values()) / p
+    step = max(events[-1][2] for events in timeline)
+    idle = [1 - sum(end - start for _, start, end in events) / step for events in timeline]
+    peak = [max(_alive_bytes(acts, kept)) / 2**30 for acts in actions]
+    return step, ideal, idle, peak
+
+
+def _alive_bytes(acts, kept):
+    """Bytes held after each action of one rank (peak_in_flight, weighted by each chunk's kept bytes)."""
+    freeing = "W" if any(kind == "W" for kind, _, _ in acts) else "B"
+    alive, out = 0, []
+    for kind, _, c in acts:
+        alive += kept[c] if kind == "F" else -kept[c] if kind == freeing else 0
+        out.append(alive)
+    return out
+
+
+def boundary_ms(measured, gbps):
+    """One message's time: x and x0 in bf16 and the ids (int64), over gbps GB/s."""
+    tokens = measured["batch"] * measured["seq"]
+    return (tokens * measured["n_embd"] * 2 * 2 + tokens * 8) / (gbps * 1e9) * 1e3
+
+
+def table(measured, p2p_ms):
+    rows = ["| p | m | schedule | step ms | step / ideal | idle (mean over ranks) | idle at equal times | "
+            "peak activations per rank (GiB, max) |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for p in (4, 8):
+        for m in (8, 16, 32):
+            for schedule, virtual in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 4), ("zb", 1)):
+                if p * virtual > measured["depth"] or (schedule == "interleaved" and m % p):
+                    continue
+                step, ideal, idle, peak = price(measured, schedule, p, m, virtual, p2p_ms)
+                name = f"interleaved V={virtual}" if schedule == "interleaved" else schedule
+                rows.append(f"| {p} | {m} | {name} | {step:,.1f} | {step / ideal:.3f} | {statistics.mean(idle):.3f} | "
+                            f"{idle_formula(schedule, p, m, virtual):.3f} | {max(peak):.1f} |")
+    return "\n".join(rows)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b"])
+    parser.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
     parser.add_argument("--stages", type=int, default=4, help="p")
     parser.add_argument("--microbatches", type=int, default=8, help="m")
-    parser.add_argument("--forward-ms", type=float, default=1.0, help="one micro-batch's forward on one stage")
-    parser.add_argument("--backward-ms", type=float, default=1.0, help="one micro-batch's backward on one stage")
-    parser.add_argument("--p2p-ms", type=float, default=0.0, help="one message between neighbouring stages")
+    parser.add_argument("--virtual", type=int, default=0, help="chunks per rank (0: 2 for interleaved, else 1)")
+    parser.add_argument("--p2p-ms", type=float, default=None, help="one message between ranks (unit times: 0)")
+    parser.add_argument("--p2p-gbps", type=float, default=100.0, help="with --times and no --p2p-ms: GB/s per message")
+    parser.add_argument("--measure", type=int, default=0, help="depth whose blocks to time on this GPU")
+    parser.add_argument("--batch", type=int, default=8, help="--measure: sequences per micro-batch")
+    parser.add_argument("--seq", type=int, default=2048, help="--measure: tokens per sequence")
+    parser.add_argument("--reps", type=int, default=5, help="--measure: timed repetitions per pass")
+    parser.add_argument("--compile", default="", help="--measure: torch.compile backend (inductor), empty: eager")
+    parser.add_argument("--out", default="", help="--measure: JSON to write")
+    parser.add_argument("--times", default="", help="JSON from --measure: price the layouts with these times")
+    parser.add_argument("--table", action="store_true", help="with --times: p 4, 8 x m 8, 16, 32 x every schedule")
     args = parser.parse_args()
+    if args.measure:
+        results = measure(args.measure, args.batch, args.seq, args.reps, args.compile or None)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=1)
+        return
     p, m = args.stages, args.microbatches
-    times = {"F": args.forward_ms, "B": args.backward_ms}
-    timeline = simulate([stage_actions(args.schedule, p, m, s) for s in range(p)], times, args.p2p_ms)
-    unit = args.forward_ms == args.backward_ms == 1.0 and args.p2p_ms == 0
-    print(f"{args.schedule}, p={p}, m={m}; bubble formula (p-1)/(m+p-1) = {(p - 1) / (m + p - 1):.3f}")
-    print(report(timeline, times, unit))
+    virtual = args.virtual or (2 if args.schedule == "interleaved" else 1)
+    if args.times:
+        with open(args.times) as f:
+            measured = json.load(f)
+        p2p = args.p2p_ms if args.p2p_ms is not None else boundary_ms(measured, args.p2p_gbps)
+        print(f"d{measured['depth']}, micro-batches of {measured['batch']} x {measured['seq']} tokens, "
+              f"one message {p2p:.3f} ms")
+        if args.table:
+            print(table(measured, p2p))
+            return
+        step, ideal, idle, peak = price(measured, args.schedule, p, m, virtual, p2p)
+        print(f"{args.schedule}, p={p}, m={m}, V={virtual}: step {step:.1f} ms ({step / ideal:.3f}x the ideal "
+              f"{ideal:.1f}); idle per rank: {', '.join(f'{x:.3f}' for x in idle)}; peak activations per rank (GiB): "
+              f"{', '.join(f'{x:.1f}' for x in peak)}")
+        return
+    actions = [stage_actions(args.schedule, p, m, r, virtual) for r in range(p)]
+    unit = {"F": 1.0, "B": 1.0, "W": 1.0}
+    timeline = simulate(actions, lambda a: unit[a[0]] / virtual, args.p2p_ms or 0.0)
+    print(f"{args.schedule}, p={p}, m={m}, V={virtual}, F = B = W = {1 / virtual:g}; idle at equal times "
+          f"{idle_formula(args.schedule, p, m, virtual):.3f}; micro-batch chunks alive at most: "
+          f"{peak_in_flight(actions)}")
+    if virtual == 1 and not args.p2p_ms:
+        print(draw(timeline, virtual))
+    print(report(timeline)[1])
 
 
 if __name__ == "__main__":

@@ -41,8 +41,6 @@ class Layout:
     dp_group: object = None
     tp_group: object = None
     pp_group: object = None
-    pp_prev: int = -1  # global rank of the previous / next pipeline stage, -1 at the ends
-    pp_next: int = -1
     cpu_group: object = None  # gloo group of all ranks for host-side waits (None: the default group is gloo)
 
     @property
@@ -92,10 +90,6 @@ def build_layout(rank, world_size, local_rank, tp=1, pp=1):
             group = dist.new_group(ranks) if sizes[dim] > 1 else None
             if rank in ranks:
                 setattr(L, f"{dim}_group", group)
-    if L.pp_rank > 0:
-        L.pp_prev = grid_rank(L, L.dp_rank, L.tp_rank, L.pp_rank - 1)
-    if L.pp_rank < pp - 1:
-        L.pp_next = grid_rank(L, L.dp_rank, L.tp_rank, L.pp_rank + 1)
     return L
 
 

@@ -196,7 +196,11 @@ class RowParallelLinear(nn.Module):
         self.fp8 = getattr(linear, "fp8", False)
 
     def forward(self, x):
-        return self.reduce(_linear(self, x))
+        return self.reduce(self.product(x))
+
+    def product(self, x):
+        """This rank's partial output, before the reduction."""
+        return _linear(self, x)
 
     def reduce(self, partial):
         """Leave the TP region with this rank's partial output (also fp8.Fp8MLP's, whose product is its own)."""

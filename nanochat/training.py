@@ -41,7 +41,7 @@ class LearningRates:
 
 
 def setup(config, layout, device, dtype, lrs, fp8=False, l3_data=None, after_init=None, resume=None,
-          sequence_parallel=False, pp_schedule="1f1b", num_microbatches=1, micro_batch_size=1, recompute="none",
+          sequence_parallel=False, pp_schedule="1f1b", pp_virtual=1, num_microbatches=1, micro_batch_size=1, recompute="none",
           compile=None, overlap_grad_reduce=False):
     """Build what one training process steps, in the order above; returns its Trainer.
     l3_data: (tokenizer, data_dir) to allocate L3's rows from (a fresh run). after_init(model): a hook on the
@@ -66,10 +66,13 @@ def setup(config, layout, device, dtype, lrs, fp8=False, l3_data=None, after_ini
     pipeline = None
     if layout.pp_size > 1:
         from nanochat.pipeline_parallel import Pipeline
-        pipeline = Pipeline(model, layout, num_microbatches, micro_batch_size, pp_schedule, sequence_parallel)
+        pipeline = Pipeline(model, layout, num_microbatches, micro_batch_size, pp_schedule, sequence_parallel,
+                            pp_virtual)
     attention = kernels.prepare_attention(config, model.window_sizes, device, dtype)
     wgrad_splits = {}
-    if device.type == "cuda":  # rank 0's choice, so that every rank computes alike
+    # rank 0's choice, so that every rank computes alike; not under zb, whose W takes autograd's own weight
+    # gradient (a split-K product computes both halves in one backward, so B would compute dW too)
+    if device.type == "cuda" and not (pipeline is not None and pipeline.schedule == "zb"):
         splits = [kernels.tune_wgrad_splits(model, micro_batch_size * config.sequence_len, dtype)]
         if layout.world_size > 1:
             dist.broadcast_object_list(splits, src=0)
@@ -100,8 +103,12 @@ def compile_for_training(model, pipeline, per_block, backend):
     compiled in place, and the loss."""
     if pipeline is None and not per_block:
         return torch.compile(model, dynamic=False, backend=backend)
+    if pipeline is not None and pipeline.schedule == "zb":
+        # zb's B keeps the graph for W (retain_graph), which a compiled backward that reuses (donates) its saved
+        # buffers for its outputs refuses
+        torch._functorch.config.donated_buffer = False
     if per_block:
-        blocks = range(pipeline.start, pipeline.end) if pipeline is not None else range(len(model.blocks))
+        blocks = pipeline.blocks if pipeline is not None else range(len(model.blocks))
         for i in blocks:
             model.blocks[i].compile(dynamic=False, backend=backend)
         print0("note: each block and the loss are compiled separately (overlapped gradient reduction)")

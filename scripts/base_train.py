@@ -111,7 +111,9 @@ def parse_args(argv=None):
     add("--tp", type=int, default=1, help="tensor-parallel degree")
     add("--sequence-parallel", action="store_true", help="with --tp: shard norms/residual along the sequence")
     add("--pp", type=int, default=1, help="pipeline-parallel degree")
-    add("--pp-schedule", type=str, default="1f1b", choices=["gpipe", "1f1b"], help="pipeline schedule")
+    add("--pp-schedule", type=str, default="1f1b", choices=["gpipe", "1f1b", "interleaved", "zb"],
+        help="pipeline schedule (nanochat/pipeline_parallel.py: zb = ZB-H1, backward split into B and W)")
+    add("--pp-virtual", type=int, default=1, help="chunks of blocks per pipeline rank (interleaved: 2 or more)")
     add("--pp-print-schedule", action="store_true", help="print every stage's action list at start")
     add("--overlap-grad-reduce", type=int, default=-1, choices=(-1, 0, 1),
         help="1: start each DP gradient reduction during the last micro-batch's backward (blocks are then compiled "
@@ -340,7 +342,8 @@ class Run:
         self.trainer = training.setup(
             config, layout, device, dtype, lrs, fp8=args.fp8,
             l3_data=(tokenizer, data_dir) if resume_meta is None else None, resume=resume,
-            sequence_parallel=args.sequence_parallel, pp_schedule=args.pp_schedule, num_microbatches=grad_accum,
+            sequence_parallel=args.sequence_parallel, pp_schedule=args.pp_schedule, pp_virtual=args.pp_virtual,
+            num_microbatches=grad_accum,
             micro_batch_size=args.device_batch_size, recompute=args.recompute, compile="inductor" if use_compile else None,
             overlap_grad_reduce=args.overlap_grad_reduce == 1 or (args.overlap_grad_reduce == -1 and multi_node))
         self.describe_setup()

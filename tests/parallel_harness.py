@@ -69,7 +69,7 @@ def _free_port():
 
 
 def _worker(rank, world, tp, pp, sequence_parallel, schedule, steps, port, out_dir, config_overrides, resume_from,
-            overlap, recompute="none", compile_backend=None, fp8=False):
+            overlap, recompute="none", compile_backend=None, fp8=False, virtual=1):
     """One process of the run: base_train's setup and step (nanochat.training), on the fixed batches."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -97,7 +97,7 @@ def _worker(rank, world, tp, pp, sequence_parallel, schedule, steps, port, out_d
     per_rank = GLOBAL_BATCH // layout.dp_size
     trainer = training.setup(GPTConfig(**{**CONFIG, **config_overrides}), layout, torch.device("cpu"), torch.float32,
                              training.LearningRates(**LRS), after_init=after_init, resume=resume,
-                             sequence_parallel=sequence_parallel, pp_schedule=schedule,
+                             sequence_parallel=sequence_parallel, pp_schedule=schedule, pp_virtual=virtual,
                              num_microbatches=per_rank // MICRO_BATCH, micro_batch_size=MICRO_BATCH, recompute=recompute,
                              compile=compile_backend, overlap_grad_reduce=overlap)
     schedule_of_steps = training.Schedule(steps, LRS["weight_decay"], warmup_steps=0, warmdown_ratio=0.0)
@@ -142,18 +142,18 @@ def _new_run_dir():
 
 
 def run_layout(dp=1, tp=1, pp=1, sequence_parallel=False, schedule="1f1b", steps=5, config_overrides=None,
-               resume_from=None, out_dir=None, overlap=True, recompute="none", compile_backend=None, fp8=False):
+               resume_from=None, out_dir=None, overlap=True, recompute="none", compile_backend=None, fp8=False, virtual=1):
     """Returns {"losses": [...], "params": {name: full tensor}, "eval_losses": [the whole-sequence loss
     after training, from each stage's first rank], "overlapped": [per stage, per step: buckets whose
     reduction the backward launched], "graphs": [per stage, per step: graphs torch.compile made so far],
     "dir": out_dir}. overlap: the optimizer's overlapped gradient reduction (a no-op at DP = 1).
     recompute: --recompute's mode. compile_backend: train through compile_for_training with this
     torch.compile backend (None: eager). fp8: the eligible linears in fp8 (emulated on CPU; the model
-    needs n_embd >= 128 for any to be eligible)."""
+    needs n_embd >= 128 for any to be eligible). virtual: --pp-virtual (chunks per pipeline rank)."""
     world = dp * tp * pp
     out_dir = out_dir or _new_run_dir()
     args = (world, tp, pp, sequence_parallel, schedule, steps, _free_port(), out_dir, config_overrides or {}, resume_from, overlap,
-            recompute, compile_backend, fp8)
+            recompute, compile_backend, fp8, virtual)
     if world == 1:
         _worker(0, *args)
     else:

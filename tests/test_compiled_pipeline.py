@@ -1,5 +1,6 @@
 """Compiled pipeline stages (training.compile_for_training: each stage's blocks one graph, the loss
-another) against eager ones and one process, in both schedules, with recompute too: the same losses and
+another; under zb the linears between the graphs) against eager ones and one process, in every schedule, with
+recompute too: the same losses and
 parameters within rounding (compiled graphs decompose and reorder some ops, e.g. rms_norm), and no graph
 compiled after the first step (the micro-batches all have one shape, so one compile serves the run).
 torch.compile runs with backend aot_eager: the same capture, guards and autograd split as inductor, without
@@ -29,9 +30,11 @@ def assert_close_runs(run, ref, tol):
         torch.testing.assert_close(run["params"][name], p, rtol=0, atol=tol, msg=name)
 
 
-@pytest.mark.parametrize("schedule, recompute", [("1f1b", "none"), ("gpipe", "block")])
-def test_compiled_pp2_matches_eager_pp2_without_recompiles(eager_pp2, one_process, schedule, recompute):
-    run = run_layout(pp=2, steps=3, schedule=schedule, recompute=recompute, compile_backend="aot_eager")
+@pytest.mark.parametrize("schedule, virtual, recompute", [("1f1b", 1, "none"), ("gpipe", 1, "block"),
+                                                          ("interleaved", 2, "none"), ("zb", 1, "block")])
+def test_compiled_pp2_matches_eager_pp2_without_recompiles(eager_pp2, one_process, schedule, virtual, recompute):
+    run = run_layout(pp=2, steps=3, schedule=schedule, virtual=virtual, recompute=recompute,
+                     compile_backend="aot_eager")
     assert_close_runs(run, eager_pp2, 1e-5)
     assert_close_runs(run, one_process, 1e-4)  # test_parallel's tolerance for PP=2 against one process
     for stage, graphs in enumerate(run["graphs"]):

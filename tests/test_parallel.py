@@ -69,21 +69,32 @@ def test_overlapped_grad_reduce_gives_the_same_run(layout):
     assert all(n == 0 for stage in off["overlapped"] for n in stage)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_pp2(reference, schedule):
-    assert_same_run(run_layout(pp=2, schedule=schedule), reference)
+_pp2_runs = {}
 
 
-def test_dp2_pp2(reference):
-    assert_same_run(run_layout(dp=2, pp=2), reference)
+@pytest.mark.parametrize("schedule, virtual", [("1f1b", 1), ("gpipe", 1), ("zb", 1), ("interleaved", 2)])
+def test_pp2(reference, schedule, virtual):
+    """Every schedule against one process; and against PP=2 1F1B bitwise: the same chunks' gradients, summed in
+    the same micro-batch order (zb's B and W are autograd's own halves of one backward)."""
+    run = _pp2_runs[schedule] = run_layout(pp=2, schedule=schedule, virtual=virtual)
+    assert_same_run(run, reference)
+    if schedule != "1f1b" and "1f1b" in _pp2_runs:
+        assert run["losses"] == _pp2_runs["1f1b"]["losses"]
+        for name, p in _pp2_runs["1f1b"]["params"].items():
+            assert torch.equal(run["params"][name], p), (schedule, name)
 
 
-def test_tp2_pp2(reference):
-    assert_same_run(run_layout(tp=2, pp=2), reference)
+@pytest.mark.parametrize("schedule, virtual", [("zb", 1), ("interleaved", 2)])
+def test_dp2_pp2(reference, schedule, virtual):  # the overlapped reduction armed before the last W / last B
+    assert_same_run(run_layout(dp=2, pp=2, schedule=schedule, virtual=virtual), reference)
 
 
-def test_tp2_pp2_sequence_parallel(reference):  # stages pass this rank's share of the tokens
-    assert_same_run(run_layout(tp=2, pp=2, sequence_parallel=True), reference)
+def test_tp2_pp2_interleaved(reference):
+    assert_same_run(run_layout(tp=2, pp=2, schedule="interleaved", virtual=2), reference)
+
+
+def test_tp2_pp2_sequence_parallel_zb(reference):  # chunks pass this rank's share of the tokens; W without collectives
+    assert_same_run(run_layout(tp=2, pp=2, sequence_parallel=True, schedule="zb"), reference)
 
 
 def _resume_matches(saved_run, **layout):
@@ -105,10 +116,10 @@ def test_checkpoint_tp2_resumes_at_tp1_and_tp4():
 
 
 def test_checkpoint_pp2_resumes_at_pp1_and_back():
-    saved = run_layout(pp=2, steps=6)
+    saved = run_layout(pp=2, steps=6, schedule="interleaved", virtual=2)  # each rank saves its two chunks
     _resume_matches(saved, pp=1)
     saved1 = run_layout(pp=1, steps=6)
-    _resume_matches(saved1, pp=2, schedule="gpipe")
+    _resume_matches(saved1, pp=2, schedule="zb")
 
 
 def test_checkpoint_dp2_resumes_at_dp1():
@@ -134,29 +145,69 @@ def test_pipeline_stage_split_and_schedule():
     assert split_stages([1, 1, 1, 1], 0, 2) == [(0, 2), (2, 4)]
     assert split_stages([1, 1, 1, 1], 2, 2) == [(0, 3), (3, 4)]  # the head weighs on the last stage
     assert split_stages([5, 1, 1, 1, 1, 1], 0, 2) == [(0, 1), (1, 6)]
-    with pytest.raises(ValueError, match="more stages than blocks"):
+    with pytest.raises(ValueError, match="3 chunks is more than the 2 blocks"):
         split_stages([1, 1], 0, 3)
-    with torch.device("meta"):
-        model = GPT(config_for_depth(12))
-    costs, head = block_costs(model)
-    assert len(costs) == 12 and head > costs[0]  # d12's lm_head costs more than a block
     from nanochat.distributed import Layout
-    pipe = Pipeline(model, Layout(pp_size=4, pp_rank=0), num_microbatches=8, micro_batch_size=1, schedule="1f1b")
-    text = pipe.schedule_text()
-    assert "stage 3:" in text and "bubble (p-1)/(m+p-1) = 0.273" in text
+
+    def pipeline(m=8, schedule="1f1b", virtual=1, rank=0):
+        with torch.device("meta"):
+            model = GPT(config_for_depth(12))
+        return Pipeline(model, Layout(pp_size=4, pp_rank=rank), num_microbatches=m, micro_batch_size=1,
+                        schedule=schedule, virtual=virtual)
+    with torch.device("meta"):
+        costs, head = block_costs(GPT(config_for_depth(12)))
+    assert len(costs) == 12 and head > costs[0]  # d12's lm_head costs more than a block
+    text = pipeline().schedule_text()
+    assert "stage 3:" in text and "idle at equal F/B/W times 0.273" in text
     first_row = text.splitlines()[1].split()[2:]
     assert first_row[:6] == ["F0", "F1", "F2", "F3", "B0", "F4"]  # stage 0 warms up with p-1 = 3 forwards, then 1F1B
-    # replayed in time with equal forward and backward times, every stage idles the formula's fraction
-    from dev.pipeline_sim import simulate, report
-    from nanochat.pipeline_parallel import stage_actions
-    for schedule in ("1f1b", "gpipe"):
-        timeline = simulate([stage_actions(schedule, 4, 8, s) for s in range(4)], {"F": 1.0, "B": 1.0})
-        assert report(timeline, {"F": 1.0, "B": 1.0}, unit=False).endswith("0.273, 0.273, 0.273, 0.273")
-    # GPipe's critical path crosses each of the p-1 stage boundaries once each way: one message latency each
-    slow = simulate([stage_actions("gpipe", 4, 8, s) for s in range(4)], {"F": 1.0, "B": 1.0}, p2p=0.5)
-    assert max(t[-1][3] for t in slow) == 22.0 + 2 * 3 * 0.5
-    with pytest.raises(ValueError, match="at least pp=4 micro-batches"):
-        Pipeline(model, Layout(pp_size=4, pp_rank=0), num_microbatches=2, micro_batch_size=1)
+    interleaved = pipeline(schedule="interleaved", virtual=2, rank=1)
+    assert sorted(interleaved.chunks) == [1, 5] and interleaved.schedule_text().splitlines()[2].split()[2] == "F0c1"
+    assert interleaved.blocks == [i for c in (1, 5) for i in range(*interleaved.chunk_bounds[c])]
+    for kwargs, message in ((dict(m=2), "at least pp=4 micro-batches"),
+                            (dict(schedule="interleaved"), "interleaved needs --pp-virtual >= 2"),
+                            (dict(schedule="zb", virtual=2), "interleaved needs --pp-virtual >= 2"),
+                            (dict(schedule="interleaved", virtual=2, m=6), "6 micro-batches per step is no multiple"),
+                            (dict(schedule="interleaved", virtual=4), "16 chunks is more than the 12 blocks"),
+                            (dict(schedule="zbv"), "unknown --pp-schedule 'zbv'")):
+        with pytest.raises(ValueError, match=message):
+            pipeline(**kwargs)
+
+
+@pytest.mark.parametrize("schedule, virtual", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 4),
+                                               ("zb", 1)])
+def test_schedules_in_time_and_their_messages(schedule, virtual):
+    """Replayed at equal times, each schedule idles each rank the fraction its formula gives (ZB-H1: a third of
+    1F1B's bubble); the messages between two ranks are posted in one order on both (none waits on the other)."""
+    from nanochat.pipeline_parallel import idle_formula, message_order, peak_in_flight, simulate, stage_actions
+    p, m = 4, 8
+    actions = [stage_actions(schedule, p, m, r, virtual) for r in range(p)]
+    timeline = simulate(actions, lambda a: 1.0 / virtual)
+    step = max(events[-1][2] for events in timeline)
+    work = (3 if schedule == "zb" else 2) * m
+    assert step == pytest.approx(work + (p - 1) * (2 if schedule != "zb" else 1) / virtual)
+    for events in timeline:
+        assert 1 - sum(end - start for _, start, end in events) / step == pytest.approx(
+            idle_formula(schedule, p, m, virtual) if schedule != "zb" else (p - 1) / (3 * m + p - 1))
+    assert peak_in_flight(actions) == {"gpipe": [8] * 4, "1f1b": [4, 3, 2, 1], "zb": [4] * 4,
+                                       "interleaved": [11, 9, 7, 5] if virtual == 2 else [19, 17, 15, 13]}[schedule]
+    programs = [message_order(actions, r) for r in range(p)]
+    for a in range(p):
+        for b in range(p):
+            sent = [act for step_, act in programs[a] if step_ == "send" and _peer(act, p) == b]
+            received = [act for step_, act in programs[b] if step_ == "recv" and act[2] % p == a]
+            assert sent == received, (a, b)
+    # GPipe's critical path crosses each of the p-1 rank boundaries once each way: one message latency each
+    if schedule == "gpipe":
+        slow = simulate(actions, lambda a: 1.0, p2p=0.5)
+        assert max(t[-1][2] for t in slow) == 22.0 + 2 * 3 * 0.5
+    with pytest.raises(ValueError, match="wait on each other"):
+        simulate([list(reversed(acts)) for acts in actions], lambda a: 1.0)
+
+
+def _peer(action, p):
+    kind, _, c = action
+    return (c + 1) % p if kind == "F" else (c - 1) % p
 
 
 def test_vocab_parallel_loss_reduces_like_the_single_device_loss():

@@ -57,8 +57,8 @@ def test_l3_pp2(l3_reference):
     assert_same_run(run_layout(pp=2, config_overrides=L3), l3_reference)
 
 
-def test_l3_dp2_pp2(l3_reference):
-    assert_same_run(run_layout(dp=2, pp=2, config_overrides=L3), l3_reference)
+def test_l3_dp2_pp2_zb(l3_reference):  # L3's W_up and W_mix weight gradients in W, its table's in B
+    assert_same_run(run_layout(dp=2, pp=2, schedule="zb", config_overrides=L3), l3_reference)
 
 
 def test_l3_layers_follow_their_blocks_onto_the_stages():
@@ -66,12 +66,15 @@ def test_l3_layers_follow_their_blocks_onto_the_stages():
     from nanochat.gpt import GPT, GPTConfig
     from nanochat.pipeline_parallel import Pipeline
     owned = []
-    for stage in range(2):
-        with torch.device("meta"):
-            model = GPT(GPTConfig(**{**CONFIG, **L3}))
-        pipe = Pipeline(model, Layout(pp_size=2, pp_rank=stage), num_microbatches=2, micro_batch_size=1)
-        owned.append((pipe.start, pipe.end, sorted(model.l3.keys())))
-    assert owned == [(0, 2, ["1"]), (2, 4, ["2"])]
+    for schedule, virtual in (("1f1b", 1), ("interleaved", 2)):
+        for stage in range(2):
+            with torch.device("meta"):
+                model = GPT(GPTConfig(**{**CONFIG, **L3}))
+            pipe = Pipeline(model, Layout(pp_size=2, pp_rank=stage), num_microbatches=2, micro_batch_size=1,
+                            schedule=schedule, virtual=virtual)
+            owned.append((pipe.blocks, sorted(model.l3.keys())))
+    assert owned == [([0, 1], ["1"]), ([2, 3], ["2"]),  # contiguous stages
+                     ([0, 2], ["2"]), ([1, 3], ["1"])]  # interleaved: chunks 0, 2 on rank 0, chunks 1, 3 on rank 1
 
 
 def _saved_bounds(run):
@@ -97,7 +100,8 @@ def test_l3_checkpoint_pp2_resumes_at_pp1_and_back():
 
 def test_base_train_l3_at_tp2_sequence_parallel_resumes_at_pp2(env):
     """base_train itself: an L3 run at TP=2 with sequence parallelism (the allocation made once and
-    broadcast), resumed from its checkpoint as two pipeline stages; the resumed losses follow the run's."""
+    broadcast), resumed from its checkpoint as two pipeline stages in the zero-bubble schedule, which it prints; the
+    resumed losses follow the run's."""
     from conftest import run_script, run_losses, TINY_MODEL
     args = TINY_MODEL + ["--device-batch-size", "4", "--total-batch-size", "512", "--warmup-steps", "2",
                          "--num-iterations", "4", "--save-every", "2", "--model-tag", "l3tp", "--eval-every", "-1",
@@ -105,8 +109,10 @@ def test_base_train_l3_at_tp2_sequence_parallel_resumes_at_pp2(env):
     full = run_script("scripts.base_train", args + ["--tp", "2", "--sequence-parallel"], env, nproc=2)
     assert full.stdout.count("L3 allocation:") == 1
     losses = run_losses(env, "l3tp")
-    resumed = run_script("scripts.base_train", args + ["--pp", "2", "--resume-from-step", "2"], env, nproc=2)
+    resumed = run_script("scripts.base_train", args + ["--pp", "2", "--pp-schedule", "zb", "--pp-print-schedule",
+                                                       "--resume-from-step", "2"], env, nproc=2)
     assert "L3 allocation:" not in resumed.stdout
+    assert "pipeline schedule (zb, p=2, m=2)" in resumed.stdout and "stage 1: F0 B0 F1 B1 W0 W1" in resumed.stdout  # rank 1 defers one W
     again = run_losses(env, "l3tp")
     assert sorted(again) == [0, 1, 2, 3]
     for s in (2, 3):

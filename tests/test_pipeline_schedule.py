@@ -1,7 +1,8 @@
 """
-The pipeline runs the schedule it prints: in a 2-stage CPU run (gloo), for each schedule, the forwards and
-backwards each stage executes in train_step are exactly Pipeline.actions(stage), and the same list is the
-stage's line of schedule_text (what --pp-print-schedule prints).
+The pipeline runs the schedule it prints: in a 2-rank CPU run (gloo), for each schedule, the actions each rank
+executes in train_step are exactly Pipeline.actions(rank), the same list is the rank's line of schedule_text (what
+--pp-print-schedule prints), and the most micro-batch chunks alive at once is what the simulator counts. Under zb,
+B leaves the linears' weight gradients to W.
 """
 
 import os
@@ -13,7 +14,8 @@ import torch.multiprocessing as mp
 
 from parallel_harness import _free_port
 
-STAGES, MICROBATCHES = 2, 3
+STAGES, MICROBATCHES = 2, 4
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb", 1)]
 
 
 def _worker(rank, port, out_dir):
@@ -22,21 +24,31 @@ def _worker(rank, port, out_dir):
     dist.init_process_group("gloo", rank=rank, world_size=STAGES)
     from nanochat.distributed import build_layout
     from nanochat.gpt import GPTConfig, build_model
-    from nanochat.pipeline_parallel import Pipeline
+    from nanochat.pipeline_parallel import Pipeline, action_name, peak_in_flight
     layout = build_layout(rank, STAGES, rank, pp=STAGES)
     results = {}
-    for schedule in ("gpipe", "1f1b"):
+    for schedule, virtual in SCHEDULES:
         torch.manual_seed(0)
-        model = build_model(GPTConfig(sequence_len=16, vocab_size=32, n_layer=2, n_head=2, n_kv_head=2, n_embd=32), "cpu")
-        pipe = Pipeline(model, layout, MICROBATCHES, micro_batch_size=1, schedule=schedule)
-        executed = []
-        for kind, method in (("F", pipe.forward), ("B", pipe.backward)):
-            setattr(pipe, method.__name__, lambda i, inputs, kind=kind, method=method: executed.append((kind, i)) or method(i, inputs))
+        model = build_model(GPTConfig(sequence_len=16, vocab_size=32, n_layer=4, n_head=2, n_kv_head=2, n_embd=32), "cpu")
+        pipe = Pipeline(model, layout, MICROBATCHES, micro_batch_size=1, schedule=schedule, virtual=virtual)
+        linear = next(m.c_q for m in model.modules() if hasattr(m, "c_q"))
+        executed, weight_grad_at_w = [], []
+        for kind, name in (("F", "forward"), ("B", "backward"), ("W", "weight_gradients")):
+            method = getattr(pipe, name)
+
+            def run(i, c, *inputs, kind=kind, method=method):
+                if kind == "W":  # what B left in the weight's gradient, before this W adds to it
+                    weight_grad_at_w.append(None if linear.weight.grad is None else linear.weight.grad.clone())
+                executed.append((kind, i, c))
+                return method(i, c, *inputs)
+            setattr(pipe, name, run)
         ids = torch.randint(0, 32, (MICROBATCHES, 1, 17), generator=torch.Generator().manual_seed(1))
         pipe.train_step([(x[:, :-1], x[:, 1:]) for x in ids])
         row = pipe.schedule_text().splitlines()[1 + pipe.stage].split()[2:]
-        printed = [(cell[0], int(cell[1:])) for cell in row]
-        results[schedule] = (executed, pipe.actions(pipe.stage), printed)
+        printed = [action_name(a, virtual) for a in executed]
+        predicted = peak_in_flight([pipe.actions(r) for r in range(STAGES)])[pipe.stage]
+        results[schedule] = (executed, pipe.actions(pipe.stage), row, printed, pipe.peak_in_flight, predicted,
+                             weight_grad_at_w, linear.weight.grad is not None)
     torch.save(results, os.path.join(out_dir, f"stage{rank}.pt"))
     dist.destroy_process_group()
 
@@ -45,6 +57,16 @@ def test_train_step_runs_the_printed_schedule():
     with tempfile.TemporaryDirectory() as out_dir:
         mp.spawn(_worker, args=(_free_port(), out_dir), nprocs=STAGES, join=True)
         for stage in range(STAGES):
-            for schedule, (executed, actions, printed) in torch.load(os.path.join(out_dir, f"stage{stage}.pt")).items():
-                assert executed == actions == printed, (schedule, stage)
-                assert len(executed) == 2 * MICROBATCHES
+            results = torch.load(os.path.join(out_dir, f"stage{stage}.pt"))
+            for (schedule, virtual), (executed, actions, row, printed, peak, predicted, at_w, has_grad) in zip(
+                    SCHEDULES, results.values(), strict=True):
+                assert executed == actions and printed == row, (schedule, stage)
+                kinds = "FBW" if schedule == "zb" else "FB"
+                assert sorted(executed) == sorted((k, i, c) for k in kinds for i in range(MICROBATCHES)
+                                                  for c in range(stage, STAGES * virtual, STAGES)), (schedule, stage)
+                assert peak == predicted, (schedule, stage, peak, predicted)
+                assert has_grad
+                if schedule == "zb":  # the first W finds the weight without a gradient: B did not compute it
+                    assert at_w[0] is None and len(at_w) == MICROBATCHES
+        assert results["gpipe"][4] == MICROBATCHES  # GPipe keeps every micro-batch; 1F1B at most p - rank
+        assert results["1f1b"][4] == 1 and results["zb"][4] == STAGES  # zb: p on every rank (last rank here)

@@ -144,8 +144,9 @@ def test_recompute_under_compile(per_block, mode):
 _references = {}
 
 
-def reference(**layout):
-    """The run without recompute, once per layout."""
+def reference(schedule=None, **layout):
+    """The run without recompute, once per layout (in 1F1B: every schedule computes the same gradients bitwise,
+    test_parallel.test_pp2)."""
     key = tuple(sorted(layout.items()))
     if key not in _references:
         _references[key] = run_layout(steps=3, **layout)
@@ -159,7 +160,8 @@ def reference(**layout):
     (dict(tp=2, sequence_parallel=True), "selective", None),
     (dict(tp=2, sequence_parallel=True), "block", "aot_eager"),
     (dict(pp=2), "block", None),
-], ids=["tp2_sp_selective", "tp2_sp_block_compiled", "pp2_block"])
+    (dict(pp=2, schedule="zb"), "block", None),
+], ids=["tp2_sp_selective", "tp2_sp_block_compiled", "pp2_block", "pp2_zb_block"])
 def test_recompute_under_parallelism(layout, mode, backend):
     ref = reference(**layout)
     run = run_layout(steps=3, recompute=mode, compile_backend=backend, **layout)
