@@ -53,8 +53,9 @@ def test_l3_tp2_sequence_parallel(l3_reference):  # each rank looks up its own t
     assert_same_l3_run(run_layout(tp=2, sequence_parallel=True, config_overrides=L3), l3_reference)
 
 
-def test_l3_pp2(l3_reference):
-    assert_same_run(run_layout(pp=2, config_overrides=L3), l3_reference)
+@pytest.mark.parametrize("schedule, virtual", [("1f1b", 1), ("interleaved", 2)])
+def test_l3_pp2(l3_reference, schedule, virtual):
+    assert_same_run(run_layout(pp=2, schedule=schedule, virtual=virtual, config_overrides=L3), l3_reference)
 
 
 def test_l3_dp2_pp2_zb(l3_reference):  # L3's W_up and W_mix weight gradients in W, its table's in B
