@@ -34,8 +34,9 @@ backward to the chunk's inputs, the kept y's and the parameters that are no line
 only what leads there: the matmuls give dx, not dW). W is one backward from each kept y, with its gradient, to
 that linear's weight: the dW half of the matmul. Both are autograd's own formulas, so zb's gradients are bitwise
 those of one backward. Where one autograd node computes both halves, W runs it again: the fp8 linears (their
-backward is one function; the fused fp8 MLP is not split at all, its weights' gradients come in B) and, under
---recompute, each W recomputes its block's forward; split-K weight gradients are off under zb.
+backward is one function; the fused fp8 MLP is not split at all, its weights' gradients come in B). The MLP takes
+its module path, not the fused ReLU^2 kernel, and split-K weight gradients are off. --recompute is refused: W
+keeps the activations that recompute drops, and each W would run its block again.
 
 Messages. Every rank runs its actions in order, each as soon as its input has come; the sends are posted after
 the action that produces them, and the receives in one global order (message_order, from a replay of all ranks'
@@ -282,6 +283,7 @@ class Pipeline:
         self.next_rank = grid_rank(layout, layout.dp_rank, layout.tp_rank, (self.stage + 1) % p)
         all_actions = [self.actions(r) for r in range(p)]
         self.program = message_order(all_actions, self.stage)
+        self._sent = {action for step, action in self.program if step == "send"}
         # the optimizer's overlapped reduction is armed before the last action that adds to a gradient
         mine = all_actions[self.stage]
         self.last_gradient_action = [a for a in mine if a[0] == ("W" if schedule == "zb" else "B")][-1]
@@ -401,7 +403,7 @@ class Pipeline:
         self.xs, self.ys = [b[0] for b in batches], [b[1] for b in batches]
         self._saved_inputs, self._saved_outputs, self._linear_outputs = {}, {}, {}
         self.total_loss = torch.zeros((), device=self.device)
-        received, outputs, sends = {}, {}, []
+        received, outputs, sends = {}, {}, []  # outputs: of the actions whose output goes to another rank
         self.peak_in_flight = 0  # micro-batch chunks whose activations are alive at once (peak_in_flight())
         for step, action in self.program:
             if step == "recv":
@@ -418,12 +420,12 @@ class Pipeline:
                         request.wait()
                 if action == self.last_gradient_action and before_last_backward is not None:
                     before_last_backward()
-                if kind == "F":
-                    outputs[action] = self.forward(i, c, inputs)
-                elif kind == "B":
-                    outputs[action] = self.backward(i, c, inputs)
-                else:
+                if kind == "W":
                     self.weight_gradients(i, c)
+                    continue  # (W only frees: the peak is never after one)
+                output = self.forward(i, c, inputs) if kind == "F" else self.backward(i, c, inputs)
+                if action in self._sent:  # (the last chunk's loss stays out: it would keep zb's graph alive)
+                    outputs[action] = output
                 self.peak_in_flight = max(self.peak_in_flight, len(self._saved_outputs.keys() | self._linear_outputs.keys()))
         for request in sends:
             request.wait()
@@ -478,6 +480,7 @@ def record_linears(model, holder):
             continue
         method = "product" if isinstance(module, RowParallelLinear) else "forward"
         setattr(module, method, _recording(getattr(module, method), module.weight, holder))
+        module.records_output = True
 
 
 def _recording(call, weight, holder):
@@ -503,6 +506,7 @@ def backward_weight(recorded):
     alone (a backward to all of them at once would also run down each output's input to the earlier weights)."""
     for y, weight in recorded:
         torch.autograd.backward(y, y.grad, inputs=[weight])
+        y.grad = None
 
 
 def whole_model_copy(model, layout):

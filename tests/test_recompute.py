@@ -144,7 +144,7 @@ def test_recompute_under_compile(per_block, mode):
 _references = {}
 
 
-def reference(schedule=None, **layout):
+def reference(schedule=None, virtual=1, **layout):
     """The run without recompute, once per layout (in 1F1B: every schedule computes the same gradients bitwise,
     test_parallel.test_pp2)."""
     key = tuple(sorted(layout.items()))
@@ -160,8 +160,8 @@ def reference(schedule=None, **layout):
     (dict(tp=2, sequence_parallel=True), "selective", None),
     (dict(tp=2, sequence_parallel=True), "block", "aot_eager"),
     (dict(pp=2), "block", None),
-    (dict(pp=2, schedule="zb"), "block", None),
-], ids=["tp2_sp_selective", "tp2_sp_block_compiled", "pp2_block", "pp2_zb_block"])
+    (dict(pp=2, schedule="interleaved", virtual=2), "selective", None),
+], ids=["tp2_sp_selective", "tp2_sp_block_compiled", "pp2_block", "pp2_interleaved_selective"])
 def test_recompute_under_parallelism(layout, mode, backend):
     ref = reference(**layout)
     run = run_layout(steps=3, recompute=mode, compile_backend=backend, **layout)
@@ -176,3 +176,13 @@ def test_recompute_under_parallelism(layout, mode, backend):
             torch.testing.assert_close(run["params"][name], p, rtol=0, atol=1e-5, msg=name)
         assert run["graphs"][0] == [run["graphs"][0][0]] * 3  # no recompiles after the first step
     assert run["eval_losses"] == ref["eval_losses"]
+
+
+def test_recompute_with_the_zero_bubble_schedule_is_a_clear_error():
+    """zb keeps each block's activations until its W; recompute would drop them and run the block again per W."""
+    from parallel_harness import LRS
+    from nanochat.distributed import Layout
+    with pytest.raises(ValueError, match="--recompute block with --pp-schedule zb"):
+        training.setup(GPTConfig(**CONFIG), Layout(pp_size=2, pp_rank=0), torch.device("cpu"), torch.float32,
+                       training.LearningRates(**LRS), pp_schedule="zb", num_microbatches=2, micro_batch_size=1,
+                       recompute="block")

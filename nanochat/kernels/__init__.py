@@ -71,6 +71,7 @@ class Linear(nn.Linear):
     s > 1 (set by set_wgrad_splits) computes its weight gradient as s products over slices of the tokens."""
 
     wgrad_split = 1
+    records_output = False  # set by pipeline_parallel.record_linears (zb)
 
     def __init__(self, in_features, out_features):
         super().__init__(in_features, out_features, bias=False)
@@ -178,8 +179,10 @@ def attention(q, k, v, window):
 
 
 def takes_fused_mlp(x, c_fc, c_proj):
-    """The plain Linears only: tensor parallelism's take the module path; fp8 replaces the whole MLP (Fp8MLP)."""
-    return KERNELS.on and type(c_fc) is Linear and type(c_proj) is Linear and relu_square_mm.supported(x)
+    """The plain Linears only: tensor parallelism's take the module path; fp8 replaces the whole MLP (Fp8MLP); the
+    zero-bubble pipeline's recording Linears (pipeline_parallel.record_linears) keep their products apart."""
+    return (KERNELS.on and type(c_fc) is Linear and type(c_proj) is Linear and not c_fc.records_output
+            and relu_square_mm.supported(x))
 
 
 def fused_mlp(x, c_fc, c_proj):
