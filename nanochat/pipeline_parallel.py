@@ -35,8 +35,9 @@ only what leads there: the matmuls give dx, not dW). W is one backward from each
 that linear's weight: the dW half of the matmul. Both are autograd's own formulas, so zb's gradients are bitwise
 those of one backward. Where one autograd node computes both halves, W runs it again: the fp8 linears (their
 backward is one function; the fused fp8 MLP is not split at all, its weights' gradients come in B). The MLP takes
-its module path, not the fused ReLU^2 kernel, and split-K weight gradients are off. --recompute is refused: W
-keeps the activations that recompute drops, and each W would run its block again.
+its module path, not the fused ReLU^2 kernel, and split-K weight gradients are off. Under --recompute block, W
+recomputes each block once more (B did once); --recompute selective is refused (B's recomputation uses up the
+outputs it keeps, which W's would need again).
 
 Messages. Every rank runs its actions in order, each as soon as its input has come; the sends are posted after
 the action that produces them, and the receives in one global order (message_order, from a replay of all ranks'
@@ -54,6 +55,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.distributed as dist
+import torch.utils.checkpoint
 
 from nanochat.distributed import grid_rank
 from nanochat.gpt import Residual, build_model
@@ -254,6 +256,9 @@ class Pipeline:
         if schedule == "interleaved" and m % p:
             raise ConfigError(f"--pp-schedule interleaved runs the micro-batches in groups of pp={p}: "
                               f"{m} micro-batches per step is no multiple (set --total-batch-size)")
+        if schedule == "zb" and not hasattr(torch.utils.checkpoint, "GraphExecGroup"):
+            raise ConfigError(f"--pp-schedule zb needs torch.utils.checkpoint.GraphExecGroup, which torch "
+                              f"{torch.__version__} lacks: upgrade torch, or use 1f1b or interleaved")
         self.schedule = schedule
         costs, head_cost = block_costs(model)
         self.num_chunks = p * virtual
@@ -503,10 +508,12 @@ def backward_input(outputs, grads, carried, recorded, params):
 
 def backward_weight(recorded):
     """W: from each recorded linear output, with the gradient B left there, one backward to that linear's weight
-    alone (a backward to all of them at once would also run down each output's input to the earlier weights)."""
-    for y, weight in recorded:
-        torch.autograd.backward(y, y.grad, inputs=[weight])
-        y.grad = None
+    alone (a backward to all of them at once would also run down each output's input to the earlier weights).
+    Under --recompute block, one GraphExecGroup makes these backwards recompute each block once, not once each."""
+    with torch.utils.checkpoint.GraphExecGroup():
+        for y, weight in recorded:
+            torch.autograd.backward(y, y.grad, inputs=[weight])
+            y.grad = None
 
 
 def whole_model_copy(model, layout):

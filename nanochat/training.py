@@ -86,9 +86,9 @@ def setup(config, layout, device, dtype, lrs, fp8=False, l3_data=None, after_ini
         optimizer.load_full_state_dict(resume[1])
     if recompute not in RECOMPUTE_MODES:
         raise ConfigError(f"--recompute {recompute!r}: use one of {', '.join(RECOMPUTE_MODES)}")
-    if recompute != "none" and pipeline is not None and pipeline.schedule == "zb":
-        raise ConfigError(f"--recompute {recompute} with --pp-schedule zb: zb keeps each block's activations until "
-                          "its weight gradients (W), and each W would run the block again; use one or the other")
+    if recompute == "selective" and pipeline is not None and pipeline.schedule == "zb":
+        raise ConfigError("--recompute selective with --pp-schedule zb: the input-gradient pass uses up the outputs "
+                          "selective recompute keeps, which the weight-gradient pass needs again; use --recompute block")
     for block in model.blocks:
         if isinstance(block, Block):  # a pipeline stage holds Identities in place of the others' blocks
             block.recompute = recompute
