@@ -25,23 +25,21 @@ from nanochat.pipeline_parallel import (SCHEDULES, idle_formula, peak_in_flight,
                                         stage_actions, action_name)
 
 
-def report(timeline, ideal=None):
-    """Step time, its ratio to the ideal (if given) and each rank's idle fraction."""
+def step_and_idle(timeline):
+    """The step time and each rank's idle fraction of it."""
     step = max(events[-1][2] for events in timeline)
-    busy = [sum(end - start for _, start, end in events) for events in timeline]
-    ratio = f" ({step / ideal:.3f}x the ideal {ideal:.2f})" if ideal else ""
-    return step, f"step {step:.2f}{ratio}; idle per rank: " + ", ".join(f"{1 - b / step:.3f}" for b in busy)
+    return step, [1 - sum(end - start for _, start, end in events) / step for events in timeline]
 
 
-def draw(timeline, virtual):
-    """With unit times: one slot per unit, F3 = forward of micro-batch 3 (F3c5: of chunk 5), . = idle."""
+def draw(timeline):
+    """With unit times: one slot per unit, F3 = forward of micro-batch 3, . = idle."""
     step = round(max(events[-1][2] for events in timeline))
     lines = []
     for r, events in enumerate(timeline):
         slots = ["."] * step
         for action, start, _ in events:
-            slots[round(start)] = action_name(action, virtual)
-        lines.append(f"rank {r}: " + " ".join(c.rjust(4 if virtual > 1 else 3) for c in slots))
+            slots[round(start)] = action_name(action)
+        lines.append(f"rank {r}: " + " ".join(c.rjust(3) for c in slots))
     return "\n".join(lines)
 
 
@@ -57,7 +55,7 @@ def measure(depth, batch, seq, reps, compile_backend=None):
     from types import SimpleNamespace
     from nanochat import kernels
     from nanochat.gpt import Residual, build_model, config_for_depth
-    from nanochat.pipeline_parallel import backward_input, backward_weight, record_linears
+    from nanochat.pipeline_parallel import carried, backward_input, backward_weight, record_linears
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -92,9 +90,9 @@ def measure(depth, batch, seq, reps, compile_backend=None):
                "blocks": [{} for _ in range(depth)], "embed": {}, "head": {}}
     for i in range(depth):
         x, x0 = leaf(), leaf()
-        parts.append((results["blocks"][i], lambda i=i, x=x, x0=x0: _carried_out(
-            model.run_blocks(Residual(x, x0, None), idx, i, i + 1)), (x, x0), list(model.blocks[i].parameters())))
-    parts.append((results["embed"], lambda: _carried_out(model.embed(idx)), (),
+        parts.append((results["blocks"][i], lambda i=i, x=x, x0=x0: carried(
+            model.run_blocks(Residual(x, x0, None), idx, i, i + 1), False), (x, x0), list(model.blocks[i].parameters())))
+    parts.append((results["embed"], lambda: carried(model.embed(idx), False), (),
                   [model.wte.weight, model.smear_gate.weight, model.smear_lambda]))
     x = leaf()
     parts.append((results["head"], lambda: [model.head(Residual(x, x, None), idx)], (x,), [model.lm_head.weight]))
@@ -139,12 +137,8 @@ def measure(depth, batch, seq, reps, compile_backend=None):
     return results
 
 
-def _carried_out(h):
-    return [h.x, h.x0]
-
-
 def chunk_durations(measured, p, virtual, zb):
-    """{(kind, chunk): ms} for the p x virtual chunks training would cut (split_stages on the FLOP costs)."""
+    """({(kind, chunk): ms}, [saved bytes per chunk]) for the p x virtual chunks training would cut (split_stages on the FLOP costs)."""
     import torch
     from nanochat.gpt import GPT, config_for_depth
     from nanochat.pipeline_parallel import block_costs
@@ -162,17 +156,16 @@ def chunk_durations(measured, p, virtual, zb):
         else:
             times["B", c] = sum(t["backward"] for t in parts)
     kept = [sum(t["bytes"] for t in measured["blocks"][a:b]) for a, b in bounds]
-    return times, kept, bounds
+    return times, kept
 
 
 def price(measured, schedule, p, m, virtual, p2p_ms):
     """Simulated step (ms), its ideal, each rank's idle fraction and peak activation GiB."""
-    times, kept, _ = chunk_durations(measured, p, virtual, schedule == "zb")
+    times, kept = chunk_durations(measured, p, virtual, schedule == "zb")
     actions = [stage_actions(schedule, p, m, r, virtual) for r in range(p)]
     timeline = simulate(actions, lambda a: times[a[0], a[2]], p2p_ms)
     ideal = m * sum(times.values()) / p
-    step = max(events[-1][2] for events in timeline)
-    idle = [1 - sum(end - start for _, start, end in events) / step for events in timeline]
+    step, idle = step_and_idle(timeline)
     peak = [max(_alive_bytes(acts, kept)) / 2**30 for acts in actions]
     return step, ideal, idle, peak
 
@@ -248,14 +241,14 @@ def main():
               f"{', '.join(f'{x:.1f}' for x in peak)}")
         return
     actions = [stage_actions(args.schedule, p, m, r, virtual) for r in range(p)]
-    unit = {"F": 1.0, "B": 1.0, "W": 1.0}
-    timeline = simulate(actions, lambda a: unit[a[0]] / virtual, args.p2p_ms or 0.0)
+    timeline = simulate(actions, lambda a: 1.0 / virtual, args.p2p_ms or 0.0)
     print(f"{args.schedule}, p={p}, m={m}, V={virtual}, F = B = W = {1 / virtual:g}; idle at equal times "
           f"{idle_formula(args.schedule, p, m, virtual):.3f}; micro-batch chunks alive at most: "
           f"{peak_in_flight(actions)}")
     if virtual == 1 and not args.p2p_ms:
-        print(draw(timeline, virtual))
-    print(report(timeline)[1])
+        print(draw(timeline))
+    step, idle = step_and_idle(timeline)
+    print(f"step {step:.2f}; idle per rank: " + ", ".join(f"{x:.3f}" for x in idle))
 
 
 if __name__ == "__main__":

@@ -114,9 +114,9 @@ def shard_listing(data_dir):
     copies (one per node) must see the same listing, and a checkpoint records it."""
     listing = []
     for f in list_parquet_files(data_dir):
-        runs = []
-        for i in range(_open(f).num_row_groups):
-            rows = _open(f).metadata.row_group(i).num_rows
+        runs, meta = [], _open(f).metadata
+        for i in range(meta.num_row_groups):
+            rows = meta.row_group(i).num_rows
             if runs and runs[-1][0] == rows:
                 runs[-1][1] += 1
             else:

@@ -227,7 +227,6 @@ def message_order(actions, rank):
 
 @dataclass
 class Chunk:
-    index: int
     start: int  # blocks [start, end)
     end: int
     first: bool  # holds the embeddings
@@ -268,7 +267,7 @@ class Pipeline:
         self.chunks = {}
         for c in range(self.stage, self.num_chunks, p):
             a, b = self.chunk_bounds[c]
-            self.chunks[c] = Chunk(c, a, b, c == 0, c == self.num_chunks - 1,
+            self.chunks[c] = Chunk(a, b, c == 0, c == self.num_chunks - 1,
                                    model.backout_layer < a, model.backout_layer < b)
         self.blocks = [i for ch in self.chunks.values() for i in range(ch.start, ch.end)]
         # drop the modules this rank does not run (blocks become empty Identities: names keep the global indices)
@@ -335,7 +334,7 @@ class Pipeline:
             h = Residual(x, torch.empty_like(x), torch.empty_like(x) if mid else None)
             idx = torch.empty(self._boundary_shape()[:1] + (self.model.config.sequence_len,), dtype=torch.long,
                               device=self.device)
-            tensors, filled, peer = _carried(h, mid) + [idx], (h, idx), self.prev_rank
+            tensors, filled, peer = carried(h, mid) + [idx], (h, idx), self.prev_rank
         else:  # the gradients of chunk c - 1's outputs
             tensors = [torch.empty(self._boundary_shape(), dtype=self.dtype, device=self.device)
                        for _ in range(3 if self.chunks[c - 1].sends_mid else 2)]
@@ -348,7 +347,7 @@ class Pipeline:
         kind, i, c = action
         if kind == "F":
             h, idx = output
-            tensors, peer = _carried(h, self.chunks[c].sends_mid) + [idx], self.next_rank
+            tensors, peer = carried(h, self.chunks[c].sends_mid) + [idx], self.next_rank
             tensors = [t.detach().contiguous() for t in tensors]
         else:
             tensors, peer = [g.contiguous() for g in output], self.prev_rank
@@ -364,7 +363,7 @@ class Pipeline:
             h, idx = model.embed(self.xs[i]), self.xs[i]
         else:
             h, idx = inputs
-            for t in _carried(h, chunk.receives_mid):
+            for t in carried(h, chunk.receives_mid):
                 t.requires_grad_(True)
         self._saved_inputs[i, c] = h
         if self.schedule == "zb":
@@ -385,13 +384,13 @@ class Pipeline:
         Returns the gradients of its inputs, for the previous chunk. Under zb, only B (module docstring): the
         linears' weight gradients wait for weight_gradients(i, c)."""
         chunk, out, inputs = self.chunks[c], self._saved_outputs.pop((i, c)), self._saved_inputs.pop((i, c))
-        outputs, grads = ([out], None) if chunk.last else (_carried(out[0], chunk.sends_mid), grads)
-        carried = [] if chunk.first else _carried(inputs, chunk.receives_mid)
+        outputs, grads = ([out], None) if chunk.last else (carried(out[0], chunk.sends_mid), grads)
+        received = [] if chunk.first else carried(inputs, chunk.receives_mid)
         if self.schedule != "zb":
             torch.autograd.backward(outputs, grads)
         else:
-            backward_input(outputs, grads, carried, self._linear_outputs[i, c], self.model.parameters())
-        return None if chunk.first else [t.grad for t in carried]
+            backward_input(outputs, grads, received, self._linear_outputs[i, c], self.model.parameters())
+        return None if chunk.first else [t.grad for t in received]
 
     def weight_gradients(self, i, c):
         """W of micro-batch i in chunk c (zb): backward_weight on what its forward recorded."""
@@ -410,6 +409,7 @@ class Pipeline:
         self.total_loss = torch.zeros((), device=self.device)
         received, outputs, sends = {}, {}, []  # outputs: of the actions whose output goes to another rank
         self.peak_in_flight = 0  # micro-batch chunks whose activations are alive at once (peak_in_flight())
+        alive = self._linear_outputs if self.schedule == "zb" else self._saved_outputs  # zb: until W, else until B
         for step, action in self.program:
             if step == "recv":
                 received[action] = self._recv(action)
@@ -427,11 +427,12 @@ class Pipeline:
                     before_last_backward()
                 if kind == "W":
                     self.weight_gradients(i, c)
-                    continue  # (W only frees: the peak is never after one)
+                    continue
                 output = self.forward(i, c, inputs) if kind == "F" else self.backward(i, c, inputs)
                 if action in self._sent:  # (the last chunk's loss stays out: it would keep zb's graph alive)
                     outputs[action] = output
-                self.peak_in_flight = max(self.peak_in_flight, len(self._saved_outputs.keys() | self._linear_outputs.keys()))
+                if kind == "F":
+                    self.peak_in_flight = max(self.peak_in_flight, len(alive))
         for request in sends:
             request.wait()
         assert not self._saved_outputs and not self._linear_outputs, "the schedule left micro-batches unfinished"
@@ -469,7 +470,7 @@ def action_name(action, virtual=1):
     return f"{kind}{i}" + (f"c{c}" if virtual > 1 else "")
 
 
-def _carried(h, with_mid):
+def carried(h, with_mid):
     """What of a Residual crosses a chunk boundary: x, x0, and x_mid once past the middle."""
     return [h.x, h.x0] + ([h.x_mid] if with_mid else [])
 
@@ -498,12 +499,12 @@ def _recording(call, weight, holder):
     return record
 
 
-def backward_input(outputs, grads, carried, recorded, params):
-    """B: one backward from a chunk's outputs to its carried inputs, the recorded linear outputs and the parameters
+def backward_input(outputs, grads, received, recorded, params):
+    """B: one backward from a chunk's outputs to its received inputs (none on chunk 0), the recorded linear outputs and the parameters
     that are no recorded linear's weight; the graph is kept for backward_weight."""
     deferred = {id(w) for _, w in recorded}
     others = [p for p in params if p.requires_grad and id(p) not in deferred]
-    torch.autograd.backward(outputs, grads, inputs=carried + [y for y, _ in recorded] + others, retain_graph=True)
+    torch.autograd.backward(outputs, grads, inputs=received + [y for y, _ in recorded] + others, retain_graph=True)
 
 
 def backward_weight(recorded):

@@ -70,9 +70,7 @@ def setup(config, layout, device, dtype, lrs, fp8=False, l3_data=None, after_ini
                             pp_virtual)
     attention = kernels.prepare_attention(config, model.window_sizes, device, dtype)
     wgrad_splits = {}
-    # rank 0's choice, so that every rank computes alike; not under zb, whose W takes autograd's own weight
-    # gradient (a split-K product computes both halves in one backward, so B would compute dW too)
-    if device.type == "cuda" and not (pipeline is not None and pipeline.schedule == "zb"):
+    if device.type == "cuda":  # rank 0's choice, so that every rank computes alike
         splits = [kernels.tune_wgrad_splits(model, micro_batch_size * config.sequence_len, dtype)]
         if layout.world_size > 1:
             dist.broadcast_object_list(splits, src=0)

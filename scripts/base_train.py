@@ -48,6 +48,7 @@ from nanochat import checkpoint_manager as ckpt
 from nanochat import report
 from nanochat import training
 
+UNTIMED_STEPS = 10  # each launch's first steps include compilation: left out of the training time
 B_REF = 2 ** 19  # the reference batch (tokens) at which LRs and weight decay were tuned (d12)
 # flags that shape the schedule, the batch and the data: a resumed run must give the ones of the saved run
 RECIPE_FLAGS = ["max_seq_len", "num_iterations", "target_flops", "target_param_data_ratio", "total_batch_size",
@@ -361,8 +362,10 @@ class Run:
                 print0(f"data: resharded the data position from dp {len(saved_states)} to dp {layout.dp_size}")
         self.data_listing = shard_listing(data_dir)
         self.first_step, self.last_state, self.saved_step = self.step, loader_state, None
-        self.launch_time = 0.0  # this launch's steps, all of them (total_time leaves out each launch's first 10)
-        self.grad_norm_names = [g for g in PARAM_GROUPS if g != "l3_tables" or config.l3_after_layers]
+        self.launch_time = 0.0  # this launch's steps, all of them (total_time leaves out each launch's first ones)
+        self.launch_timed = 0.0  # this launch's part of total_time, for the ETA
+        self.grad_norm_slots = [(g, 1 + i) for i, g in enumerate(PARAM_GROUPS)  # in optimizer.grad_norms
+                                if g != "l3_tables" or config.l3_after_layers]
         self.val_bpb, self.evals, self.core_status = None, {}, "not run" if args.core_metric_every > 0 else "off (--core-metric-every -1)"
         self.mfu, self.tok_per_sec, self.epoch = None, 0.0, 1
         # middle pipeline stages read no data: their inputs come from the previous stage
@@ -538,20 +541,20 @@ class Run:
         if not math.isfinite(loss):
             self.diverged(loss)
         norms = self.trainer.optimizer.grad_norms.tolist()  # [global, then each of PARAM_GROUPS]
-        grad_norms = {"grad_norm": norms[0], **{f"grad_norm_{g}": norms[1 + PARAM_GROUPS.index(g)]
-                                                for g in self.grad_norm_names}}
+        grad_norms = {"grad_norm": norms[0], **{f"grad_norm_{g}": norms[i] for g, i in self.grad_norm_slots}}
         self.smooth_loss = 0.9 * self.smooth_loss + 0.1 * loss
         smooth = self.smooth_loss / (1 - 0.9 ** (self.step + 1))  # debiased
         self.launch_time += dt
-        if self.step - self.first_step > 10:  # the first steps of a process include compilation
+        if self.step - self.first_step > UNTIMED_STEPS:
             self.total_time += dt
+            self.launch_timed += dt
         self.tok_per_sec = self.recipe.total_batch_size / dt
         if self.peak_flops:
             self.mfu = 100 * self.trainer.flops_per_token * self.tok_per_sec / (self.peak_flops * self.layout.world_size)
         if self.train_loader is not None:
             self.epoch = self.train_loader.stats["epoch"]
-        n, timed = self.recipe.num_iterations, self.step - self.first_step - 10  # steps in total_time this launch
-        per_step = self.total_time / timed if timed > 0 else dt  # after the compile warm-up: the mean
+        n, timed = self.recipe.num_iterations, self.step - self.first_step - UNTIMED_STEPS  # in launch_timed
+        per_step = self.launch_timed / timed if timed > 0 else dt  # after the compile warm-up: the mean
         print0(f"step {self.step:05d}/{n:05d} ({100 * self.step / n:.2f}%) | loss: {smooth:.6f} | "
                f"grad norm: {grad_norms['grad_norm']:.4f} | lrm: {lrm:.2f} | dt: {dt * 1000:.2f}ms | "
                f"tok/sec: {self.tok_per_sec:,.0f}" + (f" | mfu: {self.mfu:.2f}" if self.mfu is not None else "") +
@@ -608,7 +611,7 @@ class Run:
         return f"{error} ({self.save_before_stopping()}" + (" once the file is replaced)" if self.args.save_every else ")")
 
     def training_time(self):
-        """(seconds, what they are): the steps after each launch's first 10 (compilation), else all of them."""
+        """(seconds, what they are): the steps after each launch's first UNTIMED_STEPS (compilation), else all of them."""
         if self.total_time > 0:
             return self.total_time, ""
         return self.launch_time, f" ({self.step - self.first_step} steps, compilation included)"

@@ -85,8 +85,9 @@ class Linear(nn.Linear):
 
 
 def tunable_linears(model):
-    # not the lm_head: the loss computes its weight gradient itself (head_loss)
-    return [m for m in model.modules() if type(m) is Linear and min(m.weight.shape) >= 128
+    # not the lm_head: the loss computes its weight gradient itself (head_loss); not zb's recording Linears, whose
+    # W takes autograd's own weight gradient (a split-K product computes both halves in one backward)
+    return [m for m in model.modules() if type(m) is Linear and min(m.weight.shape) >= 128 and not m.records_output
             and m is not getattr(model, "lm_head", None)]
 
 
