@@ -111,7 +111,7 @@ def to_fp8(t, dtype, amax=None, group=None):
 
 def global_amax(amax, group):
     """The largest of every rank's amax over the group, if any (functional: it traces under torch.compile)."""
-    return amax if group is None else torch.as_tensor(funcol.all_reduce(amax, "max", group))
+    return amax if group is None else funcol.wait_tensor(funcol.all_reduce(amax, "max", group))
 
 
 def scaled_mm(a, b, a_inv, b_inv, out_dtype):

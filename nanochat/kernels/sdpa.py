@@ -7,10 +7,11 @@ most `window` keys (itself included); S > T when decoding with a KV cache (the q
 - flex_attention: a sliding window on CUDA at the training length, with a block mask that skips the masked blocks
 """
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel, SDPBackend
-from torch.nn.attention.flex_attention import flex_attention as _flex, create_block_mask
 
 
 def dense_mask(T, S, window, device):
@@ -37,17 +38,23 @@ def cudnn_attention(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
+# FlexAttention is imported where it is used: importing it loads torch's compiler, seconds in every process
 def block_mask(T, window, device):
     """FlexAttention's block mask of a sliding window at length T (device indexed)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
     def sliding_causal(b, h, q_idx, kv_idx):
         return (kv_idx <= q_idx) & (q_idx - kv_idx < window)
     return create_block_mask(sliding_causal, B=None, H=None, Q_LEN=T, KV_LEN=T, device=device)
 
 
-# FlexAttention only runs fast compiled; compiled once here, it is also fast inside an eager model
-_flex_compiled = torch.compile(_flex, dynamic=False)
+@functools.cache
+def _flex_compiled():
+    """FlexAttention only runs fast compiled; compiled once, it is also fast inside an eager model."""
+    from torch.nn.attention.flex_attention import flex_attention as flex
+    return torch.compile(flex, dynamic=False)
 
 
 def flex_attention(q, k, v, mask):
     """A sliding window at the length its block mask was built for (S == T)."""
-    return _flex_compiled(q, k, v, block_mask=mask, enable_gqa=q.size(1) != k.size(1))
+    return _flex_compiled()(q, k, v, block_mask=mask, enable_gqa=q.size(1) != k.size(1))
