@@ -201,7 +201,7 @@ def table(measured, p2p_ms):
     return "\n".join(rows)
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
     parser.add_argument("--stages", type=int, default=4, help="p")
@@ -217,7 +217,7 @@ def main():
     parser.add_argument("--out", default="", help="--measure: JSON to write")
     parser.add_argument("--times", default="", help="JSON from --measure: price the layouts with these times")
     parser.add_argument("--table", action="store_true", help="with --times: p 4, 8 x m 8, 16, 32 x every schedule")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.measure:
         results = measure(args.measure, args.batch, args.seq, args.reps, args.compile or None)
         if args.out:
