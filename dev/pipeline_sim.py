@@ -166,18 +166,8 @@ def price(measured, schedule, p, m, virtual, p2p_ms):
     timeline = simulate(actions, lambda a: times[a[0], a[2]], p2p_ms)
     ideal = m * sum(times.values()) / p
     step, idle = step_and_idle(timeline)
-    peak = [max(_alive_bytes(acts, kept)) / 2**30 for acts in actions]
+    peak = [b / 2**30 for b in peak_in_flight(actions, kept)]
     return step, ideal, idle, peak
-
-
-def _alive_bytes(acts, kept):
-    """Bytes held after each action of one rank (peak_in_flight, weighted by each chunk's kept bytes)."""
-    freeing = "W" if any(kind == "W" for kind, _, _ in acts) else "B"
-    alive, out = 0, []
-    for kind, _, c in acts:
-        alive += kept[c] if kind == "F" else -kept[c] if kind == freeing else 0
-        out.append(alive)
-    return out
 
 
 def boundary_ms(measured, gbps):

@@ -183,15 +183,17 @@ def simulate(actions, duration, p2p=0.0):
     return timeline
 
 
-def peak_in_flight(actions):
+def peak_in_flight(actions, kept=None):
     """Per rank, the most micro-batch chunks whose activations are alive at once: from a forward until its
-    backward (zb: until its W, which still needs them). What train_step measures as Pipeline.peak_in_flight."""
+    backward (zb: until its W, which still needs them). What train_step measures as Pipeline.peak_in_flight.
+    kept: per chunk, the bytes its forward keeps (then the peak is in bytes); None counts each chunk as 1."""
     peaks = []
     for acts in actions:
         freeing = "W" if any(kind == "W" for kind, _, _ in acts) else "B"
         alive = peak = 0
-        for kind, _, _ in acts:
-            alive += 1 if kind == "F" else -1 if kind == freeing else 0
+        for kind, _, c in acts:
+            weight = 1 if kept is None else kept[c]
+            alive += weight if kind == "F" else -weight if kind == freeing else 0
             peak = max(peak, alive)
         peaks.append(peak)
     return peaks

@@ -23,7 +23,6 @@ from nanochat.gpt import build_model, Block, RECOMPUTE_MODES
 from nanochat import kernels
 from nanochat.optim import MuonAdamW
 from nanochat.dataloader import DataLoader
-from nanochat.dataset import shard_listing
 from nanochat import checkpoint_manager as ckpt
 
 # -----------------------------------------------------------------------------
@@ -120,12 +119,12 @@ def compile_for_training(model, pipeline, per_block, backend):
     return model
 
 
-def check_ranks_agree(layout, data_dir, ckpt_dir, saves):
+def check_ranks_agree(layout, data_dir, data_listing, ckpt_dir, saves):
     """Several nodes: every rank must see the same shards (a copy per node or a shared folder), else DP
     ranks would stride over different lists (raises ConfigError naming the ranks). Checkpoints are written
     by one rank per stage and read by every rank on resume, so ckpt_dir must be one file system for all:
     returns a warning naming the hosts that cannot see it (None when they all can, or nothing is saved)."""
-    listings = gather_objects((os.uname().nodename, data_dir, shard_listing(data_dir)), layout.cpu_group)
+    listings = gather_objects((os.uname().nodename, data_dir, data_listing), layout.cpu_group)
     differ = [f"rank {r} ({host}: {d})" for r, (host, d, lst) in enumerate(listings) if lst != listings[0][2]]
     if differ:
         raise ConfigError(f"the data differs between ranks: {', '.join(differ)} do not see the shards of rank 0 "

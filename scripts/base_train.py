@@ -268,16 +268,17 @@ def start(args, layout, device):
         print_rank(layout, f"global rank {layout.rank}")
     tokenizer = get_tokenizer()
     data_dir = check_data(args.data_dir)
+    data_listing = shard_listing(data_dir)  # what a checkpoint records, and a resume compares
     ckpt_dir = ckpt.checkpoint_dir(args.model_tag or f"d{args.depth}")
     if layout.world_size > 1:  # several nodes: the same shards on every rank, one checkpoint folder for all
-        warning = training.check_ranks_agree(layout, data_dir, ckpt_dir, saves=args.save_every != 0)
+        warning = training.check_ranks_agree(layout, data_dir, data_listing, ckpt_dir, saves=args.save_every != 0)
         if warning:
             print0(warning)
     resume_meta, new_data = None, False
     if args.resume_from_step >= 0:
         resume_meta = ckpt.load_meta(ckpt_dir, args.resume_from_step)
         ckpt.check_tokenizer(resume_meta, tokenizer, ckpt_dir)
-        new_data = check_data_unchanged(args, data_dir, resume_meta)
+        new_data = check_data_unchanged(args, data_dir, data_listing, resume_meta)
     config = model_config(args, tokenizer.get_vocab_size(), resume_meta)
     recipe = derive_recipe(args, config)
     grad_accum = check_flags(args, config, recipe, layout, device, resume_meta)
@@ -285,8 +286,8 @@ def start(args, layout, device):
         print0(f"resuming from step {args.resume_from_step} of {ckpt_dir}")
     print_plan(args, config, recipe, layout, grad_accum)
     take_lock(layout, device, ckpt_dir)  # before anything is written there
-    return Run(args, layout, device, dtype, tokenizer, data_dir, ckpt_dir, config, recipe, grad_accum, resume_meta,
-               new_data, watch)
+    return Run(args, layout, device, dtype, tokenizer, data_dir, data_listing, ckpt_dir, config, recipe, grad_accum,
+               resume_meta, new_data, watch)
 
 
 def take_lock(layout, device, ckpt_dir):
@@ -302,13 +303,13 @@ def take_lock(layout, device, ckpt_dir):
         raise ckpt.CheckpointError(error)
 
 
-def check_data_unchanged(args, data_dir, resume_meta):
+def check_data_unchanged(args, data_dir, data_listing, resume_meta):
     """The data position in a checkpoint means something only for the shards it was saved with: a resume that
     finds others stops, unless --resume-on-new-data (then the new data is read from its start). Returns whether
     the run goes on with new data."""
     if "data_listing" not in resume_meta:  # saved without a listing (imported weights)
         return False
-    changes = listing_changes(resume_meta["data_listing"], shard_listing(data_dir))
+    changes = listing_changes(resume_meta["data_listing"], data_listing)
     step = resume_meta["loop_state"]["step"]
     if changes and not args.resume_on_new_data:
         shown = "; ".join(changes[:4]) + (f"; and {len(changes) - 4} more" if len(changes) > 4 else "")
@@ -323,8 +324,8 @@ def check_data_unchanged(args, data_dir, resume_meta):
 class Run:
     """One training process: its Trainer and data, the loop state, and the periodic work at each step boundary."""
 
-    def __init__(self, args, layout, device, dtype, tokenizer, data_dir, ckpt_dir, config, recipe, grad_accum,
-                 resume_meta, new_data, watch):
+    def __init__(self, args, layout, device, dtype, tokenizer, data_dir, data_listing, ckpt_dir, config, recipe,
+                 grad_accum, resume_meta, new_data, watch):
         self.args, self.layout, self.device, self.tokenizer, self.data_dir = args, layout, device, tokenizer, data_dir
         self.ckpt_dir, self.config, self.recipe, self.grad_accum, self.watch = ckpt_dir, config, recipe, grad_accum, watch
         self.schedule = training.Schedule(recipe.num_iterations, recipe.weight_decay, args.warmup_steps,
@@ -360,7 +361,7 @@ class Run:
             loader_state = reshard_states(saved_states, layout.dp_size)[layout.dp_rank]
             if len(saved_states) != layout.dp_size:
                 print0(f"data: resharded the data position from dp {len(saved_states)} to dp {layout.dp_size}")
-        self.data_listing = shard_listing(data_dir)
+        self.data_listing = data_listing
         self.first_step, self.last_state, self.saved_step = self.step, loader_state, None
         self.launch_time = 0.0  # this launch's steps, all of them (total_time leaves out each launch's first ones)
         self.launch_timed = 0.0  # this launch's part of total_time, for the ETA

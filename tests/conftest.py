@@ -78,10 +78,20 @@ def write_damaged_shard(path, docs):
     path.write_bytes(bytes(data))
 
 
+def ckpt_dir(env, tag):
+    """The checkpoint folder of base_train's --model-tag tag; env: the run's environment."""
+    return os.path.join(env["NANOCHAT_BASE_DIR"], "base_checkpoints", tag)
+
+
+def errors(p):
+    """The ERROR lines of a finished script's stdout."""
+    return [line for line in p.stdout.splitlines() if line.startswith("ERROR: ")]
+
+
 def read_run(env, tag):
     """A base_train run as its metrics.jsonl tells it (nanochat.run_log.Run); env: the run's environment."""
     from nanochat.run_log import Run
-    return Run(os.path.join(env["NANOCHAT_BASE_DIR"], "base_checkpoints", tag, "metrics.jsonl"))
+    return Run(os.path.join(ckpt_dir(env, tag), "metrics.jsonl"))
 
 
 def run_losses(env, tag):
@@ -92,3 +102,5 @@ def run_losses(env, tag):
 # the smallest model the scripts can build: 2 layers, dim 64, 2 heads of 32, context 64
 TINY_MODEL = ["--depth", "2", "--aspect-ratio", "32", "--head-dim", "32", "--max-seq-len", "64",
               "--core-metric-every", "-1", "--sample-every", "-1", "--eval-tokens", "2048"]
+# ... trained on steps of 512 tokens in micro-batches of 4 sequences, with no evaluation during training
+TINY_RUN = TINY_MODEL + ["--device-batch-size", "4", "--total-batch-size", "512", "--eval-every", "-1"]

@@ -19,22 +19,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from conftest import run_script, write_damaged_shard, REPO, SAMPLE_DATA
+from conftest import run_script, write_damaged_shard, ckpt_dir, errors, REPO, SAMPLE_DATA, TINY_RUN
 from nanochat import checkpoint_manager as ckpt
 from nanochat.common import UserError
 from nanochat.dataset import DataError, check_data
 
-TINY = ["--depth", "2", "--aspect-ratio", "32", "--head-dim", "32", "--max-seq-len", "64", "--device-batch-size", "4",
-        "--total-batch-size", "512", "--core-metric-every", "-1", "--sample-every", "-1", "--eval-every", "-1",
-        "--eval-tokens", "2048"]
-
-
-def ckpt_dir(env, tag):
-    return os.path.join(env["NANOCHAT_BASE_DIR"], "base_checkpoints", tag)
-
-
-def errors(p):
-    return [line for line in p.stdout.splitlines() if line.startswith("ERROR: ")]
+TINY = TINY_RUN
 
 
 # -----------------------------------------------------------------------------

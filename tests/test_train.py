@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 
-from conftest import run_script, run_losses, read_run, write_damaged_shard, TINY_MODEL, REPO, SAMPLE_DATA
+from conftest import run_script, run_losses, read_run, write_damaged_shard, ckpt_dir, errors, TINY_MODEL, REPO, SAMPLE_DATA
 
 TRAIN = ["--device-batch-size", "4", "--total-batch-size", "512", "--warmup-steps", "2",
          "--embedding-lr", "0.05", "--scalar-lr", "0.05"] + TINY_MODEL
@@ -20,8 +20,8 @@ def test_exact_resume_is_bitwise(env):
     losses = run_losses(env, "resume")
     assert sorted(losses) == list(range(20))
     assert losses[19] < losses[0]  # it learns
-    ckpt_dir = os.path.join(env["NANOCHAT_BASE_DIR"], "base_checkpoints", "resume")
-    assert sorted(f for f in os.listdir(ckpt_dir) if f.startswith("meta_")) == ["meta_000015.json", "meta_000020.json"]
+    folder = ckpt_dir(env, "resume")
+    assert sorted(f for f in os.listdir(folder) if f.startswith("meta_")) == ["meta_000015.json", "meta_000020.json"]
     resumed = run_script("scripts.base_train", TRAIN + ["--num-iterations", "20", "--save-every", "5", "--model-tag", "resume",
                                                         "--eval-every", "-1", "--resume-from-step", "15"], env)
     run = read_run(env, "resume")  # the steps before 15 kept from the first run, 15 on written by the resumed one
@@ -29,7 +29,7 @@ def test_exact_resume_is_bitwise(env):
     for s in range(15, 20):
         assert run.losses()[s] == losses[s], f"step {s}: {run.losses()[s]} != {losses[s]}"
     # the final checkpoint of both runs holds the same weights
-    assert os.path.exists(os.path.join(ckpt_dir, "meta_000020.json"))
+    assert os.path.exists(os.path.join(folder, "meta_000020.json"))
     assert "Validation bpb:" in full.stdout and "Validation bpb:" in resumed.stdout
     assert full.stdout.split("Validation bpb:")[1].split()[0] == resumed.stdout.split("Validation bpb:")[1].split()[0]
 
@@ -93,7 +93,7 @@ def test_diverged_weights_are_never_saved(env):
     assert ("the weights are not finite at step" in p.stdout or
             re.search(r"loss is nan at step (\d+); stopping \(deleted the checkpoint of step \1", p.stdout)), p.stdout[-1500:]
     from nanochat import checkpoint_manager as ckpt
-    d = os.path.join(env["NANOCHAT_BASE_DIR"], "base_checkpoints", "diverge")
+    d = ckpt_dir(env, "diverge")
     for step in ckpt.saved_steps(d):
         ckpt.load_checkpoint(d, step)  # raises on weights that are not finite
 
@@ -101,7 +101,7 @@ def test_diverged_weights_are_never_saved(env):
 def test_sample_and_eval_refuse_nonfinite_weights(env):
     import torch
     run_script("scripts.base_train", TRAIN + ["--num-iterations", "1", "--model-tag", "poisoned", "--eval-every", "-1"], env)
-    path = os.path.join(env["NANOCHAT_BASE_DIR"], "base_checkpoints", "poisoned", "model_000001.pt")
+    path = os.path.join(ckpt_dir(env, "poisoned"), "model_000001.pt")
     state = torch.load(path, weights_only=True)
     state["lm_head.weight"][0, 0] = float("nan")
     torch.save(state, path)
@@ -124,10 +124,10 @@ def test_sigterm_saves_then_exits(env):
     rest, err = proc.communicate(timeout=120)
     out += rest
     assert proc.returncode == 0, err
-    ckpt_dir = os.path.join(env["NANOCHAT_BASE_DIR"], "base_checkpoints", "sig")
-    metas = [f for f in os.listdir(ckpt_dir) if f.startswith("meta_")]
+    folder = ckpt_dir(env, "sig")
+    metas = [f for f in os.listdir(folder) if f.startswith("meta_")]
     assert len(metas) == 1
-    meta = json.load(open(os.path.join(ckpt_dir, metas[0])))
+    meta = json.load(open(os.path.join(folder, metas[0])))
     step = meta["loop_state"]["step"]
     assert step >= 3 and len(meta["dataloader_states"]) == 1 and f"saved checkpoint for step {step}" in out
     # the last line: the step saved and the flag that resumes it
@@ -143,7 +143,7 @@ def test_dp2_torchrun_then_resume_at_dp1(env):
     assert "[dp=0]" in p.stdout and "[dp=1]" in p.stdout
     assert p.stdout.count("NOTICE: no parquet shards") == 1  # the sample-data notice once per run, not per process
     assert len(run_losses(env, "dp2")) == 4
-    meta = json.load(open(os.path.join(env["NANOCHAT_BASE_DIR"], "base_checkpoints", "dp2", "meta_000002.json")))
+    meta = json.load(open(os.path.join(ckpt_dir(env, "dp2"), "meta_000002.json")))
     assert [s["dp_rank"] for s in meta["dataloader_states"]] == [0, 1]
     r = run_script("scripts.base_train", args + ["--resume-from-step", "2"], env)  # one process now
     assert "resharded the data position from dp 2 to dp 1" in r.stdout
@@ -220,7 +220,7 @@ def test_corrupt_page_mid_training_saves_then_names_the_file(env, tmp_path):
     p = run_script("scripts.base_train", TRAIN + ["--num-iterations", "200", "--data-dir", corrupt_last_row_group(tmp_path),
                                                   "--model-tag", "corrupt", "--eval-every", "-1"], env, check=False)
     assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
-    error = [l for l in p.stdout.splitlines() if l.startswith("ERROR: ")]
+    error = errors(p)
     assert len(error) == 1 and "a.parquet" in error[0] and "resume with --resume-from-step" in error[0], p.stdout[-1500:]
     assert "saved checkpoint for step" in p.stdout
 
@@ -232,11 +232,11 @@ def test_data_error_on_one_rank_under_torchrun_saves_and_names_the_file(env, tmp
                                                   "--model-tag", "corrupt_dp2", "--eval-every", "-1",
                                                   "--device-batch-size", "2"], env, nproc=2, check=False)
     assert p.returncode != 0 and "NameError" not in p.stderr, p.stderr[-3000:]
-    error = [l for l in p.stdout.splitlines() if l.startswith("ERROR: ")]
+    error = errors(p)
     assert len(error) == 1 and "a.parquet" in error[0], p.stdout[-2000:]
     step = int(re.search(r"resume with --resume-from-step (\d+)", error[0]).group(1))
     assert f"saved checkpoint for step {step}" in p.stdout
-    meta = json.load(open(os.path.join(env["NANOCHAT_BASE_DIR"], "base_checkpoints", "corrupt_dp2", f"meta_{step:06d}.json")))
+    meta = json.load(open(os.path.join(ckpt_dir(env, "corrupt_dp2"), f"meta_{step:06d}.json")))
     assert [s["dp_rank"] for s in meta["dataloader_states"]] == [0, 1]
 
 

@@ -10,13 +10,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import run_script, read_run, SAMPLE_DATA
+from conftest import run_script, read_run, SAMPLE_DATA, TINY_RUN
 from nanochat.dataset import listing_changes
 from nanochat.run_log import SpikeWatch
 
-TINY = ["--depth", "2", "--aspect-ratio", "32", "--head-dim", "32", "--max-seq-len", "64", "--device-batch-size", "4",
-        "--total-batch-size", "512", "--core-metric-every", "-1", "--sample-every", "-1", "--eval-every", "-1",
-        "--eval-tokens", "2048", "--warmup-steps", "2", "--embedding-lr", "0.05", "--scalar-lr", "0.05"]
+TINY = TINY_RUN + ["--warmup-steps", "2", "--embedding-lr", "0.05", "--scalar-lr", "0.05"]
 
 
 def test_spike_rule():
