@@ -32,6 +32,14 @@ CUDA events (the median of --repeats calls). One subcommand per kernel:
                   (F.linear, gpt.softcap, cross-entropy). Checked against float64 on a slice of rows; the whole
                   head forward + backward both ways and its three matmuls alone, and the kernel alone, loss only
                   (one read of the logits) and with the gradient (a read and a write).
+  ring            context parallelism's ring attention (nanochat/context_parallel.py) at the chunk shapes of each
+                  --cps for one sequence of --seq-len: first the ring's arithmetic on this GPU's kernels, every
+                  rank's blocks in one process, against one GPU attending the whole sequence (relative errors);
+                  then per ring step the time of its blocks' forward and backward (the busiest rank's), the bytes
+                  it exchanges (K/V in bf16 each way forward and again backward, dK/dV home in fp32), and at
+                  --link-gbs GB/s each way how long the exchange takes against the step's compute: hidden where
+                  shorter, the rest exposed; full-context and window layers apart. Against it, one GPU attending
+                  the whole sequence (cuDNN full, FlexAttention window).
   fp8-shards      fp8 against bf16 for the matmuls one rank of a tensor-parallel model runs: each linear of a
                   block at its shard's shape (the q, k, v column shards n_embd -> its heads, attention's c_proj
                   row shard, the MLP's shard n_embd -> 4 n_embd / tp -> n_embd), forward + backward, compiled
@@ -46,6 +54,7 @@ CUDA events (the median of --repeats calls). One subcommand per kernel:
     python -m dev.bench_kernels relu-square-mm --configs 128,256,64,8,3,8 256,128,64,4,3,8
     python -m dev.bench_kernels rotary-norm --depth 20 --device-batch-size 32
     python -m dev.bench_kernels softcap-ce                       # 32 x 2048 tokens at d12 (dim 768), vocab 32768
+    python -m dev.bench_kernels ring --depth 12 --seq-len 32768 --cps 2,4,8
     python -m dev.bench_kernels fp8-shards                       # d32 at TP=2, 16 x 2048 tokens
     python -m dev.bench_kernels fp8-shards --depth 26 --tp 4 --device-batch-size 8
 
@@ -139,6 +148,96 @@ def attention(args):
             bwd = cuda_time_ms(forward_backward(fn), args.repeats) - fwd
             print(f"{name:<14} {kname:<18} forward {fwd:7.3f} ms ({4 * D * pairs / fwd / 1e9:5.0f} TFLOP/s)   "
                   f"backward {bwd:7.3f} ms ({10 * D * pairs / bwd / 1e9:5.0f} TFLOP/s)")
+
+
+# -----------------------------------------------------------------------------
+# ring (context parallelism)
+
+
+def ring(args):
+    from nanochat import context_parallel as cpm
+    cfg = config_for_depth(args.depth, sequence_len=args.seq_len, window_pattern="SSSL")
+    B, T, H, Hkv, D = args.device_batch_size, args.seq_len, cfg.n_head, cfg.n_kv_head, cfg.head_dim
+    device = torch.device("cuda", torch.cuda.current_device())
+    windows = sorted(set(window_sizes(cfg)), reverse=True)
+    print(f"depth {args.depth}: B {B}, T {T}, heads {H} (kv {Hkv}), D {D}; {torch.cuda.get_device_name()}; "
+          f"windows {windows}; link {args.link_gbs} GB/s each way")
+    torch.manual_seed(0)
+    q, dout = (torch.randn(B, H, T, D, device=device).bfloat16() for _ in range(2))
+    k, v = (torch.randn(B, Hkv, T, D, device=device).bfloat16() for _ in range(2))
+    masks = {w: sdpa.block_mask(T, w, device) for w in windows if w < T}
+
+    def whole(window):  # one GPU: cuDNN for the full context, FlexAttention for a window
+        return (lambda q, k, v: sdpa.cudnn_attention(q, k, v)) if window >= T else \
+            (lambda q, k, v: sdpa.flex_attention(q, k, v, masks[window]))
+
+    def forward_backward(fn):
+        inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = fn(*inputs)
+        out.backward(dout)
+        return [out.detach()] + [t.grad for t in inputs]
+
+    for N in args.cps:
+        c = T // (2 * N)
+        kv_bytes = 2 * B * Hkv * 2 * c * D * 2  # a rank's K and V, bf16
+        home_bytes = 2 * kv_bytes  # their gradients, fp32
+        for window in windows:
+            name = "full" if window >= T else f"window {window}"
+            plans = [cpm.ContextParallel(_RingLayout(r, N), T, device) for r in range(N)]
+            # the arithmetic: every rank's blocks merged, then their backward, against the whole sequence at once
+            ref = forward_backward(whole(window))
+            got = cpm.ring_in_one_process(q, k, v, dout, N, window)
+            print(f"CP {N} {name}: against one GPU, relative error " +
+                  ", ".join(f"{n} {rel_err(g, r):.1e}" for n, g, r in zip(("out", "dq", "dk", "dv"), got, ref)))
+            # per step s, the busiest rank's blocks (0: its own), forward and backward
+            rows = []
+            for s in range(N):
+                fwd = bwd = 0.0
+                for r, plan in enumerate(plans):
+                    pairs = plan.visible_pairs(r, (r - s) % N, window)
+                    if not pairs:
+                        continue
+                    f, b = time_blocks(q, k, v, dout, plan, (r - s) % N, pairs, window, args.repeats)
+                    fwd, bwd = max(fwd, f), max(bwd, b)
+                if fwd:
+                    rows.append((s, fwd, bwd))
+            steps = [row for row in rows if row[0] > 0]
+            fwd_link = kv_bytes / (args.link_gbs * 1e9) * 1e3  # ms
+            bwd_link = (kv_bytes + home_bytes) / (args.link_gbs * 1e9) * 1e3
+            exposed_f = sum(max(0.0, fwd_link - f) for _, f, _ in rows[:-1]) if steps else 0.0  # step s hides s+1's
+            exposed_b = sum(max(0.0, bwd_link - b) for _, _, b in rows[:-1]) if steps else 0.0
+            ring_f, ring_b = sum(r[1] for r in rows), sum(r[2] for r in rows)
+            one_f = cuda_time_ms(lambda: whole(window)(q, k, v), args.repeats)
+            one_b = cuda_time_ms(lambda: forward_backward(whole(window)), args.repeats) - one_f
+            print(f"  steps taken {len(rows)} of {N}; per step (ms, forward / backward): " +
+                  "  ".join(f"s{s} {f:.3f}/{b:.3f}" for s, f, b in rows))
+            print(f"  exchanged per step: K/V {kv_bytes / 2**20:.1f} MiB ({fwd_link:.3f} ms at the link), backward "
+                  f"+ dK/dV {home_bytes / 2**20:.1f} MiB ({bwd_link:.3f} ms); exposed at the link: forward "
+                  f"{exposed_f:.3f} ms, backward {exposed_b:.3f} ms")
+            print(f"  ring compute: forward {ring_f:.3f} ms, backward {ring_b:.3f} ms = {ring_f + ring_b:.3f} ms on each "
+                  f"rank; one GPU, whole sequence: {one_f:.3f} + {one_b:.3f} = {one_f + one_b:.3f} ms "
+                  f"(ideal per rank {(one_f + one_b) / N:.3f} ms; ring / ideal {(ring_f + ring_b) / ((one_f + one_b) / N):.2f})")
+
+
+class _RingLayout:  # what ContextParallel reads of a Layout where no process group is needed
+    def __init__(self, rank, size):
+        self.cp_rank, self.cp_size = rank, size
+
+
+def time_blocks(q, k, v, dout, plan, source, pairs, window, repeats):
+    """(forward ms, backward ms) of one ring step's blocks on plan's rank with source's K/V: each block's attention
+    and merge, then each block's backward."""
+    from nanochat import context_parallel as cpm
+    c = plan.chunk
+    qs = [slice(i * c, (i + 1) * c) for i in cpm.rank_chunks(plan.rank, plan.size)]
+    ks = [slice(i * c, (i + 1) * c) for i in cpm.rank_chunks(source, plan.size)]
+    blocks = [(q[:, :, qs[a]], k[:, :, ks[b]], v[:, :, ks[b]], dout[:, :, qs[a]], offset) for a, b, offset in pairs]
+    outs = [cpm.block_attention(qb, kb, vb, offset, window) for qb, kb, vb, _, offset in blocks]
+    fwd = cuda_time_ms(lambda: [cpm.merge(None, *cpm.block_attention(qb, kb, vb, o, window)) for qb, kb, vb, _, o in blocks],
+                       repeats)
+    bwd = cuda_time_ms(lambda: [cpm.block_attention_backward(db, qb, kb, vb, out, lse, o, window)
+                                for (qb, kb, vb, db, o), (out, lse) in zip(blocks, outs)], repeats)
+    return fwd, bwd
 
 
 # -----------------------------------------------------------------------------
@@ -435,6 +534,10 @@ def main(argv=None):
     add("rotary-norm", rotary_norm, "rotary + QK-norm: Triton kernels against compiled PyTorch")
     add("softcap-ce", softcap_ce, "the soft-capped loss: lm_head + Triton kernel against compiled PyTorch",
         depth=12).add_argument("--vocab", type=int, default=32768, help="vocabulary size")
+    p = add("ring", ring, "context parallelism's ring: its blocks per step against one GPU, and the exchange",
+            depth=12, device_batch_size=1)
+    p.add_argument("--cps", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4, 8], help="CP degrees")
+    p.add_argument("--link-gbs", type=float, default=450.0, help="GB/s each way between two ranks (NVLink: ~450)")
     add("fp8-shards", fp8_shards, "fp8 against bf16 for one tensor-parallel rank's linears", depth=32,
         device_batch_size=16).add_argument("--tp", type=int, default=2,
                                            help="the tensor-parallel degree whose per-rank shapes are timed")

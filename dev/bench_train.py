@@ -134,10 +134,12 @@ def measure(config, tree, args, gpus):
         print(f"   failed: {e}", flush=True)
         return None
     s = runs.summary(run, config.warmup)
+    causal = causal_share(run.header) if s["mfu"] else None
     peaks = {tag: round(gib, 2) for tag, gib in runs.rank_peaks(run).items()}
     row = {"tree": tree, "label": config.label, "depth": config.depth, "nproc": config.nproc,
            "batch": config.total_batch, "steps timed": s["steps_timed"], "step ms (median)": round(s["step_ms"], 2),
            "tok/s (median)": round(s["tok_per_sec"]), "mfu % (median)": round(s["mfu"], 2) if s["mfu"] else "",
+           "causal mfu %": round(s["mfu"] * causal, 2) if causal else "",
            "peak mem GiB (max)": max(peaks.values()) if peaks else round(s["peak_mem_gib"], 2) if s["peak_mem_gib"] else "",
            "peak mem per rank": " ".join(f"{t}{v}" for t, v in sorted(peaks.items())),
            "wall s": round(job.wall_s, 1), "args": " ".join(config.flags + args.extra)}
@@ -146,6 +148,18 @@ def measure(config, tree, args, gpus):
           (f", peak {row['peak mem GiB (max)']} GiB" if row["peak mem GiB (max)"] else ""), flush=True)
     append_csv(args.out, row)
     return row
+
+
+def causal_share(header):
+    """The run's FLOPs per token with attention counted causally (gpt.attention_flops) over those its MFU counts
+    (the recipe's: each query at its whole window); None for headers without a model config."""
+    from nanochat.gpt import GPT, GPTConfig
+    if "model_config" not in header:
+        return None
+    import torch
+    with torch.device("meta"):
+        model = GPT(GPTConfig.from_dict(header["model_config"]))
+    return model.estimate_flops(causal=True) / model.estimate_flops()
 
 
 def append_csv(path, row):
@@ -169,7 +183,8 @@ def table(configs, trees, results):
     prefix = (lambda n: f"{n} ") if len(trees) > 1 else (lambda n: "")
     header = ["configuration"]
     for n in names:
-        header += [prefix(n) + h for h in ("tok/s", "vs baseline", "MFU", "step", "vs ideal", "peak memory")]
+        header += [prefix(n) + h for h in ("tok/s", "vs baseline", "MFU", "causal MFU", "step", "vs ideal",
+                                            "peak memory")]
     header += [f"{n} / {names[0]} tok/s" for n in names[1:]]
     rows = []
     for c in configs:
@@ -177,7 +192,7 @@ def table(configs, trees, results):
         for tree in trees:
             r = results.get((c.label, tree))
             if r is None:
-                row += ["failed", "", "", "", "", ""]
+                row += ["failed", "", "", "", "", "", ""]
                 continue
             tok, step = r["tok/s (median)"], r["step ms (median)"]
             base = results.get((c.baseline, tree))
@@ -189,7 +204,8 @@ def table(configs, trees, results):
                 vs_ideal = f"{step / ideal:.3f} (ideal {ideal:,.0f} ms)"
             peaks = re.findall(r"\]([\d.]+)", r["peak mem per rank"])  # "[dp=0 pp=0]40.6 [dp=0 pp=1]24.7"
             peak = " / ".join(peaks) if peaks else r["peak mem GiB (max)"]
-            row += [f"{tok:,}", vs_base, mfu, f"{step:,.1f} ms", vs_ideal, f"{peak} GiB" if peak != "" else ""]
+            causal = f"{r['causal mfu %']:.1f}%" if r.get("causal mfu %") not in (None, "") else ""
+            row += [f"{tok:,}", vs_base, mfu, causal, f"{step:,.1f} ms", vs_ideal, f"{peak} GiB" if peak != "" else ""]
         first = results.get((c.label, trees[0]))
         for tree in trees[1:]:
             r = results.get((c.label, tree))

@@ -1,7 +1,11 @@
 """
-The process-group layout: torchrun's processes as a grid of world = PP x DP x TP, every group created explicitly
-and printed at start; the parallel files each take their group from the Layout. Ranks are numbered TP fastest,
-then DP, then PP: TP peers (which communicate in every block) are neighbouring ranks, on one node's fastest links.
+The process-group layout: torchrun's processes as a grid of world = PP x DP x CP x TP, every group created
+explicitly and printed at start; the parallel files each take their group from the Layout. Ranks are numbered TP
+fastest, then CP, then DP, then PP. The closer a dimension's peers sit, the faster their links (one node's NVLink
+before the network): TP's collectives run several times in every block, CP's ring passes K/V once per attention
+layer (behind its compute), DP reduces once per step (behind the last backward), PP sends one message per
+micro-batch and stage. Gradients are summed over DP x CP (dp_cp_group): CP ranks hold the same weights, each
+having seen its share of the tokens.
 
 Collectives here (host-side or one scalar):
   barrier            on a gloo group of all ranks, so that a rank waiting in vain fails after --dist-timeout
@@ -28,7 +32,7 @@ class RankFailure(UserError):
 
 @dataclass
 class Layout:
-    """Where this process sits in the world = PP x DP x TP grid. Groups are None when a size is 1."""
+    """Where this process sits in the world = PP x DP x CP x TP grid. Groups are None when a size is 1."""
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
@@ -38,9 +42,13 @@ class Layout:
     tp_size: int = 1
     pp_rank: int = 0
     pp_size: int = 1
+    cp_rank: int = 0
+    cp_size: int = 1
     dp_group: object = None
     tp_group: object = None
     pp_group: object = None
+    cp_group: object = None
+    dp_cp_group: object = None  # DP x CP: the ranks whose gradients are summed (the optimizer's group)
     cpu_group: object = None  # gloo group of all ranks for host-side waits (None: the default group is gloo)
 
     @property
@@ -52,10 +60,18 @@ class Layout:
         return self.pp_rank == self.pp_size - 1
 
     def describe(self):
-        return f"dp {self.dp_size} x tp {self.tp_size} x pp {self.pp_size}"
+        return f"dp {self.dp_size} x " + (f"cp {self.cp_size} x " if self.cp_size > 1 else "") + \
+            f"tp {self.tp_size} x pp {self.pp_size}"
+
+    def peer(self, **coords):
+        """Global rank of the process at this one's coordinates with those given changed (e.g. pp=0)."""
+        at = dict(dp=self.dp_rank, cp=self.cp_rank, tp=self.tp_rank, pp=self.pp_rank)
+        return grid_rank(self, **{**at, **coords})
 
     def tag(self):
         parts = [f"dp={self.dp_rank}"]
+        if self.cp_size > 1:
+            parts.append(f"cp={self.cp_rank}")
         if self.tp_size > 1:
             parts.append(f"tp={self.tp_rank}")
         if self.pp_size > 1:
@@ -63,37 +79,42 @@ class Layout:
         return "[" + " ".join(parts) + "]"
 
 
-def grid_rank(layout, dp, tp, pp):
-    """Global rank of the process at (dp, tp, pp)."""
-    return (pp * layout.dp_size + dp) * layout.tp_size + tp
+def grid_rank(layout, dp, cp, tp, pp):
+    """Global rank of the process at (dp, cp, tp, pp): TP fastest, then CP, then DP, then PP."""
+    return ((pp * layout.dp_size + dp) * layout.cp_size + cp) * layout.tp_size + tp
 
 
-def build_layout(rank, world_size, local_rank, tp=1, pp=1):
-    """Split the world into DP x TP x PP and create every process group explicitly. Every rank must
+def build_layout(rank, world_size, local_rank, tp=1, pp=1, cp=1):
+    """Split the world into DP x CP x TP x PP and create every process group explicitly. Every rank must
     call new_group for every group, in the same order, even for groups it is not in."""
-    if tp < 1 or pp < 1 or world_size % (tp * pp) != 0:
-        raise UserError(f"world size {world_size} is not divisible by tp={tp} x pp={pp}; "
-                        f"choose tp and pp whose product divides the number of processes")
-    dp = world_size // (tp * pp)
-    L = Layout(rank=rank, world_size=world_size, local_rank=local_rank, dp_size=dp, tp_size=tp, pp_size=pp)
+    if tp < 1 or pp < 1 or cp < 1 or world_size % (tp * pp * cp) != 0:
+        raise UserError(f"world size {world_size} is not divisible by tp={tp} x pp={pp} x cp={cp}; "
+                        f"choose degrees whose product divides the number of processes")
+    dp = world_size // (tp * pp * cp)
+    L = Layout(rank=rank, world_size=world_size, local_rank=local_rank, dp_size=dp, tp_size=tp, pp_size=pp, cp_size=cp)
     L.tp_rank = rank % tp
-    L.dp_rank = (rank // tp) % dp
-    L.pp_rank = rank // (tp * dp)
+    L.cp_rank = (rank // tp) % cp
+    L.dp_rank = (rank // (tp * cp)) % dp
+    L.pp_rank = rank // (tp * cp * dp)
     if world_size == 1:
         return L
-    # a dimension's groups: the ranks that share every other coordinate, created in one order on every rank
-    sizes = {"dp": dp, "tp": tp, "pp": pp}
-    for dim in ("tp", "dp", "pp"):
-        others = [d for d in sizes if d != dim]
+    # a group: the ranks that share every coordinate outside `dims`, created in one order on every rank
+    sizes = {"dp": dp, "cp": cp, "tp": tp, "pp": pp}
+    product = [("dp_cp", ("dp", "cp"))] if dp > 1 and cp > 1 else []  # else it is one of the two
+    for name, dims in [("tp", ("tp",)), ("cp", ("cp",)), ("dp", ("dp",)), ("pp", ("pp",))] + product:
+        others = [d for d in sizes if d not in dims]
         for fixed in itertools.product(*(range(sizes[d]) for d in others)):
-            ranks = [grid_rank(L, **dict(zip(others, fixed)), **{dim: i}) for i in range(sizes[dim])]
-            group = dist.new_group(ranks) if sizes[dim] > 1 else None
+            ranks = sorted(grid_rank(L, **dict(zip(others, fixed)), **dict(zip(dims, inner)))
+                           for inner in itertools.product(*(range(sizes[d]) for d in dims)))
+            group = dist.new_group(ranks) if len(ranks) > 1 else None
             if rank in ranks:
-                setattr(L, f"{dim}_group", group)
+                setattr(L, f"{name}_group", group)
+    if not product:
+        L.dp_cp_group = L.dp_group if cp == 1 else L.cp_group
     return L
 
 
-def compute_init(device_type="", tp=1, pp=1, seed=42, timeout_s=None):
+def compute_init(device_type="", tp=1, pp=1, cp=1, seed=42, timeout_s=None):
     """Set up device, seeds and (under torchrun) the process groups, whose collectives fail after
     timeout_s seconds (None: PyTorch's default). Under NCCL the flight recorder is on (nanochat.watchdog)
     and a gloo group of all ranks serves host-side waits (barrier). Returns (layout, device)."""
@@ -108,9 +129,9 @@ def compute_init(device_type="", tp=1, pp=1, seed=42, timeout_s=None):
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls (rare here) may use tf32
         torch.backends.cudnn.allow_tf32 = True
     if not all(k in os.environ for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")):  # not under torchrun
-        if tp * pp > 1:
-            raise UserError(f"--tp={tp} --pp={pp} need {tp * pp} processes at least: launch with "
-                            f"torchrun --nproc_per_node={tp * pp} -m scripts.base_train ...")
+        if tp * pp * cp > 1:
+            raise UserError(f"--tp={tp} --pp={pp} --cp={cp} need {tp * pp * cp} processes at least: launch with "
+                            f"torchrun --nproc_per_node={tp * pp * cp} -m scripts.base_train ...")
         # an indexed device, so that device-keyed caches (attention masks) match tensors' .device
         device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device(device_type)
         return build_layout(0, 1, 0), device
@@ -130,7 +151,7 @@ def compute_init(device_type="", tp=1, pp=1, seed=42, timeout_s=None):
     else:
         device = torch.device(device_type)
         dist.init_process_group(backend="gloo", timeout=timeout)
-    layout = build_layout(rank, world_size, local_rank, tp, pp)
+    layout = build_layout(rank, world_size, local_rank, tp, pp, cp)
     if device_type == "cuda":
         layout.cpu_group = dist.new_group(backend="gloo", timeout=timeout)
     dist.barrier()

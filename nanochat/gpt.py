@@ -18,7 +18,9 @@ Every op is written here as its reference math; the ones with fast kernels ask t
 matmuls run in the compute dtype (modules cast weights to the activations' dtype; no autocast). The model is built
 on the meta device, moved with to_empty() and initialized by init_weights(), which says per parameter how. The
 forward is three pieces that the parallel helpers wrap, embed() -> run_blocks(start, end) -> head(), with what a
-later block needs in a `Residual` (x, x0, x_mid); tensor parallelism swaps the blocks' Linears in place.
+later block needs in a `Residual` (x, x0, x_mid); tensor parallelism swaps the blocks' Linears in place. Each
+piece takes `cp`, context parallelism's view of this rank's chunks of the sequence (context_parallel.py), or None
+for the whole sequence.
 """
 
 import math
@@ -31,6 +33,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from nanochat import kernels
+from nanochat import context_parallel  # noqa: F401 (registers the ring op that SELECTIVE_KEEPS names)
 from nanochat.common import ConfigError
 from nanochat.kernels import Linear
 from nanochat.l3 import L3Layer
@@ -165,7 +168,7 @@ class CausalSelfAttention(nn.Module):
         self.ve_gate = Linear(VE_GATE_CHANNELS, config.n_kv_head) if has_value_embed(layer_idx, config.n_layer) else None
         self.tp_enter = nn.Identity()  # tensor parallelism swaps in its region-entry collective
 
-    def forward(self, x, ve, cos, sin, window, kv_cache=None):
+    def forward(self, x, ve, cos, sin, window, kv_cache=None, cp=None):
         x = self.tp_enter(x)
         B, T, _ = x.shape
         hd = self.head_dim
@@ -180,7 +183,10 @@ class CausalSelfAttention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v)
-        y = kernels.attention(q, k, v, window)  # softmax(q k^T / sqrt(hd) + causal window mask) v
+        if cp is None:
+            y = kernels.attention(q, k, v, window)  # softmax(q k^T / sqrt(hd) + causal window mask) v
+        else:  # this rank's queries over every rank's keys (the ring)
+            y = cp.attention(q, k, v, window)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -201,12 +207,15 @@ class MLP(nn.Module):
 
 
 RECOMPUTE_MODES = ("none", "selective", "block")
+# what --recompute selective keeps: the kernels' choice, and context parallelism's ring (whose recompute would
+# exchange every K/V block again)
+SELECTIVE_KEEPS = kernels.SELECTIVE_KEEPS + (torch.ops.nanochat.ring_attention.default,)
 
 
 class Block(nn.Module):
     """Pre-norm attention and MLP around the residual stream. `recompute` (set by training.setup; only while
     training with grad enabled) recomputes activations in the backward (torch.utils.checkpoint): "block" keeps
-    only the block's inputs, "selective" also the outputs of kernels.SELECTIVE_KEEPS. Under tensor parallelism
+    only the block's inputs, "selective" also the outputs of SELECTIVE_KEEPS. Under tensor parallelism
     the recomputed region's collectives run again in the backward, in the same order on every rank."""
 
     recompute = "none"
@@ -221,21 +230,21 @@ class Block(nn.Module):
         kv_dim = config.n_kv_head * config.head_dim
         self.value_embed = nn.Embedding(config.vocab_size, kv_dim) if has_value_embed(layer_idx, config.n_layer) else None
 
-    def forward(self, x, x0, idx, cos, sin, window, kv_cache=None):
+    def forward(self, x, x0, idx, cos, sin, window, kv_cache=None, cp=None):
         if self.recompute == "none" or not (self.training and torch.is_grad_enabled()):
-            return self._forward(x, x0, idx, cos, sin, window, kv_cache)
+            return self._forward(x, x0, idx, cos, sin, window, kv_cache, cp)
         # non-reentrant: works under torch.compile and with inputs that need no grad; no RNG state (no randomness)
         context = {}
         if self.recompute == "selective":  # the outputs of these ops are saved, and the recompute reuses them
             context["context_fn"] = functools.partial(torch.utils.checkpoint.create_selective_checkpoint_contexts,
-                                                      list(kernels.SELECTIVE_KEEPS))
-        return torch.utils.checkpoint.checkpoint(self._forward, x, x0, idx, cos, sin, window, kv_cache,
+                                                      list(SELECTIVE_KEEPS))
+        return torch.utils.checkpoint.checkpoint(self._forward, x, x0, idx, cos, sin, window, kv_cache, cp,
                                                  use_reentrant=False, preserve_rng_state=False, **context)
 
-    def _forward(self, x, x0, idx, cos, sin, window, kv_cache):
+    def _forward(self, x, x0, idx, cos, sin, window, kv_cache, cp):
         x = self.resid_lambda.to(x.dtype) * x + self.x0_lambda.to(x.dtype) * x0
         ve = self.value_embed(idx).to(x.dtype) if self.value_embed is not None else None
-        x = x + self.attn(norm(x), ve, cos, sin, window, kv_cache)
+        x = x + self.attn(norm(x), ve, cos, sin, window, kv_cache, cp)
         return x + self.mlp(norm(x))
 
 
@@ -320,11 +329,16 @@ class GPT(nn.Module):
 
     # --- the three pieces of the forward ------------------------------------------
 
-    def embed(self, idx, kv_cache=None):
-        """Token embedding, norm, smear. Returns the Residual that enters block 0."""
-        x = norm(self.wte(idx).to(self.compute_dtype))
+    def embed(self, idx, kv_cache=None, cp=None):
+        """Token embedding, norm, smear. Returns the Residual that enters block 0 (under cp: this rank's tokens)."""
+        x = norm(self.wte(idx if cp is None else cp.local(idx)).to(self.compute_dtype))
         # smear: x[t] += lambda * sigmoid(gate(x[t])) * x[t-1]; decoding: x[-1] of the previous call, or zeros
-        prev = kv_cache.prev_embedding(x) if kv_cache is not None else F.pad(x[:, :-1], (0, 0, 1, 0))
+        if kv_cache is not None:
+            prev = kv_cache.prev_embedding(x)
+        elif cp is not None:  # a chunk's first token follows a token of another chunk
+            prev = cp.previous_embeddings(x, idx, lambda ids: norm(self.wte(ids).to(self.compute_dtype)))
+        else:
+            prev = F.pad(x[:, :-1], (0, 0, 1, 0))
         gate = self.smear_lambda.to(x.dtype) * torch.sigmoid(self.smear_gate(x[..., :SMEAR_GATE_CHANNELS]))
         x = self.embed_exit(x + gate * prev)
         return Residual(x=x, x0=x)
@@ -334,22 +348,26 @@ class GPT(nn.Module):
             raise ValueError(f"sequence of {start + T} tokens is longer than the rotary table ({self.rotary_len})")
         return (self.cos[:, start:start + T].to(self.compute_dtype), self.sin[:, start:start + T].to(self.compute_dtype))
 
-    def run_blocks(self, h: Residual, idx, start, end, kv_cache=None):
-        """Blocks start..end-1 (and the L3 layers placed after them)."""
-        pos = kv_cache.pos if kv_cache is not None else 0
-        cos, sin = self.rotary(idx.size(1), pos)
+    def run_blocks(self, h: Residual, idx, start, end, kv_cache=None, cp=None):
+        """Blocks start..end-1 (and the L3 layers placed after them). idx: the whole sequences' ids."""
+        if cp is not None:  # this rank's chunks: their ids, rotary at their global positions
+            idx = cp.local(idx)
+            cos, sin = (t.index_select(1, cp.positions).to(self.compute_dtype) for t in (self.cos, self.sin))
+        else:
+            cos, sin = self.rotary(idx.size(1), kv_cache.pos if kv_cache is not None else 0)
         x, x_mid = h.x, h.x_mid
         for i in range(start, end):
             if i == self.backout_layer:
                 x_mid = x
-            x = self.blocks[i](x, h.x0, idx, cos, sin, self.window_sizes[i], kv_cache)
+            x = self.blocks[i](x, h.x0, idx, cos, sin, self.window_sizes[i], kv_cache, cp)
             if str(i) in self.l3:
                 x = x + self.l3[str(i)](x, idx)
         return Residual(x=x, x0=h.x0, x_mid=x_mid)
 
-    def head(self, h: Residual, targets=None, loss_reduction="mean", positions=None):
-        """Backout, final norm, lm_head, soft-cap (fp32), and the loss if targets are given.
-        positions: index tensors selecting the tokens whose logits are wanted (evaluation)."""
+    def head(self, h: Residual, targets=None, loss_reduction="mean", positions=None, cp=None):
+        """Backout, final norm, lm_head, soft-cap (fp32), and the loss if targets are given (the whole sequences';
+        under cp see ContextParallel.loss). positions: index tensors selecting the tokens whose logits are wanted
+        (evaluation)."""
         x = h.x
         if h.x_mid is not None:
             x = x - self.backout_lambda.to(x.dtype) * h.x_mid
@@ -358,14 +376,16 @@ class GPT(nn.Module):
         x = norm(x)
         if targets is None:
             return self.criterion.logits(self.lm_head(x))
+        if cp is not None:
+            return cp.loss(self.criterion, x, self.lm_head, targets, loss_reduction)
         return self.criterion(x, self.lm_head, targets, loss_reduction)
 
-    def forward(self, idx, targets=None, loss_reduction="mean", kv_cache=None, positions=None):
-        h = self.embed(idx, kv_cache)
-        h = self.run_blocks(h, idx, 0, self.config.n_layer, kv_cache)
+    def forward(self, idx, targets=None, loss_reduction="mean", kv_cache=None, positions=None, cp=None):
+        h = self.embed(idx, kv_cache, cp)
+        h = self.run_blocks(h, idx, 0, self.config.n_layer, kv_cache, cp)
         if kv_cache is not None:
             kv_cache.advance(idx.size(1))
-        return self.head(h, targets, loss_reduction, positions)
+        return self.head(h, targets, loss_reduction, positions, cp)
 
     # --- accounting ---------------------------------------------------------------
 
@@ -378,15 +398,19 @@ class GPT(nn.Module):
         """What the scaling laws count: transformer matrices + lm_head."""
         return self.matmul_parameters() - sum(p.numel() for layer in self.l3.values() for p in layer.dense_parameters())
 
-    def attention_flops(self, layer_idx):
-        """Attention FLOPs per token of one layer: 12 * heads * head_dim * its effective context."""
+    def attention_flops(self, layer_idx, causal=False):
+        """Attention FLOPs per token of one layer: 12 * heads * head_dim * its effective context, the window (the
+        count of the scaling-law recipe and of upstream nanochat), or with causal=True the keys a query attends to
+        on average, min(t + 1, window) over the positions t: the work a kernel that skips masked tiles does."""
         cfg = self.config
-        return 12 * cfg.n_head * cfg.head_dim * min(self.window_sizes[layer_idx], cfg.sequence_len)
+        T, W = cfg.sequence_len, min(self.window_sizes[layer_idx], cfg.sequence_len)
+        context = (W * (W + 1) / 2 + (T - W) * W) / T if causal else W
+        return 12 * cfg.n_head * cfg.head_dim * context
 
-    def estimate_flops(self):
+    def estimate_flops(self, causal=False):
         """Training FLOPs per token: 6 * matmul params + each layer's attention_flops, plus L3's
         lookups and projections (l3.py)."""
-        attn = sum(self.attention_flops(i) for i in range(self.config.n_layer))
+        attn = sum(self.attention_flops(i, causal) for i in range(self.config.n_layer))
         l3 = sum(layer.estimate_flops() for layer in self.l3.values())  # includes L3's W_up / W_mix
         return 6 * self.num_scaling_params() + attn + l3
 

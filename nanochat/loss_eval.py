@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from nanochat.common import Progress
 from nanochat.dataset import DataError
-from nanochat.distributed import grid_rank, agree_on_error
+from nanochat.distributed import agree_on_error
 from nanochat.signals import stop_point
 
 def default_eval_tokens(device_type):
@@ -52,7 +52,7 @@ def evaluate_bpb(loss_fn, batches, steps, token_bytes, layout=None, label="bpb")
     if layout is not None and layout.dp_size > 1:
         dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=layout.dp_group)
     if layout is not None and layout.pp_size > 1:
-        last = grid_rank(layout, layout.dp_rank, layout.tp_rank, layout.pp_size - 1)
+        last = layout.peer(pp=layout.pp_size - 1)
         dist.broadcast(sums, src=last, group=layout.pp_group)
     nats, nbytes = sums.tolist()
     return nats / (math.log(2) * nbytes) if nbytes else float("inf")

@@ -57,7 +57,6 @@ import torch.nn as nn
 import torch.distributed as dist
 import torch.utils.checkpoint
 
-from nanochat.distributed import grid_rank
 from nanochat.gpt import Residual, build_model
 from nanochat.common import ConfigError
 from nanochat.kernels import Linear
@@ -243,7 +242,7 @@ class Pipeline:
     the sequence. virtual: chunks per rank (interleaved)."""
 
     def __init__(self, model, layout, num_microbatches, micro_batch_size, schedule="1f1b", sequence_parallel=False,
-                 virtual=1):
+                 virtual=1, cp=None):
         self.model, self.layout, self.micro_batch_size = model, layout, micro_batch_size
         p, m = layout.pp_size, num_microbatches
         self.num_stages, self.stage, self.num_microbatches, self.virtual = p, layout.pp_rank, m, virtual
@@ -283,10 +282,11 @@ class Pipeline:
         if self.stage != p - 1:
             model.lm_head = model.backout_lambda = None
         self.dtype, self.n_embd = model.compute_dtype, model.config.n_embd
-        self.seq_shards = layout.tp_size if sequence_parallel else 1
+        self.cp = cp  # context parallelism: the residual stream holds this rank's chunks, 1/cp of each sequence
+        self.seq_shards = (layout.tp_size if sequence_parallel else 1) * layout.cp_size
         self.device = next(model.parameters()).device
-        self.prev_rank = grid_rank(layout, layout.dp_rank, layout.tp_rank, (self.stage - 1) % p)
-        self.next_rank = grid_rank(layout, layout.dp_rank, layout.tp_rank, (self.stage + 1) % p)
+        self.prev_rank = layout.peer(pp=(self.stage - 1) % p)
+        self.next_rank = layout.peer(pp=(self.stage + 1) % p)
         all_actions = [self.actions(r) for r in range(p)]
         self.program = message_order(all_actions, self.stage)
         self._sent = {action for step, action in self.program if step == "send"}
@@ -362,7 +362,7 @@ class Pipeline:
         the previous chunk. Returns (Residual, idx), or the loss of the last chunk."""
         model, chunk = self.model, self.chunks[c]
         if chunk.first:
-            h, idx = model.embed(self.xs[i]), self.xs[i]
+            h, idx = model.embed(self.xs[i], cp=self.cp), self.xs[i]
         else:
             h, idx = inputs
             for t in carried(h, chunk.receives_mid):
@@ -370,10 +370,10 @@ class Pipeline:
         self._saved_inputs[i, c] = h
         if self.schedule == "zb":
             self._recording = self._linear_outputs[i, c] = []
-        h = model.run_blocks(h, idx, chunk.start, chunk.end)
+        h = model.run_blocks(h, idx, chunk.start, chunk.end, cp=self.cp)
         self._recording = None
         if chunk.last:
-            loss = model.head(h, self.ys[i])
+            loss = model.head(h, self.ys[i], cp=self.cp)
             self.total_loss += loss.detach()
             out = loss / self.num_microbatches
         else:
@@ -440,7 +440,7 @@ class Pipeline:
         assert not self._saved_outputs and not self._linear_outputs, "the schedule left micro-batches unfinished"
         L, loss = self.layout, (self.total_loss / self.num_microbatches).detach()
         # the loss lives on the last rank: send it to every rank of this pipeline
-        dist.broadcast(loss, src=grid_rank(L, L.dp_rank, L.tp_rank, self.num_stages - 1), group=L.pp_group)
+        dist.broadcast(loss, src=L.peer(pp=self.num_stages - 1), group=L.pp_group)
         return loss
 
     # --- evaluation -------------------------------------------------------------
@@ -452,14 +452,14 @@ class Pipeline:
         model, sends, losses = self.model, [], None
         for c, chunk in self.chunks.items():
             if chunk.first:
-                h, idx = model.embed(x), x
+                h, idx = model.embed(x, cp=self.cp), x
             else:
                 requests, (h, idx) = self._recv(("F", None, c - 1))
                 for request in requests:
                     request.wait()
-            h = model.run_blocks(h, idx, chunk.start, chunk.end)
+            h = model.run_blocks(h, idx, chunk.start, chunk.end, cp=self.cp)
             if chunk.last:
-                losses = model.head(h, y, loss_reduction="none")
+                losses = model.head(h, y, loss_reduction="none", cp=self.cp)
             else:
                 sends += self._send(("F", None, c), (h, idx))
         for request in sends:
@@ -531,7 +531,7 @@ def whole_model_copy(model, layout):
         dist.all_gather_object(held, {n: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in state.items()},
                                group=layout.pp_group)
         for stage, tensors in enumerate(held):
-            src = grid_rank(layout, layout.dp_rank, layout.tp_rank, stage)
+            src = layout.peer(pp=stage)
             for name, (shape, dtype) in tensors.items():
                 if stage == layout.pp_rank:
                     t = state[name].to(device)

@@ -3,7 +3,8 @@ The training core, written once: base_train, the parallel-equivalence tests (tes
 dev tools build the model and step it through `setup` and its Trainer, so the tests check what the product runs.
 setup does the whole order in one function (as torchtitan applies its plan): build (meta, materialize, init) ->
 L3 rows allocated from the data (a fresh run) -> fp8 linears -> resumed weights into the whole model -> tensor
-parallelism -> this rank's pipeline stage -> attention kernel settled before any trace -> split-K tuned (CUDA) ->
+parallelism -> this rank's chunks of the sequence (context parallelism) -> this rank's pipeline stage -> attention
+kernel settled before any trace -> split-K tuned (CUDA) ->
 optimizer (and its state) -> recompute -> compile. The loop: Schedule (LR, Muon momentum and decay by step) and
 Trainer (one step, evaluation mode, the whole model for CORE, the checkpoint save).
 """
@@ -62,12 +63,20 @@ def setup(config, layout, device, dtype, lrs, fp8=False, l3_data=None, after_ini
     if layout.tp_size > 1:
         from nanochat.tensor_parallel import parallelize
         parallelize(model, layout, sequence_parallel)
+    cp = None
+    if layout.cp_size > 1:
+        from nanochat.context_parallel import ContextParallel, check_context_parallel
+        check_context_parallel(layout.cp_size, config.sequence_len, layout.tp_size, sequence_parallel)
+        cp = ContextParallel(layout, config.sequence_len, device)
     pipeline = None
     if layout.pp_size > 1:
         from nanochat.pipeline_parallel import Pipeline
         pipeline = Pipeline(model, layout, num_microbatches, micro_batch_size, pp_schedule, sequence_parallel,
-                            pp_virtual)
-    attention = kernels.prepare_attention(config, model.window_sizes, device, dtype)
+                            pp_virtual, cp)
+    if cp is None:
+        attention = kernels.prepare_attention(config, model.window_sizes, device, dtype)
+    else:
+        attention = f"ring attention over cp {layout.cp_size} ({kernels.attention_block_name(device, dtype)})"
     wgrad_splits = {}
     if device.type == "cuda":  # rank 0's choice, so that every rank computes alike
         splits = [kernels.tune_wgrad_splits(model, micro_batch_size * config.sequence_len, dtype)]
@@ -76,7 +85,7 @@ def setup(config, layout, device, dtype, lrs, fp8=False, l3_data=None, after_ini
         wgrad_splits = splits[0]
         kernels.set_wgrad_splits(model, wgrad_splits)
     groups = model.param_groups(**vars(lrs))
-    optimizer = MuonAdamW(groups, {p: n for n, p in model.named_parameters()}, dp_group=layout.dp_group,
+    optimizer = MuonAdamW(groups, {p: n for n, p in model.named_parameters()}, dp_group=layout.dp_cp_group,
                           compute_dtype=dtype, compile=compile == "inductor", overlap_grad_reduce=overlap_grad_reduce,
                           counts_replicated=layout.tp_rank == 0)
     if resume is not None and resume[1] is not None:
@@ -90,7 +99,7 @@ def setup(config, layout, device, dtype, lrs, fp8=False, l3_data=None, after_ini
         if isinstance(block, Block):  # a pipeline stage holds Identities in place of the others' blocks
             block.recompute = recompute
     train_model = model if compile is None else compile_for_training(model, pipeline, optimizer.dp.overlap, compile)
-    return Trainer(model, train_model, pipeline, optimizer, layout, sequence_parallel=sequence_parallel,
+    return Trainer(model, train_model, pipeline, optimizer, layout, cp, sequence_parallel=sequence_parallel,
                    fp8=any(getattr(m, "fp8", False) for m in model.modules()), flops_per_token=flops_per_token,
                    attention=attention, wgrad_splits=wgrad_splits)
 
@@ -209,12 +218,14 @@ def next_batches(loader, n):
 class Trainer:
     """What one training process steps, evaluates and saves. model: the uncompiled module (checkpoints,
     evaluation with fp8, CORE, sampling); train_model: what the step calls (compiled or the same);
-    pipeline: this rank's stage driver, None without pipeline parallelism."""
+    pipeline: this rank's stage driver, None without pipeline parallelism; cp: this rank's chunks of the sequence
+    (context_parallel.ContextParallel), None without context parallelism."""
     model: torch.nn.Module
     train_model: torch.nn.Module
     pipeline: object
     optimizer: MuonAdamW
     layout: object
+    cp: object = None
     sequence_parallel: bool = False
     fp8: bool = False               # fp8 linears in training (evaluation runs them in bf16)
     flops_per_token: float = 0.0    # of the whole model, before it was cut up
@@ -224,7 +235,8 @@ class Trainer:
     def step(self, batches, schedule, it):
         """One optimizer step on the micro-batches [(x, y), ...]: forward and backward (through the
         pipeline's schedule under PP), the LR, momentum and decay of step `it` set, the update, gradients
-        cleared. Returns (the loss: mean over micro-batches and DP ranks, a device tensor, so nothing here
+        cleared. Every CP rank gets the whole (B, T) micro-batches and the model takes its chunks. Returns (the
+        loss: mean over micro-batches and DP ranks, a device tensor, so nothing here
         waits for the GPU; the LR multiplier)."""
         if self.pipeline is not None:
             loss = self.pipeline.train_step(batches, self.optimizer.prepare_last_backward)
@@ -233,7 +245,7 @@ class Trainer:
             for i, (x, y) in enumerate(batches):  # gradients accumulate in .grad
                 if i == len(batches) - 1:  # this backward completes them: DP reductions may start during it
                     self.optimizer.prepare_last_backward()
-                micro_loss = self.train_model(x, y)
+                micro_loss = self.train_model(x, y, cp=self.cp)
                 (micro_loss / len(batches)).backward()
                 loss += micro_loss.detach()
             loss = loss / len(batches)
@@ -264,11 +276,12 @@ class Trainer:
         the fp8 flags on."""
         if self.pipeline is not None:
             return self.pipeline.forward_loss(x, y)
-        return (self.model if self.fp8 else self.train_model)(x, y, loss_reduction="none")
+        return (self.model if self.fp8 else self.train_model)(x, y, loss_reduction="none", cp=self.cp)
 
     def whole_model(self):
-        """The model CORE and sampling run (variable-length inputs): this one, or under pipeline or
-        sequence parallelism (fixed shapes only) a gathered whole copy on every rank, to be freed after."""
+        """The model CORE and sampling run (variable-length inputs): this one (called without cp, it runs whole
+        sequences), or under pipeline or sequence parallelism (fixed shapes only) a gathered whole copy on every
+        rank, to be freed after."""
         if self.pipeline is not None or self.sequence_parallel:
             from nanochat.pipeline_parallel import whole_model_copy
             return whole_model_copy(self.model, self.layout)
@@ -286,16 +299,16 @@ class Trainer:
             raise ckpt.CheckpointError(f"the weights are not finite at step {step} (the run diverged" +
                                        (f"; e.g. {', '.join(bad[:3])}" if bad else " on another rank") +
                                        "): not saving; try a lower LR, or resume from an earlier checkpoint")
-        mine = data_state if L.tp_rank == 0 and L.is_first_stage else None
+        mine = data_state if L.tp_rank == 0 and L.cp_rank == 0 and L.is_first_stage else None
         everything = gather_objects(mine)
         data_states = sorted((s for s in everything if s is not None), key=lambda s: s["dp_rank"]) if L.world_size > 1 \
             else everything
-        writer = L.dp_rank == 0 and L.tp_rank == 0
+        writer = L.dp_rank == 0 and L.cp_rank == 0 and L.tp_rank == 0
         model_state = ckpt.full_model_state(self.model, keep=writer)
         optim_state = self.optimizer.full_state_dict(keep=writer)
         # the stage files, then (once all are written) the meta file that marks the step complete; a CheckpointError
         # on a writer (a full disk) stops every rank with its line, after the agreement that is also the barrier
-        meta = dict(meta, dataloader_states=data_states, layout={"dp": L.dp_size, "tp": L.tp_size, "pp": L.pp_size})
+        meta = dict(meta, dataloader_states=data_states, layout={"dp": L.dp_size, "cp": L.cp_size, "tp": L.tp_size, "pp": L.pp_size})
         for mine, write in ((writer, lambda: ckpt.save_stage_files(ckpt_dir, step, model_state, optim_state,
                                                                     L.pp_rank, L.pp_size)),
                             (L.rank == 0, lambda: ckpt.save_meta(ckpt_dir, step, meta, L.pp_size))):

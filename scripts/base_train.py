@@ -4,6 +4,7 @@ Pretrain a base model. One dial, --depth; the scaling-law formulas pick the rest
     python -m scripts.base_train --depth=12
     torchrun --nproc_per_node=8 -m scripts.base_train --depth=20
     torchrun --nproc_per_node=4 -m scripts.base_train --depth=32 --tp=2 --pp=2
+    torchrun --nproc_per_node=8 -m scripts.base_train --depth=20 --max-seq-len=32768 --cp=8
 
 The recipe (derive_recipe; printed at start):
   horizon  D = --num-iterations * B, else --target-flops / FLOPs-per-token, else ratio * scaling params
@@ -112,6 +113,8 @@ def parse_args(argv=None):
     add("--tp", type=int, default=1, help="tensor-parallel degree")
     add("--sequence-parallel", action="store_true", help="with --tp: shard norms/residual along the sequence")
     add("--pp", type=int, default=1, help="pipeline-parallel degree")
+    add("--cp", type=int, default=1, help="context-parallel degree: each sequence split over this many ranks "
+                                          "(head-tail chunks, ring attention; nanochat/context_parallel.py)")
     add("--pp-schedule", type=str, default="1f1b", choices=["gpipe", "1f1b", "interleaved", "zb"],
         help="pipeline schedule (nanochat/pipeline_parallel.py: zb = ZB-H1, backward split into B and W)")
     add("--pp-virtual", type=int, default=1, help="chunks of blocks per pipeline rank (interleaved: 2 or more)")
@@ -224,6 +227,9 @@ def check_flags(args, config, recipe, layout, device, resume_meta):
     if args.tp > 1:
         from nanochat.tensor_parallel import check_tp_size
         check_tp_size(config, args.tp, args.sequence_parallel)
+    if args.cp > 1:
+        from nanochat.context_parallel import check_context_parallel
+        check_context_parallel(args.cp, args.max_seq_len, args.tp, args.sequence_parallel)
     if args.pp > config.n_layer:
         raise ConfigError(f"--pp {args.pp} is more stages than blocks ({config.n_layer}); each stage needs at least one block")
     if args.pp > 1 and grad_accum < args.pp:
@@ -403,7 +409,8 @@ class Run:
     def header(self, dtype, use_compile):
         r = self.recipe
         return {"flags": vars(self.args), "model_config": self.config.to_dict(),
-                "layout": {"dp": self.layout.dp_size, "tp": self.layout.tp_size, "pp": self.layout.pp_size},
+                "layout": {"dp": self.layout.dp_size, "cp": self.layout.cp_size, "tp": self.layout.tp_size,
+                           "pp": self.layout.pp_size},
                 "device": device_name(self.device.type), "dtype": str(dtype).removeprefix("torch."), "compile": use_compile,
                 "attention": self.trainer.attention, "fp8": self.trainer.fp8, "kernels": kernels.KERNELS.mode,
                 "num_iterations": r.num_iterations, "total_batch_size": r.total_batch_size, "grad_accum": self.grad_accum,
@@ -672,7 +679,7 @@ def main(argv=None):
     args = parse_args(argv)
     try:
         kernels.set_mode(args.kernels)
-        layout, device = compute_init(args.device_type, tp=args.tp, pp=args.pp, timeout_s=args.dist_timeout)
+        layout, device = compute_init(args.device_type, tp=args.tp, pp=args.pp, cp=args.cp, timeout_s=args.dist_timeout)
         run, stopped = start(args, layout, device), None
         try:
             run.train()

@@ -1,4 +1,4 @@
-"""Train a tiny GPT for a few steps at a given (DP, TP, PP) layout on fixed batches, in processes
+"""Train a tiny GPT for a few steps at a given (DP, CP, TP, PP) layout on fixed batches, in processes
 started with torch.multiprocessing (gloo, CPU, fp32), and return the losses and the full parameters.
 The setup, the step (with base_train's schedules) and the checkpoint save are base_train's own
 (nanochat.training.setup and its Trainer). The equivalence tests compare each layout against one process."""
@@ -22,15 +22,25 @@ MICRO_BATCH = 2    # sequences per micro-batch per process
 LRS = dict(embedding_lr=0.01, unembedding_lr=0.004, matrix_lr=0.02, scalar_lr=0.02, weight_decay=0.01)
 
 
-def fixed_batches(steps, seed=1234):
-    """Learnable sequences: arithmetic progressions mod the vocabulary, random start and stride."""
+def fixed_batches(steps, seed=1234, sequence_len=None, documents=False):
+    """Learnable sequences: arithmetic progressions mod the vocabulary, random start and stride. documents: rows
+    packed from documents (each a progression after a BOS, id 0) of 3 to sequence_len/2 tokens, so that some are
+    shorter and some longer than a context-parallel chunk."""
     g = torch.Generator().manual_seed(seed)
-    t = torch.arange(CONFIG["sequence_len"] + 1)
+    T = (sequence_len or CONFIG["sequence_len"]) + 1
+    t = torch.arange(T)
     out = []
     for _ in range(steps):
         start = torch.randint(0, CONFIG["vocab_size"], (GLOBAL_BATCH, 1), generator=g)
         stride = torch.randint(1, 4, (GLOBAL_BATCH, 1), generator=g)
-        out.append((start + stride * t) % CONFIG["vocab_size"])
+        rows = (start + stride * t) % CONFIG["vocab_size"]
+        if documents:
+            for row in rows:
+                pos = 0
+                while pos < T:
+                    row[pos] = 0  # BOS
+                    pos += int(torch.randint(3, T // 2, (1,), generator=g))
+        out.append(rows)
     return out
 
 
@@ -69,7 +79,7 @@ def _free_port():
 
 
 def _worker(rank, world, tp, pp, sequence_parallel, schedule, steps, port, out_dir, config_overrides, resume_from,
-            overlap, recompute="none", compile_backend=None, fp8=False, virtual=1):
+            overlap, recompute="none", compile_backend=None, fp8=False, virtual=1, cp=1, documents=False):
     """One process of the run: base_train's setup and step (nanochat.training), on the fixed batches."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -79,7 +89,7 @@ def _worker(rank, world, tp, pp, sequence_parallel, schedule, steps, port, out_d
     from nanochat.gpt import GPTConfig
     from nanochat import checkpoint_manager as ckpt
     from nanochat import training
-    layout = build_layout(rank, world, rank, tp, pp)
+    layout = build_layout(rank, world, rank, tp, pp, cp)
     torch.manual_seed(0)
 
     def after_init(model):
@@ -95,13 +105,14 @@ def _worker(rank, world, tp, pp, sequence_parallel, schedule, steps, port, out_d
         model_state, optim_state, meta = ckpt.load_checkpoint(resume_from, device="cpu")
         resume, first_step = (model_state, optim_state), meta["step"]
     per_rank = GLOBAL_BATCH // layout.dp_size
-    trainer = training.setup(GPTConfig(**{**CONFIG, **config_overrides}), layout, torch.device("cpu"), torch.float32,
+    config = GPTConfig(**{**CONFIG, **config_overrides})
+    trainer = training.setup(config, layout, torch.device("cpu"), torch.float32,
                              training.LearningRates(**LRS), after_init=after_init, resume=resume,
                              sequence_parallel=sequence_parallel, pp_schedule=schedule, pp_virtual=virtual,
                              num_microbatches=per_rank // MICRO_BATCH, micro_batch_size=MICRO_BATCH, recompute=recompute,
                              compile=compile_backend, overlap_grad_reduce=overlap)
     schedule_of_steps = training.Schedule(steps, LRS["weight_decay"], warmup_steps=0, warmdown_ratio=0.0)
-    batches = fixed_batches(steps)
+    batches = fixed_batches(steps, sequence_len=config.sequence_len, documents=documents)
     losses, overlapped, graphs, grad_norms = [], [], [], []
     for step in range(first_step, steps):
         rows = batches[step][layout.dp_rank * per_rank:(layout.dp_rank + 1) * per_rank]
@@ -120,7 +131,7 @@ def _worker(rank, world, tp, pp, sequence_parallel, schedule, steps, port, out_d
     with torch.no_grad(), trainer.evaluating():
         eval_loss = eval_model(batches[0][:, :-1], batches[0][:, 1:]).item()
     model_state = ckpt.full_model_state(trainer.model)
-    if layout.dp_rank == 0 and layout.tp_rank == 0:
+    if layout.dp_rank == 0 and layout.cp_rank == 0 and layout.tp_rank == 0:
         torch.save({"losses": losses, "params": model_state, "eval_loss": eval_loss, "overlapped": overlapped,
                     "graphs": graphs, "grad_norms": grad_norms},
                    os.path.join(out_dir, f"stage{layout.pp_rank}.pt"))
@@ -142,18 +153,20 @@ def _new_run_dir():
 
 
 def run_layout(dp=1, tp=1, pp=1, sequence_parallel=False, schedule="1f1b", steps=5, config_overrides=None,
-               resume_from=None, out_dir=None, overlap=True, recompute="none", compile_backend=None, fp8=False, virtual=1):
+               resume_from=None, out_dir=None, overlap=True, recompute="none", compile_backend=None, fp8=False, virtual=1,
+               cp=1, documents=False):
     """Returns {"losses": [...], "params": {name: full tensor}, "eval_losses": [the whole-sequence loss
     after training, from each stage's first rank], "overlapped": [per stage, per step: buckets whose
     reduction the backward launched], "graphs": [per stage, per step: graphs torch.compile made so far],
     "dir": out_dir}. overlap: the optimizer's overlapped gradient reduction (a no-op at DP = 1).
     recompute: --recompute's mode. compile_backend: train through compile_for_training with this
     torch.compile backend (None: eager). fp8: the eligible linears in fp8 (emulated on CPU; the model
-    needs n_embd >= 128 for any to be eligible). virtual: --pp-virtual (chunks per pipeline rank)."""
-    world = dp * tp * pp
+    needs n_embd >= 128 for any to be eligible). virtual: --pp-virtual (chunks per pipeline rank). cp: --cp (each
+    sequence over cp ranks). documents: batches packed from BOS-led documents (fixed_batches)."""
+    world = dp * tp * pp * cp
     out_dir = out_dir or _new_run_dir()
     args = (world, tp, pp, sequence_parallel, schedule, steps, _free_port(), out_dir, config_overrides or {}, resume_from, overlap,
-            recompute, compile_backend, fp8, virtual)
+            recompute, compile_backend, fp8, virtual, cp, documents)
     if world == 1:
         _worker(0, *args)
     else:

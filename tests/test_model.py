@@ -117,6 +117,10 @@ def test_estimate_flops_formula():
     with torch.device("meta"):
         m2 = GPT(cfg)
     assert m2.estimate_flops() == 6 * matmul + 12 * 6 * 128 * (512 * 9 + 2048 * 3)
+    # causal: the mean number of keys a query attends to, min(t + 1, window), by brute force
+    mean_keys = [sum(min(t + 1, w) for t in range(2048)) / 2048 for w in (512, 2048)]
+    assert m2.estimate_flops(causal=True) == pytest.approx(6 * matmul + 12 * 6 * 128 * (mean_keys[0] * 9 + mean_keys[1] * 3))
+    assert mean_keys[1] == 2049 / 2
     assert m.num_scaling_params() == sum(p.numel() for n, p in m.named_parameters()
                                          if (n.startswith("blocks.") and p.ndim == 2 and "value_embed" not in n)
                                          or n in ("lm_head.weight", "smear_gate.weight"))

@@ -9,6 +9,8 @@ gpt.py (and fp8.py for its MLP) write every op as its reference PyTorch math and
                                                                  shape where tune_wgrad_splits found it faster
     attention          SDPA: is_causal for the full context,     FlashAttention-4 (flash_attention.py); else
                        a dense boolean mask for a window (sdpa)  cuDNN (full) and FlexAttention (window) (sdpa.py)
+    a ring's block     context_parallel.block_attention: the     PyTorch's flash kernel (no mask, causal) or its
+    (with its LSE)     softmax written out, with log-sum-exp     memory-efficient one (a band) (sdpa.py)
     rotary + QK-norm   gpt.rotary_norm                           Triton forward and backward (rotary.py)
     MLP                gpt.MLP: c_proj(relu(c_fc(x))^2)          ReLU^2 inside both matmuls (relu_square_mm.py);
                                                                  elsewhere ReLU^2 keeping only its output
@@ -130,6 +132,39 @@ def prepare_attention(config, window_sizes, device, dtype):
         if window < T and (T, window, str(device)) not in KERNELS.block_masks:
             KERNELS.block_masks[T, window, str(device)] = sdpa.block_mask(T, window, device)
     return "SDPA (cuDNN)" + (" + FlexAttention for the sliding windows" if min(window_sizes) < T else "")
+
+
+def attention_block_name(device, dtype):
+    """What computes a ring block's attention here, for the log."""
+    probe = torch.empty(0, device=device, dtype=dtype)
+    return "PyTorch flash / memory-efficient" if takes_attention_block(probe) else "the reference math"
+
+
+def takes_attention_block(q):
+    """A ring block's attention with its log-sum-exp (context_parallel.py) in PyTorch's kernels: CUDA, 16-bit."""
+    return KERNELS.on and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+
+
+def _expand_heads(q, k, v):
+    """k/v with as many heads as q (GQA): the kernels want equal counts."""
+    if q.size(1) == k.size(1):
+        return k, v
+    return (t.repeat_interleave(q.size(1) // k.size(1), dim=1) for t in (k, v))
+
+
+def attention_block(q, k, v, offset, window):
+    k, v = _expand_heads(q, k, v)
+    return sdpa.block_attention(q, k, v, offset, window)
+
+
+def attention_block_backward(dout, q, k, v, out, lse, offset, window):
+    """(dq, dk, dv); dk/dv summed back over the query heads that shared a kv head."""
+    kv_heads = k.size(1)
+    k, v = _expand_heads(q, k, v)
+    dq, dk, dv = sdpa.block_attention_backward(dout, q, k, v, out, lse, offset, window)
+    if kv_heads != q.size(1):
+        dk, dv = (t.unflatten(1, (kv_heads, -1)).sum(2) for t in (dk, dv))
+    return dq, dk, dv
 
 
 # what --recompute selective keeps rather than runs again in the backward (gpt.Block): the outputs of the ops that

@@ -5,6 +5,9 @@ most `window` keys (itself included); S > T when decoding with a KV cache (the q
   window (any device, any length, KV caches)
 - cudnn_attention: the full context on CUDA, SDPA pinned to cuDNN first (faster than its flash backend on Hopper)
 - flex_attention: a sliding window on CUDA at the training length, with a block mask that skips the masked blocks
+- block_attention(_backward): one block of context parallelism's ring (queries and keys at any distance `offset`
+  apart), returning the log-sum-exp, and its backward from the merged output and log-sum-exp: PyTorch's flash
+  kernel where the block needs no mask or the plain causal one, its memory-efficient kernel with a bias otherwise
 """
 
 import functools
@@ -14,11 +17,16 @@ import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel, SDPBackend
 
 
+def band_mask(T, S, offset, window, device):
+    """Boolean (T, S) mask of T queries and S keys whose first positions are `offset` apart (the first query at
+    position offset, the first key at 0): causal and at most `window` tokens back (the token itself included)."""
+    distance = offset + torch.arange(T, device=device)[:, None] - torch.arange(S, device=device)[None, :]
+    return (distance >= 0) & (distance < window)
+
+
 def dense_mask(T, S, window, device):
-    """Boolean (T, S) mask: causal and at most `window` tokens back (the token itself included)."""
-    q_pos = torch.arange(S - T, S, device=device)[:, None]
-    k_pos = torch.arange(S, device=device)[None, :]
-    return (k_pos <= q_pos) & (q_pos - k_pos < window)
+    """Boolean (T, S) mask: causal and at most `window` tokens back; the queries are the last T of the S keys."""
+    return band_mask(T, S, S - T, window, device)
 
 
 def reference_attention(q, k, v, window):
@@ -58,3 +66,51 @@ def _flex_compiled():
 def flex_attention(q, k, v, mask):
     """A sliding window at the length its block mask was built for (S == T)."""
     return _flex_compiled()(q, k, v, block_mask=mask, enable_gqa=q.size(1) != k.size(1))
+
+
+# --- one block of the ring (context_parallel.py): q (B, H, T, D), k/v (B, H, S, D) with equal head counts ----------
+
+
+def block_kind(T, S, offset, window):
+    """How a block's mask looks: "causal" (the diagonal, full window), "none" (every key visible), or "band"."""
+    if offset == 0 and T == S and window >= T:
+        return "causal"
+    if offset >= S - 1 and offset + T - 1 < window:
+        return "none"
+    return "band"
+
+
+def _bias(q, S, offset, window):
+    """The band as an additive bias (0 or -inf) in q's dtype, for the memory-efficient kernel."""
+    visible = band_mask(q.size(2), S, offset, window, q.device)
+    bias = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(~visible, float("-inf"))
+    return bias.expand(q.size(0), q.size(1), -1, -1)
+
+
+def block_attention(q, k, v, offset, window):
+    """(out, lse): the block's attention and each query's log-sum-exp of scaled scores, (B, H, T) fp32."""
+    kind = block_kind(q.size(2), k.size(2), offset, window)
+    if kind != "band":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, kind == "causal")[:2]
+        return out, lse
+    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, _bias(q, k.size(2), offset, window),
+                                                                       True)[:2]
+    return out, lse[..., :q.size(2)]  # its log-sum-exp may be padded along T
+
+
+def block_attention_backward(dout, q, k, v, out, lse, offset, window):
+    """(dq, dk, dv) of one block, given the merged output and log-sum-exp over all blocks: with them the kernel's
+    softmax is already the whole row's, so the block's share of each gradient comes out directly."""
+    T, S = q.size(2), k.size(2)
+    kind = block_kind(T, S, offset, window)
+    no_rng = torch.empty((), dtype=torch.long, device=q.device)
+    if kind != "band":
+        empty = torch.empty(0, device=q.device)
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse, empty, empty, T, S, 0.0, kind == "causal", no_rng, no_rng)
+    bias = _bias(q, S, offset, window)
+    padded = -(-T // 32) * 32  # the memory-efficient kernel reads its log-sum-exp padded to a multiple of 32
+    lse = torch.nn.functional.pad(lse, (0, padded - T)).contiguous()
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        dout, q, k, v, bias, out, lse, no_rng, no_rng, 0.0, [True, True, True, False])
+    return dq, dk, dv

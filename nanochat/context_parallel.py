@@ -1,0 +1,381 @@
+"""
+Context parallelism: each sequence of a micro-batch cut along its length over the N ranks of a CP group, for
+sequences whose activations one GPU cannot hold. It applies per call: the model's forward takes `cp=` (a
+ContextParallel), so CORE and sampling, which call it without, run the whole model as it is (CP shards no weights).
+
+Load balance (head-tail): a sequence of T tokens is cut into 2N chunks of c = T/2N and rank r holds chunks r and
+2N-1-r, side by side as its (B, 2c) share. Under causal attention a query at position t attends to t + 1 keys, so
+chunk r alone would give rank 0 the least work and rank N-1 the most; with its mirror chunk every rank attends to
+the same number of keys (attention_work counts them).
+
+What looks across positions, and how it works on chunks:
+- rotary: each token turns by its global position (positions)
+- smear: a chunk's first token mixes in the embedding of the token before it, which lies in another chunk; every
+  rank has its micro-batch's whole (B, T) ids (CP peers read the same batches, as TP peers do), so it embeds that
+  one token itself (previous_embeddings): the value one device computes, and no message (the embedding's gradient
+  is summed over DP x CP anyway)
+- value embeddings, L3, backout, norms, the MLP: per token
+- attention: the ring below; BOS boundaries need nothing more than on one device (attention there is causal over
+  the packed row too)
+- the loss: over each rank's tokens, scaled so that the gradients summed over DP x CP are the whole sequences'
+  (loss); per-token losses for bits per byte gathered over CP, so every rank holds the whole sequences'
+
+Ring attention (ring_attention: one custom op, so that torch.compile keeps its messages out of its graphs). Step 0
+attends this rank's query chunks to its own K/V; at step s = 1 .. N-1 each rank sends its K/V to rank r+s and
+receives rank r-s's (mod N), send and receive posted together, and the next step's transfer is posted before this
+step's compute so that it runs behind it. Every block goes straight to the rank that needs it: on a switched
+network (NVLink within a node) a shift by s costs what the ring's shift by one does, and a step nobody needs is
+not taken. A pair of chunks (queries a, keys b) runs only where some key is visible: never b > a (the future),
+never keys `window` or more tokens back. A short-window layer whose window fits in a chunk therefore exchanges
+with the ranks holding its chunks' neighbours only; a full-context layer takes every step. Each pair's attention
+returns its log-sum-exp (kernels.attention_block where it runs, block_attention below otherwise) and the partial
+outputs merge by it, in fp32. The backward repeats the exchanges: K/V come again, each rank computes its share
+of dK/dV for the block it holds (from the merged output and log-sum-exp, so no pair needs another's result) and
+sends it straight home, in fp32, where the owner adds up what arrives.
+
+Collectives (point to point between the ranks of a CP group):
+  batch_isend_irecv  forward, per step s: this rank's K/V (one tensor) to rank r+s, rank r-s's into a buffer
+  batch_isend_irecv  backward, per step: the same K/V; then the dK/dV for rank r-s's block sent home to it, this
+                     block's from rank r+s received
+  all_gather         per-token losses for evaluation (loss_reduction="none"), over the CP group
+"""
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from nanochat import kernels
+from nanochat.common import ConfigError
+from nanochat.kernels.sdpa import band_mask
+
+RINGS = []  # every ContextParallel made in this process; the custom ops name theirs by index
+
+
+def check_context_parallel(cp, sequence_len, tp=1, sequence_parallel=False):
+    """Clear errors where the sequence cannot be cut into 2 x cp equal chunks (and, with sequence parallelism,
+    a rank's share into tp)."""
+    if cp < 1:
+        raise ConfigError(f"--cp {cp} must be at least 1")
+    if sequence_len % (2 * cp):
+        raise ConfigError(f"--cp {cp} cuts each sequence into 2 x {cp} = {2 * cp} chunks: --max-seq-len "
+                          f"({sequence_len}) must divide by {2 * cp}")
+    if sequence_parallel and (sequence_len // cp) % tp:
+        raise ConfigError(f"--sequence-parallel with --cp {cp}: each rank's {sequence_len // cp} tokens must divide "
+                          f"by --tp {tp}")
+
+
+def rank_chunks(rank, size):
+    """The chunks rank `rank` of `size` holds (head-tail)."""
+    return rank, 2 * size - 1 - rank
+
+
+def block_offset(q_chunk, k_chunk, chunk):
+    """How far the first query of chunk q_chunk sits after the first key of chunk k_chunk."""
+    return (q_chunk - k_chunk) * chunk
+
+
+def block_visible(offset, chunk, window):
+    """Whether any key of a (chunk x chunk) block `offset` tokens back is visible: not all in the future, not all
+    `window` or more tokens back."""
+    return offset >= 0 and offset - (chunk - 1) < window
+
+
+def attention_work(rank, size, sequence_len, window):
+    """Query-key pairs rank `rank` attends to (one head, one sequence): equal on every rank (head-tail)."""
+    c = sequence_len // (2 * size)
+    total = 0
+    for a in rank_chunks(rank, size):
+        for b in range(2 * size):
+            if block_visible(block_offset(a, b, c), c, window):
+                total += int(band_mask(c, c, block_offset(a, b, c), window, "cpu").sum())
+    return total
+
+
+# --- the reference math of one block (what kernels.attention_block computes) ------------------------------------
+
+
+def _expand(q, k, v):
+    g = q.size(1) // k.size(1)
+    return (k, v) if g == 1 else (k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1))
+
+
+def block_attention(q, k, v, offset, window):
+    """Attention of q (B, Hq, c, D) to the keys k/v (B, Hkv, c, D) `offset` tokens before it, with each query's
+    log-sum-exp of scaled scores: (out, lse (B, Hq, c) fp32). The softmax written out, in fp32."""
+    if kernels.takes_attention_block(q):
+        return kernels.attention_block(q, k, v, offset, window)
+    k, v = _expand(q, k, v)
+    scores = (q.float() @ k.float().transpose(-1, -2)) * q.size(-1) ** -0.5
+    scores = scores.masked_fill(~band_mask(q.size(2), k.size(2), offset, window, q.device), float("-inf"))
+    lse = scores.logsumexp(-1)  # -inf where a query sees none of these keys (a band's corner): its output is 0
+    return ((scores - finite(lse).unsqueeze(-1)).exp() @ v.float()).to(q.dtype), lse
+
+
+def block_attention_backward(dout, q, k, v, out, lse, offset, window):
+    """(dq, dk, dv) of one block from the merged output and log-sum-exp of all blocks: with those, the block's
+    probabilities are already the whole row's softmax, and each gradient is this block's share of the total."""
+    if kernels.takes_attention_block(q):
+        return kernels.attention_block_backward(dout, q, k, v, out, lse, offset, window)
+    kv_heads, scale = k.size(1), q.size(-1) ** -0.5
+    k, v = _expand(q, k, v)
+    qf, kf, vf, doutf = q.float(), k.float(), v.float(), dout.float()
+    scores = (qf @ kf.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~band_mask(q.size(2), k.size(2), offset, window, q.device), float("-inf"))
+    probs = (scores - lse.unsqueeze(-1)).exp()
+    dv = probs.transpose(-1, -2) @ doutf
+    dscores = probs * (doutf @ vf.transpose(-1, -2) - (doutf * out.float()).sum(-1, keepdim=True))
+    dq, dk = (dscores @ kf) * scale, (dscores.transpose(-1, -2) @ qf) * scale
+    if kv_heads != q.size(1):  # the query heads that shared a kv head add their gradients
+        dk, dv = (t.unflatten(1, (kv_heads, -1)).sum(2) for t in (dk, dv))
+    return dq, dk, dv
+
+
+# --- this rank's share of the sequence -------------------------------------------------------------------------
+
+
+class ContextParallel:
+    """This rank's chunks of every sequence, and what the model asks of them (module docstring)."""
+
+    def __init__(self, layout, sequence_len, device):
+        check_context_parallel(layout.cp_size, sequence_len)
+        self.layout, self.size, self.rank = layout, layout.cp_size, layout.cp_rank
+        self.sequence_len, self.chunk = sequence_len, sequence_len // (2 * layout.cp_size)
+        self.chunks = rank_chunks(self.rank, self.size)
+        self.positions = self.positions_of(self.rank).to(device)
+        # where every rank's tokens sit, in the order an all-gather stacks them (for the gathered losses)
+        self.gather_order = torch.cat([self.positions_of(r) for r in range(self.size)]).argsort().to(device)
+        self.schedules = {}  # window -> [(step, receive, send)]
+        self.id = len(RINGS)
+        RINGS.append(self)
+
+    def positions_of(self, rank):
+        c = self.chunk
+        return torch.cat([torch.arange(k * c, (k + 1) * c) for k in rank_chunks(rank, self.size)])
+
+    def local(self, t):
+        """This rank's tokens of (B, T, ...) ids, targets or tables: (B, 2c, ...)."""
+        if t.size(1) != self.sequence_len:
+            raise ValueError(f"context parallelism cuts sequences of {self.sequence_len} tokens; got {t.size(1)}")
+        return t.index_select(1, self.positions)
+
+    def previous_embeddings(self, x, idx, embed):
+        """For each of this rank's tokens, the embedding of the token before it (zeros before position 0): inside a
+        chunk its neighbour in x, at a chunk's start the token before it in idx, embedded here by `embed`."""
+        c, parts = self.chunk, []
+        for j, chunk in enumerate(self.chunks):
+            start = chunk * c
+            before = embed(idx[:, start - 1:start]) if start > 0 else torch.zeros_like(x[:, :1])
+            parts += [before, x[:, j * c:(j + 1) * c - 1]]
+        return torch.cat(parts, dim=1)
+
+    def attention(self, q, k, v, window):
+        """Causal attention of this rank's queries over the whole sequence's keys, q (B, Hq, 2c, D), k/v (B, Hkv,
+        2c, D) this rank's: the ring."""
+        return ring_attention(q, k, v, window, self.id)[0]
+
+    def loss(self, criterion, x, lm_head, targets, reduction):
+        """The loss on this rank's tokens of the whole (B, T) targets. "mean": this rank's sum x N / the whole
+        sequences' count of targets, so that the mean over the CP group (which the DP x CP gradient reduction
+        takes) is the whole sequences' mean; "none": every token's loss, (B, T), gathered over CP (evaluation);
+        "sum": this rank's tokens'."""
+        mine = self.local(targets)
+        if reduction == "mean":
+            return criterion(x, lm_head, mine, "sum") * self.size / (targets != -1).sum()
+        losses = criterion(x, lm_head, mine, reduction)
+        if reduction == "sum":
+            return losses
+        gathered = funcol.wait_tensor(funcol.all_gather_tensor(losses.contiguous(), 0, self.layout.cp_group))
+        B = losses.size(0)
+        return gathered.view(self.size, B, -1).transpose(0, 1).reshape(B, -1).index_select(1, self.gather_order)
+
+    # --- the ring ----------------------------------------------------------------------------------------------
+
+    def visible_pairs(self, q_rank, k_rank, window):
+        """[(a, b, offset)]: q_rank's query chunk a (0 or 1) sees some keys of k_rank's chunk b, offset apart."""
+        pairs = []
+        for a, qc in enumerate(rank_chunks(q_rank, self.size)):
+            for b, kc in enumerate(rank_chunks(k_rank, self.size)):
+                offset = block_offset(qc, kc, self.chunk)
+                if block_visible(offset, self.chunk, window):
+                    pairs.append((a, b, offset))
+        return pairs
+
+    def schedule(self, window):
+        """[(step, receive, send)] for s = 1 .. N-1: receive rank r-s's K/V where this rank needs them, send this
+        rank's to rank r+s where it needs them; a step with neither is skipped. Every rank derives the same table
+        and posts its messages in the same order of steps, so that two messages between one pair (K/V one way,
+        dK/dV the other in the backward) are matched in order."""
+        if window not in self.schedules:
+            N, r = self.size, self.rank
+            self.schedules[window] = [(s, bool(self.visible_pairs(r, (r - s) % N, window)),
+                                       bool(self.visible_pairs((r + s) % N, r, window))) for s in range(1, N)]
+        return self.schedules[window]
+
+    def _exchange(self, tensor, step, receive, send):
+        """Post this step's messages: `tensor` to rank r+step, a buffer like it from rank r-step. Returns (the
+        buffer or None, the requests)."""
+        ops, buffer = [], None
+        if send:
+            ops.append(dist.P2POp(dist.isend, tensor, self.layout.peer(cp=(self.rank + step) % self.size)))
+        if receive:
+            buffer = torch.empty_like(tensor)
+            ops.append(dist.P2POp(dist.irecv, buffer, self.layout.peer(cp=(self.rank - step) % self.size)))
+        return buffer, (dist.batch_isend_irecv(ops) if ops else [])
+
+    def _halves(self, t):
+        return t[:, :, :self.chunk], t[:, :, self.chunk:]
+
+    def ring_forward(self, q, k, v, window):
+        """(out, lse) of this rank's queries over every visible block."""
+        merged = [None, None]  # per query chunk: (out fp32, lse)
+        qs = self._halves(q)
+
+        def attend(kv, source):
+            ks, vs = self._halves(kv[0]), self._halves(kv[1])
+            for a, b, offset in self.visible_pairs(self.rank, source, window):
+                out, lse = block_attention(qs[a], ks[b], vs[b], offset, window)
+                merged[a] = merge(merged[a], out, lse)
+
+        mine = torch.stack([k, v])  # one message per step
+        steps = self.schedule(window)
+        pending = self._exchange(mine, *steps[0]) if steps else None
+        attend(mine, self.rank)
+        for i, (step, receive, _) in enumerate(steps):
+            buffer, requests = pending
+            for request in requests:
+                request.wait()
+            pending = self._exchange(mine, *steps[i + 1]) if i + 1 < len(steps) else None
+            if receive:
+                attend(buffer, (self.rank - step) % self.size)
+        out = torch.cat([m[0] for m in merged], dim=2).to(q.dtype)
+        return out, torch.cat([m[1] for m in merged], dim=2)
+
+    def ring_backward(self, dout, q, k, v, out, lse, window):
+        """(dq, dk, dv) from the gradient of the merged output."""
+        qs, douts, outs, lses = (self._halves(t) for t in (q, dout, out, lse))
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dqs = self._halves(dq)
+
+        def grads(kv, source):
+            """Add this rank's share of source's block gradients to dq; return dK/dV of source's block (fp32)."""
+            ks, vs = self._halves(kv[0]), self._halves(kv[1])
+            dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+            dks, dvs = self._halves(dkv[0]), self._halves(dkv[1])
+            for a, b, offset in self.visible_pairs(self.rank, source, window):
+                dq_ab, dk_ab, dv_ab = block_attention_backward(douts[a], qs[a], ks[b], vs[b], outs[a], lses[a], offset,
+                                                               window)
+                dqs[a].add_(dq_ab)
+                dks[b].add_(dk_ab)
+                dvs[b].add_(dv_ab)
+            return dkv
+
+        mine = torch.stack([k, v])
+        steps = self.schedule(window)
+        pending = self._exchange(mine, *steps[0]) if steps else None
+        dkv_mine = grads(mine, self.rank)
+        homecoming = []  # (buffer, requests): dK/dV of this rank's block from the ranks that used it
+        for i, (step, receive, send) in enumerate(steps):
+            buffer, requests = pending
+            for request in requests:
+                request.wait()
+            pending = self._exchange(mine, *steps[i + 1]) if i + 1 < len(steps) else None
+            dkv = grads(buffer, (self.rank - step) % self.size) if receive else None
+            # home: the dK/dV of rank r-s's block go back to it; this block's come from rank r+s (the roles reversed)
+            homecoming.append(self._exchange_home(dkv, dkv_mine, step, receive, send))
+        for buffer, requests in homecoming:
+            for request in requests:
+                request.wait()
+            if buffer is not None:
+                dkv_mine += buffer
+        # copies: a custom op's outputs may not alias each other (dK and dV share the buffer)
+        return dq.to(q.dtype), dkv_mine[0].to(k.dtype, copy=True), dkv_mine[1].to(v.dtype, copy=True)
+
+    def _exchange_home(self, dkv, like, step, received, sent):
+        """Post step's gradient messages: `dkv` (of rank r-step's block) to rank r-step where this rank received
+        its K/V; a buffer from rank r+step where this rank sent them."""
+        ops, buffer = [], None
+        if received:
+            ops.append(dist.P2POp(dist.isend, dkv, self.layout.peer(cp=(self.rank - step) % self.size)))
+        if sent:
+            buffer = torch.empty_like(like)
+            ops.append(dist.P2POp(dist.irecv, buffer, self.layout.peer(cp=(self.rank + step) % self.size)))
+        return buffer, (dist.batch_isend_irecv(ops) if ops else [])
+
+
+def finite(lse):
+    """lse with -inf (a query that saw no key yet) as 0, so that exp(-inf - it) is 0, not NaN."""
+    return lse.masked_fill(lse == float("-inf"), 0.0)
+
+
+def merge(merged, out, lse):
+    """Add a block's partial attention (out, lse) to the running (out fp32, lse), weighting each by its share of
+    the softmax's normalizer: exp(lse_part - lse_total)."""
+    if merged is None:
+        return out.float(), lse
+    total_out, total_lse = merged
+    new_lse = torch.logaddexp(total_lse, lse)
+    weight_total, weight_part = ((t - finite(new_lse)).exp().unsqueeze(-1) for t in (total_lse, lse))
+    return total_out * weight_total + out.float() * weight_part, new_lse
+
+
+def ring_in_one_process(q, k, v, dout, N, window):
+    """What the ring computes, every rank's blocks in one process (for checks): (out, dq, dk, dv) of whole
+    sequences q (B, Hq, T, D), k/v (B, Hkv, T, D), from the blocks of T/2N tokens merged, and their backward from
+    the merged output."""
+    c = q.size(2) // (2 * N)
+    merged = {}
+    for qc in range(2 * N):
+        for kc in range(qc + 1):
+            offset = block_offset(qc, kc, c)
+            if block_visible(offset, c, window):
+                out, lse = block_attention(q[:, :, qc * c:(qc + 1) * c], k[:, :, kc * c:(kc + 1) * c],
+                                           v[:, :, kc * c:(kc + 1) * c], offset, window)
+                merged[qc] = merge(merged.get(qc), out, lse)
+    outs = {qc: (out.to(q.dtype), lse) for qc, (out, lse) in merged.items()}
+    dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v))
+    for qc in range(2 * N):
+        for kc in range(qc + 1):
+            offset = block_offset(qc, kc, c)
+            if block_visible(offset, c, window):
+                qs, ks = slice(qc * c, (qc + 1) * c), slice(kc * c, (kc + 1) * c)
+                grads = block_attention_backward(dout[:, :, qs], q[:, :, qs], k[:, :, ks], v[:, :, ks], *outs[qc],
+                                                 offset, window)
+                for total, grad, where in zip((dq, dk, dv), grads, (qs, ks, ks)):
+                    total[:, :, where] += grad
+    return torch.cat([outs[i][0] for i in range(2 * N)], dim=2), dq, dk, dv
+
+
+# --- the ring as one op: torch.compile calls it and keeps its messages out of the graph ------------------------
+
+
+@torch.library.custom_op("nanochat::ring_attention", mutates_args=())
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, ring: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return RINGS[ring].ring_forward(q, k, v, window)
+
+
+@torch.library.custom_op("nanochat::ring_attention_backward", mutates_args=())
+def ring_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                            lse: torch.Tensor, window: int, ring: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return RINGS[ring].ring_backward(dout, q, k, v, out, lse, window)
+
+
+ring_attention.register_fake(
+    lambda q, k, v, window, ring: (q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)))
+ring_attention_backward.register_fake(
+    lambda dout, q, k, v, out, lse, window, ring: (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)))
+
+
+def _setup_context(ctx, inputs, output):
+    (q, k, v, window, ring), (out, lse) = inputs, output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.window, ctx.ring = window, ring
+
+
+def _backward(ctx, dout, dlse):
+    # lse is an output for the backward's sake only: nothing downstream differentiates it
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = ring_attention_backward(dout.contiguous(), q, k, v, out, lse, ctx.window, ctx.ring)
+    return dq, dk, dv, None, None
+
+
+ring_attention.register_autograd(_backward, setup_context=_setup_context)

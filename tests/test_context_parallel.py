@@ -1,0 +1,213 @@
+"""Context parallelism against one process: the same losses, gradient norms and parameters (as tests/test_parallel.py
+checks the other layouts) at CP 2 and 4, with full-context and sliding-window layers on rows packed from documents
+shorter and longer than a chunk, composed with DP, TP (+SP), PP, recompute, compile and L3; checkpoints that move
+from CP 2 to CP 1; the ring's pieces (the block math, the merge, the head-tail balance, the steps a window skips);
+bad layouts refused; and base_train under torchrun."""
+
+import pytest
+import torch
+
+from parallel_harness import run_layout
+from test_parallel import assert_same_run, _resume_matches
+
+from nanochat.common import ConfigError
+from nanochat import context_parallel as cpm
+
+# 256 tokens: S windows of 128 (a quarter rounded up to 128), so that a window spans 2 chunks at CP 2 and 4 at CP 4
+WINDOWS = dict(sequence_len=256, window_pattern="SSSL")
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return run_layout()
+
+
+@pytest.fixture(scope="module")
+def windowed():
+    return run_layout(config_overrides=WINDOWS, documents=True)
+
+
+def test_windowed_reference_has_short_windows_and_documents(windowed):
+    from nanochat.gpt import GPTConfig, window_sizes
+    from parallel_harness import CONFIG, fixed_batches
+    assert window_sizes(GPTConfig(**{**CONFIG, **WINDOWS}))[:3] == [128, 128, 128]
+    rows = fixed_batches(1, sequence_len=256, documents=True)[0]
+    starts = [(row == 0).nonzero().flatten().tolist() for row in rows]
+    gaps = [b - a for s in starts for a, b in zip(s, s[1:])]
+    assert min(gaps) < 32 and max(gaps) > 64  # documents shorter and longer than a CP 4 chunk (32 tokens)
+    assert windowed["losses"][-1] < windowed["losses"][0]
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_cp_full_context(reference, cp):
+    assert_same_run(run_layout(cp=cp), reference)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_cp_sliding_windows_and_documents(windowed, cp):
+    assert_same_run(run_layout(cp=cp, config_overrides=WINDOWS, documents=True), windowed)
+
+
+def test_dp2_cp2(reference):  # gradients summed over DP x CP; each DP rank's CP pair reads the same batches
+    assert_same_run(run_layout(dp=2, cp=2), reference)
+
+
+def test_cp2_tp2_sequence_parallel(windowed):  # the ring between ranks of one TP index; SP splits each rank's chunks
+    assert_same_run(run_layout(cp=2, tp=2, sequence_parallel=True, config_overrides=WINDOWS, documents=True), windowed)
+
+
+def test_cp2_pp2(windowed):  # the stages pass this rank's chunks and the whole ids
+    assert_same_run(run_layout(cp=2, pp=2, config_overrides=WINDOWS, documents=True), windowed)
+
+
+@pytest.mark.parametrize("recompute", ["selective", "block"])
+def test_cp2_compiled_with_recompute(windowed, recompute):
+    """The ring as one op in the compiled graph; selective recompute keeps its output, block recompute runs it
+    (and its messages) again in the backward."""
+    run = run_layout(cp=2, config_overrides=WINDOWS, documents=True, compile_backend="aot_eager", recompute=recompute)
+    assert_same_run(run, windowed)
+
+
+def test_cp2_l3():
+    l3 = dict(WINDOWS, l3_after_layers=(1,), l3_n_emb=256, l3_k_max=8)
+    assert_same_run(run_layout(cp=2, config_overrides=l3, documents=True),
+                    run_layout(config_overrides=l3, documents=True))
+
+
+def test_checkpoint_cp2_resumes_at_cp1():
+    saved = run_layout(cp=2, steps=6, config_overrides=WINDOWS, documents=True)
+    _resume_matches(saved, cp=1, config_overrides=WINDOWS, documents=True)
+
+
+# --- the pieces ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("N, window", [(2, 64), (4, 64), (4, 20), (4, 9), (2, 1)])
+def test_block_math_and_merge_equal_whole_attention(N, window):
+    """Blocks merged by log-sum-exp, and their backward from the merged output, give whole-sequence attention and
+    its gradients (SDPA with the dense window mask, GQA 4 query heads over 2 kv heads), with windows from the
+    whole sequence down to one token (band blocks with queries that see none of a block's keys)."""
+    from nanochat.kernels.sdpa import reference_attention
+    g = torch.Generator().manual_seed(0)
+    T = 64
+    q = torch.randn(2, 4, T, 16, generator=g, dtype=torch.float64).requires_grad_()
+    k = torch.randn(2, 2, T, 16, generator=g, dtype=torch.float64).requires_grad_()
+    v = torch.randn(2, 2, T, 16, generator=g, dtype=torch.float64).requires_grad_()
+    dout = torch.randn(2, 4, T, 16, generator=g, dtype=torch.float64)
+    whole = reference_attention(q, k, v, window)
+    whole.backward(dout)
+    out, dq, dk, dv = cpm.ring_in_one_process(q.detach(), k.detach(), v.detach(), dout, N, window)
+    for mine, ref in ((out, whole), (dq, q.grad), (dk, k.grad), (dv, v.grad)):
+        torch.testing.assert_close(mine.double(), ref.double(), atol=1e-5, rtol=1e-5)
+
+
+def contiguous_work(rank, size, T, window):
+    """Query-key pairs of rank `rank` were the sequence cut into N contiguous pieces (no head-tail)."""
+    from nanochat.kernels.sdpa import band_mask
+    c = T // size
+    return int(band_mask(c, T, rank * c, window, "cpu").sum())
+
+
+@pytest.mark.parametrize("N, T, window", [(2, 256, 256), (4, 256, 256), (8, 512, 512), (4, 256, 64), (8, 512, 48)])
+def test_head_tail_balances_causal_work(N, T, window):
+    """Every rank attends to the same number of query-key pairs (with a window, each token to `window` keys but
+    those of the sequence's first window, which attend to fewer), where contiguous pieces would give the last rank
+    the most; and all ranks together to the whole causal triangle's (or band's) pairs."""
+    from nanochat.kernels.sdpa import band_mask
+    work = [cpm.attention_work(r, N, T, window) for r in range(N)]
+    assert sum(work) == int(band_mask(T, T, 0, window, "cpu").sum())
+    c = T // (2 * N)
+    for r in range(N):
+        positions = [t for k in cpm.rank_chunks(r, N) for t in range(k * c, (k + 1) * c)]
+        if window >= T:  # full context: the same work everywhere
+            assert work[r] == work[0], work
+        else:  # the full window for every token, less what the sequence's first tokens cannot see
+            assert work[r] + sum(window - (t + 1) for t in positions if t + 1 < window) == 2 * c * window, (r, work)
+    contiguous = [contiguous_work(r, N, T, window) for r in range(N)]
+    assert sum(contiguous) == sum(work) and len(set(contiguous)) > 1, contiguous
+
+
+class _Layout:  # what ContextParallel reads of a Layout, for the schedule alone (no process group)
+    def __init__(self, rank, size):
+        self.cp_rank, self.cp_size = rank, size
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="PyTorch's flash and memory-efficient kernels need CUDA")
+@pytest.mark.parametrize("N, window", [(2, 1024), (4, 1024), (4, 256), (4, 100)])
+def test_ring_blocks_in_the_cuda_kernels_match_the_reference_math(N, window):
+    """The ring's blocks in PyTorch's flash (causal, unmasked) and memory-efficient (band) kernels, bf16, against
+    the same blocks in the reference math (fp32), GQA 4 query heads over 2 kv heads."""
+    from nanochat import kernels
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, dout = (torch.randn(2, 4, 1024, 64, device="cuda", generator=g).bfloat16() for _ in range(2))
+    k, v = (torch.randn(2, 2, 1024, 64, device="cuda", generator=g).bfloat16() for _ in range(2))
+    got = cpm.ring_in_one_process(q, k, v, dout, N, window)
+    saved = kernels.KERNELS.mode
+    kernels.set_mode("reference")
+    try:
+        ref = cpm.ring_in_one_process(q.float(), k.float(), v.float(), dout.float(), N, window)
+    finally:
+        kernels.set_mode(saved)
+    for mine, want in zip(got, ref):
+        assert ((mine.float() - want).norm() / want.norm()).item() < 2e-2
+
+
+def test_window_layers_skip_the_steps_they_do_not_need():
+    """At 32K tokens over CP 8 (chunks of 2K), an S layer (window 8K) needs the K/V of the ranks holding the four
+    chunks before each of its own: rank 0 (chunks 0, 15) receives from ranks 1-4 only; a full layer every step."""
+    T, N = 32768, 8
+    plans = {r: cpm.ContextParallel(_Layout(r, N), T, "cpu") for r in range(N)}
+    full = plans[0].schedule(T)
+    assert [s for s, receive, send in full] == list(range(1, N)) and all(rec and snd for _, rec, snd in full)
+    s_layer = plans[0].schedule(8192)
+    assert sorted((0 - s) % N for s, receive, _ in s_layer if receive) == [1, 2, 3, 4]
+    # what a rank receives at step s, the rank s before it sends at step s: the tables agree
+    for r in range(N):
+        for s, receive, _ in plans[r].schedule(8192):
+            assert receive == plans[(r - s) % N].schedule(8192)[s - 1][2]
+    # a window within one chunk: only the ranks holding the neighbouring chunks
+    near = plans[3].schedule(1024)
+    assert sorted((3 - s) % N for s, receive, _ in near if receive) == [2, 4]
+
+
+def test_bad_layouts_are_clear_errors():
+    with pytest.raises(ConfigError, match=r"--cp 3 cuts each sequence into 2 x 3 = 6 chunks: --max-seq-len \(64\) "
+                                          r"must divide by 6"):
+        cpm.check_context_parallel(3, 64)
+    with pytest.raises(ConfigError, match=r"--sequence-parallel with --cp 2: each rank's 48 tokens must divide by --tp 5"):
+        cpm.check_context_parallel(2, 96, tp=5, sequence_parallel=True)
+    from nanochat.distributed import build_layout
+    from nanochat.common import UserError
+    with pytest.raises(UserError, match="world size 6 is not divisible by tp=1 x pp=1 x cp=4"):
+        build_layout(0, 6, 0, cp=4)
+
+
+def test_layout_numbers_tp_fastest_then_cp_then_dp_then_pp():
+    from nanochat.distributed import Layout, grid_rank
+    L = Layout(dp_size=2, cp_size=2, tp_size=2, pp_size=2, world_size=16)
+    ranks = [grid_rank(L, dp=d, cp=c, tp=t, pp=p) for p in range(2) for d in range(2) for c in range(2) for t in range(2)]
+    assert ranks == list(range(16))
+
+
+def test_base_train_cp2_under_torchrun_resumes_at_cp1(env):
+    """base_train itself: --cp 2 through the torchrun command line trains (the log names the ring), saves, and
+    resumes at CP 1 with the losses it would have had."""
+    from conftest import run_script, run_losses, TINY_MODEL
+    args = TINY_MODEL + ["--device-batch-size", "4", "--total-batch-size", "512", "--warmup-steps", "2",
+                         "--num-iterations", "4", "--save-every", "2", "--model-tag", "cp2", "--eval-every", "4"]
+    full = run_script("scripts.base_train", args + ["--cp", "2"], env, nproc=2)
+    assert "world 2 = dp 1 x cp 2 x tp 1 x pp 1" in full.stdout and "ring attention over cp 2" in full.stdout
+    losses = run_losses(env, "cp2")
+    run_script("scripts.base_train", args + ["--resume-from-step", "2"], env)
+    again = run_losses(env, "cp2")
+    assert sorted(again) == [0, 1, 2, 3]
+    for s in (2, 3):
+        assert abs(again[s] - losses[s]) <= 1e-4 * losses[s], (s, again[s], losses[s])
+
+
+def test_cp2_fp8():
+    """fp8 linears on this rank's tokens: their activations scaled by this rank's amax (as a DP rank's are), so the
+    run follows one process's within fp8's own noise (the bounds of tests/test_fp8_parallel.py)."""
+    from test_fp8_parallel import FP8, assert_same_fp8_run
+    assert_same_fp8_run(run_layout(cp=2, steps=4, config_overrides=FP8, fp8=True),
+                        run_layout(steps=4, config_overrides=FP8, fp8=True))
