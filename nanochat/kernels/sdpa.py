@@ -104,10 +104,9 @@ def block_attention_backward(dout, q, k, v, out, lse, offset, window):
     T, S = q.size(2), k.size(2)
     kind = block_kind(T, S, offset, window)
     no_rng = torch.empty((), dtype=torch.long, device=q.device)
-    if kind != "band":
-        empty = torch.empty(0, device=q.device)
+    if kind != "band":  # None: no cumulative sequence lengths (not the variable-length kernel)
         return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            dout, q, k, v, out, lse, empty, empty, T, S, 0.0, kind == "causal", no_rng, no_rng)
+            dout, q, k, v, out, lse, None, None, T, S, 0.0, kind == "causal", no_rng, no_rng)
     bias = _bias(q, S, offset, window)
     padded = -(-T // 32) * 32  # the memory-efficient kernel reads its log-sum-exp padded to a multiple of 32
     lse = torch.nn.functional.pad(lse, (0, padded - T)).contiguous()
