@@ -189,34 +189,35 @@ def ring(args):
             got = cpm.ring_in_one_process(q, k, v, dout, N, window)
             print(f"CP {N} {name}: against one GPU, relative error " +
                   ", ".join(f"{n} {rel_err(g, r):.1e}" for n, g, r in zip(("out", "dq", "dk", "dv"), got, ref)))
-            # per step s, the busiest rank's blocks (0: its own), forward and backward
-            rows = []
-            for s in range(N):
-                fwd = bwd = 0.0
-                for r, plan in enumerate(plans):
-                    pairs = plan.visible_pairs(r, (r - s) % N, window)
-                    if not pairs:
-                        continue
-                    f, b = time_blocks(q, k, v, dout, plan, (r - s) % N, pairs, window, args.repeats)
-                    fwd, bwd = max(fwd, f), max(bwd, b)
-                if fwd:
-                    rows.append((s, fwd, bwd))
-            steps = [row for row in rows if row[0] > 0]
-            fwd_link = kv_bytes / (args.link_gbs * 1e9) * 1e3  # ms
-            bwd_link = (kv_bytes + home_bytes) / (args.link_gbs * 1e9) * 1e3
-            exposed_f = sum(max(0.0, fwd_link - f) for _, f, _ in rows[:-1]) if steps else 0.0  # step s hides s+1's
-            exposed_b = sum(max(0.0, bwd_link - b) for _, _, b in rows[:-1]) if steps else 0.0
-            ring_f, ring_b = sum(r[1] for r in rows), sum(r[2] for r in rows)
             one_f = cuda_time_ms(lambda: whole(window)(q, k, v), args.repeats)
             one_b = cuda_time_ms(lambda: forward_backward(whole(window)), args.repeats) - one_f
-            print(f"  steps taken {len(rows)} of {N}; per step (ms, forward / backward): " +
-                  "  ".join(f"s{s} {f:.3f}/{b:.3f}" for s, f, b in rows))
+            print(f"  one GPU, whole sequence: {one_f:.3f} + {one_b:.3f} = {one_f + one_b:.3f} ms (ideal per rank "
+                  f"{(one_f + one_b) / N:.3f} ms)")
+            fwd_link = kv_bytes / (args.link_gbs * 1e9) * 1e3  # ms
+            bwd_link = (kv_bytes + home_bytes) / (args.link_gbs * 1e9) * 1e3
             print(f"  exchanged per step: K/V {kv_bytes / 2**20:.1f} MiB ({fwd_link:.3f} ms at the link), backward "
-                  f"+ dK/dV {home_bytes / 2**20:.1f} MiB ({bwd_link:.3f} ms); exposed at the link: forward "
-                  f"{exposed_f:.3f} ms, backward {exposed_b:.3f} ms")
-            print(f"  ring compute: forward {ring_f:.3f} ms, backward {ring_b:.3f} ms = {ring_f + ring_b:.3f} ms on each "
-                  f"rank; one GPU, whole sequence: {one_f:.3f} + {one_b:.3f} = {one_f + one_b:.3f} ms "
-                  f"(ideal per rank {(one_f + one_b) / N:.3f} ms; ring / ideal {(ring_f + ring_b) / ((one_f + one_b) / N):.2f})")
+                  f"+ dK/dV {home_bytes / 2**20:.1f} MiB ({bwd_link:.3f} ms)")
+            for backend in args.block_kernels:
+                # per step s, the busiest rank's blocks (0: its own), forward and backward
+                rows = []
+                for s in range(N):
+                    fwd = bwd = 0.0
+                    for r, plan in enumerate(plans):
+                        pairs = plan.visible_pairs(r, (r - s) % N, window)
+                        if pairs:
+                            f, b = time_blocks(q, k, v, dout, plan, (r - s) % N, pairs, window, backend, args.repeats)
+                            fwd, bwd = max(fwd, f), max(bwd, b)
+                    if fwd:
+                        rows.append((s, fwd, bwd))
+                # step s's compute hides step s+1's transfer: what the link takes beyond it is exposed
+                exposed_f = sum(max(0.0, fwd_link - f) for _, f, _ in rows[:-1])
+                exposed_b = sum(max(0.0, bwd_link - b) for _, _, b in rows[:-1])
+                ring_f, ring_b = sum(r[1] for r in rows), sum(r[2] for r in rows)
+                print(f"  {backend}: steps taken {len(rows)} of {N}; per step (ms, forward / backward): " +
+                      "  ".join(f"s{s} {f:.3f}/{b:.3f}" for s, f, b in rows))
+                print(f"  {backend}: ring compute forward {ring_f:.3f} + backward {ring_b:.3f} = {ring_f + ring_b:.3f} ms "
+                      f"per rank, {(ring_f + ring_b) / ((one_f + one_b) / N):.2f}x the ideal; exposed at the link: "
+                      f"forward {exposed_f:.3f} ms, backward {exposed_b:.3f} ms")
 
 
 class _RingLayout:  # what ContextParallel reads of a Layout where no process group is needed
@@ -224,18 +225,18 @@ class _RingLayout:  # what ContextParallel reads of a Layout where no process gr
         self.cp_rank, self.cp_size = rank, size
 
 
-def time_blocks(q, k, v, dout, plan, source, pairs, window, repeats):
-    """(forward ms, backward ms) of one ring step's blocks on plan's rank with source's K/V: each block's attention
-    and merge, then each block's backward."""
+def time_blocks(q, k, v, dout, plan, source, pairs, window, backend, repeats):
+    """(forward ms, backward ms) of one ring step's blocks on plan's rank with source's K/V in `backend`'s kernel:
+    each block's attention and merge, then each block's backward."""
     from nanochat import context_parallel as cpm
     c = plan.chunk
     qs = [slice(i * c, (i + 1) * c) for i in cpm.rank_chunks(plan.rank, plan.size)]
     ks = [slice(i * c, (i + 1) * c) for i in cpm.rank_chunks(source, plan.size)]
     blocks = [(q[:, :, qs[a]], k[:, :, ks[b]], v[:, :, ks[b]], dout[:, :, qs[a]], offset) for a, b, offset in pairs]
-    outs = [cpm.block_attention(qb, kb, vb, offset, window) for qb, kb, vb, _, offset in blocks]
-    fwd = cuda_time_ms(lambda: [cpm.merge(None, *cpm.block_attention(qb, kb, vb, o, window)) for qb, kb, vb, _, o in blocks],
-                       repeats)
-    bwd = cuda_time_ms(lambda: [cpm.block_attention_backward(db, qb, kb, vb, out, lse, o, window)
+    outs = [kernels.attention_block(qb, kb, vb, offset, window, backend) for qb, kb, vb, _, offset in blocks]
+    fwd = cuda_time_ms(lambda: [cpm.merge(None, *kernels.attention_block(qb, kb, vb, o, window, backend))
+                                for qb, kb, vb, _, o in blocks], repeats)
+    bwd = cuda_time_ms(lambda: [kernels.attention_block_backward(db, qb, kb, vb, out, lse, o, window, backend)
                                 for (qb, kb, vb, db, o), (out, lse) in zip(blocks, outs)], repeats)
     return fwd, bwd
 
@@ -538,6 +539,8 @@ def main(argv=None):
             depth=12, device_batch_size=1)
     p.add_argument("--cps", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4, 8], help="CP degrees")
     p.add_argument("--link-gbs", type=float, default=450.0, help="GB/s each way between two ranks (NVLink: ~450)")
+    p.add_argument("--block-kernels", type=lambda s: s.split(","), default=list(sdpa.BLOCK_BACKENDS),
+                   help="kernels of the causal and unmasked blocks to time (the band's is the memory-efficient one)")
     add("fp8-shards", fp8_shards, "fp8 against bf16 for one tensor-parallel rank's linears", depth=32,
         device_batch_size=16).add_argument("--tp", type=int, default=2,
                                            help="the tensor-parallel degree whose per-rank shapes are timed")

@@ -9,8 +9,8 @@ gpt.py (and fp8.py for its MLP) write every op as its reference PyTorch math and
                                                                  shape where tune_wgrad_splits found it faster
     attention          SDPA: is_causal for the full context,     FlashAttention-4 (flash_attention.py); else
                        a dense boolean mask for a window (sdpa)  cuDNN (full) and FlexAttention (window) (sdpa.py)
-    a ring's block     context_parallel.block_attention: the     PyTorch's flash kernel (no mask, causal) or its
-    (with its LSE)     softmax written out, with log-sum-exp     memory-efficient one (a band) (sdpa.py)
+    a ring's block     context_parallel.block_attention: the     cuDNN through PyTorch (no mask, causal) or its
+    (with its LSE)     softmax written out, with log-sum-exp     memory-efficient kernel (a band) (sdpa.py)
     rotary + QK-norm   gpt.rotary_norm                           Triton forward and backward (rotary.py)
     MLP                gpt.MLP: c_proj(relu(c_fc(x))^2)          ReLU^2 inside both matmuls (relu_square_mm.py);
                                                                  elsewhere ReLU^2 keeping only its output
@@ -137,7 +137,7 @@ def prepare_attention(config, window_sizes, device, dtype):
 def attention_block_name(device, dtype):
     """What computes a ring block's attention here, for the log."""
     probe = torch.empty(0, device=device, dtype=dtype)
-    return "PyTorch flash / memory-efficient" if takes_attention_block(probe) else "the reference math"
+    return "cuDNN / memory-efficient" if takes_attention_block(probe) else "the reference math"
 
 
 def takes_attention_block(q):
@@ -152,16 +152,16 @@ def _expand_heads(q, k, v):
     return (t.repeat_interleave(q.size(1) // k.size(1), dim=1) for t in (k, v))
 
 
-def attention_block(q, k, v, offset, window):
+def attention_block(q, k, v, offset, window, backend="cudnn"):
     k, v = _expand_heads(q, k, v)
-    return sdpa.block_attention(q, k, v, offset, window)
+    return sdpa.block_attention(q, k, v, offset, window, backend)
 
 
-def attention_block_backward(dout, q, k, v, out, lse, offset, window):
+def attention_block_backward(dout, q, k, v, out, lse, offset, window, backend="cudnn"):
     """(dq, dk, dv); dk/dv summed back over the query heads that shared a kv head."""
     kv_heads = k.size(1)
     k, v = _expand_heads(q, k, v)
-    dq, dk, dv = sdpa.block_attention_backward(dout, q, k, v, out, lse, offset, window)
+    dq, dk, dv = sdpa.block_attention_backward(dout, q, k, v, out, lse, offset, window, backend)
     if kv_heads != q.size(1):
         dk, dv = (t.unflatten(1, (kv_heads, -1)).sum(2) for t in (dk, dv))
     return dq, dk, dv

@@ -87,29 +87,40 @@ def _bias(q, S, offset, window):
     return bias.expand(q.size(0), q.size(1), -1, -1)
 
 
-def block_attention(q, k, v, offset, window):
+BLOCK_BACKENDS = ("cudnn", "flash")  # the kernel of the causal and unmasked blocks (dev.bench_kernels ring times both)
+
+
+def block_attention(q, k, v, offset, window, backend="cudnn"):
     """(out, lse): the block's attention and each query's log-sum-exp of scaled scores, (B, H, T) fp32."""
-    kind = block_kind(q.size(2), k.size(2), offset, window)
-    if kind != "band":
+    T = q.size(2)
+    kind = block_kind(T, k.size(2), offset, window)
+    if kind == "band":
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, _bias(q, k.size(2), offset, window),
+                                                                           True)[:2]
+    elif backend == "cudnn":
+        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, kind == "causal")[:2]
+    else:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, kind == "causal")[:2]
-        return out, lse
-    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, _bias(q, k.size(2), offset, window),
-                                                                       True)[:2]
-    return out, lse[..., :q.size(2)]  # its log-sum-exp may be padded along T
+    return out, lse.reshape(lse.size(0), lse.size(1), -1)[..., :T]  # cuDNN's is (B, H, T, 1), efficient's padded
 
 
-def block_attention_backward(dout, q, k, v, out, lse, offset, window):
+def block_attention_backward(dout, q, k, v, out, lse, offset, window, backend="cudnn"):
     """(dq, dk, dv) of one block, given the merged output and log-sum-exp over all blocks: with them the kernel's
     softmax is already the whole row's, so the block's share of each gradient comes out directly."""
     T, S = q.size(2), k.size(2)
     kind = block_kind(T, S, offset, window)
     no_rng = torch.empty((), dtype=torch.long, device=q.device)
-    if kind != "band":  # None: no cumulative sequence lengths (not the variable-length kernel)
-        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            dout, q, k, v, out, lse, None, None, T, S, 0.0, kind == "causal", no_rng, no_rng)
-    bias = _bias(q, S, offset, window)
-    padded = -(-T // 32) * 32  # the memory-efficient kernel reads its log-sum-exp padded to a multiple of 32
-    lse = torch.nn.functional.pad(lse, (0, padded - T)).contiguous()
-    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        dout, q, k, v, bias, out, lse, no_rng, no_rng, 0.0, [True, True, True, False])
-    return dq, dk, dv
+    # None below: no bias, no cumulative sequence lengths (not the variable-length kernels)
+    if kind == "band":
+        bias = _bias(q, S, offset, window)
+        padded = -(-T // 32) * 32  # the memory-efficient kernel reads its log-sum-exp padded to a multiple of 32
+        lse = torch.nn.functional.pad(lse, (0, padded - T)).contiguous()
+        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            dout, q, k, v, bias, out, lse, no_rng, no_rng, 0.0, [True, True, True, False])
+        return dq, dk, dv
+    if backend == "cudnn":
+        return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            dout, q, k, v, out, lse.unsqueeze(-1).contiguous(), no_rng, no_rng, None, None, None, T, S, 0.0,
+            kind == "causal")
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        dout, q, k, v, out, lse, None, None, T, S, 0.0, kind == "causal", no_rng, no_rng)
