@@ -233,10 +233,20 @@ def time_blocks(q, k, v, dout, plan, source, pairs, window, backend, repeats):
     qs = [slice(i * c, (i + 1) * c) for i in cpm.rank_chunks(plan.rank, plan.size)]
     ks = [slice(i * c, (i + 1) * c) for i in cpm.rank_chunks(source, plan.size)]
     blocks = [(q[:, :, qs[a]], k[:, :, ks[b]], v[:, :, ks[b]], dout[:, :, qs[a]], offset) for a, b, offset in pairs]
-    outs = [kernels.attention_block(qb, kb, vb, offset, window, backend) for qb, kb, vb, _, offset in blocks]
-    fwd = cuda_time_ms(lambda: [cpm.merge(None, *kernels.attention_block(qb, kb, vb, o, window, backend))
-                                for qb, kb, vb, _, o in blocks], repeats)
-    bwd = cuda_time_ms(lambda: [kernels.attention_block_backward(db, qb, kb, vb, out, lse, o, window, backend)
+
+    def forward(qb, kb, vb, o):  # the kernel where it takes the block, else the reference math (as training runs)
+        if kernels.takes_attention_block(qb, kb, o, window):
+            return kernels.attention_block(qb, kb, vb, o, window, backend)
+        return cpm.block_attention(qb, kb, vb, o, window)
+
+    def backward(db, qb, kb, vb, out, lse, o):
+        if kernels.takes_attention_block(qb, kb, o, window):
+            return kernels.attention_block_backward(db, qb, kb, vb, out, lse, o, window, backend)
+        return cpm.block_attention_backward(db, qb, kb, vb, out, lse, o, window)
+
+    outs = [forward(qb, kb, vb, o) for qb, kb, vb, _, o in blocks]
+    fwd = cuda_time_ms(lambda: [cpm.merge(None, *forward(qb, kb, vb, o)) for qb, kb, vb, _, o in blocks], repeats)
+    bwd = cuda_time_ms(lambda: [backward(db, qb, kb, vb, out, lse, o)
                                 for (qb, kb, vb, db, o), (out, lse) in zip(blocks, outs)], repeats)
     return fwd, bwd
 

@@ -102,7 +102,7 @@ def _expand(q, k, v):
 def block_attention(q, k, v, offset, window):
     """Attention of q (B, Hq, c, D) to the keys k/v (B, Hkv, c, D) `offset` tokens before it, with each query's
     log-sum-exp of scaled scores: (out, lse (B, Hq, c) fp32). The softmax written out, in fp32."""
-    if kernels.takes_attention_block(q):
+    if kernels.takes_attention_block(q, k, offset, window):
         return kernels.attention_block(q, k, v, offset, window)
     k, v = _expand(q, k, v)
     scores = (q.float() @ k.float().transpose(-1, -2)) * q.size(-1) ** -0.5
@@ -114,7 +114,7 @@ def block_attention(q, k, v, offset, window):
 def block_attention_backward(dout, q, k, v, out, lse, offset, window):
     """(dq, dk, dv) of one block from the merged output and log-sum-exp of all blocks: with those, the block's
     probabilities are already the whole row's softmax, and each gradient is this block's share of the total."""
-    if kernels.takes_attention_block(q):
+    if kernels.takes_attention_block(q, k, offset, window):
         return kernels.attention_block_backward(dout, q, k, v, out, lse, offset, window)
     kv_heads, scale = k.size(1), q.size(-1) ** -0.5
     k, v = _expand(q, k, v)

@@ -9,8 +9,8 @@ gpt.py (and fp8.py for its MLP) write every op as its reference PyTorch math and
                                                                  shape where tune_wgrad_splits found it faster
     attention          SDPA: is_causal for the full context,     FlashAttention-4 (flash_attention.py); else
                        a dense boolean mask for a window (sdpa)  cuDNN (full) and FlexAttention (window) (sdpa.py)
-    a ring's block     context_parallel.block_attention: the     cuDNN through PyTorch (no mask, causal) or its
-    (with its LSE)     softmax written out, with log-sum-exp     memory-efficient kernel (a band) (sdpa.py)
+    a ring's block     context_parallel.block_attention: the     cuDNN through PyTorch where the mask is causal,
+    (with its LSE)     softmax written out, with log-sum-exp     none, or the upper triangle (sdpa.py)
     rotary + QK-norm   gpt.rotary_norm                           Triton forward and backward (rotary.py)
     MLP                gpt.MLP: c_proj(relu(c_fc(x))^2)          ReLU^2 inside both matmuls (relu_square_mm.py);
                                                                  elsewhere ReLU^2 keeping only its output
@@ -136,13 +136,15 @@ def prepare_attention(config, window_sizes, device, dtype):
 
 def attention_block_name(device, dtype):
     """What computes a ring block's attention here, for the log."""
-    probe = torch.empty(0, device=device, dtype=dtype)
-    return "cuDNN / memory-efficient" if takes_attention_block(probe) else "the reference math"
+    on = KERNELS.on and torch.device(device).type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+    return "cuDNN; bands that are not whole chunks in the reference math" if on else "the reference math"
 
 
-def takes_attention_block(q):
-    """A ring block's attention with its log-sum-exp (context_parallel.py) in PyTorch's kernels: CUDA, 16-bit."""
-    return KERNELS.on and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+def takes_attention_block(q, k, offset, window):
+    """A ring block's attention with its log-sum-exp (context_parallel.py) in cuDNN: CUDA, 16-bit, a block whose mask
+    is the causal triangle, none, or the strict upper triangle (sdpa.block_kind)."""
+    return (KERNELS.on and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+            and sdpa.block_kind(q.size(2), k.size(2), offset, window) != "band")
 
 
 def _expand_heads(q, k, v):

@@ -69,58 +69,72 @@ def flex_attention(q, k, v, mask):
 
 
 # --- one block of the ring (context_parallel.py): q (B, H, T, D), k/v (B, H, S, D) with equal head counts ----------
+# cuDNN through PyTorch (or its flash kernel, for comparison), which return the log-sum-exp and take it back in the
+# backward, for the three shapes a block's mask takes when the window is a whole number of chunks (the recipe's
+# windows, a quarter of the context, are N/2 chunks at CP N): the causal triangle, no mask, and the strict upper
+# triangle (keys exactly one window back: key j visible to query i when j > i), which is the causal triangle of the
+# blocks reversed, less a row and a column. Other bands take the reference math (context_parallel.block_attention):
+# PyTorch's memory-efficient kernel takes a bias mask but gave NaNs and wrong gradients on rows that see no key.
 
 
 def block_kind(T, S, offset, window):
-    """How a block's mask looks: "causal" (the diagonal, full window), "none" (every key visible), or "band"."""
+    """How a block's mask looks: "causal" (the diagonal, full window), "none" (every key visible), "upper" (keys j >
+    query i only) or "band" (anything else)."""
     if offset == 0 and T == S and window >= T:
         return "causal"
     if offset >= S - 1 and offset + T - 1 < window:
         return "none"
+    if offset == window and T == S and offset >= S:
+        return "upper"
     return "band"
 
 
-def _bias(q, S, offset, window):
-    """The band as an additive bias (0 or -inf) in q's dtype, for the memory-efficient kernel."""
-    visible = band_mask(q.size(2), S, offset, window, q.device)
-    bias = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(~visible, float("-inf"))
-    return bias.expand(q.size(0), q.size(1), -1, -1)
+BLOCK_BACKENDS = ("cudnn", "flash")  # the kernel of the blocks (dev.bench_kernels ring times both)
 
 
-BLOCK_BACKENDS = ("cudnn", "flash")  # the kernel of the causal and unmasked blocks (dev.bench_kernels ring times both)
+def _forward(q, k, v, causal, backend):
+    if backend == "cudnn":
+        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal)[:2]
+    else:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)[:2]
+    return out, lse.reshape(q.size(0), q.size(1), q.size(2))  # cuDNN's is (B, H, T, 1)
+
+
+def _backward(dout, q, k, v, out, lse, causal, backend):
+    no_rng = torch.empty((), dtype=torch.long, device=q.device)
+    T, S = q.size(2), k.size(2)
+    # None below: no bias, no cumulative sequence lengths (not the variable-length kernels)
+    if backend == "cudnn":
+        return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            dout, q, k, v, out, lse.unsqueeze(-1).contiguous(), no_rng, no_rng, None, None, None, T, S, 0.0, causal)
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        dout, q, k, v, out, lse.contiguous(), None, None, T, S, 0.0, causal, no_rng, no_rng)
+
+
+def _upper(t):
+    """A strict upper triangle block's queries (all but the last) or keys (all but the first) reversed: the
+    causal triangle."""
+    return t.flip(2).contiguous()
 
 
 def block_attention(q, k, v, offset, window, backend="cudnn"):
-    """(out, lse): the block's attention and each query's log-sum-exp of scaled scores, (B, H, T) fp32."""
-    T = q.size(2)
-    kind = block_kind(T, k.size(2), offset, window)
-    if kind == "band":
-        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, _bias(q, k.size(2), offset, window),
-                                                                           True)[:2]
-    elif backend == "cudnn":
-        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, kind == "causal")[:2]
-    else:
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, kind == "causal")[:2]
-    return out, lse.reshape(lse.size(0), lse.size(1), -1)[..., :T]  # cuDNN's is (B, H, T, 1), efficient's padded
+    """(out, lse): the block's attention and each query's log-sum-exp of scaled scores, (B, H, T) fp32; -inf and
+    zeros on a query that sees none of the keys. Not for "band" blocks."""
+    kind = block_kind(q.size(2), k.size(2), offset, window)
+    if kind != "upper":
+        return _forward(q, k, v, kind == "causal", backend)
+    out, lse = _forward(_upper(q[:, :, :-1]), _upper(k[:, :, 1:]), _upper(v[:, :, 1:]), True, backend)
+    out = torch.cat([out.flip(2), torch.zeros_like(out[:, :, :1])], dim=2)  # the last query sees no key
+    return out, torch.cat([lse.flip(2), torch.full_like(lse[:, :, :1], float("-inf"))], dim=2)
 
 
 def block_attention_backward(dout, q, k, v, out, lse, offset, window, backend="cudnn"):
     """(dq, dk, dv) of one block, given the merged output and log-sum-exp over all blocks: with them the kernel's
     softmax is already the whole row's, so the block's share of each gradient comes out directly."""
-    T, S = q.size(2), k.size(2)
-    kind = block_kind(T, S, offset, window)
-    no_rng = torch.empty((), dtype=torch.long, device=q.device)
-    # None below: no bias, no cumulative sequence lengths (not the variable-length kernels)
-    if kind == "band":
-        bias = _bias(q, S, offset, window)
-        padded = -(-T // 32) * 32  # the memory-efficient kernel reads its log-sum-exp padded to a multiple of 32
-        lse = torch.nn.functional.pad(lse, (0, padded - T)).contiguous()
-        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            dout, q, k, v, bias, out, lse, no_rng, no_rng, 0.0, [True, True, True, False])
-        return dq, dk, dv
-    if backend == "cudnn":
-        return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            dout, q, k, v, out, lse.unsqueeze(-1).contiguous(), no_rng, no_rng, None, None, None, T, S, 0.0,
-            kind == "causal")
-    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        dout, q, k, v, out, lse, None, None, T, S, 0.0, kind == "causal", no_rng, no_rng)
+    kind = block_kind(q.size(2), k.size(2), offset, window)
+    if kind != "upper":
+        return _backward(dout, q, k, v, out, lse, kind == "causal", backend)
+    dq, dk, dv = _backward(*(_upper(t[:, :, :-1]) for t in (dout, q)), _upper(k[:, :, 1:]), _upper(v[:, :, 1:]),
+                           _upper(out[:, :, :-1]), lse[:, :, :-1].flip(2), True, backend)
+    zero = torch.zeros_like(dq[:, :, :1])
+    return torch.cat([dq.flip(2), zero], dim=2), torch.cat([zero, dk.flip(2)], dim=2), torch.cat([zero, dv.flip(2)], dim=2)
