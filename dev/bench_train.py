@@ -8,13 +8,17 @@ configuration runs in each tree in turn, so that they are compared on the same G
 The configurations, one set per call:
   default     depths x precisions (bf16, fp8) x window patterns on one GPU, 524,288-token steps; fp8 also as
               a ratio of bf16 at the same depth, window and device batch
-  --parallel  tensor and pipeline parallel layouts against the same model on one GPU, window L, on GPUs
-              0..n-1 of --gpus:
+  --parallel  tensor, pipeline and context parallel layouts against the same model on one GPU, on GPUs
+              0..n-1 of --gpus (window L unless named):
                 TP  d32 (device batch 8) and d20 (16), 131,072-token steps: one GPU, --tp 2,
                     --tp 2 --sequence-parallel
                 PP  d26, micro-batches of 8 x 2048, m = 4 or 16 per step: one GPU, --pp 2 and --pp 4 (m = 16
                     only: 4 micro-batches over 4 stages are mostly bubble), each with 1f1b and gpipe;
                     ideal step = one-GPU step / p x (m + p - 1) / m (the bubble of p stages over m micro-batches)
+                CP  d12 at 32,768 tokens a sequence (device batch 4), 262,144-token steps, windows SSSL and L:
+                    one GPU, --cp 2
+              Every row also gives how far its losses strayed from its baseline's, step by step (the largest
+              relative difference): the layouts train on the same batches, so only float order separates them.
 
     python -m dev.bench_train                                   # d12 and d20, bf16 and fp8, windows L and SSSL
     python -m dev.bench_train --depths 20 --precisions bf16,fp8 --windows L --gpus 1
@@ -24,6 +28,7 @@ The configurations, one set per call:
     NANOCHAT_KERNELS=reference python -m dev.bench_train        # every op on its PyTorch reference
     python -m dev.bench_train --parallel                        # every layout that fits the GPUs
     python -m dev.bench_train --parallel --gpus 0,1 --only d20  # the d20 layouts on GPUs 0 and 1
+    python -m dev.bench_train --parallel --only "32K SSSL"      # context parallel against one GPU
 
 Needs CUDA GPUs (nvidia-smi lists them, or name them with --gpus), data and a tokenizer as base_train does
 (--data-dir / NANOCHAT_DATA_DIR, --base-dir / NANOCHAT_BASE_DIR). fp8 needs torchao and an SM89+ GPU (a run
@@ -110,6 +115,11 @@ def parallel_configs():
                 configs.append(Config(f"d26 m={m} PP={p} {schedule}", 26, 8, 8 * 2048 * m, steps, warmup,
                                       ["--window-pattern", "L", "--pp", str(p), "--pp-schedule", schedule], p,
                                       baseline=one, baseline_name="one GPU", stages=p, microbatches=m))
+    for window in ("SSSL", "L"):
+        one, flags = f"d12 32K {window} one GPU", ["--max-seq-len", "32768", "--window-pattern", window]
+        configs.append(Config(one, 12, 4, 262144, steps, warmup, flags))
+        configs.append(Config(f"d12 32K {window} CP=2", 12, 4, 262144, steps, warmup, flags + ["--cp", "2"], 2,
+                              baseline=one, baseline_name="one GPU"))
     return configs
 
 
@@ -142,7 +152,8 @@ def measure(config, tree, args, gpus):
            "causal mfu %": round(s["mfu"] * causal, 2) if causal else "",
            "peak mem GiB (max)": max(peaks.values()) if peaks else round(s["peak_mem_gib"], 2) if s["peak_mem_gib"] else "",
            "peak mem per rank": " ".join(f"{t}{v}" for t, v in sorted(peaks.items())),
-           "wall s": round(job.wall_s, 1), "args": " ".join(config.flags + args.extra)}
+           "wall s": round(job.wall_s, 1), "args": " ".join(config.flags + args.extra),
+           "losses": " ".join(f"{loss:.6f}" for _, loss in sorted(run.losses().items()))}
     print(f"   {row['tok/s (median)']:,} tok/s, step {row['step ms (median)']} ms" +
           (f", MFU {row['mfu % (median)']}%" if row["mfu % (median)"] else "") +
           (f", peak {row['peak mem GiB (max)']} GiB" if row["peak mem GiB (max)"] else ""), flush=True)
@@ -184,7 +195,7 @@ def table(configs, trees, results):
     header = ["configuration"]
     for n in names:
         header += [prefix(n) + h for h in ("tok/s", "vs baseline", "MFU", "causal MFU", "step", "vs ideal",
-                                            "peak memory")]
+                                            "peak memory", "loss vs baseline")]
     header += [f"{n} / {names[0]} tok/s" for n in names[1:]]
     rows = []
     for c in configs:
@@ -192,7 +203,7 @@ def table(configs, trees, results):
         for tree in trees:
             r = results.get((c.label, tree))
             if r is None:
-                row += ["failed", "", "", "", "", "", ""]
+                row += ["failed", "", "", "", "", "", "", ""]
                 continue
             tok, step = r["tok/s (median)"], r["step ms (median)"]
             base = results.get((c.baseline, tree))
@@ -205,7 +216,8 @@ def table(configs, trees, results):
             peaks = re.findall(r"\]([\d.]+)", r["peak mem per rank"])  # "[dp=0 pp=0]40.6 [dp=0 pp=1]24.7"
             peak = " / ".join(peaks) if peaks else r["peak mem GiB (max)"]
             causal = f"{r['causal mfu %']:.1f}%" if r.get("causal mfu %") not in (None, "") else ""
-            row += [f"{tok:,}", vs_base, mfu, causal, f"{step:,.1f} ms", vs_ideal, f"{peak} GiB" if peak != "" else ""]
+            row += [f"{tok:,}", vs_base, mfu, causal, f"{step:,.1f} ms", vs_ideal, f"{peak} GiB" if peak != "" else "",
+                    loss_difference(r, base)]
         first = results.get((c.label, trees[0]))
         for tree in trees[1:]:
             r = results.get((c.label, tree))
@@ -217,6 +229,15 @@ def table(configs, trees, results):
     if any("--fp8" in c.flags for c in configs):
         lines.append("\n* MFU against the bf16 peak; fp8 ratios against bf16 at the same depth, window and device batch.")
     return "\n".join(lines)
+
+
+def loss_difference(row, base):
+    """The largest relative difference between a run's per-step losses and its baseline's, over the steps both
+    ran ("" where either recorded none)."""
+    if not base or not row.get("losses") or not base.get("losses"):
+        return ""
+    pairs = list(zip(map(float, row["losses"].split()), map(float, base["losses"].split())))
+    return f"{max(abs(a - b) / abs(b) for a, b in pairs):.1e}"
 
 
 def main(argv=None):

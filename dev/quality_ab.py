@@ -19,13 +19,27 @@ Needs GPUs (CUDA_VISIBLE_DEVICES is set per run from --gpus), data and a tokeniz
 tokens is ~13M tokens: with fewer training tokens than that the run repeats data; the epoch each run ended in is
 printed beside its val bpb, with the median tok/s of its steps from step 10 on (at 65,536-token steps a rough
 figure: compare ratios). A run that asked for --fp8 and fell back to bf16 counts as failed. A tree from before
-metrics.jsonl is read from its printout (dev/runs.py).
+metrics.jsonl is read from its printout (dev/runs.py). A GPU named twice in --gpus runs two at a time (compilation
+overlaps; the tok/s are then of shared GPUs).
+
+Sides that evaluate on different rows (another --max-seq-len packs and crops the validation documents otherwise)
+are compared on the same bytes with --score "SCORE_BPB FLAGS": each run keeps its final checkpoint, which
+dev/score_bpb.py scores on the validation shard (the last of the data) with those flags, e.g. "--min-chars=5000
+--chars=5000" (the first 5,000 characters of every document that has them, one document a row); the checkpoint
+is removed after.
+
+    python -m dev.quality_ab --a-args "--window-pattern=SSSL" --b-args "--window-pattern=SSSL --max-seq-len=8192 \
+        --device-batch-size=8" --score "--min-chars=5000 --chars=5000" --gpus 0,0   # 8K against 2K, equal tokens
 """
 
 import os
+import re
+import sys
 import time
 import shlex
+import shutil
 import statistics
+import subprocess
 
 from dev import runs
 from nanochat.common import fail
@@ -59,7 +73,10 @@ def main(argv=None):
     parser.add_argument("--runs", type=int, default=4, help="runs per side")
     parser.add_argument("--num-iterations", type=int, default=int(runs.flag_value(TRAIN, "--num-iterations")),
                         help="training steps of each run")
-    parser.add_argument("--gpus", type=str, default="0", help="comma-separated GPU indices; one run per GPU at a time")
+    parser.add_argument("--gpus", type=str, default="0", help="comma-separated GPU indices; one run per index at a time "
+                                                              "(an index named twice runs two)")
+    parser.add_argument("--score", type=str, default=None, metavar="SCORE_BPB_FLAGS",
+                        help="also score each run's final checkpoint with dev/score_bpb.py and these flags")
     runs.add_data_args(parser)
     parser.add_argument("--log-dir", type=str, default="quality_ab_logs", help="where each run's output goes")
     parser.add_argument("--timeout", type=int, default=1200, help="seconds one run may take")
@@ -70,24 +87,25 @@ def main(argv=None):
     for s, spec in sides.items():
         print(f"side {s}: {spec['name']}")
     flags = [f for f in TRAIN if not f.startswith("--num-iterations=")] + \
-        [f"--num-iterations={args.num_iterations}", "--eval-every=-1", "--save-every=0"] + runs.QUIET
+        [f"--num-iterations={args.num_iterations}", "--eval-every=-1", "--save-every=" + ("-1" if args.score else "0")] + \
+        runs.QUIET
 
     queue = [(s, i) for i in range(args.runs) for s in ("A", "B")]  # alternate, so that drift hits both sides alike
-    running = {}  # gpu -> (side, run index, job)
-    results = {"A": [], "B": []}  # (val bpb, median tok/s, run index)
+    running = {}  # slot (an index into gpus) -> (side, run index, job)
+    results = {"A": [], "B": []}  # (val bpb, median tok/s, run index, equal-bytes bpb or None)
     while queue or running:
-        for gpu in gpus:
-            if gpu not in running and queue:
+        for slot, gpu in enumerate(gpus):
+            if slot not in running and queue:
                 s, i = queue.pop(0)
                 spec = sides[s]
                 job = runs.start(flags + spec["extra"], f"quality_ab_{s}{i}", tree=spec["tree"],
                                  env={**runs.data_env(args), **spec["env"]}, gpus=[gpu], timeout=args.timeout,
                                  log=os.path.join(args.log_dir, f"{s}{i}.log"))
                 print(f"== {s}{i} on GPU {gpu}: {' '.join(job.cmd[1:])} (in {spec['tree']}; log {job.log_path})", flush=True)
-                running[gpu] = (s, i, job)
+                running[slot] = (s, i, job)
         time.sleep(5)
-        for gpu in [g for g, (_, _, job) in running.items() if job.done()]:
-            s, i, job = running.pop(gpu)
+        for slot in [k for k, (_, _, job) in running.items() if job.done()]:
+            s, i, job = running.pop(slot)
             try:
                 summary = runs.summary(job.run(), TOK_FROM_STEP)
             except runs.RunFailed as e:
@@ -97,29 +115,54 @@ def main(argv=None):
                 print(f"   {s}{i}: failed: no val bpb recorded (see {job.log_path})", flush=True)
                 continue
             tok = summary["tok_per_sec"]
-            results[s].append((summary["val_bpb"], tok, i))
+            scored = score(args, sides[s], job, gpus[slot]) if args.score else None
+            results[s].append((summary["val_bpb"], tok, i, scored))
             print(f"   {s}{i}: val bpb {summary['val_bpb']:.6f} (epoch {summary['epoch']}), "
-                  f"{f'{tok:,.0f}' if tok else '?'} tok/s", flush=True)
+                  f"{f'{tok:,.0f}' if tok else '?'} tok/s" + (f", equal-bytes bpb {scored:.6f}" if scored else ""),
+                  flush=True)
 
-    print()
-    print("| side | runs | val bpb (each run) | median | spread (min - max) | mean +- stdev | tok/s (median of runs) |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    for s, spec in sides.items():
-        vals = [v for v, _, _ in sorted(results[s], key=lambda r: r[2])]
-        if not vals:
-            print(f"| {s}: {spec['name']} | 0 | all failed | | | | |")
-            continue
-        toks = [t for _, t, _ in results[s] if t]
-        sd = statistics.stdev(vals) if len(vals) > 1 else 0.0
-        print(f"| {s}: {spec['name']} | {len(vals)} | {', '.join(f'{v:.4f}' for v in vals)} | {statistics.median(vals):.4f} | "
-              f"{min(vals):.4f} - {max(vals):.4f} | {statistics.mean(vals):.4f} +- {sd:.4f} | "
-              f"{f'{statistics.median(toks):,.0f}' if toks else ''} |")
-    if results["A"] and results["B"]:
-        a, b = [v for v, _, _ in results["A"]], [v for v, _, _ in results["B"]]
-        # how often a B run is below an A run, over all pairs (0.5 = no difference; ties count half)
-        wins = sum((y < x) + 0.5 * (y == x) for x in a for y in b) / (len(a) * len(b))
-        print(f"\nB - A: median {statistics.median(b) - statistics.median(a):+.4f}; "
-              f"a B run is lower than an A run in {wins:.0%} of the {len(a) * len(b)} pairs")
+    measures = [(0, "val bpb")] + ([(3, f"equal-bytes bpb ({args.score})")] if args.score else [])
+    for column, what in measures:
+        print(f"\n| side | runs | {what} (each run) | median | spread (min - max) | mean +- stdev | tok/s (median of runs) |")
+        print("| --- | --- | --- | --- | --- | --- | --- |")
+        for s, spec in sides.items():
+            vals = [r[column] for r in sorted(results[s], key=lambda r: r[2]) if r[column] is not None]
+            if not vals:
+                print(f"| {s}: {spec['name']} | 0 | all failed | | | | |")
+                continue
+            toks = [r[1] for r in results[s] if r[1]]
+            sd = statistics.stdev(vals) if len(vals) > 1 else 0.0
+            print(f"| {s}: {spec['name']} | {len(vals)} | {', '.join(f'{v:.4f}' for v in vals)} | "
+                  f"{statistics.median(vals):.4f} | {min(vals):.4f} - {max(vals):.4f} | {statistics.mean(vals):.4f} +- "
+                  f"{sd:.4f} | {f'{statistics.median(toks):,.0f}' if toks else ''} |")
+        a = [r[column] for r in results["A"] if r[column] is not None]
+        b = [r[column] for r in results["B"] if r[column] is not None]
+        if a and b:
+            # how often a B run is below an A run, over all pairs (0.5 = no difference; ties count half)
+            wins = sum((y < x) + 0.5 * (y == x) for x in a for y in b) / (len(a) * len(b))
+            print(f"\nB - A ({what}): median {statistics.median(b) - statistics.median(a):+.4f}; "
+                  f"a B run is lower than an A run in {wins:.0%} of the {len(a) * len(b)} pairs")
+
+
+def score(args, spec, job, gpu):
+    """The run's final checkpoint scored by dev/score_bpb.py with --score's flags on the validation shard (the last
+    of the data), then removed; None (with the reason printed) where scoring failed."""
+    env = {**os.environ, **runs.data_env(args), **spec["env"], "CUDA_VISIBLE_DEVICES": str(gpu)}
+    from nanochat.common import get_base_dir
+    from nanochat.dataset import list_parquet_files, resolve_data_dir
+    base_dir = env.get("NANOCHAT_BASE_DIR") or get_base_dir()
+    ckpt = os.path.join(base_dir, "base_checkpoints", job.model_tag)
+    val = list_parquet_files(resolve_data_dir(env.get("NANOCHAT_DATA_DIR"), quiet=True))[-1]
+    cmd = [sys.executable, os.path.join(runs.REPO, "dev", "score_bpb.py"), "--harness", "ours", "--root", spec["tree"],
+           "--checkpoint-dir", ckpt, "--tokenizer-dir", os.path.join(base_dir, "tokenizer"), "--val", val] + \
+        shlex.split(args.score)
+    p = subprocess.run(cmd, cwd=spec["tree"], env=env, capture_output=True, text=True, timeout=args.timeout)
+    shutil.rmtree(ckpt, ignore_errors=True)
+    m = re.search(r"SCORE bpb=([\d.]+)", p.stdout)
+    if p.returncode != 0 or not m:
+        print(f"   scoring {job.model_tag} failed: {(p.stdout + p.stderr).strip().splitlines()[-3:]}", flush=True)
+        return None
+    return float(m.group(1))
 
 
 if __name__ == "__main__":

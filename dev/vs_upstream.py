@@ -5,6 +5,7 @@ difference between runs made by this script on the same machine.
 
     python -m dev.vs_upstream --upstream ../nanochat-92d63d4 --data-dir ~/shards --fa4-path ~/fa4site
     python -m dev.vs_upstream ... --parts speed               # one part per call; results accumulate in --work-dir
+    python -m dev.vs_upstream ... --parts speed --depths 12 --seq-len 8192 --device-batches 12=8   # 8K context
     python -m dev.vs_upstream --work-dir vs_upstream --report  # the tables from what is there
 
 Parts (--parts, comma-separated; all by default):
@@ -13,6 +14,7 @@ Parts (--parts, comma-separated; all by default):
   attention), ours with it (--fa4-path: PYTHONPATH entries that provide flash-attn-4), and ours in fp8
   at d20. Each side tries every --device-batches value of a depth and keeps its fastest; fp8 and FA4 use
   the batch ours without FA4 chose. A figure is the median step time after the warm-up steps (compilation).
+  --seq-len sets both sides' --max-seq-len (default 2048; give device batches of as many tokens).
 - steps: equal steps, dev/quality_ab.py's configuration (TRAIN: d12, 200 steps of 65,536 tokens, window L, val
   bpb on 2M tokens), --runs times each: ours and upstream with their own weight-decay rule, and ours with its
   --weight-decay set so that its Muon decay equals upstream's printed one ("matched": implementation against
@@ -204,15 +206,17 @@ def speed(c):
             tried = batches.get(depth, [32]) if side in ("upstream", "ours") else \
                 [max(ours_rows, key=lambda r: r["tok_s"])["device_batch"] if ours_rows else batches.get(depth, [32])[0]]
             for b in tried:
-                flags = [f"--depth={depth}", "--window-pattern=L", f"--device-batch-size={b}",
-                         f"--total-batch-size={RECIPE_BATCH}", f"--num-iterations={n_steps}", "--eval-tokens=0"] + \
-                    (["--fp8"] if "fp8" in side else [])
+                flags = [f"--depth={depth}", "--window-pattern=L", f"--max-seq-len={args.seq_len}",
+                         f"--device-batch-size={b}", f"--total-batch-size={RECIPE_BATCH}", f"--num-iterations={n_steps}",
+                         "--eval-tokens=0"] + (["--fp8"] if "fp8" in side else [])
                 harness_side = side.replace(" fp8", "")
-                job = c.start(harness_side, flags, f"speed_{side.replace(' ', '_').replace('+', '_')}_d{depth}_b{b}")
+                job = c.start(harness_side, flags, f"speed_{side.replace(' ', '_').replace('+', '_')}_d{depth}_"
+                                                   f"t{args.seq_len}_b{b}")
                 row = c.finish(job, harness_side, warmup)
                 if row is None:
                     continue
-                row.update(part="speed", side=side, depth=depth, device_batch=b, tok_s=RECIPE_BATCH / row["step_ms"] * 1000)
+                row.update(part="speed", side=side, depth=depth, seq_len=args.seq_len, device_batch=b,
+                           tok_s=RECIPE_BATCH / row["step_ms"] * 1000)
                 print(f"   {row['tok_s']:,.0f} tok/s ({row['step_ms']:.1f} ms/step, {row['steps_timed']} steps timed; "
                       f"{row['attention']})", flush=True)
                 c.record(row)
@@ -347,18 +351,19 @@ def spread(values):
 def report(rows):
     speed_rows = [r for r in rows if r["part"] == "speed"]
     if speed_rows:
-        print("\n| depth | side | device batch | tok/s | vs upstream | step ms | peak GiB | attention |")
-        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-        for depth in sorted({r["depth"] for r in speed_rows}):
+        print("\n| depth | context | side | device batch | tok/s | vs upstream | step ms | peak GiB | attention |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        for depth, seq_len in sorted({(r["depth"], r.get("seq_len", 2048)) for r in speed_rows}):
             best = {}
             for r in speed_rows:
-                if r["depth"] == depth and (r["side"] not in best or r["tok_s"] > best[r["side"]]["tok_s"]):
+                if (r["depth"], r.get("seq_len", 2048)) == (depth, seq_len) and \
+                        (r["side"] not in best or r["tok_s"] > best[r["side"]]["tok_s"]):
                     best[r["side"]] = r
             up = best.get("upstream")
             for side, r in best.items():
                 ratio = f"{r['tok_s'] / up['tok_s']:.3f}x" if up else "-"
-                print(f"| d{depth} | {side} | {r['device_batch']} | {r['tok_s']:,.0f} | {ratio} | {r['step_ms']:.1f} | "
-                      f"{r['peak_gib'] or '-'} | {r['attention'][:60]} |")
+                print(f"| d{depth} | {seq_len:,} | {side} | {r['device_batch']} | {r['tok_s']:,.0f} | {ratio} | "
+                      f"{r['step_ms']:.1f} | {r['peak_gib'] or '-'} | {r['attention'][:60]} |")
             bf16 = [best[s] for s in ("ours+FA4", "ours") if s in best]
             for fp8 in [best[s] for s in ("ours+FA4 fp8", "ours fp8") if s in best]:
                 same = next((b for b in bf16 if ("FA4" in b["side"]) == ("FA4" in fp8["side"])), None)
@@ -398,6 +403,7 @@ def main(argv=None):
     parser.add_argument("--depths", type=str, default="12,20", help="speed: depths")
     parser.add_argument("--device-batches", type=str, default="12=32/64/128,20=32/64",
                         help="speed: device batches tried per depth (each side keeps its fastest)")
+    parser.add_argument("--seq-len", type=int, default=2048, help="speed: both sides' --max-seq-len")
     parser.add_argument("--runs", type=int, default=3, help="quality: runs per setting")
     parser.add_argument("--wall-seconds", type=float, default=120, help="walltime: seconds of training per run")
     parser.add_argument("--parallel", type=int, default=3, help="quality: runs sharing the GPU at once")

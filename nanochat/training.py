@@ -77,6 +77,11 @@ def setup(config, layout, device, dtype, lrs, fp8=False, l3_data=None, after_ini
         attention = kernels.prepare_attention(config, model.window_sizes, device, dtype)
     else:
         attention = f"ring attention over cp {layout.cp_size} ({kernels.attention_block_name(device, dtype)})"
+        odd = sorted({w for w in model.window_sizes if w < config.sequence_len and w % cp.chunk})
+        if odd and device.type == "cuda":
+            print0(f"WARNING: windows {odd} are not whole chunks of {cp.chunk} tokens (--max-seq-len / 2 x --cp): their "
+                   f"band blocks run the reference math (slow, a chunk x chunk fp32 score matrix per head); choose "
+                   f"--max-seq-len and --cp so that the S window (a quarter of the context) is a multiple of the chunk")
     wgrad_splits = {}
     if device.type == "cuda":  # rank 0's choice, so that every rank computes alike
         splits = [kernels.tune_wgrad_splits(model, micro_batch_size * config.sequence_len, dtype)]

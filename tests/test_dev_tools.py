@@ -1,7 +1,8 @@
 """The dev tools (dev/) on CPU: every tool has a main() and a --help that runs nothing; dev/runs.py launches a tiny
 base_train and reads it back from its metrics.jsonl (and reads an old tree's printout into the same records);
 bench_recompute's CPU smoke builds through training.setup and prints its table; bench_train's table sets the
-ratios (to bf16, to one GPU, to the ideal pipeline step) from the runs' results."""
+ratios (to bf16, to one GPU, to the ideal pipeline step) and the loss agreement with the baseline from the runs'
+results."""
 
 import os
 import sys
@@ -85,17 +86,18 @@ def test_bench_train_table_ratios():
     from dev import bench_train
     configs = [c for c in bench_train.parallel_configs() if c.label.startswith("d26 m=16")]
     trees = ["/old", "/new"]
-    row = lambda tok, step, peaks="": {"tok/s (median)": tok, "step ms (median)": step, "mfu % (median)": "",
-                                       "peak mem GiB (max)": 50.0, "peak mem per rank": peaks}
+    row = lambda tok, step, peaks="", losses="": {"tok/s (median)": tok, "step ms (median)": step, "mfu % (median)": "",
+                                                  "peak mem GiB (max)": 50.0, "peak mem per rank": peaks, "losses": losses}
     results = {(c.label, t): None for c in configs for t in trees}
-    results[("d26 m=16 one GPU", "/old")] = row(38000, 3438.4)
-    results[("d26 m=16 PP=4 1f1b", "/old")] = row(118000, 1107.0, "[dp=0 pp=0]35.0 [dp=0 pp=1]27.8 [dp=0 pp=2]19.9 [dp=0 pp=3]12.7")
+    results[("d26 m=16 one GPU", "/old")] = row(38000, 3438.4, losses="10.0 8.0 6.0")
+    results[("d26 m=16 PP=4 1f1b", "/old")] = row(118000, 1107.0, "[dp=0 pp=0]35.0 [dp=0 pp=1]27.8 [dp=0 pp=2]19.9 [dp=0 pp=3]12.7",
+                                                  losses="10.0 8.004 6.0")
     results[("d26 m=16 PP=4 1f1b", "/new")] = row(121540, 1100.0)
     lines = bench_train.table(configs, trees, results).splitlines()
     pp4 = next(line for line in lines if line.startswith("| d26 m=16 PP=4 1f1b |")).split(" | ")
     ideal = 3438.4 / 4 * (16 + 4 - 1) / 16
     assert pp4[2] == "3.105x one GPU" and pp4[4] == f"{1107.0 / ideal:.3f} (ideal {ideal:,.0f} ms)"
-    assert pp4[5] == "35.0 / 27.8 / 19.9 / 12.7 GiB" and pp4[-1].rstrip(" |") == "1.030"
+    assert pp4[5] == "35.0 / 27.8 / 19.9 / 12.7 GiB" and pp4[6] == "5.0e-04" and pp4[-1].rstrip(" |") == "1.030"
     assert "MFU" not in lines[0]  # no run measured one: the column is left out
 
 
