@@ -278,13 +278,15 @@ def load_model_state(model, full_state):
 
 
 def full_model_state(model, keep=True):
-    """Full CPU tensors by name (a collective over the TP group when the model is sharded). Ranks that
-    will not write (keep=False) take part in the gathers but keep nothing."""
+    """Full CPU tensors by name (a collective over the TP group when the model is tensor parallel, and over the DP
+    group when its weights are sharded). Ranks that will not write (keep=False) take part in the gathers but keep
+    nothing."""
     from nanochat import tensor_parallel as tp
+    from nanochat.data_parallel import whole_over_dp
     own = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     out = {}
     for name, t in model.state_dict().items():
-        full = tp.gather_full(t.detach(), own[name])
+        full = tp.gather_full(whole_over_dp(t.detach(), own[name]), own[name])
         if keep:
             out[name] = full.cpu()
     return out

@@ -1,7 +1,9 @@
 """
-Data parallelism, written out (no DDP wrapper): every DP rank holds the whole model (or its TP shard, or its
-pipeline stage) and runs its own micro-batches; gradients are summed over the DP group, and the optimizer's work
-is shared out so that no two ranks compute the same update (ZeRO-2: optimizer state and updates sharded).
+Data parallelism, written out (no DDP wrapper): every DP rank runs its own micro-batches; gradients are summed over
+the DP group, and the optimizer's work is shared out so that no two ranks compute the same update (ZeRO-2:
+optimizer state and updates sharded). With --shard-params (ZeRO-3) the weights and gradients are shared out the
+same way: a rank keeps fp32 weights, gradients and state only for what it updates, and gathers each module's
+weights in the compute dtype around its call (ShardedWeights, below).
 
 Collectives, all over the DP group (gloo has no AVG everywhere: gradients are summed, then divided by W):
   reduce_scatter_tensor   per Muon round: its W gradients -> this rank's matrix, summed
@@ -12,6 +14,13 @@ Collectives, all over the DP group (gloo has no AVG everywhere: gradients are su
   broadcast_object_list   once, with overlap: rank 0's bucket launch order
   all_gather_into_tensor  for a checkpoint: the owners' optimizer state, into whole tensors
   all_reduce              the step's loss, for the log
+With --shard-params, in place of the first two and the two update all-gathers:
+  broadcast               per module call (and again before its backward, unless --keep-gathered): each Muon
+                          matrix from its owner, in the compute dtype
+  all_gather_into_tensor  the same, per large AdamW tensor: its rows from every rank
+  reduce                  per module call's backward: each Muon matrix's gradient (fp32) to its owner
+  reduce_scatter_tensor   the same, per large AdamW tensor: its gradient -> this rank's rows
+  broadcast, all_gather   for a checkpoint or a whole copy of the model: the fp32 weights, into whole tensors
 
 Who updates what, each a bucket (one collective): Muon matrices of one shape form a stack, cut into rounds of W
 consecutive matrices, rank r owning matrix r of every round, whole (Muon orthogonalizes whole matrices; a round's
@@ -24,12 +33,26 @@ a post-accumulate-grad hook on every parameter counts its bucket down, and a buc
 launches its collective while the backward runs on. Buckets launch in one order on every rank (collectives on
 a group must), each once it and every bucket before it are ready: rank 0's readiness order in its first
 overlapped backward (broadcast; that step launches everything after the backward).
+
+Parameter sharding (--shard-params): the ownership above is also where the weights live. A Muon matrix is held
+whole (fp32) by its owner and by no other rank; an AdamW tensor owned by rows is held by rows; the small AdamW
+tensors stay whole on every rank. The model calls each sharded module through `ShardedWeights.run` (gpt.py's
+`weights` seam: the embedding, each block, each L3 layer, the lm_head): the module's weights are gathered whole
+in the compute dtype (posted one call ahead: the next module's gather runs behind this one's compute), swapped in
+for the call, and freed after it; before the module's backward they are gathered again (its gradients need them),
+or with --keep-gathered kept from the forward (one more copy of the weights alive, no second gather). Embedding
+tables are not gathered again: a lookup's backward needs only the ids. When a module's backward ends, each of its
+gradients goes to its owner at once (fp32, summed over the ranks), and lands in the owner's .grad while the next
+module's backward runs; every micro-batch sends its own. Under recompute the module's whole weights are swapped in
+again for its backward, where the forward runs again.
 """
 
 import math
+import weakref
 from functools import partial
 
 import torch
+import torch.nn as nn
 import torch.distributed as dist
 
 
@@ -53,6 +76,10 @@ class RoundRobin:
     def slot(self, i):
         """Where matrix i lands in an all-gather of the ranks' (rounds, ...) stacks."""
         return (i % self.W) * self.rounds + i // self.W
+
+    def owner(self, i):
+        """The rank that owns matrix i."""
+        return i % self.W
 
 
 class GradBucket:
@@ -80,24 +107,33 @@ class GradBucket:
 class DataParallel:
     """The gradient reduction and the sharing out of one optimizer's parameters over the DP group (None: one
     rank, where every method is a local no-op or copy). muon_stacks: lists of same-shape matrices; adamw_params:
-    the AdamW tensors; both in one order on every rank."""
+    the AdamW tensors; both in one order on every rank. shard_params: the weights are shared out too (ZeRO-3):
+    shard() then cuts them and returns the ShardedWeights the model calls its modules through."""
 
-    def __init__(self, muon_stacks, adamw_params, group=None, overlap=False):
+    def __init__(self, muon_stacks, adamw_params, group=None, overlap=False, shard_params=False):
         self.group = group
         self.size = dist.get_world_size(group) if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0
+        self.muon_stacks = muon_stacks
         self.owners = [RoundRobin(len(params), self.size, self.rank) for params in muon_stacks]
+        self.row_params = [p for p in adamw_params if self.size > 1 and p.ndim > 0 and p.size(0) % self.size == 0
+                           and p.numel() >= 1024]
+        self.by_rows = set(self.row_params)
+        self.shard_params, self.weights = shard_params, None
         self.muon_grads = [None] * len(muon_stacks)  # per stack: this rank's summed (rounds, *shape) gradients
         # the buckets, in the default launch order: Muon's first (they feed the most compute), then the large
-        # AdamW tensors one by one, then the small ones as one flat buffer
-        self.muon_buckets = [[GradBucket("muon", [params[i] for i in owner.round(g)], partial(self._reduce_round, s, g))
-                              for g in range(owner.rounds)] for s, (params, owner) in enumerate(zip(muon_stacks, self.owners))]
-        self.adamw_buckets = [GradBucket("rows", [p], self._reduce_rows) for p in adamw_params if self.owns_rows(p)]
+        # AdamW tensors one by one, then the small ones as one flat buffer. With sharded weights the first two
+        # kinds travel during the backward instead (ShardedWeights.send_gradients).
+        self.muon_buckets = [] if shard_params else \
+            [[GradBucket("muon", [params[i] for i in owner.round(g)], partial(self._reduce_round, s, g))
+              for g in range(owner.rounds)] for s, (params, owner) in enumerate(zip(muon_stacks, self.owners))]
+        self.adamw_buckets = [] if shard_params else \
+            [GradBucket("rows", [p], self._reduce_rows) for p in adamw_params if self.owns_rows(p)]
         small = [p for p in adamw_params if not self.owns_rows(p)]
         if small:
             self.adamw_buckets.append(GradBucket("flat", small, self._reduce_flat))
         self.buckets = [b for stack in self.muon_buckets for b in stack] + self.adamw_buckets
-        self.overlap = overlap and self.size > 1
+        self.overlap = overlap and self.size > 1 and not shard_params  # sharded: each module's gradients go at once
         self._armed, self._launch_order, self._first_ready, self._next_launch = False, None, [], 0
         self.launched_in_backward = 0  # buckets the last step's backward launched (for logs and tests)
         if self.overlap:
@@ -107,11 +143,26 @@ class DataParallel:
 
     def owns_rows(self, p):
         """Whether an AdamW tensor is shared out by rows (else it is updated on every rank)."""
-        return self.size > 1 and p.ndim > 0 and p.size(0) % self.size == 0 and p.numel() >= 1024
+        return p in self.by_rows
 
     def my_rows(self, t):
+        """This rank's rows of a whole tensor."""
         rows = t.size(0) // self.size
         return t[self.rank * rows:(self.rank + 1) * rows]
+
+    def rows_held(self, p):
+        """This rank's rows of an AdamW tensor owned by rows: all it holds when the weights are sharded."""
+        return p.data if self.shard_params else self.my_rows(p.data)
+
+    def shard(self, model, keep_gathered=False):
+        """Cut the model's weights to what this rank owns (shard_params); returns the ShardedWeights."""
+        self.weights = ShardedWeights(model, self, keep_gathered)
+        return self.weights
+
+    def finish_backward(self):
+        """Before the step reads any gradient: the sharded gradients still travelling, landed."""
+        if self.weights is not None:
+            self.weights.finish()
 
     # --- the reductions, one collective per bucket -----------------------------------
 
@@ -192,6 +243,10 @@ class DataParallel:
 
     def reduced_muon_grads(self, s):
         """Stack s: this rank's matrices' gradients, summed over DP (TP shards as they are): (rounds, *shape)."""
+        if self.shard_params:  # already summed into the owners' .grad during the backward
+            params, owner = self.muon_stacks[s], self.owners[s]
+            return torch.stack([params[i].grad if (i := owner.owned(j)) is not None else
+                                params[0].new_zeros(params[0].dp_shape) for j in range(owner.rounds)])
         for b in self.muon_buckets[s]:
             b.wait()
         grads, self.muon_grads[s] = self.muon_grads[s], None
@@ -200,6 +255,8 @@ class DataParallel:
     def reduced_adamw_grads(self):
         """(p, summed gradient) for every AdamW tensor, bucket by bucket as they land: this rank's rows of the
         tensors owned by rows, the whole gradient of the others."""
+        if self.shard_params:  # the rows' gradients landed in .grad during the backward
+            yield from ((p, p.grad) for p in self.row_params)
         for b in self.adamw_buckets:
             b.wait()
             if b.kind == "rows":
@@ -248,3 +305,251 @@ class DataParallel:
         full, work = self.gather_rows(local)
         work.wait()
         return full
+
+
+# --- Parameter sharding (--shard-params, ZeRO-3) ----------------------------------------------------------------
+# A sharded parameter carries `dp_shape` (its whole shape on this TP rank), `dp_group` and `dp_owner` (the DP rank
+# holding a Muon matrix whole; None for an AdamW tensor held by rows); its .data is what this rank holds (the whole
+# matrix on its owner, nothing elsewhere; this rank's rows).
+
+
+def is_dp_sharded(p):
+    return getattr(p, "dp_group", None) is not None
+
+
+def whole_over_dp(t, p):
+    """A sharded parameter's whole tensor (this TP rank's) from `t`, what this rank holds of it: a collective over
+    the DP group (checkpoints, whole copies of the model). `t` itself where p is not sharded."""
+    if not is_dp_sharded(p):
+        return t
+    whole = torch.empty(p.dp_shape, dtype=t.dtype, device=t.device)
+    if p.dp_owner is None:
+        dist.all_gather_into_tensor(whole, t.contiguous(), group=p.dp_group)
+    else:
+        if dist.get_rank(p.dp_group) == p.dp_owner:
+            whole.copy_(t)
+        dist.broadcast(whole, src=dist.get_global_rank(p.dp_group, p.dp_owner), group=p.dp_group)
+    return whole
+
+
+def _embedding_types():
+    from nanochat.tensor_parallel import ColumnParallelEmbedding, VocabParallelEmbedding
+    return (nn.Embedding, ColumnParallelEmbedding, VocabParallelEmbedding)
+
+
+class Unit:
+    """A module called through ShardedWeights.run: its sharded parameters, where each sits (module, attribute),
+    and whether its backward reads each (an embedding table's does not: a lookup's backward needs only the ids)."""
+
+    def __init__(self, module):
+        self.params, self.slots, self.backward_reads = [], [], []
+        for name, p in module.named_parameters():
+            if is_dp_sharded(p):
+                owner_name, _, attr = name.rpartition(".")
+                owner = module.get_submodule(owner_name)
+                self.params.append(p)
+                self.slots.append((owner, attr))
+                self.backward_reads.append(not isinstance(owner, _embedding_types()))
+        self.recomputes = getattr(module, "recompute", "none") != "none"  # gpt.Block under --recompute
+        self.prefetched = None  # a Gathered posted ahead of this unit's next call
+
+    def swap(self, tensors):
+        """Put `tensors` where the parameters sit: the whole weights for a call, the shards after it."""
+        for (owner, attr), t in zip(self.slots, tensors):
+            owner._parameters[attr] = t
+
+
+class Gathered:
+    """One gathering of a unit's weights: whole tensors in the compute dtype, filled by collectives posted here."""
+
+    def __init__(self, weights, unit):
+        self.weights, self.unit = weights, unit
+        self.wholes = [torch.empty(p.dp_shape, dtype=weights.dtype, device=p.device) for p in unit.params]
+        for p, t in zip(unit.params, self.wholes):  # what the model's kernels read off a weight (fp8 under TP)
+            for attr in ("tp_dim", "tp_size", "tp_group"):
+                if hasattr(p, attr):
+                    setattr(t, attr, getattr(p, attr))
+        self.works, self.previous, self.freed = [], None, False
+        self.fill(range(len(self.wholes)))
+
+    def fill(self, which):
+        """Post the collectives that fill wholes[i] for i in `which`: each Muon matrix broadcast from its owner, each
+        AdamW tensor's rows all-gathered, in the compute dtype. Refilling a tensor that autograd saved in the forward
+        is no change to it (the same values again): its version counter is kept from here until wait() (gloo writes
+        the results when they arrive)."""
+        group = self.weights.group
+        self.versions = torch.autograd._unsafe_preserve_version_counter(tuple(self.wholes[i] for i in which))
+        self.versions.__enter__()
+        for i in which:
+            p, whole = self.unit.params[i], self.wholes[i]
+            if p.dp_owner is None:
+                self.works.append(dist.all_gather_into_tensor(whole, p.data.to(whole.dtype), group=group, async_op=True))
+            else:
+                if self.weights.rank == p.dp_owner:
+                    whole.copy_(p.data)
+                src = dist.get_global_rank(group, p.dp_owner)
+                self.works.append(dist.broadcast(whole, src=src, group=group, async_op=True))
+        self.weights.count_gathered(self)
+
+    def wait(self):
+        for work in self.works:
+            work.wait()
+        if self.works:
+            self.versions.__exit__(None, None, None)
+        self.works = []
+        return self.wholes
+
+    def release(self):
+        """Free the whole tensors' memory: the tensors stay (autograd keeps them for the backward), empty."""
+        self.wait()
+        for t in self.wholes:
+            with torch.autograd._unsafe_preserve_version_counter(t):
+                t.untyped_storage().resize_(0)
+        self.freed = True
+
+    def refill(self):
+        """Before the backward: the whole tensors it reads (all of them where the forward runs again), gathered
+        again into the same tensors."""
+        which = [i for i, reads in enumerate(self.unit.backward_reads) if reads or self.unit.recomputes]
+        for i in which:
+            t = self.wholes[i]
+            with torch.autograd._unsafe_preserve_version_counter(t):
+                t.untyped_storage().resize_(t.numel() * t.element_size())
+        self.fill(which)
+        self.freed = False
+
+
+class _Gather(torch.autograd.Function):
+    """A gathering's whole weights as autograd outputs of the shards, so that their gradients come back here: the
+    backward sends them to their owners (ShardedWeights.send_gradients) and gives the shards none directly (a
+    gradient lands in its owner's .grad when its send completes)."""
+
+    @staticmethod
+    def forward(ctx, gathered, *shards):
+        ctx.gathered = gathered
+        return tuple(gathered.wholes)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.gathered.weights.send_gradients(ctx.gathered, grads)
+        return (None,) * (len(grads) + 1)
+
+
+class ShardedWeights:
+    """The weights of a model sharded over the DP group (module docstring): cuts them at construction, then runs
+    each sharded module's call with its whole weights (run) and sends the gradients home (send_gradients)."""
+
+    def __init__(self, model, dp, keep_gathered=False):
+        self.group, self.rank, self.keep = dp.group, dp.rank, keep_gathered
+        self.dtype = model.compute_dtype
+        owner = {p: stack_owner.owner(i) for params, stack_owner in zip(dp.muon_stacks, dp.owners)
+                 for i, p in enumerate(params)}
+        with torch.no_grad():
+            for p in model.parameters():
+                if not (p in owner or dp.owns_rows(p)):
+                    continue  # the small AdamW tensors stay whole on every rank
+                p.dp_shape, p.dp_group, p.dp_owner = tuple(p.shape), self.group, owner.get(p)
+                if p.dp_owner is None:
+                    p.data = dp.my_rows(p.data).clone()
+                elif p.dp_owner != self.rank:
+                    p.data = p.data.new_empty(0)
+        self.units = {}     # module -> Unit
+        self.next = {}      # unit -> the unit called after it last time (whose gathering a call posts ahead)
+        self.last = None
+        self.sent = []      # (parameter, its gradient landing here or None, the send's work, the buffer it reads)
+        self.gatherings = weakref.WeakSet()  # every Gathered alive, to measure what they hold
+        self.gathered_peak = 0  # the most bytes of whole weights alive at once (measured off their storage)
+
+    def count_gathered(self, gathered):
+        self.gatherings.add(gathered)
+        alive = sum(t.untyped_storage().nbytes() for g in self.gatherings for t in g.wholes)
+        self.gathered_peak = max(self.gathered_peak, alive)
+
+    def run(self, module, fn, *args):
+        """fn(*args) with `module`'s whole weights in place: wait for their gathering (posted one call ahead), post
+        the next module's, call, put the shards back, free the whole weights (gathered again for the backward,
+        unless --keep-gathered) and arrange the backward's part."""
+        if module not in self.units:
+            self.units[module] = Unit(module)
+        unit = self.units[module]
+        if self.last is not None:
+            self.next[self.last] = unit
+        self.last = unit
+        if not unit.params:
+            return fn(*args)
+        gathered, unit.prefetched = unit.prefetched or Gathered(self, unit), None
+        gathered.wait()
+        after = self.next.get(unit)
+        if after is not None and after.params and after.prefetched is None:
+            after.prefetched = Gathered(self, after)
+        training = torch.is_grad_enabled()
+        if training:
+            gathered.wholes = list(_Gather.apply(gathered, *unit.params))
+        unit.swap(gathered.wholes)
+        try:
+            out = fn(*args)
+        finally:
+            unit.swap(unit.params)
+        x = out if torch.is_tensor(out) else getattr(out, "x", None)  # a tensor, or gpt.Residual
+        if not (training and x is not None and x.requires_grad):
+            gathered.release()
+            return out
+        if not self.keep:
+            gathered.release()
+        if (not self.keep and any(unit.backward_reads)) or unit.recomputes:
+            gathered.previous = getattr(args[0], "_gathered", None)
+            x._gathered = gathered  # the next module's backward posts this one's gathering ahead
+            x.register_hook(lambda grad: self.before_backward(gathered))
+        return out
+
+    def before_backward(self, gathered):
+        """A module's backward is about to run: its whole weights gathered again (and the module's before it posted
+        ahead), and under recompute put in place, where the forward that runs again reads them."""
+        if gathered.freed:
+            gathered.refill()
+        gathered.wait()
+        previous = gathered.previous
+        if previous is not None and previous.freed:
+            previous.refill()
+        if gathered.unit.recomputes:
+            gathered.unit.swap(gathered.wholes)
+
+    def send_gradients(self, gathered, grads):
+        """A module's backward has ended: each gradient of its whole weights, in fp32, summed over the ranks into its
+        owner (a Muon matrix) or into each rank's rows (an AdamW tensor), and the whole weights freed. The sends of
+        the module before land now, so that at most two modules' whole gradients are alive."""
+        unit = gathered.unit
+        if unit.recomputes:
+            unit.swap(unit.params)
+        earlier = len(self.sent)
+        for p, grad in zip(unit.params, grads):
+            # a fresh fp32 buffer: the collective sums into it
+            g = torch.zeros(p.dp_shape, device=p.device) if grad is None else grad.to(torch.float32, copy=True).contiguous()
+            if p.dp_owner is None:
+                landing = torch.empty_like(p.data, dtype=torch.float32)
+                work = dist.reduce_scatter_tensor(landing, g, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            else:
+                landing = g if self.rank == p.dp_owner else None
+                work = dist.reduce(g, dst=dist.get_global_rank(self.group, p.dp_owner), op=dist.ReduceOp.SUM,
+                                   group=self.group, async_op=True)
+            self.sent.append((p, landing, work, g))
+        gathered.release()
+        self.land(self.sent[:earlier])
+        self.sent = self.sent[earlier:]
+
+    @staticmethod
+    def land(sent):
+        for p, landing, work, _ in sent:
+            work.wait()
+            if landing is not None:
+                p.grad = landing if p.grad is None else p.grad.add_(landing)
+
+    def finish(self):
+        """Before the optimizer step: every gradient landed; gatherings posted ahead dropped (the step changes the
+        weights they hold)."""
+        self.land(self.sent)
+        self.sent = []
+        for unit in self.units.values():
+            if unit.prefetched is not None:
+                unit.prefetched.wait()
+                unit.prefetched = None

@@ -20,7 +20,9 @@ on the meta device, moved with to_empty() and initialized by init_weights(), whi
 forward is three pieces that the parallel helpers wrap, embed() -> run_blocks(start, end) -> head(), with what a
 later block needs in a `Residual` (x, x0, x_mid); tensor parallelism swaps the blocks' Linears in place. Each
 piece takes `cp`, context parallelism's view of this rank's chunks of the sequence (context_parallel.py), or None
-for the whole sequence.
+for the whole sequence. The modules that hold large weights (the token embedding, each block, each L3 layer, the
+lm_head) are called through `self.weights.run(module, fn, *args)`: fn(*args) here, where every weight is whole on
+this rank; with sharded weights (data_parallel.ShardedWeights) their whole weights are gathered around the call.
 """
 
 import math
@@ -274,6 +276,13 @@ class Residual:
     x_mid: torch.Tensor = None
 
 
+class ResidentWeights:
+    """Every weight whole on this rank, in its module: a module's call runs as it is."""
+
+    def run(self, module, fn, *args):
+        return fn(*args)
+
+
 # --- The model --------------------------------------------------------------------
 
 
@@ -298,6 +307,7 @@ class GPT(nn.Module):
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
         self.compute_dtype = torch.float32
+        self.weights = ResidentWeights()  # data_parallel.ShardedWeights under --shard-params
 
     @torch.no_grad()
     def init_weights(self):
@@ -331,6 +341,9 @@ class GPT(nn.Module):
 
     def embed(self, idx, kv_cache=None, cp=None):
         """Token embedding, norm, smear. Returns the Residual that enters block 0 (under cp: this rank's tokens)."""
+        return self.weights.run(self.wte, self._embed, idx, kv_cache, cp)
+
+    def _embed(self, idx, kv_cache, cp):
         x = norm(self.wte(idx if cp is None else cp.local(idx)).to(self.compute_dtype))
         # smear: x[t] += lambda * sigmoid(gate(x[t])) * x[t-1]; decoding: x[-1] of the previous call, or zeros
         if kv_cache is not None:
@@ -359,9 +372,11 @@ class GPT(nn.Module):
         for i in range(start, end):
             if i == self.backout_layer:
                 x_mid = x
-            x = self.blocks[i](x, h.x0, idx, cos, sin, self.window_sizes[i], kv_cache, cp)
+            block = self.blocks[i]
+            x = self.weights.run(block, block, x, h.x0, idx, cos, sin, self.window_sizes[i], kv_cache, cp)
             if str(i) in self.l3:
-                x = x + self.l3[str(i)](x, idx)
+                layer = self.l3[str(i)]
+                x = x + self.weights.run(layer, layer, x, idx)
         return Residual(x=x, x0=h.x0, x_mid=x_mid)
 
     def head(self, h: Residual, targets=None, loss_reduction="mean", positions=None, cp=None):
@@ -373,7 +388,9 @@ class GPT(nn.Module):
             x = x - self.backout_lambda.to(x.dtype) * h.x_mid
         if positions is not None:
             x = x[positions]
-        x = norm(x)
+        return self.weights.run(self.lm_head, self._logits_or_loss, norm(x), targets, loss_reduction, cp)
+
+    def _logits_or_loss(self, x, targets, loss_reduction, cp):
         if targets is None:
             return self.criterion.logits(self.lm_head(x))
         if cp is not None:

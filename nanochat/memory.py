@@ -1,9 +1,21 @@
 """
-Memory a CPU run needs, estimated before it starts: a CPU that runs out of memory kills the process without
-a word, so the scripts refuse a micro-batch that cannot fit, with a size that does.
+The memory a run needs, estimated before it starts.
+
+- A CPU run (cpu_memory_error): a CPU that runs out of memory kills the process without a word, so the scripts
+  refuse a micro-batch that cannot fit, with a size that does.
+- A GPU layout (rank_memory, scripts/plan.py): what each rank of a DP x CP x TP x PP layout holds at its peak, for
+  any depth, without touching a GPU. The parameters, gradients and optimizer state are counted off the real model
+  built on the meta device, cut as the run cuts it (tensor_parallel.parallelize, pipeline_parallel.split_stages,
+  the optimizer's Muon stacks and DP ownership). The activations are a per-token, per-layer, per-width byte count
+  for each --recompute mode, fitted to measured peaks (dev/BENCHMARKS.md, "Memory planner"), with Megatron-LM's
+  split of a layer's activations into the part tensor parallelism shards and the part it does not; pipeline
+  stages hold as many micro-batches as their schedule keeps alive (pipeline_parallel.peak_in_flight).
 """
 
 import os
+import math
+import itertools
+from dataclasses import dataclass, replace
 
 
 def available_memory():
@@ -43,3 +55,190 @@ def cpu_memory_error(num_params, config, batch_size, seq_len, training=True):
             f"needs about {need(batch_size) / 2**30:.1f} GiB, and {have / 2**30:.1f} GiB is available: lower "
             f"--device-batch-size" + (f" (about {fits[-1]} fits)" if fits else "") +
             (" or --max-seq-len, or train a smaller --depth" if training else ""))
+
+
+# --- The GPU planner ------------------------------------------------------------------------------------------
+
+GIB = 2 ** 30
+# bytes kept for the backward per token, per layer, per unit of model width (bf16, compiled, the CUDA kernels),
+# fitted to measured peaks at d12-d26 (dev/BENCHMARKS.md, "Memory planner"); fp8 keeps FP8_SAVING less
+ACTIVATION_BYTES = {"none": 33.0, "selective": 13.2, "block": 11.2}
+FP8_SAVING = 3.0
+HEAD_BYTES = 1.6  # per token, times the vocabulary (the lm_head and loss's kept tensors; vocab-parallel under TP)
+TP_SHARDED = 24 / 34  # of a layer's activations, the share inside the TP regions (Megatron-LM: 24 of 34 bytes x width)
+# relative tok/s per GPU, measured (dev/BENCHMARKS.md): recompute modes at d20/d26 (one H200), TP=2 at d20/d32 (two
+# H200s), CP=2 at d12 and 32K (two H200s); the pipeline's bubble is the schedule's formula. Larger TP and CP are
+# charged as a second TP=2 / CP=2 step each; sharded weights are charged nothing (their cost was not measured).
+SPEED = {"selective": 0.91, "block": 0.88, "tp2": 0.78, "cp2": 0.755}
+GPUS = {"h100": 79.6, "h200": 140.4, "a100": 79.2, "a100-40gb": 39.4}  # GiB, as nvidia-smi gives the memory
+
+
+def usable_bytes(gib):
+    """What an allocator peak may reach on a GPU of `gib` GiB: 95% (fragmentation) of what the CUDA context and
+    NCCL's buffers leave (1.5 GiB)."""
+    return 0.95 * (gib - 1.5) * GIB
+
+
+@dataclass
+class Setting:
+    """One way to train a model: the layout and the memory savers (base_train's flags of the same names)."""
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    pp_schedule: str = "1f1b"
+    pp_virtual: int = 1
+    sequence_parallel: bool = False
+    shard_params: bool = False
+    keep_gathered: bool = False
+    device_batch: int = 32
+    total_batch: int = 524288
+    recompute: str = "none"
+    fp8: bool = False
+    compute_bytes: int = 2  # of the compute dtype: bf16 on GPUs (4: fp32, as on a CPU)
+
+    def describe(self):
+        parts = [f"dp {self.dp}"] + [f"{k} {v}" for k, v in (("cp", self.cp), ("tp", self.tp), ("pp", self.pp)) if v > 1]
+        if self.pp > 1:
+            parts.append(self.pp_schedule + (f" V={self.pp_virtual}" if self.pp_virtual > 1 else ""))
+        parts += [f for f, on in (("sp", self.sequence_parallel), ("sharded", self.shard_params),
+                                  ("kept", self.keep_gathered), ("fp8", self.fp8)) if on]
+        return ", ".join(parts) + f"; batch {self.device_batch}; recompute {self.recompute}"
+
+
+class _TPOnly:  # what tensor_parallel.parallelize reads of a layout (rank 0 of the TP group; no process group)
+    def __init__(self, tp):
+        self.tp_rank, self.tp_size, self.tp_group = 0, tp, None
+
+
+_models = {}
+
+
+def _meta_model(config, s):
+    """The model on the meta device (shapes, no memory), cut for TP as the run cuts it; one per config and TP."""
+    key = (repr(config), s.tp, s.sequence_parallel)
+    if key not in _models:
+        import torch
+        from nanochat.gpt import GPT
+        with torch.device("meta"):
+            model = GPT(config)
+        if s.tp > 1:
+            from nanochat.tensor_parallel import parallelize
+            parallelize(model, _TPOnly(s.tp), s.sequence_parallel)
+        _models[key] = model
+    return _models[key]
+
+
+def rank_memory(config, s):
+    """Per pipeline rank (DP rank 0, which owns the most under sharding), the bytes it holds at its peak:
+    {"weights", "working copies", "gradients", "optimizer state", "activations", "total"}. ConfigError where the
+    setting cannot run (TP that does not divide the heads, a batch that does not divide the step, ...)."""
+    from nanochat.common import ConfigError
+    from nanochat.optim import muon_stacks
+    from nanochat.pipeline_parallel import block_costs, split_stages, stage_actions, peak_in_flight
+    from nanochat.data_parallel import RoundRobin
+    T = config.sequence_len
+    if T % (2 * s.cp if s.cp > 1 else 1) or s.total_batch % (s.device_batch * T * s.dp):
+        raise ConfigError(f"{s.describe()}: the step ({s.total_batch:,} tokens) is no multiple of device batch x "
+                          f"sequence x dp, or the sequence does not cut into 2 x cp chunks")
+    m = s.total_batch // (s.device_batch * T * s.dp)  # micro-batches per step
+    if s.pp > 1 and (m < s.pp or (s.pp_schedule == "interleaved" and m % s.pp)):
+        raise ConfigError(f"{s.describe()}: {m} micro-batches cannot fill {s.pp} pipeline stages")
+    model = _meta_model(config, s)
+    D = s.dp * s.cp  # the optimizer's group: gradients are summed, and state (and weights) shared, over DP x CP
+    dt = s.compute_bytes  # of a gathered weight (fp8's casts come after the gather)
+    width = config.n_embd
+    per_layer = ACTIVATION_BYTES[s.recompute] - (FP8_SAVING * ACTIVATION_BYTES[s.recompute] / ACTIVATION_BYTES["none"]
+                                                 if s.fp8 else 0)
+    tp_share = 1 / s.tp if s.sequence_parallel else (1 - TP_SHARDED) + TP_SHARDED / s.tp
+    tokens = s.device_batch * T / s.cp
+    costs, head_cost = block_costs(model)
+    chunks = split_stages(costs, head_cost, s.pp * s.pp_virtual)
+    kept = [tokens * ((b - a) * width * per_layer * tp_share + (HEAD_BYTES * config.vocab_size / s.tp
+                                                               if c == len(chunks) - 1 else 0))
+            for c, (a, b) in enumerate(chunks)]
+    if s.pp > 1:
+        actions = [stage_actions(s.pp_schedule, s.pp, m, r, s.pp_virtual) for r in range(s.pp)]
+        act_peaks, alive = peak_in_flight(actions, kept), peak_in_flight(actions)
+    else:
+        act_peaks, alive = [kept[0]], [1]
+    groups = model.param_groups(0.0, 0.0, 0.0, 0.0, 0.0)
+    out = []
+    for r in range(s.pp):
+        blocks = [i for c in range(r, len(chunks), s.pp) for i in range(*chunks[c])]
+        units = ([model.wte] if r == 0 else []) + [model.blocks[i] for i in blocks] + \
+            [model.l3[str(i)] for i in blocks if str(i) in model.l3] + ([model.lm_head] if r == s.pp - 1 else [])
+        stage = {id(p) for u in units for p in u.parameters()}
+        stage |= {id(p) for p in ((model.smear_gate.weight, model.smear_lambda) if r == 0 else ()) +
+                  ((model.backout_lambda,) if r == s.pp - 1 else ())}
+        mine = [dict(g, params=[p for p in g["params"] if id(p) in stage]) for g in groups]
+        weights = state = 0
+        sharded = set()  # the tensors sharding cuts (Muon matrices, AdamW tensors owned by rows)
+        for _, full_shape, params in muon_stacks([g for g in mine if g["params"]]):
+            owned = RoundRobin(len(params), D, 0).rounds
+            held = owned if (s.shard_params and D > 1) else len(params)
+            weights += held * params[0].numel() * 4
+            state += owned * (math.prod(full_shape) + full_shape[0]) * 4  # momentum, NorMuon's per-row moment
+            sharded |= {id(p) for p in params}
+        for g in mine:
+            if g["kind"] != "adamw":
+                continue
+            for p in g["params"]:
+                rows = D > 1 and p.ndim > 0 and p.size(0) % D == 0 and p.numel() >= 1024  # DataParallel's rule
+                weights += p.numel() * 4 // (D if rows and s.shard_params else 1)
+                state += 8 * p.numel() // (D if rows else 1)  # AdamW's two moments: by rows already (ZeRO-2)
+                if rows:
+                    sharded.add(id(p))
+        gathered = working = 0
+        if s.shard_params and D > 1:
+            unit_numel = [sum(p.numel() for p in u.parameters() if id(p) in sharded) for u in units]
+            largest = max(unit_numel)
+            # freed after each call: in a backward this module's whole weights and the one's before it, and the
+            # gathering posted for the next forward (a pipeline's next action may be any of its modules); kept: every
+            # micro-batch alive holds all of them. And two modules' fp32 gradients on their way to the owners.
+            freed = 2 * largest + (largest if s.pp > 1 else unit_numel[0])
+            gathered = (alive[r] * sum(unit_numel) if s.keep_gathered else freed) * dt
+            working = gathered + 2 * largest * 4
+        alive_grads = weights if (m > 1 or s.pp > 1) else 0  # fp32 as the weights held; at the activation peak only
+        parts = {"weights": weights, "working copies": working, "gradients": alive_grads,  # after earlier micro-batches
+                 "optimizer state": state, "activations": act_peaks[r]}
+        parts["total"] = sum(parts.values())
+        parts["gathered"] = gathered  # the whole weights alone, of the working copies
+        out.append(parts)
+    return out
+
+
+def largest_batch(config, s, capacity):
+    """The largest power-of-two device batch with which every rank fits in `capacity` bytes (0: none)."""
+    from nanochat.common import ConfigError
+    best = 0
+    for b in (2 ** i for i in range(12)):
+        try:
+            if max(r["total"] for r in rank_memory(config, replace(s, device_batch=b))) <= capacity:
+                best = b
+        except ConfigError:
+            continue
+    return best
+
+
+def relative_speed(s, micro_batches):
+    """Tok/s per GPU against one GPU without savers, from the measured factors in SPEED (an ordering, not a
+    prediction)."""
+    speed = SPEED.get(s.recompute, 1.0) * SPEED["tp2"] ** math.log2(s.tp) * SPEED["cp2"] ** math.log2(s.cp)
+    if s.pp > 1:
+        v = s.pp_virtual
+        speed *= micro_batches * v / (micro_batches * v + s.pp - 1)
+    return speed
+
+
+def candidate_settings(config, gpus, total_batch, fp8=False):
+    """Every layout of `gpus` GPUs the run accepts for this model: TP dividing the heads, PP up to the blocks, CP
+    only for sequences of 8K tokens or more, sharded or not, each recompute mode."""
+    powers = [2 ** i for i in range(int(math.log2(gpus)) + 1) if gpus % 2 ** i == 0]
+    for tp, pp, cp in itertools.product(powers, powers, powers):
+        if gpus % (tp * pp * cp) or config.n_head % tp or config.n_kv_head % tp or pp > config.n_layer or \
+                (cp > 1 and config.sequence_len < 8192):
+            continue
+        for shard, recompute in itertools.product((False, True), ("none", "selective", "block")):
+            yield Setting(dp=gpus // (tp * pp * cp), tp=tp, pp=pp, cp=cp, shard_params=shard, recompute=recompute,
+                          total_batch=total_batch, fp8=fp8)

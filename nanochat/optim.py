@@ -93,6 +93,21 @@ def adamw_update(p, g, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, wd):
     p.sub_(exp_avg / denom * (lr / bias1))
 
 
+def muon_stacks(groups):
+    """[(group, full shape, params)]: Muon's matrices in stacks of one shape (the full shape under TP, and split
+    the same way), in one order on every rank."""
+    stacks = []
+    for group in groups:
+        if group["kind"] != "muon":
+            continue
+        by_shape = {}
+        for p in group["params"]:
+            key = (tuple(tp.full_shape(p)), getattr(p, "tp_dim", None), getattr(p, "tp_partial_grad", False))
+            by_shape.setdefault(key, []).append(p)
+        stacks += [(group, shape, params) for (shape, _, _), params in by_shape.items()]
+    return stacks
+
+
 class MuonStack:
     """Same-shape Muon matrices of one group (full shape under TP), and the momentum and second-moment state of
     the ones this rank owns (owner: data_parallel.RoundRobin)."""
@@ -105,11 +120,20 @@ class MuonStack:
 
     def apply(self, updates):
         """Step 6 on every matrix of the stack (this rank's TP shard of it), from the all-gathered updates."""
-        lr, wd = self.group["lr"], self.group["weight_decay"]
-        shape_scale = max(1.0, self.shape[0] / self.shape[1]) ** 0.5  # from the full shape, not the shard
         for i, p in enumerate(self.params):
-            u = tp.local_shard(updates[self.owner.slot(i)], p).float()
-            muon_apply(p.data, u, lr * shape_scale, lr * wd)
+            self._apply(p, updates[self.owner.slot(i)])
+
+    def apply_owned(self, updates):
+        """Step 6 on the matrices this rank owns, from its own updates (rounds, ...): sharded weights, where no other
+        rank holds them."""
+        for j in range(self.owner.rounds):
+            if (i := self.owner.owned(j)) is not None:
+                self._apply(self.params[i], updates[j])
+
+    def _apply(self, p, update):
+        shape_scale = max(1.0, self.shape[0] / self.shape[1]) ** 0.5  # from the full shape, not the shard
+        u = tp.local_shard(update, p).float()
+        muon_apply(p.data, u, self.group["lr"] * shape_scale, self.group["lr"] * self.group["weight_decay"])
 
 
 class MuonAdamW(torch.optim.Optimizer):
@@ -117,10 +141,11 @@ class MuonAdamW(torch.optim.Optimizer):
     named (one of gpt.PARAM_GROUPS); names: {param: name} for saving; dp_group None in one process; compute_dtype:
     Muon's orthogonalization dtype; compile: the stacked updates; overlap_grad_reduce: reductions during the last
     backward (data_parallel.py); counts_replicated: this rank counts, in the gradient norm, the parameters that are
-    whole on every tensor-parallel rank (TP rank 0 does)."""
+    whole on every tensor-parallel rank (TP rank 0 does); shard_params: the weights are shared out like the state
+    (ZeRO-3, data_parallel.ShardedWeights): each rank updates what it holds and nothing is all-gathered."""
 
     def __init__(self, groups, names, dp_group=None, compute_dtype=torch.float32, compile=False,
-                 overlap_grad_reduce=False, counts_replicated=True):
+                 overlap_grad_reduce=False, counts_replicated=True, shard_params=False):
         for g in groups:
             g["initial_lr"] = g["lr"]
         super().__init__(groups, {})
@@ -130,19 +155,10 @@ class MuonAdamW(torch.optim.Optimizer):
         self.adamw_step = 0
         self._muon_update = torch.compile(muon_update, dynamic=False) if compile else muon_update
         self._adamw_update = torch.compile(adamw_update, dynamic=False) if compile else adamw_update
-        # Muon: stacks of same-shape matrices (full shape under TP, and split the same way), in a fixed
-        # order on every rank
-        stacks = []
-        for group in self.param_groups:
-            if group["kind"] != "muon":
-                continue
-            by_shape = {}
-            for p in group["params"]:
-                key = (tuple(tp.full_shape(p)), getattr(p, "tp_dim", None), getattr(p, "tp_partial_grad", False))
-                by_shape.setdefault(key, []).append(p)
-            stacks += [(group, shape, params) for (shape, _, _), params in by_shape.items()]
+        stacks = muon_stacks(self.param_groups)
         self.adamw_group = {p: g for g in self.param_groups if g["kind"] == "adamw" for p in g["params"]}
-        self.dp = DataParallel([params for _, _, params in stacks], list(self.adamw_group), dp_group, overlap_grad_reduce)
+        self.dp = DataParallel([params for _, _, params in stacks], list(self.adamw_group), dp_group, overlap_grad_reduce,
+                               shard_params and dp_group is not None and dist.get_world_size(dp_group) > 1)
         self.muon_stacks = [MuonStack(group, shape, params, owner) for (group, shape, params), owner in zip(stacks, self.dp.owners)]
 
     def prepare_last_backward(self):
@@ -157,16 +173,18 @@ class MuonAdamW(torch.optim.Optimizer):
     def _adamw_state(self, p):
         state = self.state[p]
         if not state:
-            shape = self.dp.my_rows(p).shape if self.dp.owns_rows(p) else p.shape
+            shape = self.dp.rows_held(p).shape if self.dp.owns_rows(p) else p.shape
             state["exp_avg"] = torch.zeros(shape, dtype=torch.float32, device=p.device)
             state["exp_avg_sq"] = torch.zeros(shape, dtype=torch.float32, device=p.device)
         return state
 
     @torch.no_grad()
     def step(self):
-        self._zero_missing_grads()
         self.adamw_step += 1
-        W = self.dp.size
+        self.dp.finish_backward()
+        self._zero_missing_grads()
+        self.grad_bytes = sum(p.grad.numel() * p.grad.element_size() for g in self.param_groups for p in g["params"])
+        W, sharded = self.dp.size, self.dp.shard_params
         self.dp.launch_remaining()
         pending = []  # (what to apply, its all-gather's result, the work to wait for)
         # the gradient norm, from the reduced gradients each rank holds anyway: per group, the squares of what this
@@ -186,7 +204,10 @@ class MuonAdamW(torch.optim.Optimizer):
                 squares[PARAM_GROUPS.index(stack.group["name"])] += grads.float().square().sum()
             momentum = torch.tensor(stack.group["momentum"], dtype=torch.float32)
             update = self._muon_update(grads, stack.momentum, stack.second, momentum, self.compute_dtype)
-            pending.append((stack, *self.dp.gather_muon_updates(s, update.to(self.compute_dtype))))
+            if sharded:  # only this rank holds the matrices it owns: nothing to send
+                stack.apply_owned(update.to(self.compute_dtype))
+            else:
+                pending.append((stack, *self.dp.gather_muon_updates(s, update.to(self.compute_dtype))))
         # AdamW, bucket by bucket: this rank's rows (then all-gathered) or the whole tensor
         for p, g in self.dp.reduced_adamw_grads():
             tp.reduce_partial_grad(p, g)
@@ -201,9 +222,10 @@ class MuonAdamW(torch.optim.Optimizer):
             args = (torch.tensor(self.adamw_step, dtype=torch.float32), torch.tensor(group["lr"]), beta1, beta2,
                     group["eps"], torch.tensor(group["weight_decay"]))
             if self.dp.owns_rows(p):
-                rows = self.dp.my_rows(p.data)
+                rows = self.dp.rows_held(p)
                 self._adamw_update(rows, g, state["exp_avg"], state["exp_avg_sq"], *args)
-                pending.append((p, *self.dp.gather_rows(rows)))
+                if not sharded:
+                    pending.append((p, *self.dp.gather_rows(rows)))
             else:
                 self._adamw_update(p.data, g, state["exp_avg"], state["exp_avg_sq"], *args)
         self.dp.finish_step()
@@ -217,6 +239,15 @@ class MuonAdamW(torch.optim.Optimizer):
                 target.apply(full)
             else:
                 target.data.copy_(full)
+
+    def held_bytes(self):
+        """What this rank holds, in bytes, measured off its tensors: the weights, the gradients at the last step
+        (before they were cleared) and the optimizer state."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        state = [t for stack in self.muon_stacks for t in (stack.momentum, stack.second)] + \
+            [t for s in self.state.values() for t in s.values() if torch.is_tensor(t)]
+        size = lambda ts: sum(t.numel() * t.element_size() for t in ts)
+        return {"weights": size(p.data for p in params), "gradients": getattr(self, "grad_bytes", 0), "state": size(state)}
 
     # --- layout-free state ----------------------------------------------------------
 

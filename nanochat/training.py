@@ -4,8 +4,8 @@ dev tools build the model and step it through `setup` and its Trainer, so the te
 setup does the whole order in one function (as torchtitan applies its plan): build (meta, materialize, init) ->
 L3 rows allocated from the data (a fresh run) -> fp8 linears -> resumed weights into the whole model -> tensor
 parallelism -> this rank's chunks of the sequence (context parallelism) -> this rank's pipeline stage -> attention
-kernel settled before any trace -> split-K tuned (CUDA) ->
-optimizer (and its state) -> recompute -> compile. The loop: Schedule (LR, Muon momentum and decay by step) and
+kernel settled before any trace -> split-K tuned (CUDA) -> optimizer -> the weights cut to what this rank owns
+(--shard-params) -> the optimizer's state -> recompute -> compile. The loop: Schedule (LR, Muon momentum and decay by step) and
 Trainer (one step, evaluation mode, the whole model for CORE, the checkpoint save).
 """
 
@@ -42,12 +42,17 @@ class LearningRates:
 
 def setup(config, layout, device, dtype, lrs, fp8=False, l3_data=None, after_init=None, resume=None,
           sequence_parallel=False, pp_schedule="1f1b", pp_virtual=1, num_microbatches=1, micro_batch_size=1, recompute="none",
-          compile=None, overlap_grad_reduce=False):
+          compile=None, overlap_grad_reduce=False, shard_params=False, keep_gathered=False):
     """Build what one training process steps, in the order above; returns its Trainer.
     l3_data: (tokenizer, data_dir) to allocate L3's rows from (a fresh run). after_init(model): a hook on the
     whole initialized model (the tests move the weights off the init point there). resume: (model_state,
     optim_state or None) of a checkpoint. compile: a torch.compile backend ("inductor"; the tests' aot_eager),
-    or None for eager; the optimizer's updates are compiled too under inductor."""
+    or None for eager; the optimizer's updates are compiled too under inductor. shard_params: each DP rank keeps
+    only the weights it updates (data_parallel.ShardedWeights; nothing changes at DP = 1); keep_gathered: with it,
+    a module's gathered weights stay from its forward to its backward."""
+    if shard_params and layout.pp_size > 1 and pp_schedule == "zb":
+        raise ConfigError("--shard-params with --pp-schedule zb: zb's deferred weight gradients would need each "
+                          "module's gathered weights again after its backward; use --pp-schedule 1f1b or interleaved")
     model = build_model(config, device, dtype)
     if config.l3_after_layers and l3_data is not None:
         from nanochat.l3 import allocate_for_model
@@ -89,21 +94,24 @@ def setup(config, layout, device, dtype, lrs, fp8=False, l3_data=None, after_ini
             dist.broadcast_object_list(splits, src=0)
         wgrad_splits = splits[0]
         kernels.set_wgrad_splits(model, wgrad_splits)
-    groups = model.param_groups(**vars(lrs))
-    optimizer = MuonAdamW(groups, {p: n for n, p in model.named_parameters()}, dp_group=layout.dp_cp_group,
-                          compute_dtype=dtype, compile=compile == "inductor", overlap_grad_reduce=overlap_grad_reduce,
-                          counts_replicated=layout.tp_rank == 0)
-    if resume is not None and resume[1] is not None:
-        optimizer.load_full_state_dict(resume[1])
     if recompute not in RECOMPUTE_MODES:
         raise ConfigError(f"--recompute {recompute!r}: use one of {', '.join(RECOMPUTE_MODES)}")
     if recompute == "selective" and pipeline is not None and pipeline.schedule == "zb":
         raise ConfigError("--recompute selective with --pp-schedule zb: the input-gradient pass uses up the outputs "
                           "selective recompute keeps, which the weight-gradient pass needs again; use --recompute block")
+    groups = model.param_groups(**vars(lrs))
+    optimizer = MuonAdamW(groups, {p: n for n, p in model.named_parameters()}, dp_group=layout.dp_cp_group,
+                          compute_dtype=dtype, compile=compile == "inductor", overlap_grad_reduce=overlap_grad_reduce,
+                          counts_replicated=layout.tp_rank == 0, shard_params=shard_params)
+    if optimizer.dp.shard_params:
+        model.weights = optimizer.dp.shard(model, keep_gathered)
+    if resume is not None and resume[1] is not None:
+        optimizer.load_full_state_dict(resume[1])
     for block in model.blocks:
         if isinstance(block, Block):  # a pipeline stage holds Identities in place of the others' blocks
             block.recompute = recompute
-    train_model = model if compile is None else compile_for_training(model, pipeline, optimizer.dp.overlap, compile)
+    per_block = optimizer.dp.overlap or optimizer.dp.shard_params  # gradients wanted as each block's backward ends
+    train_model = model if compile is None else compile_for_training(model, pipeline, per_block, compile)
     return Trainer(model, train_model, pipeline, optimizer, layout, cp, sequence_parallel=sequence_parallel,
                    fp8=any(getattr(m, "fp8", False) for m in model.modules()), flops_per_token=flops_per_token,
                    attention=attention, wgrad_splits=wgrad_splits)
@@ -112,9 +120,9 @@ def setup(config, layout, device, dtype, lrs, fp8=False, l3_data=None, after_ini
 def compile_for_training(model, pipeline, per_block, backend):
     """torch.compile for the training step: the whole model as one graph (returned; the uncompiled module serves
     checkpoints, sampling and CORE). Under a pipeline, this stage's blocks (with their L3 layers) as one graph and
-    the loss as another, the messages and schedule eager. Overlapped gradient reduction (per_block) needs each
-    block's gradients when its backward ends, where one graph yields them all at its end: each block is then
-    compiled in place, and the loss."""
+    the loss as another, the messages and schedule eager. Overlapped gradient reduction and sharded weights
+    (per_block) need each block's gradients when its backward ends, where one graph yields them all at its end (and
+    sharded weights are gathered between the blocks): each block is then compiled in place, and the loss."""
     if pipeline is None and not per_block:
         return torch.compile(model, dynamic=False, backend=backend)
     if pipeline is not None and pipeline.schedule == "zb":
@@ -125,7 +133,7 @@ def compile_for_training(model, pipeline, per_block, backend):
         blocks = pipeline.blocks if pipeline is not None else range(len(model.blocks))
         for i in blocks:
             model.blocks[i].compile(dynamic=False, backend=backend)
-        print0("note: each block and the loss are compiled separately (overlapped gradient reduction)")
+        print0("note: each block and the loss are compiled separately (overlapped gradient reduction or sharded weights)")
     else:
         model.run_blocks = torch.compile(model.run_blocks, dynamic=False, backend=backend)
         print0("note: this stage's blocks and the loss are compiled as two graphs (the schedule stays eager)")
@@ -285,9 +293,9 @@ class Trainer:
 
     def whole_model(self):
         """The model CORE and sampling run (variable-length inputs): this one (called without cp, it runs whole
-        sequences), or under pipeline or sequence parallelism (fixed shapes only) a gathered whole copy on every
-        rank, to be freed after."""
-        if self.pipeline is not None or self.sequence_parallel:
+        sequences), or under pipeline or sequence parallelism (fixed shapes only) or sharded weights a gathered
+        whole copy on every rank, to be freed after."""
+        if self.pipeline is not None or self.sequence_parallel or self.optimizer.dp.shard_params:
             from nanochat.pipeline_parallel import whole_model_copy
             return whole_model_copy(self.model, self.layout)
         return self.model

@@ -119,6 +119,11 @@ def parse_args(argv=None):
         help="pipeline schedule (nanochat/pipeline_parallel.py: zb = ZB-H1, backward split into B and W)")
     add("--pp-virtual", type=int, default=1, help="chunks of blocks per pipeline rank (interleaved: 2 or more)")
     add("--pp-print-schedule", action="store_true", help="print every stage's action list at start")
+    add("--shard-params", action="store_true", help="ZeRO-3: each data-parallel rank keeps the weights, gradients and "
+                                                    "optimizer state of what it updates only, and gathers each block's "
+                                                    "weights around its call (nanochat/data_parallel.py)")
+    add("--keep-gathered", action="store_true", help="with --shard-params: keep each module's gathered weights from its "
+                                                     "forward to its backward (one gather fewer, a whole copy more)")
     add("--overlap-grad-reduce", type=int, default=-1, choices=(-1, 0, 1),
         help="1: start each DP gradient reduction during the last micro-batch's backward (blocks are then compiled "
              "one by one); 0: after the backward; -1: 1 when the run spans several nodes")
@@ -224,6 +229,8 @@ def check_flags(args, config, recipe, layout, device, resume_meta):
     grad_accum = recipe.total_batch_size // tokens_per_micro
     if args.sequence_parallel and args.tp == 1:
         raise ConfigError("--sequence-parallel needs --tp > 1")
+    if args.keep_gathered and not args.shard_params:
+        raise ConfigError("--keep-gathered keeps sharded weights gathered: it needs --shard-params")
     if args.tp > 1:
         from nanochat.tensor_parallel import check_tp_size
         check_tp_size(config, args.tp, args.sequence_parallel)
@@ -353,7 +360,8 @@ class Run:
             sequence_parallel=args.sequence_parallel, pp_schedule=args.pp_schedule, pp_virtual=args.pp_virtual,
             num_microbatches=grad_accum,
             micro_batch_size=args.device_batch_size, recompute=args.recompute, compile="inductor" if use_compile else None,
-            overlap_grad_reduce=args.overlap_grad_reduce == 1 or (args.overlap_grad_reduce == -1 and multi_node))
+            overlap_grad_reduce=args.overlap_grad_reduce == 1 or (args.overlap_grad_reduce == -1 and multi_node),
+            shard_params=args.shard_params, keep_gathered=args.keep_gathered)
         self.describe_setup()
         # the loop state and data position, fresh or from the checkpoint
         loop = resume_meta["loop_state"] if resume_meta is not None else {}
@@ -404,7 +412,15 @@ class Run:
         else:
             print0(local)
         print0(f"attention: {t.attention}")
-        print0(f"DP gradient reduction: {'overlapped with the last micro-batch backward' if t.optimizer.dp.overlap else 'after the backward'}")
+        dp = t.optimizer.dp
+        if dp.shard_params:
+            print0(f"weights sharded over {dp.size} data-parallel ranks: each module's gathered around its call" +
+                   (", kept until its backward" if self.args.keep_gathered else " and again for its backward") +
+                   "; gradients sent to their owners as each module's backward ends")
+        elif self.args.shard_params:
+            print0("--shard-params: one data-parallel rank holds everything already (nothing to shard)")
+        else:
+            print0(f"DP gradient reduction: {'overlapped with the last micro-batch backward' if dp.overlap else 'after the backward'}")
 
     def header(self, dtype, use_compile):
         r = self.recipe

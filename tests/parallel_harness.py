@@ -79,7 +79,8 @@ def _free_port():
 
 
 def _worker(rank, world, tp, pp, sequence_parallel, schedule, steps, port, out_dir, config_overrides, resume_from,
-            overlap, recompute="none", compile_backend=None, fp8=False, virtual=1, cp=1, documents=False):
+            overlap, recompute="none", compile_backend=None, fp8=False, virtual=1, cp=1, documents=False,
+            shard_params=False, keep_gathered=False, micro_batch=MICRO_BATCH):
     """One process of the run: base_train's setup and step (nanochat.training), on the fixed batches."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -109,14 +110,15 @@ def _worker(rank, world, tp, pp, sequence_parallel, schedule, steps, port, out_d
     trainer = training.setup(config, layout, torch.device("cpu"), torch.float32,
                              training.LearningRates(**LRS), after_init=after_init, resume=resume,
                              sequence_parallel=sequence_parallel, pp_schedule=schedule, pp_virtual=virtual,
-                             num_microbatches=per_rank // MICRO_BATCH, micro_batch_size=MICRO_BATCH, recompute=recompute,
-                             compile=compile_backend, overlap_grad_reduce=overlap)
+                             num_microbatches=per_rank // micro_batch, micro_batch_size=micro_batch, recompute=recompute,
+                             compile=compile_backend, overlap_grad_reduce=overlap, shard_params=shard_params,
+                             keep_gathered=keep_gathered)
     schedule_of_steps = training.Schedule(steps, LRS["weight_decay"], warmup_steps=0, warmdown_ratio=0.0)
     batches = fixed_batches(steps, sequence_len=config.sequence_len, documents=documents)
     losses, overlapped, graphs, grad_norms = [], [], [], []
     for step in range(first_step, steps):
         rows = batches[step][layout.dp_rank * per_rank:(layout.dp_rank + 1) * per_rank]
-        micro = [(rows[i:i + MICRO_BATCH, :-1], rows[i:i + MICRO_BATCH, 1:]) for i in range(0, per_rank, MICRO_BATCH)]
+        micro = [(rows[i:i + micro_batch, :-1], rows[i:i + micro_batch, 1:]) for i in range(0, per_rank, micro_batch)]
         loss, _ = trainer.step(micro, schedule_of_steps, step)
         losses.append(loss.item())
         grad_norms.append(trainer.optimizer.grad_norms.tolist())
@@ -131,6 +133,8 @@ def _worker(rank, world, tp, pp, sequence_parallel, schedule, steps, port, out_d
     with torch.no_grad(), trainer.evaluating():
         eval_loss = eval_model(batches[0][:, :-1], batches[0][:, 1:]).item()
     model_state = ckpt.full_model_state(trainer.model)
+    gathered_peak = trainer.optimizer.dp.weights.gathered_peak if trainer.optimizer.dp.weights is not None else 0
+    torch.save({**trainer.optimizer.held_bytes(), "gathered_peak": gathered_peak}, os.path.join(out_dir, f"held{rank}.pt"))
     if layout.dp_rank == 0 and layout.cp_rank == 0 and layout.tp_rank == 0:
         torch.save({"losses": losses, "params": model_state, "eval_loss": eval_loss, "overlapped": overlapped,
                     "graphs": graphs, "grad_norms": grad_norms},
@@ -154,7 +158,7 @@ def _new_run_dir():
 
 def run_layout(dp=1, tp=1, pp=1, sequence_parallel=False, schedule="1f1b", steps=5, config_overrides=None,
                resume_from=None, out_dir=None, overlap=True, recompute="none", compile_backend=None, fp8=False, virtual=1,
-               cp=1, documents=False):
+               cp=1, documents=False, shard_params=False, keep_gathered=False, micro_batch=MICRO_BATCH):
     """Returns {"losses": [...], "params": {name: full tensor}, "eval_losses": [the whole-sequence loss
     after training, from each stage's first rank], "overlapped": [per stage, per step: buckets whose
     reduction the backward launched], "graphs": [per stage, per step: graphs torch.compile made so far],
@@ -162,11 +166,14 @@ def run_layout(dp=1, tp=1, pp=1, sequence_parallel=False, schedule="1f1b", steps
     recompute: --recompute's mode. compile_backend: train through compile_for_training with this
     torch.compile backend (None: eager). fp8: the eligible linears in fp8 (emulated on CPU; the model
     needs n_embd >= 128 for any to be eligible). virtual: --pp-virtual (chunks per pipeline rank). cp: --cp (each
-    sequence over cp ranks). documents: batches packed from BOS-led documents (fixed_batches)."""
+    sequence over cp ranks). documents: batches packed from BOS-led documents (fixed_batches). shard_params,
+    keep_gathered: --shard-params and --keep-gathered. micro_batch: sequences per micro-batch per process.
+    The result's "held" lists, per rank, the bytes of weights, gradients and optimizer state it held (and the most
+    bytes of gathered whole weights it had alive at once, "gathered_peak", their largest over the ranks)."""
     world = dp * tp * pp * cp
     out_dir = out_dir or _new_run_dir()
     args = (world, tp, pp, sequence_parallel, schedule, steps, _free_port(), out_dir, config_overrides or {}, resume_from, overlap,
-            recompute, compile_backend, fp8, virtual, cp, documents)
+            recompute, compile_backend, fp8, virtual, cp, documents, shard_params, keep_gathered, micro_batch)
     if world == 1:
         _worker(0, *args)
     else:
@@ -180,5 +187,6 @@ def run_layout(dp=1, tp=1, pp=1, sequence_parallel=False, schedule="1f1b", steps
         graphs.append(part["graphs"])
         if s == pp - 1:
             losses, grad_norms = part["losses"], part["grad_norms"]
+    held = [torch.load(os.path.join(out_dir, f"held{r}.pt"), weights_only=True) for r in range(world)]
     return {"losses": losses, "params": params, "eval_losses": eval_losses, "overlapped": overlapped, "graphs": graphs,
-            "grad_norms": grad_norms, "dir": out_dir}
+            "grad_norms": grad_norms, "held": held, "gathered_peak": max(h["gathered_peak"] for h in held), "dir": out_dir}

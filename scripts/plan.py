@@ -1,0 +1,136 @@
+"""
+Plan a run's memory before launching it, without a GPU: what each rank holds at its peak (weights, gathered
+working copies, gradients, optimizer state, activations) for a layout, whether that fits the GPU, the largest
+device batch that does, and the layouts of this many GPUs that fit, fastest first (nanochat/memory.py).
+
+    python -m scripts.plan --depth 26 --gpus 8 --gpu h100                    # the layout base_train's flags give, and the ones that fit
+    python -m scripts.plan --depth 32 --gpus 8 --gpu h100 --tp 2 --shard-params --recompute selective
+    python -m scripts.plan --compare --depths 20,26,32 --gpus 8 --gpu h100,h200   # sharded or not, TP 1 or 2
+
+Every flag but its own goes to base_train's parser, as the run would take it (--depth, --max-seq-len,
+--device-batch-size, --total-batch-size, --tp, --pp, --cp, --pp-schedule, --pp-virtual, --sequence-parallel,
+--shard-params, --keep-gathered, --recompute, --fp8, the model flags), and the total batch is the recipe's. The GPU
+is taken as usable up to 95% of what is left after 1.5 GiB for the CUDA context and NCCL (the allocator's
+fragmentation). Predictions are peaks of allocated memory (torch.cuda.max_memory_allocated), what base_train logs.
+"""
+
+import sys
+import argparse
+from dataclasses import replace
+
+from nanochat.common import HelpWithDefaults, ConfigError, fail
+from nanochat.memory import (GIB, GPUS, Setting, rank_memory, largest_batch, relative_speed, candidate_settings,
+                             usable_bytes)
+
+
+def run_setting(argv, gpus, vocab_size):
+    """(config, Setting) from base_train's flags, over `gpus` GPUs."""
+    from scripts.base_train import parse_args, model_config, derive_recipe
+    args = parse_args(argv)
+    config = model_config(args, vocab_size, None)
+    recipe = derive_recipe(args, config)
+    model_parallel = args.tp * args.pp * args.cp
+    if gpus % model_parallel:
+        raise ConfigError(f"--gpus {gpus} is not divisible by tp x pp x cp = {model_parallel}")
+    return config, Setting(dp=gpus // model_parallel, tp=args.tp, pp=args.pp, cp=args.cp, pp_schedule=args.pp_schedule,
+                           pp_virtual=args.pp_virtual, sequence_parallel=args.sequence_parallel,
+                           shard_params=args.shard_params, keep_gathered=args.keep_gathered,
+                           device_batch=args.device_batch_size, total_batch=recipe.total_batch_size,
+                           recompute=args.recompute, fp8=args.fp8)
+
+
+def gib(n):
+    return f"{n / GIB:,.1f}"
+
+
+def print_setting(config, s, capacity):
+    ranks = rank_memory(config, s)
+    kinds = ["weights", "working copies", "gradients", "optimizer state", "activations", "total"]
+    print(f"d{config.n_layer} ({config.n_embd} wide, {config.sequence_len:,} tokens a sequence), {s.describe()}, "
+          f"{s.total_batch:,} tokens a step; GiB per rank at its peak:")
+    print("| pipeline rank | " + " | ".join(kinds) + " | fits |")
+    print("|" + " --- |" * (len(kinds) + 2))
+    for r, parts in enumerate(ranks):
+        print(f"| {r} | " + " | ".join(gib(parts[k]) for k in kinds) +
+              f" | {'yes' if parts['total'] <= capacity else 'no'} |")
+    best = largest_batch(config, s, capacity)
+    print(f"largest power-of-two device batch that fits {gib(capacity)} GiB usable: " + (str(best) if best else "none"))
+
+
+def print_candidates(config, gpus, total_batch, fp8, capacity, top):
+    rows = []
+    for s in candidate_settings(config, gpus, total_batch, fp8):
+        b = largest_batch(config, s, capacity)
+        if b:
+            s = replace(s, device_batch=b)
+            m = s.total_batch // (b * config.sequence_len * s.dp)
+            rows.append((relative_speed(s, m), -s.tp * s.pp * s.cp, not s.shard_params, b, s))
+    rows.sort(key=lambda r: r[:4], reverse=True)
+    if not rows:
+        print(f"no layout of {gpus} GPUs fits d{config.n_layer} in {gib(capacity)} GiB a GPU")
+        return
+    print(f"\nlayouts of {gpus} GPUs that fit, fastest first (tok/s per GPU against one GPU without savers, from measured "
+          f"factors: an ordering, not a prediction); the first is the suggestion:")
+    print("| layout | device batch | peak GiB (worst rank) | relative speed |")
+    print("| --- | --- | --- | --- |")
+    for speed, _, _, b, s in rows[:top]:
+        peak = max(r["total"] for r in rank_memory(config, s))
+        print(f"| {s.describe()} | {b} | {gib(peak)} | {speed:.2f} |")
+
+
+def print_comparison(depths, gpu_names, gpus, rest, vocab_size):
+    """The largest device batch of each depth on each GPU: unsharded and sharded, TP 1 and 2, DP over the rest."""
+    columns = [("unsharded", 1, False), ("sharded", 1, True), ("TP 2", 2, False), ("TP 2 sharded", 2, True)]
+    print(f"largest device batch (and the worst rank's peak in GiB) on {gpus} GPUs, recipe batch, no recompute:")
+    print("| model | GPU | " + " | ".join(c[0] for c in columns) + " |")
+    print("|" + " --- |" * (len(columns) + 2))
+    for depth in depths:
+        for name in gpu_names:
+            capacity = usable_bytes(GPUS[name])
+            cells = []
+            for _, tp, shard in columns:
+                flags = rest + ["--depth", str(depth), "--tp", str(tp)] + (["--shard-params"] if shard else [])
+                config, s = run_setting(flags, gpus, vocab_size)
+                if config.n_head % tp or config.n_kv_head % tp:
+                    cells.append(f"- (TP {tp} does not divide {config.n_head} heads)")
+                    continue
+                b = largest_batch(config, s, capacity)
+                peak = max(r["total"] for r in rank_memory(config, replace(s, device_batch=b))) if b else None
+                cells.append(f"{b} ({gib(peak)})" if b else "none")
+            print(f"| d{depth} | {name} | " + " | ".join(cells) + " |")
+
+
+class Help(argparse.RawDescriptionHelpFormatter, HelpWithDefaults):
+    """The docstring as written, each flag with its default."""
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=Help, allow_abbrev=False,
+                                     usage="python -m scripts.plan [plan flags] [base_train flags]")
+    parser.add_argument("--gpus", type=int, default=8, help="GPUs of the run (the world size)")
+    parser.add_argument("--gpu", type=str, default="h100", help=f"the GPU: {', '.join(GPUS)} (several, comma-separated, "
+                                                                 "with --compare)")
+    parser.add_argument("--gpu-memory", type=float, default=0.0, help="GiB a GPU has, in place of --gpu's")
+    parser.add_argument("--compare", action="store_true", help="the table of --depths x --gpu: unsharded and sharded, "
+                                                               "TP 1 and 2")
+    parser.add_argument("--depths", type=str, default="20,26,32", help="with --compare")
+    parser.add_argument("--top", type=int, default=10, help="layouts listed")
+    parser.add_argument("--vocab-size", type=int, default=32768, help="the tokenizer's vocabulary")
+    args, rest = parser.parse_known_args(argv)
+    names = [g.strip().lower() for g in args.gpu.split(",") if g.strip()]
+    if any(g not in GPUS for g in names):
+        fail(f"--gpu {args.gpu!r}: use {', '.join(GPUS)}, or give --gpu-memory GiB")
+    try:
+        if args.compare:
+            print_comparison([int(d) for d in args.depths.split(",") if d], names, args.gpus, rest, args.vocab_size)
+            return
+        capacity = usable_bytes(args.gpu_memory if args.gpu_memory > 0 else GPUS[names[0]])
+        config, s = run_setting(rest, args.gpus, args.vocab_size)
+        print_setting(config, s, capacity)
+        print_candidates(config, args.gpus, s.total_batch, s.fp8, capacity, args.top)
+    except ConfigError as e:
+        fail(str(e))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,80 @@
+"""The memory planner (nanochat/memory.py, scripts/plan.py): assert_planned, which the parallel tests run on their
+CPU runs (the bytes of weights, gradients and optimizer state each rank held, measured off its tensors, against the
+plan; tests/test_shard_params.py); the planner's own rules (activations grow with the tokens, fall with recompute,
+split with TP and CP; a stage holds its schedule's micro-batches; sharding fits larger batches) and the script."""
+
+import subprocess
+import sys
+
+import pytest
+
+from parallel_harness import CONFIG, GLOBAL_BATCH
+from nanochat.gpt import GPTConfig, config_for_depth
+from nanochat.memory import Setting, rank_memory, largest_batch, usable_bytes, GIB
+
+CPU = dict(compute_bytes=4, total_batch=GLOBAL_BATCH * CONFIG["sequence_len"])  # the harness: fp32, 8 sequences a step
+
+
+def assert_planned(run, dp=1, tp=1, pp=1, cp=1, micro_batch=2, **flags):
+    """The planner's count of every rank's weights and optimizer state is what the run's ranks held, measured off
+    their tensors (DP rank 0, which owns the most; the others no more), and their gradients at the step are fp32 as
+    the weights held; sharded, the gathered whole weights peaked within 10% under the plan. The parallel tests call
+    this on their runs."""
+    setting = Setting(dp=dp, tp=tp, pp=pp, cp=cp, device_batch=micro_batch, sequence_parallel=flags.get("sequence_parallel", False),
+                      shard_params=flags.get("shard_params", False), keep_gathered=flags.get("keep_gathered", False),
+                      pp_schedule=flags.get("schedule", "1f1b"), pp_virtual=flags.get("virtual", 1), **CPU)
+    plan = rank_memory(GPTConfig(**CONFIG), setting)
+    group = dp * cp * tp  # ranks: TP fastest, then CP, then DP, then PP
+    for rank, held in enumerate(run["held"]):
+        stage = plan[rank // group]
+        first = rank % group < tp
+        for measured, planned in (("weights", "weights"), ("gradients", "weights"), ("state", "optimizer state")):
+            ok = held[measured] == stage[planned] if first else held[measured] <= stage[planned]
+            assert ok, (rank, measured, held[measured], stage[planned])
+    if setting.shard_params:
+        assert 0.9 * plan[0]["gathered"] <= run["gathered_peak"] <= 1.1 * plan[0]["gathered"], (run["gathered_peak"], plan)
+
+
+def test_activations_follow_tokens_recompute_tp_and_cp():
+    config = config_for_depth(20)
+    act = lambda **kw: rank_memory(config, Setting(**{"device_batch": 16, **kw}))[0]["activations"]
+    assert act(device_batch=32) == pytest.approx(2 * act())
+    assert act() > act(recompute="selective") > act(recompute="block")
+    assert act(fp8=True) < act()
+    assert act(dp=4, tp=2) < act(dp=8) and act(dp=4, tp=2, sequence_parallel=True) == pytest.approx(act(dp=8) / 2)
+    long = config_for_depth(20, sequence_len=8192)
+    assert rank_memory(long, Setting(dp=4, cp=2, device_batch=4))[0]["activations"] == pytest.approx(
+        rank_memory(long, Setting(dp=8, device_batch=2))[0]["activations"])
+
+
+def test_pipeline_stages_hold_their_schedules_micro_batches():
+    """1F1B: stage s keeps p - s micro-batches alive, GPipe all of them; sharding cuts every stage's weights."""
+    config = config_for_depth(26)
+    one_f = rank_memory(config, Setting(dp=2, pp=4, device_batch=8))  # 16 micro-batches a step
+    gpipe = rank_memory(config, Setting(dp=2, pp=4, device_batch=8, pp_schedule="gpipe"))
+    assert one_f[0]["activations"] > 2 * one_f[3]["activations"]  # 4 micro-batches of a chunk against 1 (+ the head)
+    assert all(g["activations"] > 3 * o["activations"] for g, o in zip(gpipe[:3], one_f[:3]))
+    sharded = rank_memory(config, Setting(dp=2, pp=4, device_batch=8, shard_params=True))
+    assert all(s["weights"] < 0.6 * o["weights"] for s, o in zip(sharded, one_f))
+
+
+def test_sharding_fits_larger_batches():
+    config = config_for_depth(32)
+    capacity = usable_bytes(79.6)
+    assert largest_batch(config, Setting(dp=8, shard_params=True, total_batch=2 ** 21), capacity) > \
+        largest_batch(config, Setting(dp=8, total_batch=2 ** 21), capacity)
+    assert usable_bytes(79.6) / GIB == pytest.approx(0.95 * 78.1)
+
+
+def test_plan_script(env):
+    from conftest import REPO
+    run = lambda *a: subprocess.run([sys.executable, "-m", "scripts.plan", *a], cwd=REPO, env=env, capture_output=True,
+                                    text=True, timeout=300)
+    p = run("--depth", "12", "--gpus", "2", "--gpu", "h100", "--top", "3")
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "| pipeline rank | weights | working copies | gradients | optimizer state | activations | total | fits |" in p.stdout
+    assert "layouts of 2 GPUs that fit, fastest first" in p.stdout
+    p = run("--compare", "--depths", "26", "--gpus", "8", "--gpu", "h100")
+    assert p.returncode == 0 and "TP 2 does not divide 13 heads" in p.stdout, p.stdout + p.stderr
+    p = run("--depth", "12", "--gpus", "3", "--tp", "2")
+    assert p.returncode != 0 and "ERROR: --gpus 3 is not divisible by tp x pp x cp = 2" in p.stdout
