@@ -3,7 +3,8 @@ Training throughput: scripts.base_train for a few steps per configuration (no ev
 checkpoints), in each tree, one run after another; tok/s, MFU, step time and peak memory, each the median over
 the steps after warm-up (the first steps compile) of what the run recorded in its metrics.jsonl (dev/runs.py).
 Rows are configurations, columns trees: with several --tree (e.g. two git worktrees, old and new), every
-configuration runs in each tree in turn, so that they are compared on the same GPUs in the same call.
+configuration runs in each tree in turn, so that they are compared on the same GPUs in the same call. Beside each
+measured peak stands what scripts.plan predicts for the run's flags (its worst rank; nanochat/memory.py).
 
 The configurations, one set per call:
   default     depths x precisions (bf16, fp8) x window patterns on one GPU, 524,288-token steps; fp8 also as
@@ -145,6 +146,7 @@ def measure(config, tree, args, gpus):
         return None
     s = runs.summary(run, config.warmup)
     causal = causal_share(run.header) if s["mfu"] else None
+    planned = planned_peak(run.header)
     peaks = {tag: round(gib, 2) for tag, gib in runs.rank_peaks(run).items()}
     row = {"tree": tree, "label": config.label, "depth": config.depth, "nproc": config.nproc,
            "batch": config.total_batch, "steps timed": s["steps_timed"], "step ms (median)": round(s["step_ms"], 2),
@@ -152,6 +154,7 @@ def measure(config, tree, args, gpus):
            "causal mfu %": round(s["mfu"] * causal, 2) if causal else "",
            "peak mem GiB (max)": max(peaks.values()) if peaks else round(s["peak_mem_gib"], 2) if s["peak_mem_gib"] else "",
            "peak mem per rank": " ".join(f"{t}{v}" for t, v in sorted(peaks.items())),
+           "planned GiB": round(planned, 2) if planned else "",
            "wall s": round(job.wall_s, 1), "args": " ".join(config.flags + args.extra),
            "losses": " ".join(f"{loss:.6f}" for _, loss in sorted(run.losses().items()))}
     print(f"   {row['tok/s (median)']:,} tok/s, step {row['step ms (median)']} ms" +
@@ -171,6 +174,22 @@ def causal_share(header):
     with torch.device("meta"):
         model = GPT(GPTConfig.from_dict(header["model_config"]))
     return model.estimate_flops(causal=True) / model.estimate_flops()
+
+
+def planned_peak(header):
+    """scripts.plan's peak for the run (GiB, its worst rank), from the flags and layout its header records; None for
+    headers without them (old trees)."""
+    from nanochat.gpt import GPTConfig
+    from nanochat.memory import Setting, rank_memory, GIB
+    if "model_config" not in header or "layout" not in header:
+        return None
+    f, layout = header["flags"], header["layout"]
+    setting = Setting(dp=layout["dp"], tp=layout["tp"], pp=layout["pp"], cp=layout.get("cp", 1),
+                      pp_schedule=f["pp_schedule"], pp_virtual=f["pp_virtual"], sequence_parallel=f["sequence_parallel"],
+                      shard_params=f.get("shard_params", False), keep_gathered=f.get("keep_gathered", False),
+                      device_batch=f["device_batch_size"], total_batch=header["total_batch_size"],
+                      recompute=f["recompute"], fp8=header["fp8"])
+    return max(r["total"] for r in rank_memory(GPTConfig.from_dict(header["model_config"]), setting)) / GIB
 
 
 def append_csv(path, row):
@@ -215,8 +234,11 @@ def table(configs, trees, results):
                 vs_ideal = f"{step / ideal:.3f} (ideal {ideal:,.0f} ms)"
             peaks = re.findall(r"\]([\d.]+)", r["peak mem per rank"])  # "[dp=0 pp=0]40.6 [dp=0 pp=1]24.7"
             peak = " / ".join(peaks) if peaks else r["peak mem GiB (max)"]
+            peak_cell = f"{peak} GiB" if peak != "" else ""
+            if r.get("planned GiB") and r["peak mem GiB (max)"]:  # scripts.plan's worst rank against the largest peak
+                peak_cell += f" (planned {r['planned GiB']}, {float(r['planned GiB']) / float(r['peak mem GiB (max)']):.3f}x)"
             causal = f"{r['causal mfu %']:.1f}%" if r.get("causal mfu %") not in (None, "") else ""
-            row += [f"{tok:,}", vs_base, mfu, causal, f"{step:,.1f} ms", vs_ideal, f"{peak} GiB" if peak != "" else "",
+            row += [f"{tok:,}", vs_base, mfu, causal, f"{step:,.1f} ms", vs_ideal, peak_cell,
                     loss_difference(r, base)]
         first = results.get((c.label, trees[0]))
         for tree in trees[1:]:

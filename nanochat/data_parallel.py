@@ -48,7 +48,6 @@ again for its backward, where the forward runs again.
 """
 
 import math
-import weakref
 from functools import partial
 
 import torch
@@ -369,7 +368,8 @@ class Gathered:
             for attr in ("tp_dim", "tp_size", "tp_group"):
                 if hasattr(p, attr):
                     setattr(t, attr, getattr(p, attr))
-        self.works, self.previous, self.freed = [], None, False
+        self.works, self.previous, self.output, self.done = [], None, None, False
+        weights.count(sum(t.numel() * t.element_size() for t in self.wholes))
         self.fill(range(len(self.wholes)))
 
     def fill(self, which):
@@ -377,6 +377,9 @@ class Gathered:
         AdamW tensor's rows all-gathered, in the compute dtype. Refilling a tensor that autograd saved in the forward
         is no change to it (the same values again): its version counter is kept from here until wait() (gloo writes
         the results when they arrive)."""
+        which = list(which)
+        if not which:
+            return
         group = self.weights.group
         self.versions = torch.autograd._unsafe_preserve_version_counter(tuple(self.wholes[i] for i in which))
         self.versions.__enter__()
@@ -389,7 +392,6 @@ class Gathered:
                     whole.copy_(p.data)
                 src = dist.get_global_rank(group, p.dp_owner)
                 self.works.append(dist.broadcast(whole, src=src, group=group, async_op=True))
-        self.weights.count_gathered(self)
 
     def wait(self):
         for work in self.works:
@@ -399,24 +401,45 @@ class Gathered:
         self.works = []
         return self.wholes
 
-    def release(self):
-        """Free the whole tensors' memory: the tensors stay (autograd keeps them for the backward), empty."""
+    def release(self, which=None):
+        """Free the whole tensors' memory (all, or those in `which`): the tensors stay, empty (autograd keeps them
+        for the backward)."""
         self.wait()
-        for t in self.wholes:
+        for i in range(len(self.wholes)) if which is None else which:
+            t = self.wholes[i]
+            self.weights.count(-t.untyped_storage().nbytes())
             with torch.autograd._unsafe_preserve_version_counter(t):
                 t.untyped_storage().resize_(0)
-        self.freed = True
+
+    def unread(self):
+        """The whole tensors no backward reads: embedding tables (a lookup's backward needs only the ids), unless
+        the module's forward runs again in its backward."""
+        return [i for i, reads in enumerate(self.unit.backward_reads) if not (reads or self.unit.recomputes)]
 
     def refill(self):
-        """Before the backward: the whole tensors it reads (all of them where the forward runs again), gathered
-        again into the same tensors."""
-        which = [i for i, reads in enumerate(self.unit.backward_reads) if reads or self.unit.recomputes]
+        """Before the backward: the whole tensors it reads, gathered again into the same tensors."""
+        which = [i for i in range(len(self.wholes)) if i not in self.unread() and self.wholes[i].untyped_storage().nbytes() == 0]
         for i in which:
             t = self.wholes[i]
             with torch.autograd._unsafe_preserve_version_counter(t):
                 t.untyped_storage().resize_(t.numel() * t.element_size())
+            self.weights.count(t.numel() * t.element_size())
         self.fill(which)
-        self.freed = False
+
+    @property
+    def freed(self):
+        """Whether a tensor the backward reads is empty (to be gathered again)."""
+        return any(self.wholes[i].untyped_storage().nbytes() == 0 for i in range(len(self.wholes)) if i not in self.unread())
+
+
+def feeds(grad_fn, x, depth=4):
+    """Whether the op `grad_fn` (a module's output) is among the last `depth` ops that made tensor x."""
+    frontier = [getattr(x, "grad_fn", None)]
+    for _ in range(depth):
+        if any(f is grad_fn for f in frontier):
+            return True
+        frontier = [g for f in frontier if f is not None for g, _ in f.next_functions]
+    return False
 
 
 class _Gather(torch.autograd.Function):
@@ -431,7 +454,8 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.gathered.weights.send_gradients(ctx.gathered, grads)
+        gathered, ctx.gathered = ctx.gathered, None  # it holds this node's outputs: a cycle the collector cannot see
+        gathered.weights.send_gradients(gathered, grads)
         return (None,) * (len(grads) + 1)
 
 
@@ -456,14 +480,13 @@ class ShardedWeights:
         self.units = {}     # module -> Unit
         self.next = {}      # unit -> the unit called after it last time (whose gathering a call posts ahead)
         self.last = None
+        self.chain = None   # the latest gathering of the forward running (the backward posts the one before ahead)
         self.sent = []      # (parameter, its gradient landing here or None, the send's work, the buffer it reads)
-        self.gatherings = weakref.WeakSet()  # every Gathered alive, to measure what they hold
-        self.gathered_peak = 0  # the most bytes of whole weights alive at once (measured off their storage)
+        self.gathered_bytes = self.gathered_peak = 0  # whole weights alive now, and the most at once
 
-    def count_gathered(self, gathered):
-        self.gatherings.add(gathered)
-        alive = sum(t.untyped_storage().nbytes() for g in self.gatherings for t in g.wholes)
-        self.gathered_peak = max(self.gathered_peak, alive)
+    def count(self, nbytes):
+        self.gathered_bytes += nbytes
+        self.gathered_peak = max(self.gathered_peak, self.gathered_bytes)
 
     def run(self, module, fn, *args):
         """fn(*args) with `module`'s whole weights in place: wait for their gathering (posted one call ahead), post
@@ -480,7 +503,9 @@ class ShardedWeights:
         gathered, unit.prefetched = unit.prefetched or Gathered(self, unit), None
         gathered.wait()
         after = self.next.get(unit)
-        if after is not None and after.params and after.prefetched is None:
+        # posted ahead: the next module's gathering, but not the token embedding's, which starts a forward (nothing
+        # runs before it to hide it behind, and it would reach across the optimizer step)
+        if after is not None and any(after.backward_reads) and after.prefetched is None:
             after.prefetched = Gathered(self, after)
         training = torch.is_grad_enabled()
         if training:
@@ -494,22 +519,25 @@ class ShardedWeights:
         if not (training and x is not None and x.requires_grad):
             gathered.release()
             return out
-        if not self.keep:
-            gathered.release()
-        if (not self.keep and any(unit.backward_reads)) or unit.recomputes:
-            gathered.previous = getattr(args[0], "_gathered", None)
-            x._gathered = gathered  # the next module's backward posts this one's gathering ahead
+        gathered.release(None if not self.keep else gathered.unread())
+        # the module called before this one, if its output is this one's input (a few ops away: an L3 layer's sum,
+        # the head's norm); not a module of another micro-batch that a pipeline ran in between
+        chain = self.chain
+        gathered.previous = chain if chain is not None and args and feeds(chain.output, args[0]) else None
+        gathered.output, self.chain = x.grad_fn, gathered
+        if gathered.freed or unit.recomputes:
             x.register_hook(lambda grad: self.before_backward(gathered))
         return out
 
     def before_backward(self, gathered):
-        """A module's backward is about to run: its whole weights gathered again (and the module's before it posted
-        ahead), and under recompute put in place, where the forward that runs again reads them."""
+        """A module's backward is about to run: its whole weights gathered again (and the module's before it in the
+        forward posted ahead), and under recompute put in place, where the forward that runs again reads them."""
+        self.chain = None  # a backward has begun: the next forward starts a new chain
         if gathered.freed:
             gathered.refill()
         gathered.wait()
         previous = gathered.previous
-        if previous is not None and previous.freed:
+        if previous is not None and not previous.done and previous.freed:
             previous.refill()
         if gathered.unit.recomputes:
             gathered.unit.swap(gathered.wholes)
@@ -534,6 +562,7 @@ class ShardedWeights:
                                    group=self.group, async_op=True)
             self.sent.append((p, landing, work, g))
         gathered.release()
+        gathered.done, gathered.wholes, gathered.previous, gathered.output, self.chain = True, [], None, None, None
         self.land(self.sent[:earlier])
         self.sent = self.sent[earlier:]
 
@@ -548,8 +577,8 @@ class ShardedWeights:
         """Before the optimizer step: every gradient landed; gatherings posted ahead dropped (the step changes the
         weights they hold)."""
         self.land(self.sent)
-        self.sent = []
+        self.sent, self.chain = [], None
         for unit in self.units.values():
             if unit.prefetched is not None:
-                unit.prefetched.wait()
+                unit.prefetched.release()
                 unit.prefetched = None

@@ -17,6 +17,8 @@ import math
 import itertools
 from dataclasses import dataclass, replace
 
+import torch
+
 
 def available_memory():
     """Bytes of memory this process can still use (Linux: MemAvailable), or None where unknown."""
@@ -118,7 +120,6 @@ def _meta_model(config, s):
     """The model on the meta device (shapes, no memory), cut for TP as the run cuts it; one per config and TP."""
     key = (repr(config), s.tp, s.sequence_parallel)
     if key not in _models:
-        import torch
         from nanochat.gpt import GPT
         with torch.device("meta"):
             model = GPT(config)
@@ -130,9 +131,11 @@ def _meta_model(config, s):
 
 
 def rank_memory(config, s):
-    """Per pipeline rank (DP rank 0, which owns the most under sharding), the bytes it holds at its peak:
-    {"weights", "working copies", "gradients", "optimizer state", "activations", "total"}. ConfigError where the
-    setting cannot run (TP that does not divide the heads, a batch that does not divide the step, ...)."""
+    """Per pipeline rank (DP rank 0, which owns the most under sharding), the bytes it holds at its peak in a
+    training step: {"weights", "working copies", "gradients", "optimizer state", "activations", "total"} (and
+    "gathered", the whole weights of the working copies). Not counted: the optimizer step's temporaries, and the
+    whole copy of the model that CORE and sampling build under PP, SP or sharding (4 bytes a parameter while they
+    run). ConfigError where the setting cannot run (a batch that does not divide the step, ...)."""
     from nanochat.common import ConfigError
     from nanochat.optim import muon_stacks
     from nanochat.pipeline_parallel import block_costs, split_stages, stage_actions, peak_in_flight
@@ -193,12 +196,16 @@ def rank_memory(config, s):
         if s.shard_params and D > 1:
             unit_numel = [sum(p.numel() for p in u.parameters() if id(p) in sharded) for u in units]
             largest = max(unit_numel)
-            # freed after each call: in a backward this module's whole weights and the one's before it, and the
-            # gathering posted for the next forward (a pipeline's next action may be any of its modules); kept: every
-            # micro-batch alive holds all of them. And two modules' fp32 gradients on their way to the owners.
-            freed = 2 * largest + (largest if s.pp > 1 else unit_numel[0])
-            gathered = (alive[r] * sum(unit_numel) if s.keep_gathered else freed) * dt
-            working = gathered + 2 * largest * 4
+            # freed after each call: in a backward this module's whole weights and the one's before it, and in a
+            # pipeline the gathering posted for its next forward; kept: every micro-batch alive holds the weights its
+            # backward reads (all but the embedding tables). And two modules' gradients as their backward makes them
+            # (compute dtype) and on their way to the owners (fp32).
+            read = [sum(p.numel() for m in u.modules() if not isinstance(m, torch.nn.Embedding) and
+                        type(m).__name__ not in ("ColumnParallelEmbedding", "VocabParallelEmbedding")
+                        for p in m.parameters(recurse=False) if id(p) in sharded) for u in units]
+            freed = (3 if s.pp > 1 else 2) * largest
+            gathered = (max(freed, alive[r] * sum(read)) if s.keep_gathered else freed) * dt
+            working = gathered + 2 * largest * (dt + 4)
         alive_grads = weights if (m > 1 or s.pp > 1) else 0  # fp32 as the weights held; at the activation peak only
         parts = {"weights": weights, "working copies": working, "gradients": alive_grads,  # after earlier micro-batches
                  "optimizer state": state, "activations": act_peaks[r]}
@@ -239,6 +246,6 @@ def candidate_settings(config, gpus, total_batch, fp8=False):
         if gpus % (tp * pp * cp) or config.n_head % tp or config.n_kv_head % tp or pp > config.n_layer or \
                 (cp > 1 and config.sequence_len < 8192):
             continue
-        for shard, recompute in itertools.product((False, True), ("none", "selective", "block")):
+        for shard, recompute in itertools.product((False, True) if gpus > tp * pp else (False,), ("none", "selective", "block")):
             yield Setting(dp=gpus // (tp * pp * cp), tp=tp, pp=pp, cp=cp, shard_params=shard, recompute=recompute,
                           total_batch=total_batch, fp8=fp8)

@@ -40,6 +40,8 @@ def test_runs_launches_base_train_and_reads_its_metrics(env, tmp_path):
     s = runs.summary(run, warmup=1)
     assert s["steps"] == 3 and s["steps_timed"] == 2 and s["step_ms"] > 0 and s["tok_per_sec"] > 0
     assert s["val_bpb"] is not None and s["epoch"] == 1 and s["peak_mem_gib"] is None  # CPU: no peak memory
+    from dev.bench_train import planned_peak  # what scripts.plan predicts for the run, from its header's flags
+    assert 0 < planned_peak(run.header) < 1
     # a run that asked for fp8 and trained in bf16 (no GPU here) is a failure, not a bf16 figure
     job = runs.start(flags + ["--fp8", "--eval-tokens", "0"], "dev_runs_fp8", env=env, log=str(tmp_path / "fp8.log"))
     try:
@@ -92,13 +94,14 @@ def test_bench_train_table_ratios():
     results[("d26 m=16 one GPU", "/old")] = row(38000, 3438.4, losses="10.0 8.0 6.0")
     results[("d26 m=16 PP=4 1f1b", "/old")] = row(118000, 1107.0, "[dp=0 pp=0]35.0 [dp=0 pp=1]27.8 [dp=0 pp=2]19.9 [dp=0 pp=3]12.7",
                                                   losses="10.0 8.004 6.0")
-    results[("d26 m=16 PP=4 1f1b", "/new")] = row(121540, 1100.0)
+    results[("d26 m=16 PP=4 1f1b", "/new")] = dict(row(121540, 1100.0), **{"planned GiB": 55.0})
     lines = bench_train.table(configs, trees, results).splitlines()
     pp4 = next(line for line in lines if line.startswith("| d26 m=16 PP=4 1f1b |")).split(" | ")
     ideal = 3438.4 / 4 * (16 + 4 - 1) / 16
     assert pp4[2] == "3.105x one GPU" and pp4[4] == f"{1107.0 / ideal:.3f} (ideal {ideal:,.0f} ms)"
     assert pp4[5] == "35.0 / 27.8 / 19.9 / 12.7 GiB" and pp4[6] == "5.0e-04" and pp4[-1].rstrip(" |") == "1.030"
     assert "MFU" not in lines[0]  # no run measured one: the column is left out
+    assert "| 50.0 GiB (planned 55.0, 1.100x) |" in " | ".join(pp4)  # the new tree's peak against scripts.plan's
 
 
 def test_pipeline_sim_measures_blocks_and_prices_every_schedule(env, tmp_path):

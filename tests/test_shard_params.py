@@ -62,8 +62,7 @@ def test_sharded_dp2_composes(reference, layout):
     assert_planned(run, dp=2, shard_params=True, **layout)
 
 
-@pytest.mark.parametrize("recompute, compile_backend, keep", [("selective", None, True), (None, "aot_eager", False),
-                                                               ("block", "aot_eager", False)])
+@pytest.mark.parametrize("recompute, compile_backend, keep", [("selective", None, True), ("block", "aot_eager", False)])
 def test_sharded_with_recompute_and_compile(reference, recompute, compile_backend, keep):
     """Recompute runs a block's forward again in its backward, with its whole weights put back in place; compiled,
     each block is its own graph and the gathers run between them, with no recompile after the first step."""
