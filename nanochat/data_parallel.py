@@ -81,6 +81,11 @@ class RoundRobin:
         return i % self.W
 
 
+def owned_by_rows(p, size):
+    """Whether an AdamW tensor is shared out by rows over `size` ranks (else it is updated, and held, whole)."""
+    return size > 1 and p.ndim > 0 and p.size(0) % size == 0 and p.numel() >= 1024
+
+
 class GradBucket:
     """Parameters whose gradient reduction is one collective. `launch(bucket)` starts it and returns its work
     handle (None when nothing is in flight)."""
@@ -115,8 +120,7 @@ class DataParallel:
         self.rank = dist.get_rank(group) if group is not None else 0
         self.muon_stacks = muon_stacks
         self.owners = [RoundRobin(len(params), self.size, self.rank) for params in muon_stacks]
-        self.row_params = [p for p in adamw_params if self.size > 1 and p.ndim > 0 and p.size(0) % self.size == 0
-                           and p.numel() >= 1024]
+        self.row_params = [p for p in adamw_params if owned_by_rows(p, self.size)]
         self.by_rows = set(self.row_params)
         self.shard_params, self.weights = shard_params, None
         self.muon_grads = [None] * len(muon_stacks)  # per stack: this rank's summed (rounds, *shape) gradients
@@ -316,31 +320,39 @@ def is_dp_sharded(p):
     return getattr(p, "dp_group", None) is not None
 
 
+def gather_whole(whole, p, async_op=False):
+    """Fill `whole` with sharded parameter p's whole tensor (this TP rank's), in whole's dtype: a Muon matrix
+    broadcast from its owner, an AdamW tensor's rows all-gathered. A collective over the DP group."""
+    if p.dp_owner is None:
+        return dist.all_gather_into_tensor(whole, p.data.to(whole.dtype), group=p.dp_group, async_op=async_op)
+    if dist.get_rank(p.dp_group) == p.dp_owner:
+        whole.copy_(p.data)
+    return dist.broadcast(whole, src=dist.get_global_rank(p.dp_group, p.dp_owner), group=p.dp_group, async_op=async_op)
+
+
 def whole_over_dp(t, p):
-    """A sharded parameter's whole tensor (this TP rank's) from `t`, what this rank holds of it: a collective over
-    the DP group (checkpoints, whole copies of the model). `t` itself where p is not sharded."""
+    """p's whole fp32 tensor (this TP rank's) where p is sharded (checkpoints, whole copies of the model); `t`, what
+    this rank holds of it, where it is not."""
     if not is_dp_sharded(p):
         return t
     whole = torch.empty(p.dp_shape, dtype=t.dtype, device=t.device)
-    if p.dp_owner is None:
-        dist.all_gather_into_tensor(whole, t.contiguous(), group=p.dp_group)
-    else:
-        if dist.get_rank(p.dp_group) == p.dp_owner:
-            whole.copy_(t)
-        dist.broadcast(whole, src=dist.get_global_rank(p.dp_group, p.dp_owner), group=p.dp_group)
+    gather_whole(whole, p)
     return whole
 
 
-def _embedding_types():
+def embedding_types():
+    """The modules whose weight is a lookup table (a lookup's backward needs only the ids, not the table)."""
     from nanochat.tensor_parallel import ColumnParallelEmbedding, VocabParallelEmbedding
     return (nn.Embedding, ColumnParallelEmbedding, VocabParallelEmbedding)
 
 
 class Unit:
     """A module called through ShardedWeights.run: its sharded parameters, where each sits (module, attribute),
-    and whether its backward reads each (an embedding table's does not: a lookup's backward needs only the ids)."""
+    and whether its backward reads each: not an embedding table (a lookup's backward needs only the ids), unless the
+    module's forward runs again in its backward (gpt.Block under --recompute)."""
 
     def __init__(self, module):
+        self.recomputes = getattr(module, "recompute", "none") != "none"
         self.params, self.slots, self.backward_reads = [], [], []
         for name, p in module.named_parameters():
             if is_dp_sharded(p):
@@ -348,8 +360,7 @@ class Unit:
                 owner = module.get_submodule(owner_name)
                 self.params.append(p)
                 self.slots.append((owner, attr))
-                self.backward_reads.append(not isinstance(owner, _embedding_types()))
-        self.recomputes = getattr(module, "recompute", "none") != "none"  # gpt.Block under --recompute
+                self.backward_reads.append(self.recomputes or not isinstance(owner, embedding_types()))
         self.prefetched = None  # a Gathered posted ahead of this unit's next call
 
     def swap(self, tensors):
@@ -380,18 +391,9 @@ class Gathered:
         which = list(which)
         if not which:
             return
-        group = self.weights.group
         self.versions = torch.autograd._unsafe_preserve_version_counter(tuple(self.wholes[i] for i in which))
         self.versions.__enter__()
-        for i in which:
-            p, whole = self.unit.params[i], self.wholes[i]
-            if p.dp_owner is None:
-                self.works.append(dist.all_gather_into_tensor(whole, p.data.to(whole.dtype), group=group, async_op=True))
-            else:
-                if self.weights.rank == p.dp_owner:
-                    whole.copy_(p.data)
-                src = dist.get_global_rank(group, p.dp_owner)
-                self.works.append(dist.broadcast(whole, src=src, group=group, async_op=True))
+        self.works += [gather_whole(self.wholes[i], self.unit.params[i], async_op=True) for i in which]
 
     def wait(self):
         for work in self.works:
@@ -412,13 +414,17 @@ class Gathered:
                 t.untyped_storage().resize_(0)
 
     def unread(self):
-        """The whole tensors no backward reads: embedding tables (a lookup's backward needs only the ids), unless
-        the module's forward runs again in its backward."""
-        return [i for i, reads in enumerate(self.unit.backward_reads) if not (reads or self.unit.recomputes)]
+        """The whole tensors the module's backward does not read (Unit.backward_reads)."""
+        return [i for i, reads in enumerate(self.unit.backward_reads) if not reads]
+
+    def emptied(self):
+        """The whole tensors the backward reads that are empty (to be gathered again)."""
+        return [i for i, reads in enumerate(self.unit.backward_reads)
+                if reads and self.wholes[i].untyped_storage().nbytes() == 0]
 
     def refill(self):
         """Before the backward: the whole tensors it reads, gathered again into the same tensors."""
-        which = [i for i in range(len(self.wholes)) if i not in self.unread() and self.wholes[i].untyped_storage().nbytes() == 0]
+        which = self.emptied()
         for i in which:
             t = self.wholes[i]
             with torch.autograd._unsafe_preserve_version_counter(t):
@@ -426,10 +432,6 @@ class Gathered:
             self.weights.count(t.numel() * t.element_size())
         self.fill(which)
 
-    @property
-    def freed(self):
-        """Whether a tensor the backward reads is empty (to be gathered again)."""
-        return any(self.wholes[i].untyped_storage().nbytes() == 0 for i in range(len(self.wholes)) if i not in self.unread())
 
 
 def feeds(grad_fn, x, depth=4):
@@ -525,7 +527,7 @@ class ShardedWeights:
         chain = self.chain
         gathered.previous = chain if chain is not None and args and feeds(chain.output, args[0]) else None
         gathered.output, self.chain = x.grad_fn, gathered
-        if gathered.freed or unit.recomputes:
+        if gathered.emptied() or unit.recomputes:
             x.register_hook(lambda grad: self.before_backward(gathered))
         return out
 
@@ -533,11 +535,10 @@ class ShardedWeights:
         """A module's backward is about to run: its whole weights gathered again (and the module's before it in the
         forward posted ahead), and under recompute put in place, where the forward that runs again reads them."""
         self.chain = None  # a backward has begun: the next forward starts a new chain
-        if gathered.freed:
-            gathered.refill()
+        gathered.refill()
         gathered.wait()
         previous = gathered.previous
-        if previous is not None and not previous.done and previous.freed:
+        if previous is not None and not previous.done:
             previous.refill()
         if gathered.unit.recomputes:
             gathered.unit.swap(gathered.wholes)

@@ -139,9 +139,9 @@ def rank_memory(config, s):
     from nanochat.common import ConfigError
     from nanochat.optim import muon_stacks
     from nanochat.pipeline_parallel import block_costs, split_stages, stage_actions, peak_in_flight
-    from nanochat.data_parallel import RoundRobin
+    from nanochat.data_parallel import RoundRobin, owned_by_rows, embedding_types
     T = config.sequence_len
-    if T % (2 * s.cp if s.cp > 1 else 1) or s.total_batch % (s.device_batch * T * s.dp):
+    if (s.cp > 1 and T % (2 * s.cp)) or s.total_batch % (s.device_batch * T * s.dp):
         raise ConfigError(f"{s.describe()}: the step ({s.total_batch:,} tokens) is no multiple of device batch x "
                           f"sequence x dp, or the sequence does not cut into 2 x cp chunks")
     m = s.total_batch // (s.device_batch * T * s.dp)  # micro-batches per step
@@ -187,7 +187,7 @@ def rank_memory(config, s):
             if g["kind"] != "adamw":
                 continue
             for p in g["params"]:
-                rows = D > 1 and p.ndim > 0 and p.size(0) % D == 0 and p.numel() >= 1024  # DataParallel's rule
+                rows = owned_by_rows(p, D)
                 weights += p.numel() * 4 // (D if rows and s.shard_params else 1)
                 state += 8 * p.numel() // (D if rows else 1)  # AdamW's two moments: by rows already (ZeRO-2)
                 if rows:
@@ -200,8 +200,7 @@ def rank_memory(config, s):
             # pipeline the gathering posted for its next forward; kept: every micro-batch alive holds the weights its
             # backward reads (all but the embedding tables). And two modules' gradients as their backward makes them
             # (compute dtype) and on their way to the owners (fp32).
-            read = [sum(p.numel() for m in u.modules() if not isinstance(m, torch.nn.Embedding) and
-                        type(m).__name__ not in ("ColumnParallelEmbedding", "VocabParallelEmbedding")
+            read = [sum(p.numel() for m in u.modules() if not isinstance(m, embedding_types())
                         for p in m.parameters(recurse=False) if id(p) in sharded) for u in units]
             freed = (3 if s.pp > 1 else 2) * largest
             gathered = (max(freed, alive[r] * sum(read)) if s.keep_gathered else freed) * dt
