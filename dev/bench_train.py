@@ -18,6 +18,8 @@ The configurations, one set per call:
                     ideal step = one-GPU step / p x (m + p - 1) / m (the bubble of p stages over m micro-batches)
                 CP  d12 at 32,768 tokens a sequence (device batch 4), 262,144-token steps, windows SSSL and L:
                     one GPU, --cp 2
+                DP  d20 over 2 GPUs (device batch 32), 262,144-token steps (two micro-batches a rank, as the
+                    recipe's d20 on 8 GPUs): unsharded (the baseline), --shard-params, and with --keep-gathered
               Every row also gives how far its losses strayed from its baseline's, step by step (the largest
               relative difference): the layouts train on the same batches, so only float order separates them.
 
@@ -30,6 +32,7 @@ The configurations, one set per call:
     python -m dev.bench_train --parallel                        # every layout that fits the GPUs
     python -m dev.bench_train --parallel --gpus 0,1 --only d20  # the d20 layouts on GPUs 0 and 1
     python -m dev.bench_train --parallel --only "32K SSSL"      # context parallel against one GPU
+    python -m dev.bench_train --parallel --only DP=2            # parameter sharding against plain DP
 
 Needs CUDA GPUs (nvidia-smi lists them, or name them with --gpus), data and a tokenizer as base_train does
 (--data-dir / NANOCHAT_DATA_DIR, --base-dir / NANOCHAT_BASE_DIR). fp8 needs torchao and an SM89+ GPU (a run
@@ -121,6 +124,11 @@ def parallel_configs():
         configs.append(Config(one, 12, 4, 262144, steps, warmup, flags))
         configs.append(Config(f"d12 32K {window} CP=2", 12, 4, 262144, steps, warmup, flags + ["--cp", "2"], 2,
                               baseline=one, baseline_name="one GPU"))
+    one = "d20 DP=2"
+    for label, flags in ((one, []), (f"{one} sharded", ["--shard-params"]),
+                         (f"{one} sharded kept", ["--shard-params", "--keep-gathered"])):
+        configs.append(Config(label, 20, 32, 262144, steps, warmup, ["--window-pattern", "L"] + flags, 2,
+                              baseline=one if flags else "", baseline_name="unsharded"))
     return configs
 
 
