@@ -63,9 +63,12 @@ def cpu_memory_error(num_params, config, batch_size, seq_len, training=True):
 
 GIB = 2 ** 30
 # bytes kept for the backward per token, per layer, per unit of model width (bf16, compiled, the CUDA kernels),
-# fitted to measured peaks at d12-d26 (dev/BENCHMARKS.md, "Memory planner"); fp8 keeps FP8_SAVING less
+# fitted to measured peaks at d12-d26 (dev/BENCHMARKS.md, "Memory planner"); fp8 keeps FP8_SAVING less, except
+# under block recompute, where it keeps FP8_BLOCK_EXTRA more: 8.0 at d12 and at d26, what the MLP's ReLU^2 output
+# (4 x width, bf16) would take; the compiled block's saved tensors on the CPU are bf16's, so the cause is not known
 ACTIVATION_BYTES = {"none": 33.0, "selective": 13.2, "block": 11.2}
 FP8_SAVING = 3.0
+FP8_BLOCK_EXTRA = 8.0
 HEAD_BYTES = 1.6  # per token, times the vocabulary (the lm_head and loss's kept tensors; vocab-parallel under TP)
 TP_SHARDED = 24 / 34  # of a layer's activations, the share inside the TP regions (Megatron-LM: 24 of 34 bytes x width)
 # relative tok/s per GPU, measured (dev/BENCHMARKS.md): recompute modes at d20/d26 (one H200), TP=2 at d20/d32 (two
@@ -151,8 +154,9 @@ def rank_memory(config, s):
     D = s.dp * s.cp  # the optimizer's group: gradients are summed, and state (and weights) shared, over DP x CP
     dt = s.compute_bytes  # of a gathered weight (fp8's casts come after the gather)
     width = config.n_embd
-    per_layer = ACTIVATION_BYTES[s.recompute] - (FP8_SAVING * ACTIVATION_BYTES[s.recompute] / ACTIVATION_BYTES["none"]
-                                                 if s.fp8 else 0)
+    per_layer = ACTIVATION_BYTES[s.recompute]
+    if s.fp8:
+        per_layer += FP8_BLOCK_EXTRA if s.recompute == "block" else -FP8_SAVING * per_layer / ACTIVATION_BYTES["none"]
     tp_share = 1 / s.tp if s.sequence_parallel else (1 - TP_SHARDED) + TP_SHARDED / s.tp
     tokens = s.device_batch * T / s.cp
     costs, head_cost = block_costs(model)
