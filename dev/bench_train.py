@@ -188,7 +188,7 @@ def planned_peak(header):
     """scripts.plan's peak for the run (GiB, its worst rank), from the flags and layout its header records; None for
     headers without them (old trees)."""
     from nanochat.gpt import GPTConfig
-    from nanochat.memory import Setting, rank_memory, GIB
+    from nanochat.memory import Setting, worst_rank_peak, GIB
     if "model_config" not in header or "layout" not in header:
         return None
     f, layout = header["flags"], header["layout"]
@@ -197,7 +197,7 @@ def planned_peak(header):
                       shard_params=f.get("shard_params", False), keep_gathered=f.get("keep_gathered", False),
                       device_batch=f["device_batch_size"], total_batch=header["total_batch_size"],
                       recompute=f["recompute"], fp8=header["fp8"])
-    return max(r["total"] for r in rank_memory(GPTConfig.from_dict(header["model_config"]), setting)) / GIB
+    return worst_rank_peak(GPTConfig.from_dict(header["model_config"]), setting) / GIB
 
 
 def append_csv(path, row):

@@ -218,16 +218,23 @@ def rank_memory(config, s):
     return out
 
 
+def worst_rank_peak(config, s):
+    """The largest of the ranks' peaks, in bytes."""
+    return max(r["total"] for r in rank_memory(config, s))
+
+
 def largest_batch(config, s, capacity):
-    """The largest power-of-two device batch with which every rank fits in `capacity` bytes (0: none)."""
+    """The largest power-of-two device batch with which every rank fits in `capacity` bytes, and the worst rank's
+    peak with it ((0, None): none fits)."""
     from nanochat.common import ConfigError
-    best = 0
+    best = (0, None)
     for b in (2 ** i for i in range(12)):
         try:
-            if max(r["total"] for r in rank_memory(config, replace(s, device_batch=b))) <= capacity:
-                best = b
+            peak = worst_rank_peak(config, replace(s, device_batch=b))
         except ConfigError:
             continue
+        if peak <= capacity:
+            best = (b, peak)
     return best
 
 

@@ -53,18 +53,18 @@ def print_setting(config, s, capacity):
     for r, parts in enumerate(ranks):
         print(f"| {r} | " + " | ".join(gib(parts[k]) for k in kinds) +
               f" | {'yes' if parts['total'] <= capacity else 'no'} |")
-    best = largest_batch(config, s, capacity)
+    best, _ = largest_batch(config, s, capacity)
     print(f"largest power-of-two device batch that fits {gib(capacity)} GiB usable: " + (str(best) if best else "none"))
 
 
 def print_candidates(config, gpus, total_batch, fp8, capacity, top):
     rows = []
     for s in candidate_settings(config, gpus, total_batch, fp8):
-        b = largest_batch(config, s, capacity)
+        b, peak = largest_batch(config, s, capacity)
         if b:
             s = replace(s, device_batch=b)
             m = s.total_batch // (b * config.sequence_len * s.dp)
-            rows.append((relative_speed(s, m), -s.tp * s.pp * s.cp, not s.shard_params, b, s))
+            rows.append((relative_speed(s, m), -s.tp * s.pp * s.cp, not s.shard_params, b, s, peak))
     rows.sort(key=lambda r: r[:4], reverse=True)
     if not rows:
         print(f"no layout of {gpus} GPUs fits d{config.n_layer} in {gib(capacity)} GiB a GPU")
@@ -73,8 +73,7 @@ def print_candidates(config, gpus, total_batch, fp8, capacity, top):
           f"factors: an ordering, not a prediction); the first is the suggestion:")
     print("| layout | device batch | peak GiB (worst rank) | relative speed |")
     print("| --- | --- | --- | --- |")
-    for speed, _, _, b, s in rows[:top]:
-        peak = max(r["total"] for r in rank_memory(config, s))
+    for speed, _, _, b, s, peak in rows[:top]:
         print(f"| {s.describe()} | {b} | {gib(peak)} | {speed:.2f} |")
 
 
@@ -94,8 +93,7 @@ def print_comparison(depths, gpu_names, gpus, rest, vocab_size):
                 if config.n_head % tp or config.n_kv_head % tp:
                     cells.append(f"- (TP {tp} does not divide {config.n_head} heads)")
                     continue
-                b = largest_batch(config, s, capacity)
-                peak = max(r["total"] for r in rank_memory(config, replace(s, device_batch=b))) if b else None
+                b, peak = largest_batch(config, s, capacity)
                 cells.append(f"{b} ({gib(peak)})" if b else "none")
             print(f"| d{depth} | {name} | " + " | ".join(cells) + " |")
 
