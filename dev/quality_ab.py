@@ -30,6 +30,13 @@ is removed after.
 
     python -m dev.quality_ab --a-args "--window-pattern=SSSL" --b-args "--window-pattern=SSSL --max-seq-len=8192 \
         --device-batch-size=8" --score "--min-chars=5000 --chars=5000" --gpus 0,0   # 8K against 2K, equal tokens
+
+With --b-from-a-step N, side B does not start from scratch: each B run resumes its A run's checkpoint of step N
+with B's flags and trains the steps after it. The sides then share everything before N (a paired comparison:
+run i of B against run i of A differs only after N), e.g. a context extension for the last 40 of 200 steps:
+
+    python -m dev.quality_ab --a-args "--window-pattern=SSSL" --b-from-a-step 160 --b-args "--window-pattern=SSSL \
+        --max-seq-len=8192 --device-batch-size=8" --score "--min-chars=5000 --chars=5000" --gpus 0,0
 """
 
 import os
@@ -70,6 +77,8 @@ def main(argv=None):
         parser.add_argument(f"--{side}-env", action="append", default=[], metavar="KEY=VALUE",
                             help=f"side {side.upper()}: an environment setting (repeatable)")
         parser.add_argument(f"--{side}-args", type=str, default="", help=f"side {side.upper()}: extra base_train flags, one string")
+    parser.add_argument("--b-from-a-step", type=int, default=-1, metavar="N",
+                        help="each B run resumes its A run's checkpoint of step N with B's flags (-1: B runs from scratch)")
     parser.add_argument("--runs", type=int, default=4, help="runs per side")
     parser.add_argument("--num-iterations", type=int, default=int(runs.flag_value(TRAIN, "--num-iterations")),
                         help="training steps of each run")
@@ -86,11 +95,16 @@ def main(argv=None):
     gpus = [g for g in args.gpus.split(",") if g]
     for s, spec in sides.items():
         print(f"side {s}: {spec['name']}")
+    fork = args.b_from_a_step
+    if fork != -1 and not 0 < fork < args.num_iterations:
+        fail(f"--b-from-a-step {fork} must be a step inside the runs (1 to {args.num_iterations - 1})")
+    saves = f"--save-every={fork}" if fork > 0 else "--save-every=" + ("-1" if args.score else "0")
     flags = [f for f in TRAIN if not f.startswith("--num-iterations=")] + \
-        [f"--num-iterations={args.num_iterations}", "--eval-every=-1", "--save-every=" + ("-1" if args.score else "0")] + \
-        runs.QUIET
+        [f"--num-iterations={args.num_iterations}", "--eval-every=-1", saves] + runs.QUIET
+    tok_from = {"A": TOK_FROM_STEP, "B": TOK_FROM_STEP + max(fork, 0)}
 
-    queue = [(s, i) for i in range(args.runs) for s in ("A", "B")]  # alternate, so that drift hits both sides alike
+    # alternate, so that drift hits both sides alike; a forked B run is queued when its A run has saved step N
+    queue = [(s, i) for i in range(args.runs) for s in ("A", "B") if s == "A" or fork == -1]
     running = {}  # slot (an index into gpus) -> (side, run index, job)
     results = {"A": [], "B": []}  # (val bpb, median tok/s, run index, equal-bytes bpb or None)
     while queue or running:
@@ -98,7 +112,8 @@ def main(argv=None):
             if slot not in running and queue:
                 s, i = queue.pop(0)
                 spec = sides[s]
-                job = runs.start(flags + spec["extra"], f"quality_ab_{s}{i}", tree=spec["tree"],
+                resume = [f"--resume-from-step={fork}"] if s == "B" and fork > 0 else []
+                job = runs.start(flags + spec["extra"] + resume, f"quality_ab_{s}{i}", tree=spec["tree"],
                                  env={**runs.data_env(args), **spec["env"]}, gpus=[gpu], timeout=args.timeout,
                                  log=os.path.join(args.log_dir, f"{s}{i}.log"))
                 print(f"== {s}{i} on GPU {gpu}: {' '.join(job.cmd[1:])} (in {spec['tree']}; log {job.log_path})", flush=True)
@@ -107,10 +122,14 @@ def main(argv=None):
         for slot in [k for k, (_, _, job) in running.items() if job.done()]:
             s, i, job = running.pop(slot)
             try:
-                summary = runs.summary(job.run(), TOK_FROM_STEP)
+                summary = runs.summary(job.run(), tok_from[s])
             except runs.RunFailed as e:
                 print(f"   {s}{i}: failed: {e}", flush=True)
                 continue
+            if s == "A" and fork > 0:  # B's run i starts from this one's step N, in a folder of its own
+                copy_step(checkpoint_folder(args, sides["A"], job.model_tag),
+                          checkpoint_folder(args, sides["B"], f"quality_ab_B{i}"), fork)
+                queue.insert(0, ("B", i))
             if summary["val_bpb"] is None:
                 print(f"   {s}{i}: failed: no val bpb recorded (see {job.log_path})", flush=True)
                 continue
@@ -142,15 +161,41 @@ def main(argv=None):
             wins = sum((y < x) + 0.5 * (y == x) for x in a for y in b) / (len(a) * len(b))
             print(f"\nB - A ({what}): median {statistics.median(b) - statistics.median(a):+.4f}; "
                   f"a B run is lower than an A run in {wins:.0%} of the {len(a) * len(b)} pairs")
+        if fork > 0:  # B's run i continues A's run i: their difference is the effect, without the run-to-run spread
+            by_run = {s: {r[2]: r[column] for r in results[s] if r[column] is not None} for s in ("A", "B")}
+            pairs = [by_run["B"][i] - by_run["A"][i] for i in sorted(by_run["B"]) if i in by_run["A"]]
+            if pairs:
+                print(f"B run i - A run i ({what}): {', '.join(f'{d:+.4f}' for d in pairs)}; median "
+                      f"{statistics.median(pairs):+.4f}")
+
+
+def base_dir_of(args, spec):
+    from nanochat.common import get_base_dir
+    env = {**os.environ, **runs.data_env(args), **spec["env"]}
+    return env.get("NANOCHAT_BASE_DIR") or get_base_dir()
+
+
+def checkpoint_folder(args, spec, model_tag):
+    return os.path.join(base_dir_of(args, spec), "base_checkpoints", model_tag)
+
+
+def copy_step(src, dst, step):
+    """Step `step`'s checkpoint files and the metrics up to it, from one run's folder into a new one."""
+    shutil.rmtree(dst, ignore_errors=True)
+    os.makedirs(dst)
+    names = [n for n in os.listdir(src) if f"_{step:06d}" in n] + ["metrics.jsonl"]
+    if not any(n.startswith("meta_") for n in names):
+        fail(f"{src} holds no checkpoint of step {step} to continue from")
+    for name in names:
+        shutil.copy2(os.path.join(src, name), dst)
 
 
 def score(args, spec, job, gpu):
     """The run's final checkpoint scored by dev/score_bpb.py with --score's flags on the validation shard (the last
     of the data), then removed; None (with the reason printed) where scoring failed."""
     env = {**os.environ, **runs.data_env(args), **spec["env"], "CUDA_VISIBLE_DEVICES": str(gpu)}
-    from nanochat.common import get_base_dir
     from nanochat.dataset import list_parquet_files, resolve_data_dir
-    base_dir = env.get("NANOCHAT_BASE_DIR") or get_base_dir()
+    base_dir = base_dir_of(args, spec)
     ckpt = os.path.join(base_dir, "base_checkpoints", job.model_tag)
     val = list_parquet_files(resolve_data_dir(env.get("NANOCHAT_DATA_DIR"), quiet=True))[-1]
     cmd = [sys.executable, os.path.join(runs.REPO, "dev", "score_bpb.py"), "--harness", "ours", "--root", spec["tree"],

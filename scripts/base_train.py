@@ -14,6 +14,10 @@ The recipe (derive_recipe; printed at start):
   schedule LR: 40-step warmup, flat, linear warmdown over the last 65% to 5%; Muon momentum 0.85 -> 0.97 over 400
            steps, then -> 0.90 during warmdown; Muon wd cosine-decayed to 0
 
+Context extension: train at a short --max-seq-len with --stop-at-step N, then resume from step N with a longer
+one (and a device batch that keeps the step's tokens): the schedule, batch, optimizer state and data position go
+on; the windows follow the new context (S = a quarter of it).
+
 main() reads top to bottom: flags, processes, config, recipe, flag checks, setup (training.py, shared with the
 tests and dev tools), the loop (a row of "once in a while" blocks before each step), the summary. Errors the user
 can fix stop the run with one line, in main(); a stop request or a data error mid-run saves the step first.
@@ -28,7 +32,7 @@ import atexit
 import difflib
 import argparse
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -52,7 +56,8 @@ from nanochat import training
 UNTIMED_STEPS = 10  # each launch's first steps include compilation: left out of the training time
 B_REF = 2 ** 19  # the reference batch (tokens) at which LRs and weight decay were tuned (d12)
 # flags that shape the schedule, the batch and the data: a resumed run must give the ones of the saved run
-RECIPE_FLAGS = ["max_seq_len", "num_iterations", "target_flops", "target_param_data_ratio", "total_batch_size",
+# (--max-seq-len may change: context extension, see model_config)
+RECIPE_FLAGS = ["num_iterations", "target_flops", "target_param_data_ratio", "total_batch_size",
                 "embedding_lr", "unembedding_lr", "matrix_lr", "scalar_lr", "weight_decay", "warmup_steps",
                 "warmdown_ratio", "final_lr_frac", "keep_remainder"]
 LRS = training.LearningRates()
@@ -72,7 +77,7 @@ def parse_args(argv=None):
     add("--aspect-ratio", type=int, default=64, help="model_dim = depth * aspect_ratio (rounded up to head_dim)")
     add("--head-dim", type=int, default=128, help="attention head dimension")
     add("--n-kv-head", type=int, default=0, help="key/value heads for GQA (0 = as many as query heads)")
-    add("--max-seq-len", type=int, default=2048, help="context length")
+    add("--max-seq-len", type=int, default=2048, help="context length (a resume may lengthen it: context extension)")
     add("--window-pattern", type=str, default="SSSL", help="sliding windows tiled over layers: S=quarter context, L=full")
     # horizon
     add("--num-iterations", type=int, default=-1, help="optimizer steps (-1 = from flops or ratio)")
@@ -102,6 +107,8 @@ def parse_args(argv=None):
     add("--save-every", type=int, default=-1, help="checkpoint every N steps (-1 = only at the end, 0 = never)")
     add("--keep-last", type=int, default=-1, help="keep only the newest N checkpoints of the model tag (-1 = all)")
     add("--resume-from-step", type=int, default=-1, help="resume from this checkpoint step (-1 = start fresh)")
+    add("--stop-at-step", type=int, default=-1, help="save at this step and stop, the schedule unchanged (-1 = run to "
+                                                     "the end); e.g. to resume from it with a longer --max-seq-len")
     add("--resume-on-new-data", action="store_true", help="resume although the data folder's shards differ from "
                                                           "those the checkpoint was trained on, reading them from the start")
     add("--model-tag", type=str, default=None, help="checkpoint folder name (default: d<depth>)")
@@ -151,9 +158,10 @@ def parse_args(argv=None):
 
 
 def model_config(args, vocab_size, resume_meta):
-    """The GPTConfig of the run: the checkpoint's when resuming, else from --depth and the model flags."""
+    """The GPTConfig of the run: the checkpoint's when resuming (with --max-seq-len's context: the weights hold
+    no length, the windows and rotary tables follow it), else from --depth and the model flags."""
     if resume_meta is not None:
-        return GPTConfig.from_dict(resume_meta["model_config"])
+        return replace(GPTConfig.from_dict(resume_meta["model_config"]), sequence_len=args.max_seq_len)
     try:
         l3_layers = tuple(sorted({int(s) for s in args.l3_after_layers.split(",") if s.strip()}))
     except ValueError:
@@ -177,16 +185,18 @@ class Recipe:
     param_counts: dict
 
 
-def derive_recipe(args, config):
-    """The scaling-law formulas of the module docstring."""
+def derive_recipe(args, config, start_len):
+    """The scaling-law formulas of the module docstring. The horizon and batch are those of the context the run
+    started with (start_len), so that a context extension leaves the schedule as it was."""
     with torch.device("meta"):
         model = GPT(config)
+        started = model if start_len == config.sequence_len else GPT(replace(config, sequence_len=start_len))
         reference = GPT(config_for_depth(12, args.aspect_ratio, args.head_dim, config.vocab_size, args.max_seq_len,
                                          args.window_pattern))
     num_scaling_params, flops_per_token = model.num_scaling_params(), model.estimate_flops()
     d_ref = args.target_param_data_ratio * reference.num_scaling_params()
     if args.target_flops > 0:
-        d_opt, source = args.target_flops / flops_per_token, f"--target-flops {args.target_flops:.3g}"
+        d_opt, source = args.target_flops / started.estimate_flops(), f"--target-flops {args.target_flops:.3g}"
     else:
         d_opt = args.target_param_data_ratio * num_scaling_params
         source = f"ratio {args.target_param_data_ratio} x {num_scaling_params:,} scaling params"
@@ -208,6 +218,12 @@ def check_flags(args, config, recipe, layout, device, resume_meta):
         raise ConfigError(f"--device-batch-size must be at least 1 (got {args.device_batch_size})")
     if args.core_metric_max_per_task == 0 or args.core_metric_max_per_task < -1:
         raise ConfigError("--core-metric-max-per-task must be a positive number of items, or -1 for all")
+    start_step = max(args.resume_from_step, 0)
+    if args.stop_at_step != -1 and args.stop_at_step <= start_step:
+        raise ConfigError(f"--stop-at-step {args.stop_at_step} is not after the step this run starts at ({start_step}): "
+                          f"give a later step, or -1 to run to the end")
+    if args.stop_at_step != -1 and args.save_every == 0:
+        raise ConfigError("--stop-at-step saves the step it stops at: it cannot go with --save-every 0")
     if args.keep_last == 0 or args.keep_last < -1:
         raise ConfigError("--keep-last must be a positive number of checkpoints, or -1 to keep all")
     if any(not 0 <= i < config.n_layer for i in config.l3_after_layers):
@@ -293,14 +309,31 @@ def start(args, layout, device):
         ckpt.check_tokenizer(resume_meta, tokenizer, ckpt_dir)
         new_data = check_data_unchanged(args, data_dir, data_listing, resume_meta)
     config = model_config(args, tokenizer.get_vocab_size(), resume_meta)
-    recipe = derive_recipe(args, config)
+    contexts = context_lengths(config, resume_meta)
+    recipe = derive_recipe(args, config, contexts[0][1])
     grad_accum = check_flags(args, config, recipe, layout, device, resume_meta)
     if resume_meta is not None:
         print0(f"resuming from step {args.resume_from_step} of {ckpt_dir}")
     print_plan(args, config, recipe, layout, grad_accum)
     take_lock(layout, device, ckpt_dir)  # before anything is written there
-    return Run(args, layout, device, dtype, tokenizer, data_dir, data_listing, ckpt_dir, config, recipe, grad_accum,
-               resume_meta, new_data, watch)
+    return Run(args, layout, device, dtype, tokenizer, data_dir, data_listing, ckpt_dir, config, contexts, recipe,
+               grad_accum, resume_meta, new_data, watch)
+
+
+def context_lengths(config, resume_meta):
+    """[[step, context length from that step on], ...]: the run's context history, one entry more where this resume
+    changes --max-seq-len (a context extension; the line printed says what changes with it)."""
+    if resume_meta is None:
+        return [[0, config.sequence_len]]
+    saved, loop = resume_meta["model_config"]["sequence_len"], resume_meta.get("loop_state", {})
+    step, history = loop.get("step", 0), loop.get("context_lengths", [[0, saved]])
+    if config.sequence_len == saved:
+        return history
+    windows = lambda c: "/".join(f"{w:,}" for w in sorted(set(window_sizes(c))))
+    print0(f"context extension at step {step}: {saved:,} -> {config.sequence_len:,} tokens a sequence (windows "
+           f"{windows(replace(config, sequence_len=saved))} -> {windows(config)}); the schedule, batch, optimizer "
+           f"state and data position go on")
+    return [h for h in history if h[0] < step] + [[step, config.sequence_len]]
 
 
 def take_lock(layout, device, ckpt_dir):
@@ -337,10 +370,11 @@ def check_data_unchanged(args, data_dir, data_listing, resume_meta):
 class Run:
     """One training process: its Trainer and data, the loop state, and the periodic work at each step boundary."""
 
-    def __init__(self, args, layout, device, dtype, tokenizer, data_dir, data_listing, ckpt_dir, config, recipe,
+    def __init__(self, args, layout, device, dtype, tokenizer, data_dir, data_listing, ckpt_dir, config, contexts, recipe,
                  grad_accum, resume_meta, new_data, watch):
         self.args, self.layout, self.device, self.tokenizer, self.data_dir = args, layout, device, tokenizer, data_dir
         self.ckpt_dir, self.config, self.recipe, self.grad_accum, self.watch = ckpt_dir, config, recipe, grad_accum, watch
+        self.contexts = contexts
         self.schedule = training.Schedule(recipe.num_iterations, recipe.weight_decay, args.warmup_steps,
                                           args.warmdown_ratio, args.final_lr_frac)
         s = recipe.lr_scale
@@ -448,7 +482,7 @@ class Run:
             if self.eval_steps and (final or self.due(args.eval_every, final)):
                 self.guarded("validation", self.evaluate_val)
             self.watch.collective("stop-flag all-reduce (all ranks)")
-            if stop_agreed(self.device):
+            if stop_agreed(self.device) or (self.step == args.stop_at_step and not final):
                 raise Interrupted()
             if args.save_every != 0 and (final or (self.due(args.save_every, final) and self.step != args.resume_from_step)):
                 self.save()
@@ -506,7 +540,7 @@ class Run:
         self.watch.phase("checkpoint save (state gathers, barriers)", self.step)
         loop_state = {"step": self.step, "smooth_loss": self.smooth_loss, "total_time": self.total_time,
                       "min_val_bpb": self.min_val_bpb, "spike_window": self.spikes.history,
-                      "spike_count": self.spike_count, "new_data_at": self.new_data_at}
+                      "spike_count": self.spike_count, "new_data_at": self.new_data_at, "context_lengths": self.contexts}
         meta = {"model_config": self.config.to_dict(), "user_config": vars(self.args), "tokenizer_hash": self.tokenizer.hash,
                 "loop_state": loop_state, "tokens_seen": self.step * self.recipe.total_batch_size,
                 "data_listing": self.data_listing}
@@ -679,6 +713,7 @@ class Run:
                 "minimum validation bpb": measured(self.min_val_bpb, float),
                 "training time (min)": round(self.training_time()[0] / 60, 3), "tok/sec (last step)": round(self.tok_per_sec),
                 "spikes (loss or grad norm)": self.spike_count,
+                "context (tokens)": ", then ".join(f"{n:,}" + (f" from step {s}" if s else "") for s, n in self.contexts),
                 "data": "the same shards throughout" if not self.new_data_at else
                         f"new shards from step {', '.join(map(str, self.new_data_at))} on (--resume-on-new-data)",
                 "mfu (%)": round(self.mfu, 2) if self.mfu is not None else "n/a",

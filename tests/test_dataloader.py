@@ -58,6 +58,18 @@ def test_exact_resume_from_state(tokenizer, keep_remainder):
         assert np.array_equal(q.next_block(), e)
 
 
+def test_state_resumes_at_another_row_length(tokenizer):
+    """A context extension resumes a state saved at one row length at another: the state holds documents, not
+    rows, so the longer rows go on with the same buffered documents and the next row groups."""
+    p = packer(tokenizer, keep_remainder=True)  # cropped pieces (offset > 0) in the buffer too
+    for _ in range(3):
+        p.next_block()
+    q = BestFitPacker(tokenizer, 1, 4 * T, "train", SAMPLE_DIR, buffer_docs=64, keep_remainder=True, state=p.state())
+    assert q.g == p.g and q.refs == p.refs and any(offset > 0 for _, _, offset in q.refs)
+    assert all(np.array_equal(a, b) for a, b in zip(q.docs, p.docs))
+    assert q.next_block().shape == (1, 4 * T + 1)
+
+
 def test_keep_remainder_crops_nothing(tokenizer):
     p = packer(tokenizer, keep_remainder=True)
     for _ in range(5):

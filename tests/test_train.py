@@ -158,12 +158,40 @@ def test_resume_with_other_recipe_is_refused(env):
     assert p.returncode != 0 and "--num-iterations was 2, now 3" in p.stdout and "Traceback" not in p.stderr
 
 
+def test_context_extension_goes_on_with_the_schedule_at_a_longer_context(env):
+    """--stop-at-step, then a resume with a longer --max-seq-len: the horizon (here from --target-flops, whose
+    FLOPs per token grow with the context) and the schedule stay, the windows and the checkpoint follow."""
+    flops = 1278480 * 512 * 6  # 6 steps of 512 tokens of this model at context 256 (5 at 512, were it re-derived)
+    args = TRAIN + ["--target-flops", str(flops), "--model-tag", "extend", "--eval-every", "-1", "--window-pattern", "SL"]
+    short = ["--max-seq-len", "256", "--device-batch-size", "2"]
+    p = run_script("scripts.base_train", args + short + ["--stop-at-step", "3"], env)
+    assert "training from step 0 to 6" in p.stdout
+    assert p.stdout.splitlines()[-1] == "stopped: saved step 3: resume with --resume-from-step 3", p.stdout[-500:]
+    folder = ckpt_dir(env, "extend")
+    assert sorted(f for f in os.listdir(folder) if f.startswith("meta_")) == ["meta_000003.json"]
+    refused = run_script("scripts.base_train", args + short + ["--resume-from-step", "3", "--stop-at-step", "3"], env,
+                         check=False)
+    assert refused.returncode != 0 and "--stop-at-step 3 is not after the step this run starts at (3)" in refused.stdout
+    r = run_script("scripts.base_train", args + ["--max-seq-len", "512", "--device-batch-size", "1",
+                                                 "--resume-from-step", "3"], env)
+    assert ("context extension at step 3: 256 -> 512 tokens a sequence (windows 128/256 -> 128/512); the schedule, "
+            "batch, optimizer state and data position go on") in r.stdout
+    assert "training from step 3 to 6" in r.stdout and "Validation bpb:" in r.stdout
+    losses = run_losses(env, "extend")
+    assert sorted(losses) == list(range(6)) and max(losses[s] for s in (3, 4, 5)) < losses[0]  # it goes on learning
+    meta = json.load(open(os.path.join(folder, "meta_000006.json")))
+    assert meta["model_config"]["sequence_len"] == 512
+    assert meta["loop_state"]["context_lengths"] == [[0, 256], [3, 512]]
+
+
 def test_bad_flags_are_clear_errors(env):
     cases = [(["--l3-after-layers", "4,x"], "must be comma-separated block indices"),
              (["--l3-after-layers", "7"], "block indices must be in 0..1"),
              (["--tp", "2"], "need 2 processes"),
              (["--device-batch-size", "0"], "--device-batch-size must be at least 1"),
-             (["--head-dim", "0"], "--head-dim (0) positive")]
+             (["--head-dim", "0"], "--head-dim (0) positive"),
+             (["--stop-at-step", "0"], "--stop-at-step 0 is not after the step this run starts at (0)"),
+             (["--stop-at-step", "1", "--save-every", "0"], "--stop-at-step saves the step it stops at")]
     procs = [subprocess.Popen([sys.executable, "-m", "scripts.base_train"] + TRAIN + ["--num-iterations", "1"] + flags,
                               cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for flags, _ in cases]  # at once: each is mostly the interpreter starting
