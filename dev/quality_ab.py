@@ -26,7 +26,11 @@ Sides that evaluate on different rows (another --max-seq-len packs and crops the
 are compared on the same bytes with --score "SCORE_BPB FLAGS": each run keeps its final checkpoint, which
 dev/score_bpb.py scores on the validation shard (the last of the data) with those flags, e.g. "--min-chars=5000
 --chars=5000" (the first 5,000 characters of every document that has them, one document a row); the checkpoint
-is removed after.
+is removed after. --score may be given several times (each its own table); the scorer's whole printout, with its
+loss by position in the document, goes to the log folder beside the run's log. The bytes are the same for both
+sides as long as no document is cut to fit a model's context (said per run where one is: documents longer than
+the shorter context are compared by their loss at each position, in those printouts). Scoring runs beside the training
+runs, on the GPU its run trained on.
 
     python -m dev.quality_ab --a-args "--window-pattern=SSSL" --b-args "--window-pattern=SSSL --max-seq-len=8192 \
         --device-batch-size=8" --score "--min-chars=5000 --chars=5000" --gpus 0,0   # 8K against 2K, equal tokens
@@ -47,6 +51,7 @@ import shlex
 import shutil
 import statistics
 import subprocess
+import concurrent.futures
 
 from dev import runs
 from nanochat.common import fail
@@ -84,8 +89,8 @@ def main(argv=None):
                         help="training steps of each run")
     parser.add_argument("--gpus", type=str, default="0", help="comma-separated GPU indices; one run per index at a time "
                                                               "(an index named twice runs two)")
-    parser.add_argument("--score", type=str, default=None, metavar="SCORE_BPB_FLAGS",
-                        help="also score each run's final checkpoint with dev/score_bpb.py and these flags")
+    parser.add_argument("--score", action="append", default=[], metavar="SCORE_BPB_FLAGS",
+                        help="also score each run's final checkpoint with dev/score_bpb.py and these flags (repeatable)")
     runs.add_data_args(parser)
     parser.add_argument("--log-dir", type=str, default="quality_ab_logs", help="where each run's output goes")
     parser.add_argument("--timeout", type=int, default=1200, help="seconds one run may take")
@@ -106,7 +111,8 @@ def main(argv=None):
     # alternate, so that drift hits both sides alike; a forked B run is queued when its A run has saved step N
     queue = [(s, i) for i in range(args.runs) for s in ("A", "B") if s == "A" or fork == -1]
     running = {}  # slot (an index into gpus) -> (side, run index, job)
-    results = {"A": [], "B": []}  # (val bpb, median tok/s, run index, equal-bytes bpb or None)
+    results = {"A": [], "B": []}  # [val bpb, median tok/s, run index, equal-bytes bpbs (None where failed)]
+    scoring = concurrent.futures.ThreadPoolExecutor(max_workers=len(gpus))  # beside the runs: each is one process
     while queue or running:
         for slot, gpu in enumerate(gpus):
             if slot not in running and queue:
@@ -134,18 +140,23 @@ def main(argv=None):
                 print(f"   {s}{i}: failed: no val bpb recorded (see {job.log_path})", flush=True)
                 continue
             tok = summary["tok_per_sec"]
-            scored = score(args, sides[s], job, gpus[slot]) if args.score else None
-            results[s].append((summary["val_bpb"], tok, i, scored))
+            scored = scoring.submit(score, args, sides[s], job, gpus[slot]) if args.score else None
+            results[s].append([summary["val_bpb"], tok, i, scored])
             print(f"   {s}{i}: val bpb {summary['val_bpb']:.6f} (epoch {summary['epoch']}), "
-                  f"{f'{tok:,.0f}' if tok else '?'} tok/s" + (f", equal-bytes bpb {scored:.6f}" if scored else ""),
-                  flush=True)
+                  f"{f'{tok:,.0f}' if tok else '?'} tok/s", flush=True)
+    for s in results:
+        for r in results[s]:
+            r[3] = r[3].result() if r[3] is not None else []
+            if r[3]:
+                print(f"   {s}{r[2]}: equal-bytes bpb " + ", ".join(f"{v:.6f}" if v else "failed" for v in r[3]))
 
-    measures = [(0, "val bpb")] + ([(3, f"equal-bytes bpb ({args.score})")] if args.score else [])
+    measures = [(lambda r: r[0], "val bpb")] + [(lambda r, k=k: r[3][k], f"equal-bytes bpb ({flags})")
+                                                  for k, flags in enumerate(args.score)]
     for column, what in measures:
         print(f"\n| side | runs | {what} (each run) | median | spread (min - max) | mean +- stdev | tok/s (median of runs) |")
         print("| --- | --- | --- | --- | --- | --- | --- |")
         for s, spec in sides.items():
-            vals = [r[column] for r in sorted(results[s], key=lambda r: r[2]) if r[column] is not None]
+            vals = [column(r) for r in sorted(results[s], key=lambda r: r[2]) if column(r) is not None]
             if not vals:
                 print(f"| {s}: {spec['name']} | 0 | all failed | | | | |")
                 continue
@@ -154,15 +165,15 @@ def main(argv=None):
             print(f"| {s}: {spec['name']} | {len(vals)} | {', '.join(f'{v:.4f}' for v in vals)} | "
                   f"{statistics.median(vals):.4f} | {min(vals):.4f} - {max(vals):.4f} | {statistics.mean(vals):.4f} +- "
                   f"{sd:.4f} | {f'{statistics.median(toks):,.0f}' if toks else ''} |")
-        a = [r[column] for r in results["A"] if r[column] is not None]
-        b = [r[column] for r in results["B"] if r[column] is not None]
+        a = [column(r) for r in results["A"] if column(r) is not None]
+        b = [column(r) for r in results["B"] if column(r) is not None]
         if a and b:
             # how often a B run is below an A run, over all pairs (0.5 = no difference; ties count half)
             wins = sum((y < x) + 0.5 * (y == x) for x in a for y in b) / (len(a) * len(b))
             print(f"\nB - A ({what}): median {statistics.median(b) - statistics.median(a):+.4f}; "
                   f"a B run is lower than an A run in {wins:.0%} of the {len(a) * len(b)} pairs")
         if fork > 0:  # B's run i continues A's run i: their difference is the effect, without the run-to-run spread
-            by_run = {s: {r[2]: r[column] for r in results[s] if r[column] is not None} for s in ("A", "B")}
+            by_run = {s: {r[2]: column(r) for r in results[s] if column(r) is not None} for s in ("A", "B")}
             pairs = [by_run["B"][i] - by_run["A"][i] for i in sorted(by_run["B"]) if i in by_run["A"]]
             if pairs:
                 print(f"B run i - A run i ({what}): {', '.join(f'{d:+.4f}' for d in pairs)}; median "
@@ -191,23 +202,32 @@ def copy_step(src, dst, step):
 
 
 def score(args, spec, job, gpu):
-    """The run's final checkpoint scored by dev/score_bpb.py with --score's flags on the validation shard (the last
-    of the data), then removed; None (with the reason printed) where scoring failed."""
+    """The run's final checkpoint scored by dev/score_bpb.py with each --score's flags on the validation shard (the
+    last of the data), then removed: [bpb, or None (the reason printed) where scoring failed]; each printout is
+    kept in <log dir>/<run>.score<k>.txt."""
     env = {**os.environ, **runs.data_env(args), **spec["env"], "CUDA_VISIBLE_DEVICES": str(gpu)}
     from nanochat.dataset import list_parquet_files, resolve_data_dir
     base_dir = base_dir_of(args, spec)
     ckpt = os.path.join(base_dir, "base_checkpoints", job.model_tag)
     val = list_parquet_files(resolve_data_dir(env.get("NANOCHAT_DATA_DIR"), quiet=True))[-1]
     cmd = [sys.executable, os.path.join(runs.REPO, "dev", "score_bpb.py"), "--harness", "ours", "--root", spec["tree"],
-           "--checkpoint-dir", ckpt, "--tokenizer-dir", os.path.join(base_dir, "tokenizer"), "--val", val] + \
-        shlex.split(args.score)
-    p = subprocess.run(cmd, cwd=spec["tree"], env=env, capture_output=True, text=True, timeout=args.timeout)
+           "--checkpoint-dir", ckpt, "--tokenizer-dir", os.path.join(base_dir, "tokenizer"), "--val", val]
+    scores = []
+    for k, flags in enumerate(args.score):
+        p = subprocess.run(cmd + shlex.split(flags), cwd=spec["tree"], env=env, capture_output=True, text=True,
+                           timeout=args.timeout)
+        with open(os.path.splitext(job.log_path)[0] + f".score{k}.txt", "w") as f:
+            f.write(p.stdout + p.stderr)
+        m = re.search(r"SCORE bpb=([\d.]+)", p.stdout)
+        if p.returncode != 0 or not m:
+            print(f"   scoring {job.model_tag} ({flags}) failed: {(p.stdout + p.stderr).strip().splitlines()[-3:]}",
+                  flush=True)
+        scores.append(float(m.group(1)) if p.returncode == 0 and m else None)
+        cut = re.search(r"docs=(\d+) fitted=(\d+)", p.stdout)
+        if cut and int(cut.group(2)):
+            print(f"   {job.model_tag} ({flags}): {cut.group(2)} of {cut.group(1)} documents cut to its context", flush=True)
     shutil.rmtree(ckpt, ignore_errors=True)
-    m = re.search(r"SCORE bpb=([\d.]+)", p.stdout)
-    if p.returncode != 0 or not m:
-        print(f"   scoring {job.model_tag} failed: {(p.stdout + p.stderr).strip().splitlines()[-3:]}", flush=True)
-        return None
-    return float(m.group(1))
+    return scores
 
 
 if __name__ == "__main__":
