@@ -88,7 +88,7 @@ def load(args, device):
     return model, tokenizer, meta["model_config"]["sequence_len"]  # upstream casts to its COMPUTE_DTYPE itself
 
 
-POSITION_EDGES = (0, 128, 512, 1024, 1536)  # the loss-by-position buckets, in tokens from the document's start
+POSITION_EDGES = (0, 128, 512, 1024, 1536, 2048, 4096)  # the loss-by-position buckets, in tokens from the document's start
 
 
 def rows_of(docs, seq_len, packed):
