@@ -40,7 +40,7 @@ def model_figures(depth):
     defaults (its recipe: derive_recipe)."""
     args = base_train.parse_args([f"--depth={depth}"])
     config = base_train.model_config(args, VOCAB, None)
-    recipe = base_train.derive_recipe(args, config, config.sequence_len)
+    recipe = base_train.derive_recipe(args, config)
     with torch.device("meta"):
         model = GPT(config)
     muon = adamw = 0

@@ -54,6 +54,7 @@ from nanochat import report
 from nanochat import training
 
 UNTIMED_STEPS = 10  # each launch's first steps include compilation: left out of the training time
+DEFAULT_SEQ_LEN = 2048
 B_REF = 2 ** 19  # the reference batch (tokens) at which LRs and weight decay were tuned (d12)
 # flags that shape the schedule, the batch and the data: a resumed run must give the ones of the saved run
 # (--max-seq-len may change: context extension, see model_config)
@@ -77,7 +78,8 @@ def parse_args(argv=None):
     add("--aspect-ratio", type=int, default=64, help="model_dim = depth * aspect_ratio (rounded up to head_dim)")
     add("--head-dim", type=int, default=128, help="attention head dimension")
     add("--n-kv-head", type=int, default=0, help="key/value heads for GQA (0 = as many as query heads)")
-    add("--max-seq-len", type=int, default=2048, help="context length (a resume may lengthen it: context extension)")
+    add("--max-seq-len", type=int, default=None, help=f"context length (default {DEFAULT_SEQ_LEN}; a resume: the "
+                                                      f"checkpoint's, and a longer one extends it)")
     add("--window-pattern", type=str, default="SSSL", help="sliding windows tiled over layers: S=quarter context, L=full")
     # horizon
     add("--num-iterations", type=int, default=-1, help="optimizer steps (-1 = from flops or ratio)")
@@ -150,6 +152,8 @@ def parse_args(argv=None):
         hints = [f"{u} (did you mean {' or '.join(near)}?)" if (near := difflib.get_close_matches(u.split("=")[0], flags, 2))
                  else u for u in unknown]
         parser.exit(2, f"base_train: error: unrecognized arguments: {', '.join(hints)}; see --help\n")
+    if args.max_seq_len is None and args.resume_from_step < 0:
+        args.max_seq_len = DEFAULT_SEQ_LEN  # a resume takes the checkpoint's (start)
     return args
 
 
@@ -185,12 +189,12 @@ class Recipe:
     param_counts: dict
 
 
-def derive_recipe(args, config, start_len):
+def derive_recipe(args, config, start_len=None):
     """The scaling-law formulas of the module docstring. The horizon and batch are those of the context the run
-    started with (start_len), so that a context extension leaves the schedule as it was."""
+    started with (start_len, if not config's), so that a context extension leaves the schedule as it was."""
     with torch.device("meta"):
         model = GPT(config)
-        started = model if start_len == config.sequence_len else GPT(replace(config, sequence_len=start_len))
+        started = model if start_len in (None, config.sequence_len) else GPT(replace(config, sequence_len=start_len))
         reference = GPT(config_for_depth(12, args.aspect_ratio, args.head_dim, config.vocab_size, args.max_seq_len,
                                          args.window_pattern))
     num_scaling_params, flops_per_token = model.num_scaling_params(), model.estimate_flops()
@@ -306,6 +310,8 @@ def start(args, layout, device):
     resume_meta, new_data = None, False
     if args.resume_from_step >= 0:
         resume_meta = ckpt.load_meta(ckpt_dir, args.resume_from_step)
+        if args.max_seq_len is None:  # not given: the checkpoint's context
+            args.max_seq_len = resume_meta["model_config"]["sequence_len"]
         ckpt.check_tokenizer(resume_meta, tokenizer, ckpt_dir)
         new_data = check_data_unchanged(args, data_dir, data_listing, resume_meta)
     config = model_config(args, tokenizer.get_vocab_size(), resume_meta)
@@ -329,6 +335,9 @@ def context_lengths(config, resume_meta):
     step, history = loop.get("step", 0), loop.get("context_lengths", [[0, saved]])
     if config.sequence_len == saved:
         return history
+    if config.sequence_len < saved:
+        raise ConfigError(f"--max-seq-len {config.sequence_len} is shorter than step {step}'s context ({saved}): a "
+                          f"resume may lengthen the context, not shorten it (leave --max-seq-len out to keep {saved})")
     windows = lambda c: "/".join(f"{w:,}" for w in sorted(set(window_sizes(c))))
     print0(f"context extension at step {step}: {saved:,} -> {config.sequence_len:,} tokens a sequence (windows "
            f"{windows(replace(config, sequence_len=saved))} -> {windows(config)}); the schedule, batch, optimizer "

@@ -182,6 +182,13 @@ def test_context_extension_goes_on_with_the_schedule_at_a_longer_context(env):
     meta = json.load(open(os.path.join(folder, "meta_000006.json")))
     assert meta["model_config"]["sequence_len"] == 512
     assert meta["loop_state"]["context_lengths"] == [[0, 256], [3, 512]]
+    # a resume that leaves --max-seq-len out keeps the checkpoint's context; a shorter one is refused
+    i = args.index("--max-seq-len")
+    unset = args[:i] + args[i + 2:] + ["--device-batch-size", "1", "--resume-from-step", "6"]
+    kept = run_script("scripts.base_train", unset, env)
+    assert "training from step 6 to 6" in kept.stdout and "context extension" not in kept.stdout
+    shorter = run_script("scripts.base_train", unset + ["--max-seq-len", "256"], env, check=False)
+    assert shorter.returncode != 0 and "--max-seq-len 256 is shorter than step 6's context (512)" in shorter.stdout
 
 
 def test_bad_flags_are_clear_errors(env):
