@@ -111,7 +111,7 @@ def main(argv=None):
     # alternate, so that drift hits both sides alike; a forked B run is queued when its A run has saved step N
     queue = [(s, i) for i in range(args.runs) for s in ("A", "B") if s == "A" or fork == -1]
     running = {}  # slot (an index into gpus) -> (side, run index, job)
-    results = {"A": [], "B": []}  # [val bpb, median tok/s, run index, equal-bytes bpbs (None where failed)]
+    results = {"A": [], "B": []}  # [val bpb, median tok/s, run index, scored bpbs (None where failed)]
     scoring = concurrent.futures.ThreadPoolExecutor(max_workers=len(gpus))  # beside the runs: each is one process
     while queue or running:
         for slot, gpu in enumerate(gpus):
@@ -148,9 +148,9 @@ def main(argv=None):
         for r in results[s]:
             r[3] = r[3].result() if r[3] is not None else []
             if r[3]:
-                print(f"   {s}{r[2]}: equal-bytes bpb " + ", ".join(f"{v:.6f}" if v else "failed" for v in r[3]))
+                print(f"   {s}{r[2]}: score_bpb bpb " + ", ".join(f"{v:.6f}" if v else "failed" for v in r[3]))
 
-    measures = [(lambda r: r[0], "val bpb")] + [(lambda r, k=k: r[3][k], f"equal-bytes bpb ({flags})")
+    measures = [(lambda r: r[0], "val bpb")] + [(lambda r, k=k: r[3][k], f"score_bpb bpb ({flags})")
                                                   for k, flags in enumerate(args.score)]
     for column, what in measures:
         print(f"\n| side | runs | {what} (each run) | median | spread (min - max) | mean +- stdev | tok/s (median of runs) |")

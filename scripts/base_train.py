@@ -57,7 +57,7 @@ UNTIMED_STEPS = 10  # each launch's first steps include compilation: left out of
 DEFAULT_SEQ_LEN = 2048
 B_REF = 2 ** 19  # the reference batch (tokens) at which LRs and weight decay were tuned (d12)
 # flags that shape the schedule, the batch and the data: a resumed run must give the ones of the saved run
-# (--max-seq-len may change: context extension, see model_config)
+# (a longer --max-seq-len is a context extension: context_lengths)
 RECIPE_FLAGS = ["num_iterations", "target_flops", "target_param_data_ratio", "total_batch_size",
                 "embedding_lr", "unembedding_lr", "matrix_lr", "scalar_lr", "weight_decay", "warmup_steps",
                 "warmdown_ratio", "final_lr_frac", "keep_remainder"]
