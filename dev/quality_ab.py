@@ -133,8 +133,8 @@ def main(argv=None):
                 print(f"   {s}{i}: failed: {e}", flush=True)
                 continue
             if s == "A" and fork > 0:  # B's run i starts from this one's step N, in a folder of its own
-                copy_step(checkpoint_folder(args, sides["A"], job.model_tag),
-                          checkpoint_folder(args, sides["B"], f"quality_ab_B{i}"), fork)
+                copy_step(runs.checkpoint_folder(side_env(args, sides["A"]), job.model_tag),
+                          runs.checkpoint_folder(side_env(args, sides["B"]), f"quality_ab_B{i}"), fork)
                 queue.insert(0, ("B", i))
             if summary["val_bpb"] is None:
                 print(f"   {s}{i}: failed: no val bpb recorded (see {job.log_path})", flush=True)
@@ -180,14 +180,9 @@ def main(argv=None):
                       f"{statistics.median(pairs):+.4f}")
 
 
-def base_dir_of(args, spec):
-    from nanochat.common import get_base_dir
-    env = {**os.environ, **runs.data_env(args), **spec["env"]}
-    return env.get("NANOCHAT_BASE_DIR") or get_base_dir()
-
-
-def checkpoint_folder(args, spec, model_tag):
-    return os.path.join(base_dir_of(args, spec), "base_checkpoints", model_tag)
+def side_env(args, spec):
+    """The environment of a side's processes (without its GPU)."""
+    return {**os.environ, **runs.data_env(args), **spec["env"]}
 
 
 def copy_step(src, dst, step):
@@ -205,10 +200,11 @@ def score(args, spec, job, gpu):
     """The run's final checkpoint scored by dev/score_bpb.py with each --score's flags on the validation shard (the
     last of the data), then removed: [bpb, or None (the reason printed) where scoring failed]; each printout is
     kept in <log dir>/<run>.score<k>.txt."""
-    env = {**os.environ, **runs.data_env(args), **spec["env"], "CUDA_VISIBLE_DEVICES": str(gpu)}
+    env = {**side_env(args, spec), "CUDA_VISIBLE_DEVICES": str(gpu)}
+    from nanochat.common import get_base_dir
     from nanochat.dataset import list_parquet_files, resolve_data_dir
-    base_dir = base_dir_of(args, spec)
-    ckpt = os.path.join(base_dir, "base_checkpoints", job.model_tag)
+    base_dir = env.get("NANOCHAT_BASE_DIR") or get_base_dir()
+    ckpt = runs.checkpoint_folder(env, job.model_tag)
     val = list_parquet_files(resolve_data_dir(env.get("NANOCHAT_DATA_DIR"), quiet=True))[-1]
     cmd = [sys.executable, os.path.join(runs.REPO, "dev", "score_bpb.py"), "--harness", "ours", "--root", spec["tree"],
            "--checkpoint-dir", ckpt, "--tokenizer-dir", os.path.join(base_dir, "tokenizer"), "--val", val]

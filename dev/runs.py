@@ -76,10 +76,14 @@ def flag_value(flags, name, default=None):
     return values[-1] if values else default
 
 
+def checkpoint_folder(env, model_tag):
+    """base_train's folder of a run in this environment (its NANOCHAT_BASE_DIR, else the default base dir)."""
+    from nanochat.checkpoint_manager import checkpoint_dir
+    return checkpoint_dir(model_tag, env.get("NANOCHAT_BASE_DIR"))
+
+
 def metrics_file(env, model_tag):
-    from nanochat.common import get_base_dir  # the default base dir; the run's environment names it first
-    base_dir = env.get("NANOCHAT_BASE_DIR") or get_base_dir()
-    return metrics_path(os.path.join(base_dir, "base_checkpoints", model_tag))
+    return metrics_path(checkpoint_folder(env, model_tag))
 
 
 # -----------------------------------------------------------------------------
