@@ -70,7 +70,8 @@ import torch.nn.functional as F
 
 from dev import runs
 from nanochat.common import cuda_time_ms, fail
-from nanochat.gpt import config_for_depth, window_sizes, rotary_tables, MLP
+from nanochat.gpt import window_sizes, rotary_tables, MLP
+from nanochat.recipe import config_for_depth
 from nanochat import gpt, kernels
 from nanochat.kernels import Linear, flash_attention, sdpa
 from nanochat.kernels import relu_square_mm as rsm
@@ -467,12 +468,12 @@ def softcap_ce(args):
 
 def fp8_shards(args):
     from nanochat.fp8 import convert_to_fp8, fp8_unavailable_reason
-    from nanochat.tensor_parallel import check_tp_size
+    from nanochat.recipe import Setting
     if reason := fp8_unavailable_reason(torch.device("cuda")):
         fail(f"fp8-shards: {reason}")
     cfg = config_for_depth(args.depth, sequence_len=args.seq_len)
     try:
-        check_tp_size(cfg, args.tp)
+        Setting(tp=args.tp, device_batch=1, total_batch=cfg.sequence_len).check(cfg)
     except ValueError as e:
         fail(str(e))
     C, hd, tp = cfg.n_embd, cfg.head_dim, args.tp

@@ -1,6 +1,6 @@
 """
 Activation recompute (--recompute) on one GPU: for each depth and mode, what base_train builds and steps
-(nanochat.training.setup at base_train's default learning rates, training.LearningRates(): the model, split-K
+(nanochat.training.setup at base_train's default learning rates, recipe.LearningRates(): the model, split-K
 choice, optimizer and compiled step) on random tokens, one micro-batch per step (no gradient accumulation),
 and a table of:
   tok/s        median over the timed steps (after warm-up: the first step compiles), and the ratio to none
@@ -35,8 +35,10 @@ import torch._dynamo
 from dev import runs
 from nanochat.common import get_compute_dtype, device_name
 from nanochat.distributed import compute_init
-from nanochat.gpt import config_for_depth, RECOMPUTE_MODES
+from nanochat.gpt import RECOMPUTE_MODES
+from nanochat.recipe import config_for_depth
 from nanochat import training
+from nanochat.recipe import Setting, LearningRates
 
 GiB = 2 ** 30
 IT = 100  # the schedule's step for every step timed: past the warm-up, where the LR is flat
@@ -131,7 +133,7 @@ def main(argv=None):
     layout, device = compute_init()
     cuda = device.type == "cuda"
     dtype = get_compute_dtype(device.type)
-    lrs = training.LearningRates()
+    lrs = LearningRates()
     schedule = training.Schedule(num_iterations=1000, weight_decay=lrs.weight_decay)
     print(f"device {device_name(device.type)}, dtype {dtype}, compiled {cuda}; seq len {args.seq_len}, "
           f"window pattern {args.window_pattern}, timed at device batch {args.device_batch_size}", flush=True)
@@ -142,8 +144,9 @@ def main(argv=None):
         config = config_for_depth(depth, sequence_len=args.seq_len, window_pattern=args.window_pattern)
         ref = None
         for mode in modes:
-            trainer = training.setup(config, layout, device, dtype, lrs, micro_batch_size=args.device_batch_size,
-                                     recompute=mode, compile="inductor" if cuda else None)
+            setting = Setting(device_batch=args.device_batch_size, total_batch=args.device_batch_size * args.seq_len,
+                              recompute=mode)
+            trainer = training.setup(config, setting, layout, device, dtype, lrs, compile="inductor" if cuda else None)
             if mode == modes[0]:
                 print(f"d{depth}: {sum(p.numel() for p in trainer.model.parameters()):,} parameters; attention: "
                       f"{trainer.attention}", flush=True)

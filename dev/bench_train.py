@@ -188,7 +188,8 @@ def planned_peak(header):
     """scripts.plan's peak for the run (GiB, its worst rank), from the flags and layout its header records; None for
     headers without them (old trees)."""
     from nanochat.gpt import GPTConfig
-    from nanochat.memory import Setting, worst_rank_peak, GIB
+    from nanochat.memory import worst_rank_peak, GIB
+    from nanochat.recipe import Setting
     if "model_config" not in header or "layout" not in header:
         return None
     f, layout = header["flags"], header["layout"]
@@ -274,7 +275,7 @@ def main(argv=None):
     parser = runs.argument_parser(__doc__)
     parser.add_argument("--parallel", action="store_true", help="the parallel layouts instead of the default set")
     parser.add_argument("--only", type=str, default="", help="run only the configurations whose label contains this, "
-                                                              "e.g. d20 or PP=4")
+                                                              "e.g. d20 or PP=4 (=LABEL: that label alone)")
     parser.add_argument("--depths", type=str, default="12,20", help="default set: comma-separated depths")
     parser.add_argument("--precisions", type=str, default="bf16,fp8", help="default set: comma-separated, from bf16 and fp8")
     parser.add_argument("--windows", type=str, default="L,SSSL", help="default set: comma-separated --window-pattern values")
@@ -298,7 +299,8 @@ def main(argv=None):
 
     trees = [runs.check_tree(t, "--tree") for t in (args.tree or ["."])]
     gpus = [int(g) for g in args.gpus.split(",") if g] if args.gpus else list_gpus()
-    configs = [c for c in (parallel_configs() if args.parallel else default_configs(args)) if args.only in c.label]
+    wanted = (lambda label: label == args.only[1:]) if args.only.startswith("=") else (lambda label: args.only in label)
+    configs = [c for c in (parallel_configs() if args.parallel else default_configs(args)) if wanted(c.label)]
     for c in configs:
         c.steps, c.warmup = args.steps or c.steps, args.warmup or c.warmup
     skipped = [c.label for c in configs if c.nproc > len(gpus)]

@@ -23,14 +23,14 @@ grad_accum = 1). Bus bandwidth: inside one node NVLink, across nodes each GPU's 
 (rail-optimized, NCCL's ring runs at about the per-GPU NIC rate), times an efficiency.
 
 Needs nothing but this checkout (no GPU, no data): the parameter counts come from the model built on the meta
-device, the batch and FLOPs per token from base_train's recipe (scripts/base_train.py: derive_recipe).
+device, the batch and FLOPs per token from base_train's recipe (nanochat/recipe.py: derive_recipe).
 """
 
 import torch
 
 from dev import runs
 from nanochat.gpt import GPT
-from scripts import base_train
+from nanochat.recipe import parse_args, model_config, derive_recipe
 
 VOCAB = 32768  # base_train's tokenizer's
 
@@ -38,9 +38,9 @@ VOCAB = 32768  # base_train's tokenizer's
 def model_figures(depth):
     """(Muon params, large AdamW params, FLOPs per token, recipe batch in tokens) of a depth at base_train's
     defaults (its recipe: derive_recipe)."""
-    args = base_train.parse_args([f"--depth={depth}"])
-    config = base_train.model_config(args, VOCAB, None)
-    recipe = base_train.derive_recipe(args, config)
+    args = parse_args([f"--depth={depth}"])
+    config = model_config(args, VOCAB)
+    recipe = derive_recipe(args, config)
     with torch.device("meta"):
         model = GPT(config)
     muon = adamw = 0

@@ -1,6 +1,6 @@
 """
-Pipeline schedules in time: replays the action lists that nanochat.pipeline_parallel.stage_actions gives every
-rank (what train_step runs) with nanochat.pipeline_parallel.simulate, and prints the step time, each rank's idle
+Pipeline schedules in time: replays the action lists that nanochat.pipeline_schedules.stage_actions gives every
+rank (what train_step runs) with nanochat.pipeline_schedules.simulate, and prints the step time, each rank's idle
 fraction and the most micro-batch chunks each rank holds alive (peak_in_flight, what train_step measures).
 
     python -m dev.pipeline_sim --schedule zb --stages 4 --microbatches 8             # unit times: the timeline
@@ -21,8 +21,8 @@ import argparse
 import json
 import statistics
 
-from nanochat.pipeline_parallel import (SCHEDULES, idle_formula, peak_in_flight, simulate, split_stages,
-                                        stage_actions, action_name)
+from nanochat.pipeline_parallel import split_stages
+from nanochat.pipeline_schedules import SCHEDULES, idle_formula, peak_in_flight, simulate, stage_actions, action_name
 
 
 def step_and_idle(timeline):
@@ -54,7 +54,8 @@ def measure(depth, batch, seq, reps, compile_backend=None):
     import torch
     from types import SimpleNamespace
     from nanochat import kernels
-    from nanochat.gpt import Residual, build_model, config_for_depth
+    from nanochat.gpt import Residual, build_model
+    from nanochat.recipe import config_for_depth
     from nanochat.pipeline_parallel import carried, backward_input, backward_weight, record_linears
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -140,7 +141,8 @@ def measure(depth, batch, seq, reps, compile_backend=None):
 def chunk_durations(measured, p, virtual, zb):
     """({(kind, chunk): ms}, [saved bytes per chunk]) for the p x virtual chunks training would cut (split_stages on the FLOP costs)."""
     import torch
-    from nanochat.gpt import GPT, config_for_depth
+    from nanochat.gpt import GPT
+    from nanochat.recipe import config_for_depth
     from nanochat.pipeline_parallel import block_costs
     with torch.device("meta"):
         model = GPT(config_for_depth(measured["depth"], sequence_len=measured["seq"], window_pattern="L"))

@@ -1,10 +1,10 @@
 """
-Checkpoints under $NANOCHAT_BASE_DIR/base_checkpoints/<model_tag>/, per step: model_<step>.pt (full fp32 tensors
-by name), optim_<step>.pt (the optimizer's layout-free state), meta_<step>.json (config, loop state, every DP
-rank's dataloader state, flags); under pipeline parallelism one model/optim file per stage (_stage<k>), merged on
-load. Whole tensors: a checkpoint saved at one (DP, TP, PP) layout loads at any. Files are written to a temporary
-name and renamed, meta last: a step counts as saved only when its meta exists, so a killed save never damages an
-earlier one. Loading unpickles nothing (weights_only, JSON) and refuses non-finite weights and another tokenizer.
+Checkpoints under $NANOCHAT_BASE_DIR/base_checkpoints/<model_tag>/, per step: model_<step>.pt (full fp32 tensors by
+name), optim_<step>.pt (the optimizer's layout-free state), meta_<step>.json (config, loop state, every DP rank's
+dataloader state, flags); under PP one model/optim file per stage (_stage<k>), merged on load. Whole tensors: a
+checkpoint saved at one (DP, TP, PP) layout loads at any. Files are written to a temporary name and renamed, meta
+last: a step counts as saved once its meta exists, so a killed save never damages an earlier one. Loading unpickles
+nothing (weights_only, JSON) and refuses non-finite weights and another tokenizer.
 """
 
 import os
@@ -20,7 +20,7 @@ import socket
 
 import torch
 
-from nanochat.common import UserError, get_base_dir, atomic_write_bytes, atomic_torch_save, base_dir_hint
+from nanochat.common import UserError, get_base_dir, atomic_write_bytes, atomic_torch_save, base_dir_hint, print0
 
 
 class CheckpointError(UserError):
@@ -41,9 +41,8 @@ def nonfinite_tensors(state):  # names of the floating-point tensors holding a N
 
 
 def save_stage_files(ckpt_dir, step, model_state, optim_state, stage=0, num_stages=1):
-    """Write one pipeline stage's model and optimizer files (tensors must be full and on CPU), first deleting
-    the <file>.tmp.<pid> files of interrupted saves (their process is gone). A disk without room for them is
-    named before anything is written (and if it fills up during the write), with the step that stays intact."""
+    """Write one pipeline stage's model and optimizer files (full CPU tensors), first deleting the .tmp.<pid> files
+    of interrupted saves. A disk without room is named before writing (or as it fills), with the step left intact."""
     os.makedirs(ckpt_dir, exist_ok=True)
     for path in glob.glob(os.path.join(ckpt_dir, "*.tmp.*")):
         if (m := re.search(r"\.tmp\.(\d+)$", path)) and not process_alive(int(m.group(1))):
@@ -97,9 +96,8 @@ def process_alive(pid):
 
 
 def take_lock(ckpt_dir):
-    """One run per checkpoint folder: create <ckpt_dir>/run.lock holding this process's host, PID and start time,
-    or refuse naming the run that holds it. A lock whose process is gone (on this host) is taken over, with a
-    note. Returns the lock's path (release_lock removes it)."""
+    """One run per checkpoint folder: create <ckpt_dir>/run.lock (host, PID, start time) or refuse, naming its holder;
+    a lock whose process is gone (on this host) is taken over, with a note. Returns its path, for release_lock."""
     os.makedirs(ckpt_dir, exist_ok=True)
     path = os.path.join(ckpt_dir, "run.lock")
     me = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
@@ -131,15 +129,46 @@ def release_lock(path):
             os.remove(path)
 
 
+def lock_run(layout, device, ckpt_dir):
+    """Rank 0 takes the lock; a folder in use stops every rank. Returns the lock's path (None on other ranks)."""
+    from nanochat.distributed import agree_on_error
+    lock, error = None, None
+    if layout.rank == 0:
+        try:
+            lock = take_lock(ckpt_dir)
+        except CheckpointError as e:
+            error = str(e)
+    if (error := agree_on_error(error, device)) is not None:
+        raise CheckpointError(error)
+    return lock
+
+
+def check_data_unchanged(resume_meta, data_dir, data_listing, resume_on_new_data=False):
+    """A checkpoint's data position means something only for the shards it was saved with: stop on others, unless
+    --resume-on-new-data (then read from the start). Returns whether the run goes on with new data."""
+    from nanochat.dataset import listing_changes
+    if "data_listing" not in resume_meta:  # saved without a listing (imported weights)
+        return False
+    changes = listing_changes(resume_meta["data_listing"], data_listing)
+    step = resume_meta["loop_state"]["step"]
+    if changes and not resume_on_new_data:
+        shown = "; ".join(changes[:4]) + (f"; and {len(changes) - 4} more" if len(changes) > 4 else "")
+        raise CheckpointError(f"the shards in {data_dir} differ from those step {step} was trained on: {shown}. "
+                              f"Put the saved shards back, or pass --resume-on-new-data to read the new data from its "
+                              f"start")
+    if changes:
+        print0(f"note: the shards in {data_dir} differ from step {step}'s ({len(changes)} changes); "
+               f"--resume-on-new-data: reading them from the start")
+    return bool(changes)
+
+
 def save_meta(ckpt_dir, step, meta, num_stages=1):
-    """Write meta_<step>.json last: it marks the checkpoint as complete."""
     data = json.dumps(dict(meta, step=step, num_stages=num_stages), indent=2).encode()
     with _full_disk_named(ckpt_dir, step, len(data)):
         atomic_write_bytes(os.path.join(ckpt_dir, f"meta_{step:06d}.json"), data)
 
 
 def saved_steps(ckpt_dir):
-    """The steps with a meta_<step>.json (the complete checkpoints), ascending."""
     return sorted(int(m.group(1)) for f in glob.glob(os.path.join(ckpt_dir, "meta_*.json"))
                   if (m := re.search(r"meta_(\d+)\.json$", f)))
 
@@ -164,8 +193,8 @@ def prune_checkpoints(ckpt_dir, keep_last):  # all but the newest keep_last
 
 
 def _damaged(path, step, why):
-    return CheckpointError(f"{path} is damaged ({why}): delete step {step}'s files (model_{step:06d}*, optim_{step:06d}*, "
-                           f"meta_{step:06d}.json) and use an earlier step")
+    return CheckpointError(f"{path} is damaged ({why}): delete step {step}'s files (model_{step:06d}*, "
+                           f"optim_{step:06d}*, meta_{step:06d}.json) and use an earlier step")
 
 
 def load_meta(ckpt_dir, step):
@@ -189,8 +218,9 @@ def _load_merged(ckpt_dir, step, kind, num_stages, device):
         try:
             part = torch.load(path, map_location=device, weights_only=True)
         except pickle.UnpicklingError:  # an object other than tensors, dicts and numbers: never unpickled
-            raise CheckpointError(f"{path} holds objects other than tensors, which are not loaded (unpickling them could "
-                                  f"run code); a checkpoint from base_train holds tensors only: use one saved by it") from None
+            raise CheckpointError(f"{path} holds objects other than tensors, which are not loaded (unpickling them "
+                                  f"could run code); a checkpoint from base_train holds tensors only: use one saved "
+                                  f"by it") from None
         except (RuntimeError, EOFError, OSError) as e:  # a truncated or corrupt file
             raise _damaged(path, step, f"{type(e).__name__}: {str(e).split('. ')[0] or 'unreadable'}") from None
         if kind == "optim":  # {'adamw_step': n, 'params': {...}}
@@ -209,20 +239,19 @@ def load_checkpoint(ckpt_dir, step=None, device="cpu", load_optimizer=True):
     model_state = _load_merged(ckpt_dir, step, "model", n, device)
     if bad := nonfinite_tensors(model_state):
         earlier = [s for s in saved_steps(ckpt_dir) if s < step]
-        raise CheckpointError(f"checkpoint step {step} in {ckpt_dir} has weights that are not finite ({', '.join(bad[:3])}"
-                              f"{', ...' if len(bad) > 3 else ''}): the run had diverged; use an earlier step "
-                              f"(saved: {earlier or 'none'}) with --step / --resume-from-step")
+        raise CheckpointError(f"checkpoint step {step} in {ckpt_dir} has weights that are not finite "
+                              f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}): the run had diverged; use an "
+                              f"earlier step (saved: {earlier or 'none'}) with --step / --resume-from-step")
     optim_state = _load_merged(ckpt_dir, step, "optim", n, device) if load_optimizer else None
     return model_state, optim_state, meta
 
 
 def check_tokenizer(meta, tokenizer, ckpt_dir):
-    """Refuse another tokenizer than the checkpoint's (by hash; checkpoints without one are accepted)."""
     saved = meta.get("tokenizer_hash")
     if saved is not None and saved != tokenizer.hash:
-        raise CheckpointError(f"the checkpoint in {ckpt_dir} (step {meta['step']}) was trained with tokenizer {saved}, "
-                              f"but the tokenizer in {tokenizer.directory} is {tokenizer.hash}: use the tokenizer it was "
-                              f"trained with (NANOCHAT_BASE_DIR of that run)")
+        raise CheckpointError(f"the checkpoint in {ckpt_dir} (step {meta['step']}) was trained with tokenizer "
+                              f"{saved}, but the tokenizer in {tokenizer.directory} is {tokenizer.hash}: use the "
+                              f"tokenizer it was trained with (NANOCHAT_BASE_DIR of that run)")
 
 
 def latest_model_tag(base_dir=None):
@@ -237,9 +266,8 @@ def latest_model_tag(base_dir=None):
 
 def load_model(model_tag=None, step=None, device="cpu", compute_dtype=torch.float32, base_dir=None, layout=None,
                tokenizer=None):
-    """(model, meta) for evaluation or sampling, from the latest tag and step unless given; meta["model_tag"]
-    is the tag. Full weights are loaded, then sharded at TP > 1 (any checkpoint evaluates at any TP).
-    `tokenizer`, when given, is checked against the checkpoint's."""
+    """(model, meta) for evaluation or sampling, from the latest tag and step unless given (meta["model_tag"]: the
+    tag). Full weights, sharded at TP > 1 (any checkpoint, any TP); `tokenizer`, if given, checked against it."""
     from nanochat.gpt import GPTConfig, build_model
     model_tag = model_tag or latest_model_tag(base_dir)
     ckpt_dir = checkpoint_dir(model_tag, base_dir)
@@ -253,16 +281,16 @@ def load_model(model_tag=None, step=None, device="cpu", compute_dtype=torch.floa
     model = build_model(GPTConfig.from_dict(meta["model_config"]), device, compute_dtype)
     load_model_state(model, model_state)
     if layout is not None and layout.tp_size > 1:
+        from nanochat.recipe import Setting
         from nanochat.tensor_parallel import parallelize
+        Setting(tp=layout.tp_size, device_batch=1, total_batch=model.config.sequence_len).check(model.config)
         parallelize(model, layout)
-    model.eval()
     meta["model_tag"] = model_tag
-    return model, meta
+    return model.eval(), meta
 
 
 def load_model_state(model, full_state):
-    """Copy full tensors into a (possibly sharded, possibly partial) model, each taking its own shard. Keys
-    the model does not have are skipped (other pipeline stages); keys it has must be present."""
+    """Copy full tensors into a (possibly sharded or partial) model, each its own shard; keys it lacks are skipped."""
     from nanochat import tensor_parallel as tp
     own = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     if missing := [k for k in model.state_dict().keys() if k not in full_state]:
@@ -278,11 +306,10 @@ def load_model_state(model, full_state):
 
 
 def full_model_state(model, keep=True):
-    """Full CPU tensors by name (a collective over the TP group when the model is tensor parallel, and over the DP
-    group when its weights are sharded). Ranks that will not write (keep=False) take part in the gathers but keep
-    nothing."""
+    """Full CPU tensors by name: a collective over TP (tensor parallel) and DP (sharded weights); ranks that will not
+    write (keep=False) take part in the gathers but keep nothing."""
     from nanochat import tensor_parallel as tp
-    from nanochat.data_parallel import whole_over_dp
+    from nanochat.sharding import whole_over_dp
     own = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     out = {}
     for name, t in model.state_dict().items():
@@ -290,3 +317,27 @@ def full_model_state(model, keep=True):
         if keep:
             out[name] = full.cpu()
     return out
+
+
+def whole_model_copy(model, layout):
+    """A whole copy of a tensor-parallel, pipelined or sharded model on every rank, for CORE and sampling (sequences
+    of any length, which neither PP's fixed-shape messages nor SP's equal split can take); one full model (plus a CPU
+    copy of the local part) per rank while it lives. Collectives: those of full_model_state; under PP
+    all_gather_object (which tensors each stage holds) and one broadcast per tensor, over the PP group."""
+    import torch.distributed as dist
+    from nanochat.gpt import build_model
+    device = next(model.parameters()).device
+    state = full_model_state(model)
+    if layout.pp_size > 1:
+        held = [None] * layout.pp_size  # per stage: name -> (shape, dtype) of the tensors it holds
+        mine = {n: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in state.items()}
+        dist.all_gather_object(held, mine, group=layout.pp_group)
+        for stage, tensors in enumerate(held):
+            for name, (shape, dtype) in tensors.items():
+                t = state[name].to(device) if stage == layout.pp_rank else \
+                    torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+                dist.broadcast(t, src=layout.peer(pp=stage), group=layout.pp_group)
+                state[name] = t
+    full = build_model(model.config, device, model.compute_dtype)
+    load_model_state(full, state)
+    return full.eval()

@@ -1,24 +1,20 @@
 """
-What every script needs: where files live (written so that a crash never damages them), which device and dtype
-to compute in (bf16 on GPUs with fast bf16, SM80+; fp32 elsewhere; NANOCHAT_DTYPE overrides; weights stay fp32),
-the peak FLOP/s that MFU is measured against, rank-aware printing and progress, the scripts' --help (defaults
-shown), and the error a script prints as one line.
+What every script needs: where files live (written crash-safe), which device and dtype to compute in (bf16 on SM80+
+GPUs, fp32 elsewhere; NANOCHAT_DTYPE overrides; weights stay fp32), the peak FLOP/s behind MFU, rank-aware printing
+and progress, the scripts' --help (defaults shown), and the error a script prints as one line.
 """
 
 import os
 import argparse
+import functools
 import sys
 import time
 import statistics
 
-import torch
-import torch.distributed as dist
-
 
 class UserError(RuntimeError):
-    """Bad input or state: the message names the file or flag and what to do. A script prints it as one line
-    (fail) instead of a traceback; the data, checkpoint, tokenizer and eval-bundle errors are all of this kind.
-    every_rank: the error is this rank's alone (not agreed on), so each rank that meets it prints it."""
+    """Bad input or state: the message names the file or flag and what to do; a script prints it as one line (fail),
+    not a traceback. every_rank: the error is this rank's alone (not agreed on): each rank that meets it prints it."""
     every_rank = False
 
 
@@ -26,9 +22,7 @@ class ConfigError(UserError, ValueError):
     """A flag, or a combination of flags, that cannot run."""
 
 
-# -----------------------------------------------------------------------------
-# Files
-
+# ---- Files ----
 
 def get_base_dir():
     """The root for tokenizer, checkpoints, data and reports: NANOCHAT_BASE_DIR or ~/.cache/nanochat."""
@@ -42,15 +36,13 @@ RUNCPU_BASE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "nanochat", "r
 
 def base_dir_hint():
     """For "not found" messages: where runs/runcpu.sh keeps its files, unless that is the base dir in use."""
-    if os.path.abspath(get_base_dir()) == RUNCPU_BASE_DIR:
-        return ""
-    return (f" (runs/runcpu.sh keeps its tokenizer and checkpoints under {RUNCPU_BASE_DIR}: "
-            f"run with NANOCHAT_BASE_DIR={RUNCPU_BASE_DIR} to use them)")
+    return "" if os.path.abspath(get_base_dir()) == RUNCPU_BASE_DIR else (
+        f" (runs/runcpu.sh keeps its tokenizer and checkpoints under {RUNCPU_BASE_DIR}: "
+        f"run with NANOCHAT_BASE_DIR={RUNCPU_BASE_DIR} to use them)")
 
 
 class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
-    """The scripts' --help: each flag with its default, unless its help says it already or there is none (None,
-    an off switch)."""
+    """--help with each flag's default, unless its help says it already or there is none (None, an off switch)."""
 
     def _get_help_string(self, action):
         if action.default is None or action.default is False or "default" in (action.help or ""):
@@ -78,35 +70,30 @@ def atomic_write_bytes(path, data: bytes):
 
 
 def atomic_torch_save(obj, path):
+    import torch
     atomic_write(path, lambda f: torch.save(obj, f))
 
 
-# -----------------------------------------------------------------------------
-# Device and dtype
-
+# ---- Device and dtype (torch is imported where it is needed: the data, report and tokenizer tools start without it)
 
 def autodetect_device_type():
+    import torch
     if torch.cuda.is_available():
         return "cuda"
-    if torch.backends.mps.is_available():
-        return "mps"
-    return "cpu"
+    return "mps" if torch.backends.mps.is_available() else "cpu"
 
 
 # fp16 is not offered: it would need loss scaling, which the training loop does not do
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 
 
 def get_compute_dtype(device_type):
-    """bf16 where the hardware does it fast (CUDA SM80+), fp32 otherwise; NANOCHAT_DTYPE overrides."""
-    override = os.environ.get("NANOCHAT_DTYPE")
-    if override:
+    import torch
+    if override := os.environ.get("NANOCHAT_DTYPE"):
         if override not in _DTYPES:
             raise UserError(f"NANOCHAT_DTYPE={override!r} is not one of {sorted(_DTYPES)}")
-        return _DTYPES[override]
-    if device_type == "cuda" and torch.cuda.get_device_capability()[0] >= 8:
-        return torch.bfloat16
-    return torch.float32
+        return getattr(torch, _DTYPES[override])
+    return torch.bfloat16 if device_type == "cuda" and torch.cuda.get_device_capability()[0] >= 8 else torch.float32
 
 
 # bf16 dense peak FLOP/s (no sparsity), for MFU, matched in order against torch.cuda.get_device_name()
@@ -117,20 +104,17 @@ PEAK_BF16_FLOPS = [("B200", 2.25e15), ("H200", 989e12), ("H100 NVL", 835e12), ("
 
 def get_peak_flops(device_name):
     """Peak bf16 FLOP/s of a device, or None when unknown (then MFU is not reported)."""
-    for key, flops in PEAK_BF16_FLOPS:
-        if key in device_name:
-            return flops
-    return None
+    return next((flops for key, flops in PEAK_BF16_FLOPS if key in device_name), None)
 
 
 def device_name(device_type):
-    if device_type == "cuda":
-        return torch.cuda.get_device_name()
-    return device_type
+    import torch
+    return torch.cuda.get_device_name() if device_type == "cuda" else device_type
 
 
 def cuda_time_ms(fn, repeats=20, warmup=3):
     """Median milliseconds of one fn() call on the current CUDA stream (CUDA events), after warm-up calls."""
+    import torch
     for _ in range(warmup):
         fn()
     times = []
@@ -144,17 +128,33 @@ def cuda_time_ms(fn, repeats=20, warmup=3):
     return statistics.median(times)
 
 
-# -----------------------------------------------------------------------------
-# Printing
+def eager(fn):
+    """torch.compiler.disable(fn), asked for only while compiling: the decorator itself would load torch's compiler,
+    seconds in every process, most of which never compile. Outside a trace disabling is a no-op anyway."""
+    import torch
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return torch.compiler.disable(fn)(*args, **kwargs)
+        return fn(*args, **kwargs)
+    return call
+
+
+# ---- Printing ----
+
+def _process_group():
+    """torch.distributed where a process group exists, else None (a process that never imported torch has none)."""
+    dist = sys.modules.get("torch.distributed")
+    return dist if dist is not None and dist.is_initialized() else None
 
 
 def get_rank():
     """This process's global rank: torchrun's RANK until the process group exists (errors before it print once)."""
-    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+    return dist.get_rank() if (dist := _process_group()) else int(os.environ.get("RANK", 0))
 
 
 def print0(*args, **kwargs):
-    """print on global rank 0 only."""
     if get_rank() == 0:
         print(*args, **kwargs, flush=True)
 
@@ -165,22 +165,21 @@ def print_rank(layout, *args):
 
 
 def fail(msg, every_rank=False):
-    """Bad input or state: a clear message (once, from rank 0, or from every rank that met it), a clean
-    shutdown, exit status 1."""
+    """Bad input or state: one clear message (from rank 0, or from every rank that met it), a clean shutdown, exit 1."""
     if every_rank:
         print(f"[rank {get_rank()}] ERROR: {msg}", flush=True)
     else:
         print0(f"ERROR: {msg}")
     if get_rank() != 0:  # torchrun stops every process when one exits: let rank 0 print the line first
         time.sleep(2)
-    if dist.is_initialized():
+    if dist := _process_group():
         dist.destroy_process_group()
     sys.exit(1)
 
 
 class Progress:
-    """Prints `label: i/total (rate, ETA)` on rank 0 at most every `every` seconds, so that a loop longer
-    than a few seconds is never silent and a short one prints nothing."""
+    """Prints `label: i/total` with time spent and left, on rank 0 at most every `every` seconds: a loop longer than
+    a few seconds is never silent, a short one prints nothing."""
 
     def __init__(self, label, total, unit="batches", every=10.0):
         self.label, self.total, self.unit, self.every = label, total, unit, every

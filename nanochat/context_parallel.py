@@ -1,67 +1,43 @@
 """
 Context parallelism: each sequence of a micro-batch cut along its length over the N ranks of a CP group, for
-sequences whose activations one GPU cannot hold. It applies per call: the model's forward takes `cp=` (a
-ContextParallel), so CORE and sampling, which call it without, run the whole model as it is (CP shards no weights).
-
-Load balance (head-tail): a sequence of T tokens is cut into 2N chunks of c = T/2N and rank r holds chunks r and
-2N-1-r, side by side as its (B, 2c) share. Under causal attention a query at position t attends to t + 1 keys, so
-chunk r alone would give rank 0 the least work and rank N-1 the most; with its mirror chunk every rank attends to
-the same number of keys (attention_work counts them).
-
-What looks across positions, and how it works on chunks:
-- rotary: each token turns by its global position (positions)
-- smear: a chunk's first token mixes in the embedding of the token before it, which lies in another chunk; every
-  rank has its micro-batch's whole (B, T) ids (CP peers read the same batches, as TP peers do), so it embeds that
-  one token itself (previous_embeddings): the value one device computes, and no message (the embedding's gradient
-  is summed over DP x CP anyway)
-- value embeddings, L3, backout, norms, the MLP: per token
-- attention: the ring below; BOS boundaries need nothing more than on one device (attention there is causal over
-  the packed row too)
-- the loss: over each rank's tokens, scaled so that the gradients summed over DP x CP are the whole sequences'
-  (loss); per-token losses for bits per byte gathered over CP, so every rank holds the whole sequences'
-
-Ring attention (ring_attention: one custom op, so that torch.compile keeps its messages out of its graphs). Step 0
-attends this rank's query chunks to its own K/V; at step s = 1 .. N-1 each rank sends its K/V to rank r+s and
-receives rank r-s's (mod N), send and receive posted together, and the next step's transfer is posted before this
-step's compute so that it runs behind it. Every block goes straight to the rank that needs it: on a switched
-network (NVLink within a node) a shift by s costs what the ring's shift by one does, and a step nobody needs is
-not taken. A pair of chunks (queries a, keys b) runs only where some key is visible: never b > a (the future),
-never keys `window` or more tokens back. A short-window layer whose window fits in a chunk therefore exchanges
-with the ranks holding its chunks' neighbours only; a full-context layer takes every step. Each pair's attention
-returns its log-sum-exp (kernels.attention_block where it runs, block_attention below otherwise) and the partial
-outputs merge by it, in fp32. The backward repeats the exchanges: K/V come again, each rank computes its share
-of dK/dV for the block it holds (from the merged output and log-sum-exp, so no pair needs another's result) and
-sends it straight home, in fp32, where the owner adds up what arrives.
+sequences whose activations one GPU cannot hold. A ContextParallel is the model's sequence view (gpt.WholeSequence
+at `model.sequence`, set by training.setup); CORE and sampling run the same weights over whole sequences.
 
 Collectives (point to point between the ranks of a CP group):
-  batch_isend_irecv  forward, per step s: this rank's K/V (one tensor) to rank r+s, rank r-s's into a buffer
-  batch_isend_irecv  backward, per step: the same K/V; then the dK/dV for rank r-s's block sent home to it, this
-                     block's from rank r+s received
-  all_gather         per-token losses for evaluation (loss_reduction="none"), over the CP group
+  batch_isend_irecv  forward, per ring step s: this rank's K/V (one tensor) to rank r+s, rank r-s's into a buffer
+  batch_isend_irecv  backward, per step: the same K/V; then the dK/dV of rank r-s's block sent home to it, and this
+                     block's received from rank r+s
+  all_gather         per-token losses for evaluation (loss_reduction="none")
+
+Load balance (head-tail): a sequence of T tokens is cut into 2N chunks of c = T/2N; rank r holds chunks r and
+2N-1-r side by side, so that under causal attention every rank attends to as many keys (attention_work).
+
+Across positions: rotary turns each token by its global position; a chunk's first token smears in the embedding of
+the token before it, which each rank embeds itself from the whole (B, T) ids it holds (CP peers read the same
+batches), with no message; value embeddings, L3, backout, norms and the MLP are per token; the loss is each rank's
+tokens', scaled so that the gradients summed over DP x CP are the whole sequences'.
+
+Ring attention (one custom op, so that torch.compile keeps its messages out of its graphs): step 0 attends this
+rank's query chunks to its own K/V; at step s = 1 .. N-1 each rank sends its K/V to rank r+s and receives rank
+r-s's, the next step's transfer posted before this step's compute so that it runs behind it. Each block goes
+straight to the rank that needs it (on NVLink a shift by s costs what a shift by one does), and a pair of chunks
+runs only where some key is visible (never the future, never `window` or more back): a window within a chunk
+exchanges with its neighbours' ranks only. Each pair returns its log-sum-exp (kernels.attention_block, else
+block_attention below) and the partial outputs merge by it, in fp32. The backward repeats the exchanges; each rank
+computes its share of dK/dV for the block it holds (from the merged output and log-sum-exp) and sends it straight
+home in fp32, where the owner adds up what arrives.
 """
 
 import torch
+from torch import Tensor
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from nanochat import kernels
-from nanochat.common import ConfigError
+from nanochat.gpt import WholeSequence
 from nanochat.kernels.sdpa import band_mask
 
 RINGS = []  # every ContextParallel made in this process; the custom ops name theirs by index
-
-
-def check_context_parallel(cp, sequence_len, tp=1, sequence_parallel=False):
-    """Clear errors where the sequence cannot be cut into 2 x cp equal chunks (and, with sequence parallelism,
-    a rank's share into tp)."""
-    if cp < 1:
-        raise ConfigError(f"--cp {cp} must be at least 1")
-    if sequence_len % (2 * cp):
-        raise ConfigError(f"--cp {cp} cuts each sequence into 2 x {cp} = {2 * cp} chunks: --max-seq-len "
-                          f"({sequence_len}) must divide by {2 * cp}")
-    if sequence_parallel and (sequence_len // cp) % tp:
-        raise ConfigError(f"--sequence-parallel with --cp {cp}: each rank's {sequence_len // cp} tokens must divide "
-                          f"by --tp {tp}")
 
 
 def rank_chunks(rank, size):
@@ -75,8 +51,7 @@ def block_offset(q_chunk, k_chunk, chunk):
 
 
 def block_visible(offset, chunk, window):
-    """Whether any key of a (chunk x chunk) block `offset` tokens back is visible: not all in the future, not all
-    `window` or more tokens back."""
+    """Whether some key of a (chunk x chunk) block `offset` back is visible (not all future, not all `window`+ back)."""
     return offset >= 0 and offset - (chunk - 1) < window
 
 
@@ -92,8 +67,6 @@ def attention_work(rank, size, sequence_len, window):
 
 
 # --- the reference math of one block (what kernels.attention_block computes) ------------------------------------
-
-
 def _expand(q, k, v):
     g = q.size(1) // k.size(1)
     return (k, v) if g == 1 else (k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1))
@@ -131,13 +104,11 @@ def block_attention_backward(dout, q, k, v, out, lse, offset, window):
 
 
 # --- this rank's share of the sequence -------------------------------------------------------------------------
-
-
-class ContextParallel:
-    """This rank's chunks of every sequence, and what the model asks of them (module docstring)."""
+class ContextParallel(WholeSequence):
+    """This rank's chunks of every sequence, and what the model asks of them (module docstring). The ring is kept by
+    --recompute selective: running it again would exchange every K/V block again."""
 
     def __init__(self, layout, sequence_len, device):
-        check_context_parallel(layout.cp_size, sequence_len)
         self.layout, self.size, self.rank = layout, layout.cp_size, layout.cp_rank
         self.sequence_len, self.chunk = sequence_len, sequence_len // (2 * layout.cp_size)
         self.chunks = rank_chunks(self.rank, self.size)
@@ -158,7 +129,15 @@ class ContextParallel:
             raise ValueError(f"context parallelism cuts sequences of {self.sequence_len} tokens; got {t.size(1)}")
         return t.index_select(1, self.positions)
 
-    def previous_embeddings(self, x, idx, embed):
+    @property
+    def selective_keeps(self):
+        return (torch.ops.nanochat.ring_attention.default,)
+
+    def rotary(self, cos, sin, T):
+        """The tables at this rank's chunks' global positions."""
+        return cos.index_select(1, self.positions), sin.index_select(1, self.positions)
+
+    def previous(self, x, idx, embed):
         """For each of this rank's tokens, the embedding of the token before it (zeros before position 0): inside a
         chunk its neighbour in x, at a chunk's start the token before it in idx, embedded here by `embed`."""
         c, parts = self.chunk, []
@@ -168,16 +147,14 @@ class ContextParallel:
             parts += [before, x[:, j * c:(j + 1) * c - 1]]
         return torch.cat(parts, dim=1)
 
-    def attention(self, q, k, v, window):
-        """Causal attention of this rank's queries over the whole sequence's keys, q (B, Hq, 2c, D), k/v (B, Hkv,
-        2c, D) this rank's: the ring."""
+    def attend(self, layer_idx, q, k, v, window):
+        """The ring: this rank's queries q (B, Hq, 2c, D) over the whole sequence's keys (k/v (B, Hkv, 2c, D) here)."""
         return ring_attention(q, k, v, window, self.id)[0]
 
     def loss(self, criterion, x, lm_head, targets, reduction):
         """The loss on this rank's tokens of the whole (B, T) targets. "mean": this rank's sum x N / the whole
-        sequences' count of targets, so that the mean over the CP group (which the DP x CP gradient reduction
-        takes) is the whole sequences' mean; "none": every token's loss, (B, T), gathered over CP (evaluation);
-        "sum": this rank's tokens'."""
+        sequences' target count (its mean over CP is the whole mean); "none": every token's loss (B, T), gathered
+        over CP (evaluation); "sum": this rank's tokens'."""
         mine = self.local(targets)
         if reduction == "mean":
             return criterion(x, lm_head, mine, "sum") * self.size / (targets != -1).sum()
@@ -189,7 +166,6 @@ class ContextParallel:
         return gathered.view(self.size, B, -1).transpose(0, 1).reshape(B, -1).index_select(1, self.gather_order)
 
     # --- the ring ----------------------------------------------------------------------------------------------
-
     def visible_pairs(self, q_rank, k_rank, window):
         """[(a, b, offset)]: q_rank's query chunk a (0 or 1) sees some keys of k_rank's chunk b, offset apart."""
         pairs = []
@@ -201,24 +177,22 @@ class ContextParallel:
         return pairs
 
     def schedule(self, window):
-        """[(step, receive, send)] for s = 1 .. N-1: receive rank r-s's K/V where this rank needs them, send this
-        rank's to rank r+s where it needs them; a step with neither is skipped. Every rank derives the same table
-        and posts its messages in the same order of steps, so that two messages between one pair (K/V one way,
-        dK/dV the other in the backward) are matched in order."""
+        """[(step, receive, send)], s = 1 .. N-1: whether rank r-s's K/V are needed here, and this rank's at r+s.
+        Every rank posts in this order, so two messages between one pair (K/V, then dK/dV back) match in order."""
         if window not in self.schedules:
             N, r = self.size, self.rank
             self.schedules[window] = [(s, bool(self.visible_pairs(r, (r - s) % N, window)),
                                        bool(self.visible_pairs((r + s) % N, r, window))) for s in range(1, N)]
         return self.schedules[window]
 
-    def _exchange(self, tensor, step, receive, send):
-        """Post this step's messages: `tensor` to rank r+step, a buffer like it from rank r-step. Returns (the
-        buffer or None, the requests)."""
+    def _exchange(self, tensor, step, receive, send, like=None):
+        """Post step's messages: `tensor` to rank r+step, a buffer like it (or `like`) from rank r-step: (the buffer
+        or None, the requests). A negative step runs the ring backwards (the dK/dV going home)."""
         ops, buffer = [], None
         if send:
             ops.append(dist.P2POp(dist.isend, tensor, self.layout.peer(cp=(self.rank + step) % self.size)))
         if receive:
-            buffer = torch.empty_like(tensor)
+            buffer = torch.empty_like(tensor if like is None else like)
             ops.append(dist.P2POp(dist.irecv, buffer, self.layout.peer(cp=(self.rank - step) % self.size)))
         return buffer, (dist.batch_isend_irecv(ops) if ops else [])
 
@@ -281,7 +255,7 @@ class ContextParallel:
             pending = self._exchange(mine, *steps[i + 1]) if i + 1 < len(steps) else None
             dkv = grads(buffer, (self.rank - step) % self.size) if receive else None
             # home: the dK/dV of rank r-s's block go back to it; this block's come from rank r+s (the roles reversed)
-            homecoming.append(self._exchange_home(dkv, dkv_mine, step, receive, send))
+            homecoming.append(self._exchange(dkv, -step, send, receive, like=dkv_mine))
         for buffer, requests in homecoming:
             for request in requests:
                 request.wait()
@@ -289,17 +263,6 @@ class ContextParallel:
                 dkv_mine += buffer
         # copies: a custom op's outputs may not alias each other (dK and dV share the buffer)
         return dq.to(q.dtype), dkv_mine[0].to(k.dtype, copy=True), dkv_mine[1].to(v.dtype, copy=True)
-
-    def _exchange_home(self, dkv, like, step, received, sent):
-        """Post step's gradient messages: `dkv` (of rank r-step's block) to rank r-step where this rank received
-        its K/V; a buffer from rank r+step where this rank sent them."""
-        ops, buffer = [], None
-        if received:
-            ops.append(dist.P2POp(dist.isend, dkv, self.layout.peer(cp=(self.rank - step) % self.size)))
-        if sent:
-            buffer = torch.empty_like(like)
-            ops.append(dist.P2POp(dist.irecv, buffer, self.layout.peer(cp=(self.rank + step) % self.size)))
-        return buffer, (dist.batch_isend_irecv(ops) if ops else [])
 
 
 def finite(lse):
@@ -319,9 +282,8 @@ def merge(merged, out, lse):
 
 
 def ring_in_one_process(q, k, v, dout, N, window):
-    """What the ring computes, every rank's blocks in one process (for checks): (out, dq, dk, dv) of whole
-    sequences q (B, Hq, T, D), k/v (B, Hkv, T, D), from the blocks of T/2N tokens merged, and their backward from
-    the merged output."""
+    """What the ring computes, every rank's blocks in one process (for checks): (out, dq, dk, dv) of whole sequences
+    q (B, Hq, T, D), k/v (B, Hkv, T, D), from blocks of T/2N tokens merged, the backward from the merged output."""
     c = q.size(2) // (2 * N)
     merged = {}
     for qc in range(2 * N):
@@ -346,16 +308,14 @@ def ring_in_one_process(q, k, v, dout, N, window):
 
 
 # --- the ring as one op: torch.compile calls it and keeps its messages out of the graph ------------------------
-
-
 @torch.library.custom_op("nanochat::ring_attention", mutates_args=())
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, ring: int) -> tuple[torch.Tensor, torch.Tensor]:
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, window: int, ring: int) -> tuple[Tensor, Tensor]:
     return RINGS[ring].ring_forward(q, k, v, window)
 
 
 @torch.library.custom_op("nanochat::ring_attention_backward", mutates_args=())
-def ring_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                            lse: torch.Tensor, window: int, ring: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def ring_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, window: int,
+                            ring: int) -> tuple[Tensor, Tensor, Tensor]:
     return RINGS[ring].ring_backward(dout, q, k, v, out, lse, window)
 
 

@@ -1,12 +1,12 @@
 """
-The DCLM CORE metric: in-context learning on the 22 tasks of the DCLM "core" set (the DCLM / llm-foundry ICL
-protocol). The bundle folder: core.yaml lists the tasks, eval_meta_data.csv their random-guess accuracy (%),
+The DCLM CORE metric: in-context learning on the 22 tasks of the DCLM "core" set (DCLM / llm-foundry ICL protocol).
+The bundle folder: core.yaml lists the tasks, eval_meta_data.csv their random-guess accuracy (%),
 eval_data/<dataset_uri> one JSON record per line.
 
-Each option's whole prompt (few-shot examples first) is tokenized at once, so the continuation keeps the tokens
-the model would see (" Paris", not " " "Paris"); a prompt longer than the context loses its start. Multiple
-choice and schema: the lowest mean cross-entropy wins; language modeling: correct iff the argmax is right at
-every continuation position. CORE = the mean of (accuracy - b) / (1 - b) over the tasks with a data file.
+Each option's whole prompt (few-shot examples first) is tokenized at once, so the continuation keeps the tokens the
+model would see (" Paris", not " " "Paris"); a prompt longer than the context loses its start. Multiple choice and
+schema: the lowest mean cross-entropy wins; language modeling: correct iff the argmax is right at every continuation
+position. CORE = the mean of (accuracy - b) / (1 - b) over the tasks with a data file.
 """
 
 import os
@@ -33,8 +33,7 @@ from nanochat.signals import stop_point
 EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
 DOWNLOAD_TIMEOUT_S = 30
 FEWSHOT_SEED = 1234
-# Rows x longest row per forward pass: bounds the activations (logits only at scored positions); large
-# passes keep a GPU busy, small ones are launch-bound in eager mode.
+# Rows x longest row per forward pass: bounds activations (logits only where scored); small passes are launch-bound
 DEFAULT_BATCH_TOKENS = 32768
 TASK_KEYS = {"multiple_choice": ("query", "choices", "gold"), "schema": ("context_options", "continuation", "gold"),
              "language_modeling": ("context", "continuation")}
@@ -66,8 +65,7 @@ def download_bundle(url, dest, timeout=DOWNLOAD_TIMEOUT_S):
             z.extractall(tmp_dir)
         # the zip holds the bundle at its top level or inside one folder
         candidates = [tmp_dir] + [os.path.join(tmp_dir, d) for d in sorted(os.listdir(tmp_dir))]
-        root = next((c for c in candidates if is_bundle(c)), None)
-        if root is None:
+        if (root := next((c for c in candidates if is_bundle(c)), None)) is None:
             raise EvalBundleError(f"{url} does not hold a CORE eval bundle (no core.yaml and eval_meta_data.csv); "
                                   f"pass --eval-bundle DIR with a local copy")
         try:
@@ -157,7 +155,6 @@ def load_bundle(bundle_dir):
 
 
 def load_records(task):
-    """The task's records, checked for the keys its type needs."""
     keys = TASK_KEYS[task.task_type]
     records = []
     with open(task.path, encoding="utf-8") as f:
@@ -179,12 +176,8 @@ def load_records(task):
 
 def fewshot_indices(idx, n, k):
     """k distinct indices of [0, n) other than idx, the same on every call for the same item."""
-    k = min(k, n - 1)
-    if k <= 0:
-        return []
-    rng = random.Random(FEWSHOT_SEED + idx)
     # sample from the n-1 other items without building their list (tasks have up to 20k items)
-    return [j + (j >= idx) for j in rng.sample(range(n - 1), k)]
+    return [j + (j >= idx) for j in random.Random(FEWSHOT_SEED + idx).sample(range(n - 1), max(0, min(k, n - 1)))]
 
 
 def item_options(task_type, record, delimiter):
@@ -209,7 +202,6 @@ def render_item(task, records, idx):
 
 
 def common_prefix_len(seqs):
-    """Length of the longest prefix all the int arrays share."""
     m = min(len(s) for s in seqs)
     same = np.ones(m, dtype=bool)
     for s in seqs[1:]:
@@ -234,12 +226,10 @@ PreparedItem = namedtuple("PreparedItem", ["rows", "starts", "gold"])  # int32 a
 
 
 def prepare_items(task, records, indices, tokenizer, max_len):
-    """Render and tokenize the items (one batched tokenizer call for the task)."""
     rendered = [render_item(task, records, i) for i in indices]
     texts = [t for option_texts, _, _ in rendered for t in option_texts]
     lm = task.task_type == "language_modeling"
-    if lm:
-        texts += [context for _, context, _ in rendered]
+    texts += [context for _, context, _ in rendered] if lm else []
     ids = [np.asarray(x, dtype=np.int32) for x in tokenizer.encode(texts, prepend=tokenizer.get_bos_token_id())]
     items, pos = [], 0
     for i, (option_texts, _, gold) in enumerate(rendered):
@@ -255,8 +245,8 @@ def prepare_items(task, records, indices, tokenizer, max_len):
 
 @torch.no_grad()
 def score_rows(model, rows, starts, device):
-    """One forward pass over right-padded rows. Returns per row (as lists) the mean cross-entropy over
-    its continuation rows[i][starts[i]:] and whether the argmax matched every continuation token."""
+    """One forward pass over right-padded rows. Per row (lists): the mean cross-entropy over its continuation
+    rows[i][starts[i]:], and whether the argmax matched every continuation token."""
     lengths = np.array([len(r) for r in rows])
     ids = np.zeros((len(rows), lengths.max()), dtype=np.int64)  # the pad id is irrelevant: never read
     for i, r in enumerate(rows):
@@ -335,8 +325,8 @@ def core_score(results):  # the mean centered accuracy over the tasks that ran
 
 def evaluate_core(model, tokenizer, device, bundle_dir, max_per_task=-1, layout=None,
                   batch_tokens=DEFAULT_BATCH_TOKENS, cache=None):
-    """Every task of the bundle whose data file exists. Returns {"core", "tasks_run", "tasks_total",
-    "results": {label: {"accuracy", "centered", "items", "seconds"}}, "missing": [labels]}."""
+    """Every task of the bundle whose data file exists: {"core", "tasks_run", "tasks_total", "results": {label:
+    {"accuracy", "centered", "items", "seconds"}}, "missing": [labels]}."""
     tasks, missing = load_bundle(bundle_dir)
     if not tasks:
         raise EvalBundleError(f"none of the tasks in {bundle_dir}/core.yaml has its data file under eval_data/")
@@ -366,14 +356,13 @@ _TRAINING_CACHE = {}  # tokenized items and the bundle's location, kept across a
 def evaluate_core_for_training(model, tokenizer, device, layout, eval_bundle, max_per_task):
     """CORE from inside base_train, or None with a one-line note when there is no bundle (never stops the
     run). `model` takes whole sequences (base_train gathers a pipeline- or sequence-parallel model first)."""
-    bundle_key = ("bundle", eval_bundle)
-    if bundle_key not in _TRAINING_CACHE:  # look (and maybe download) once per run
+    key = ("bundle", eval_bundle)
+    if key not in _TRAINING_CACHE:  # look (and maybe download) once per run
         try:
-            _TRAINING_CACHE[bundle_key] = find_eval_bundle(eval_bundle, layout)
+            _TRAINING_CACHE[key] = find_eval_bundle(eval_bundle, layout)
         except EvalBundleError as e:
-            _TRAINING_CACHE[bundle_key] = EvalBundleError(str(e))
-    bundle = _TRAINING_CACHE[bundle_key]
-    if isinstance(bundle, EvalBundleError):
+            _TRAINING_CACHE[key] = EvalBundleError(str(e))
+    if isinstance(bundle := _TRAINING_CACHE[key], EvalBundleError):
         print0(f"CORE: skipped ({bundle})")
         return None
     was_training = model.training

@@ -1,13 +1,11 @@
 """
-Best-fit BOS packing of documents into (B, T) batches: every row of a (B, T+1) block starts with <|bos|>
-and holds whole documents, no padding. From a buffer of tokenized documents sorted by length, each row
-takes the LARGEST document that still fits; when none fits, the SHORTEST one is cropped to fill the row
-(its rest dropped, or with keep_remainder put back as a new piece starting with <|bos|>).
+Best-fit BOS packing into (B, T) batches: each row of a (B, T+1) block starts with <|bos|> and holds whole documents,
+no padding. From a length-sorted buffer of tokenized documents, a row takes the LARGEST that fits; when none fits, the
+SHORTEST is cropped to fill it (the rest dropped, or with keep_remainder kept as a new <|bos|> piece).
 
-Data order: row group g % N of the global (shard, row group) list, epoch g // N + 1, for g = r, r+n, ...
-on DP rank r of n (TP and PP peers share a DP rank). Each batch comes with a small state (the next g, and
-(g, row, offset) of each buffered document) that rebuilds the buffer exactly: resuming at the same DP size
-is bit-exact; reshard_states continues at another DP size, every buffered document kept.
+Data order: on DP rank r of n (TP and PP peers share one), row group g % N of the global (shard, row group) list,
+epoch g // N + 1, for g = r, r+n, ... A small state per batch (the next g; (g, row, offset) per buffered document)
+rebuilds the buffer exactly: a resume is bit-exact at the same DP size; reshard_states continues at another.
 """
 
 import os
@@ -15,6 +13,7 @@ import bisect
 import queue
 import atexit
 import threading
+import contextlib
 
 import numpy as np
 import torch
@@ -167,10 +166,8 @@ class DataLoader:
 
     def _put(self, item):
         while not self.stopping.is_set():  # a timeout, so that close() is seen while the queue is full
-            try:
+            with contextlib.suppress(queue.Full):
                 return self.queue.put(item, timeout=0.1)
-            except queue.Full:
-                pass
 
     def close(self):
         self.stopping.set()

@@ -37,8 +37,7 @@ _notice_shown = False
 
 
 def resolve_data_dir(data_dir=None, allow_sample=True, quiet=False):
-    """The folder to read shards from. A folder named explicitly (argument or NANOCHAT_DATA_DIR) must
-    hold shards; only the default folder falls back to the bundled sample when it is empty."""
+    """A named folder (argument or NANOCHAT_DATA_DIR) must hold shards; an empty default falls back to the sample."""
     explicit = data_dir or os.environ.get("NANOCHAT_DATA_DIR")
     data_dir = explicit or default_data_dir()
     if list_parquet_files(data_dir):
@@ -60,7 +59,6 @@ def resolve_data_dir(data_dir=None, allow_sample=True, quiet=False):
 
 @lru_cache(maxsize=None)
 def _open(path):
-    """Open a shard and check it is parquet with a `text` column; errors name the file."""
     try:
         pf = pq.ParquetFile(path)
     except Exception as e:
@@ -76,7 +74,6 @@ def _open(path):
 
 
 def split_files(data_dir, split):
-    """Training shards (all but the last) or the validation shard (the last one)."""
     assert split in ("train", "val"), split
     files = list_parquet_files(data_dir)
     if len(files) < 2:
@@ -94,8 +91,8 @@ def row_group_rows(path, index):  # from the footer: nothing is read
 
 
 def check_data(data_dir=None):
-    """The resolved data folder, after opening every shard and reading the first row group of each split: a bad
-    file fails the run at the start, not hours later at the first evaluation."""
+    """The resolved data folder, after opening every shard and reading each split's first row group: a bad file
+    fails the run at the start, not hours later at the first evaluation."""
     data_dir = resolve_data_dir(data_dir)
     for split in ("train", "val"):
         row_groups = list_row_groups(split_files(data_dir, split))
@@ -109,9 +106,8 @@ def check_data(data_dir=None):
 
 
 def shard_listing(data_dir):
-    """[name, bytes, [[rows, row groups of that many rows], ...]] of every shard of a folder (row groups run-length
-    coded: a shard is mostly groups of one size): what the data position of a run means. Ranks that read their own
-    copies (one per node) must see the same listing, and a checkpoint records it."""
+    """[name, bytes, [[rows, row groups of that many rows], ...]] per shard (run-length coded: mostly one size): what
+    a run's data position means. A checkpoint records it; ranks reading their own copies (one per node) must agree."""
     listing = []
     for f in list_parquet_files(data_dir):
         runs, meta = [], _open(f).metadata

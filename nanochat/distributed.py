@@ -1,15 +1,12 @@
 """
-The process-group layout: torchrun's processes as a grid of world = PP x DP x CP x TP, every group created
-explicitly and printed at start; the parallel files each take their group from the Layout. Ranks are numbered TP
-fastest, then CP, then DP, then PP. The closer a dimension's peers sit, the faster their links (one node's NVLink
-before the network): TP's collectives run several times in every block, CP's ring passes K/V once per attention
-layer (behind its compute), DP reduces once per step (behind the last backward), PP sends one message per
-micro-batch and stage. Gradients are summed over DP x CP (dp_cp_group): CP ranks hold the same weights, each
-having seen its share of the tokens.
+The process-group layout: torchrun's processes as a grid of world = PP x DP x CP x TP, every group created explicitly
+and printed at start; the parallel files take their group from the Layout. Ranks are numbered TP fastest, then CP,
+DP, PP, so that the most frequent talkers get the fastest links (one node's NVLink before the network): TP several
+times per block, CP's ring once per attention layer (behind its compute), DP once per step (behind the last
+backward), PP once per micro-batch and stage. CP ranks hold the same weights: gradients are summed over DP x CP.
 
 Collectives here (host-side or one scalar):
-  barrier            on a gloo group of all ranks, so that a rank waiting in vain fails after --dist-timeout
-                     naming what it waited for
+  barrier            gloo, all ranks: a rank waiting in vain fails after --dist-timeout, naming what it waited for
   all_reduce MAX     of one float over all ranks (all_reduce_max: a stop request, an error flag)
   all_gather_object  objects of every rank (gather_objects): the message of a rank that failed (agree_on_error)
 """
@@ -65,22 +62,16 @@ class Layout:
 
     def peer(self, **coords):
         """Global rank of the process at this one's coordinates with those given changed (e.g. pp=0)."""
-        at = dict(dp=self.dp_rank, cp=self.cp_rank, tp=self.tp_rank, pp=self.pp_rank)
-        return grid_rank(self, **{**at, **coords})
+        return grid_rank(self, **(dict(dp=self.dp_rank, cp=self.cp_rank, tp=self.tp_rank, pp=self.pp_rank) | coords))
 
     def tag(self):
-        parts = [f"dp={self.dp_rank}"]
-        if self.cp_size > 1:
-            parts.append(f"cp={self.cp_rank}")
-        if self.tp_size > 1:
-            parts.append(f"tp={self.tp_rank}")
-        if self.pp_size > 1:
-            parts.append(f"pp={self.pp_rank}")
+        parts = [f"{d}={getattr(self, d + '_rank')}" for d in ("dp", "cp", "tp", "pp")
+                 if d == "dp" or getattr(self, d + "_size") > 1]
         return "[" + " ".join(parts) + "]"
 
 
 def grid_rank(layout, dp, cp, tp, pp):
-    """Global rank of the process at (dp, cp, tp, pp): TP fastest, then CP, then DP, then PP."""
+    """Global rank of the process at (dp, cp, tp, pp)."""
     return ((pp * layout.dp_size + dp) * layout.cp_size + cp) * layout.tp_size + tp
 
 
@@ -91,14 +82,12 @@ def build_layout(rank, world_size, local_rank, tp=1, pp=1, cp=1):
         raise UserError(f"world size {world_size} is not divisible by tp={tp} x pp={pp} x cp={cp}; "
                         f"choose degrees whose product divides the number of processes")
     dp = world_size // (tp * pp * cp)
-    L = Layout(rank=rank, world_size=world_size, local_rank=local_rank, dp_size=dp, tp_size=tp, pp_size=pp, cp_size=cp)
-    L.tp_rank = rank % tp
-    L.cp_rank = (rank // tp) % cp
-    L.dp_rank = (rank // (tp * cp)) % dp
-    L.pp_rank = rank // (tp * cp * dp)
+    L = Layout(rank=rank, world_size=world_size, local_rank=local_rank, dp_size=dp, tp_size=tp, pp_size=pp, cp_size=cp,
+               tp_rank=rank % tp, cp_rank=(rank // tp) % cp, dp_rank=(rank // (tp * cp)) % dp,
+               pp_rank=rank // (tp * cp * dp))
     if world_size == 1:
         return L
-    # a group: the ranks that share every coordinate outside `dims`, created in one order on every rank
+    # a group: the ranks that share every coordinate outside `dims`
     sizes = {"dp": dp, "cp": cp, "tp": tp, "pp": pp}
     product = [("dp_cp", ("dp", "cp"))] if dp > 1 and cp > 1 else []  # else it is one of the two
     for name, dims in [("tp", ("tp",)), ("cp", ("cp",)), ("dp", ("dp",)), ("pp", ("pp",))] + product:
@@ -115,9 +104,8 @@ def build_layout(rank, world_size, local_rank, tp=1, pp=1, cp=1):
 
 
 def compute_init(device_type="", tp=1, pp=1, cp=1, seed=42, timeout_s=None):
-    """Set up device, seeds and (under torchrun) the process groups, whose collectives fail after
-    timeout_s seconds (None: PyTorch's default). Under NCCL the flight recorder is on (nanochat.watchdog)
-    and a gloo group of all ranks serves host-side waits (barrier). Returns (layout, device)."""
+    """Set up device, seeds and (under torchrun) the process groups, whose collectives fail after timeout_s seconds
+    (None: PyTorch's default); NCCL gets the flight recorder (watchdog) and a gloo group for host waits (barrier)."""
     from nanochat.common import autodetect_device_type
     device_type = device_type or autodetect_device_type()
     if device_type == "cuda" and not torch.cuda.is_available():
@@ -133,7 +121,7 @@ def compute_init(device_type="", tp=1, pp=1, cp=1, seed=42, timeout_s=None):
             raise UserError(f"--tp={tp} --pp={pp} --cp={cp} need {tp * pp * cp} processes at least: launch with "
                             f"torchrun --nproc_per_node={tp * pp * cp} -m scripts.base_train ...")
         # an indexed device, so that device-keyed caches (attention masks) match tensors' .device
-        device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device(device_type)
+        device = torch.device(device_type, torch.cuda.current_device() if device_type == "cuda" else None)
         return build_layout(0, 1, 0), device
     rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
     timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
@@ -169,8 +157,7 @@ def hang_report_dir():
 
 
 def barrier(layout, what):
-    """Every rank waits here (on the host, gloo) for the others. A rank that does not arrive within the
-    collective timeout makes the others fail with a message naming `what`, not a silent hang."""
+    """Every rank waits here (host, gloo); one that never arrives fails the others, naming `what`, not a hang."""
     if layout.world_size == 1:
         return
     try:
@@ -201,9 +188,8 @@ def gather_objects(obj, group=None):
 
 
 def agree_on_error(message, device):
-    """A collective: every rank passes its error message (None when it had none) and gets the first failing
-    rank's message, or None when no rank failed. Ranks that go on after a peer failed would wait for it in
-    their next collective until the timeout; this way they all stop together, with the same message."""
+    """A collective: every rank passes its error message or None, and gets the first failing rank's (None: none
+    failed), so that all stop together rather than wait for the failed peer in their next collective until timeout."""
     if not dist.is_initialized() or all_reduce_max(float(message is not None), device) == 0:
         return message
     return next(m for m in gather_objects(message) if m is not None)

@@ -6,9 +6,13 @@ one token per step. At temperature 0 this equals recomputing the whole sequence 
 import torch
 import torch.nn.functional as F
 
+from nanochat import kernels
+from nanochat.gpt import WholeSequence
 
-class KVCache:
-    """Per layer, keys and values of shape (B, H_kv, max_len, D), filled up to `pos`."""
+
+class KVCache(WholeSequence):
+    """The model's sequence view while decoding (gpt.WholeSequence): a call's tokens come after the `pos` tokens
+    cached, and attend to them too. Per layer, keys and values of shape (B, H_kv, max_len, D)."""
 
     def __init__(self, batch_size, max_len):
         self.batch_size, self.max_len = batch_size, max_len
@@ -16,23 +20,25 @@ class KVCache:
         self.pos = 0
         self.last_embedding = None  # for the smear: the embedding of the last token seen
 
-    def update(self, layer_idx, k, v):
-        """Write this call's keys/values at pos.. and return everything cached so far."""
+    def rotary(self, cos, sin, T):
+        return cos[:, self.pos:self.pos + T], sin[:, self.pos:self.pos + T]
+
+    def previous(self, x, idx, embed):
+        """The embedding before each position of x: the cached last one (zeros at the start), then x's own."""
+        first = self.last_embedding if self.last_embedding is not None else torch.zeros_like(x[:, :1])
+        self.last_embedding = x[:, -1:]
+        return torch.cat([first, x[:, :-1]], dim=1)
+
+    def attend(self, layer_idx, q, k, v, window):
         T = k.size(2)
         if self.pos + T > self.max_len:
             raise ValueError(f"KV cache full: {self.pos} + {T} > {self.max_len} tokens")
         if layer_idx not in self.k:
             shape = (k.size(0), k.size(1), self.max_len, k.size(3))
             self.k[layer_idx], self.v[layer_idx] = k.new_empty(shape), v.new_empty(shape)
-        self.k[layer_idx][:, :, self.pos:self.pos + T] = k
-        self.v[layer_idx][:, :, self.pos:self.pos + T] = v
-        return self.k[layer_idx][:, :, :self.pos + T], self.v[layer_idx][:, :, :self.pos + T]
-
-    def prev_embedding(self, x):
-        """The embedding before each position of x: the cached last one (zeros at the start), then x's own."""
-        first = self.last_embedding if self.last_embedding is not None else torch.zeros_like(x[:, :1])
-        self.last_embedding = x[:, -1:]
-        return torch.cat([first, x[:, :-1]], dim=1)
+        keys, values = self.k[layer_idx][:, :, :self.pos + T], self.v[layer_idx][:, :, :self.pos + T]
+        keys[:, :, self.pos:], values[:, :, self.pos:] = k, v  # this call's, after the cached ones
+        return kernels.attention(q, keys, values, window)
 
     def advance(self, T):
         self.pos += T
@@ -42,9 +48,8 @@ class KVCache:
         assert self.batch_size == 1
         out = KVCache(batch_size, self.max_len)
         out.pos = self.pos
-        for i in self.k:
-            out.k[i] = self.k[i].expand(batch_size, -1, -1, -1).clone()
-            out.v[i] = self.v[i].expand(batch_size, -1, -1, -1).clone()
+        out.k = {i: t.expand(batch_size, -1, -1, -1).clone() for i, t in self.k.items()}
+        out.v = {i: t.expand(batch_size, -1, -1, -1).clone() for i, t in self.v.items()}
         out.last_embedding = self.last_embedding.expand(batch_size, -1, -1).clone()
         return out
 
@@ -67,17 +72,14 @@ def generate(model, prompt, max_tokens, num_samples=1, temperature=1.0, top_k=No
     generator = torch.Generator(device=device).manual_seed(seed)
     cache = KVCache(1, len(prompt) + max_tokens)
     logits = model(torch.tensor([prompt], dtype=torch.long, device=device), kv_cache=cache)[:, -1]
-    cache = cache.expand(num_samples)
-    logits = logits.expand(num_samples, -1)
-    out = [[] for _ in range(num_samples)]
-    done = [False] * num_samples
-    stop = set(stop_tokens)
+    cache, logits = cache.expand(num_samples), logits.expand(num_samples, -1)
+    out, done = [[] for _ in range(num_samples)], [False] * num_samples
     for _ in range(max_tokens):
         next_ids = sample_next(logits, temperature, top_k, generator)
         for i, t in enumerate(next_ids.tolist()):
             if not done[i]:
                 out[i].append(t)
-                done[i] = t in stop
+                done[i] = t in stop_tokens
         if all(done):
             break
         logits = model(next_ids[:, None], kv_cache=cache)[:, -1]
@@ -92,9 +94,6 @@ SAMPLE_PROMPTS = ["The capital of France is", "The chemical symbol of gold is",
 def sample_completions(model, tokenizer, prompts=SAMPLE_PROMPTS, max_tokens=16, temperature=0.0):
     """Greedy completions of a few fixed prompts, as strings (what base_train prints)."""
     bos = tokenizer.get_bos_token_id()
-    out = []
-    for prompt in prompts:
-        new = generate(model, tokenizer.encode(prompt, prepend=bos), max_tokens, temperature=temperature,
-                       stop_tokens=(bos,))[0]
-        out.append(prompt + tokenizer.decode([t for t in new if t != bos]))
-    return out
+    new = [generate(model, tokenizer.encode(p, prepend=bos), max_tokens, temperature=temperature, stop_tokens=(bos,))[0]
+           for p in prompts]
+    return [p + tokenizer.decode([t for t in n if t != bos]) for p, n in zip(prompts, new)]

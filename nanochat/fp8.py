@@ -1,25 +1,23 @@
 """
-fp8 training linears, tensorwise: every eligible linear's product runs in fp8 with one dynamic scale per tensor,
-on one device and under tensor parallelism alike (torchao's rowwise recipe was slower: dev/LOG.md).
+fp8 training linears, tensorwise: every eligible linear's product runs in fp8 with one dynamic scale per tensor, on
+one device and under tensor parallelism alike (torchao's rowwise recipe was slower: dev/LOG.md).
 
-- Linears whose dims are multiples of 16 and at least 128 are converted (the fp8 matmul's shape rules; small
-  layers gain nothing), never the lm_head (the logits keep bf16 precision), in place (make_fp8): the same
-  modules and fp32 Parameters, cast to fp8 around each matmul, so checkpoints are the same with or without fp8.
+- Converted in place (make_fp8): Linears whose dims are multiples of 16 and at least 128 (the fp8 matmul's shape
+  rules; small layers gain nothing), never the lm_head (the logits keep bf16 precision). The same modules and fp32
+  Parameters, cast to fp8 around each matmul: checkpoints are the same with or without fp8.
 - A converted module has an `fp8` flag: evaluation and sampling run in bf16 (bf16_linears turns it off).
 - Without an SM89+ GPU or torchao, --fp8 says so and training goes on without it. It pays only compiled.
 
-The recipe is torchao's tensorwise one (scale = fp8 max / amax, in fp32, saturated; e4m3 for activations and
-weights, e5m2 for gradients) with cuBLAS's fast accumulation in all three products (torchao: the forward's only;
-the backward's too was faster at equal loss, dev/LOG.md 2026-11-21), on torchao's casts (to_fp8) and
-torch._scaled_mm (scaled_mm); tests check it against torchao's Float8Linear.
+The recipe is torchao's tensorwise one (scale = fp8 max / amax, in fp32, saturated; e4m3 for activations and weights,
+e5m2 for gradients) with cuBLAS's fast accumulation in all three products (torchao: the forward's only; the backward's
+too was faster at equal loss, dev/LOG.md 2026-11-21); tests check it against torchao's Float8Linear.
 
     _Fp8Linear   forward:  x, W -> e4m3;  out = x W^T;   backward: dout -> e5m2;  dx = dout W, dW = dout^T x
     _Fp8MLP      forward:  x, W_fc, W_proj -> e4m3;  y = relu(x W_fc^T)^2 with amax(y), fused;
                            out = (y -> e4m3) W_proj^T
                  backward: dout -> e5m2;  dh = (dout W_proj) * 2 sqrt(y) with amax(dh), fused (relu(h) = sqrt(y));
                            dx = (dh -> e5m2) W_fc, and the two weight gradients
-The MLP's fused products (the kernels of relu_square_mm.py, which return the amax of what they write, so no pass
-reads the (tokens, 4C) activation again for it) ask the kernels facade; elsewhere the PyTorch math below runs.
+The fused products are relu_square_mm.py's kernels, through the kernels facade; elsewhere the PyTorch math below.
 Each matmul takes both operands K-major (Hopper's fp8 rule), so the backward makes transposed fp8 copies.
 
 Under tensor parallelism a shard's amax is not the whole tensor's: the weights, the row-parallel input and the
@@ -59,11 +57,9 @@ def fp8_unavailable_reason(device):
 
 
 def convert_to_fp8(model, device=None, force=False):
-    """Convert eligible Linears in place, before tensor parallelism (parallelize keeps each linear's fp8
-    flag in its sharded twin): the MLPs to Fp8MLP, the other eligible Linears to Fp8Linear. Returns the number
-    of Linears converted (0 when fp8 is unavailable; `force` skips the device check, for tests on CPU)."""
-    reason = None if force else fp8_unavailable_reason(device)
-    if reason:
+    """Convert eligible Linears in place, before TP (parallelize keeps the fp8 flag in each sharded twin): MLPs to
+    Fp8MLP, the rest to Fp8Linear. Returns how many Linears (0 without fp8; `force` skips the device check, for CPU)."""
+    if not force and (reason := fp8_unavailable_reason(device)):
         print(f"WARNING: --fp8 requested but {reason}; continuing without fp8", flush=True)
         return 0
     mlps = [m for m in model.modules() if type(m) is MLP and is_eligible(m.c_fc, "c_fc") and is_eligible(m.c_proj, "c_proj")]
@@ -78,7 +74,6 @@ def convert_to_fp8(model, device=None, force=False):
 
 
 def make_fp8(module):
-    """A gpt.MLP or kernels.Linear becomes its fp8 subclass in place (the same object, weights and keys)."""
     module.__class__ = Fp8MLP if isinstance(module, MLP) else Fp8Linear
     module.fp8 = True
     return module
@@ -86,7 +81,6 @@ def make_fp8(module):
 
 @contextmanager
 def bf16_linears(model):
-    """Run the block in bf16: every fp8 module's flag is off inside it, and back on afterwards."""
     on = [m for m in model.modules() if getattr(m, "fp8", False)]
     for m in on:
         m.fp8 = False
@@ -100,9 +94,8 @@ def bf16_linears(model):
 # ---- casts and products ----
 
 def to_fp8(t, dtype, amax=None, group=None):
-    """torchao's tensorwise cast: t * scale saturated to dtype, scale = dtype's max / amax(t) in fp32.
-    `group`: the process group t is a shard over; the amax is then the whole tensor's (all-reduce MAX).
-    Returns the fp8 data and 1 / scale, which undoes it in a product."""
+    """torchao's tensorwise cast: t * scale saturated to dtype, scale = dtype's max / amax(t) in fp32 (the whole
+    tensor's amax when t is a shard over `group`). Returns the fp8 data and 1 / scale, which undoes it in a product."""
     from torchao.float8.float8_utils import amax_to_scale, to_fp8_saturated
     amax = global_amax(t.abs().max() if amax is None else amax, group)
     scale = amax_to_scale(amax, dtype)
@@ -142,9 +135,8 @@ class _Fp8Linear(torch.autograd.Function):
 
 
 def fp8_linear(x, weight):
-    """x @ weight^T in tensorwise fp8, for a whole weight or a TP shard of one (tp_dim 0, column-parallel: the weight
-    and the output gradient are shards; 1, row-parallel: the weight and the input). Token counts that are not a
-    multiple of 16 (fp8 products need every dim one; never training's, B x 2048) take the plain product."""
+    """x @ weight^T in tensorwise fp8, for a whole weight or a TP shard (tp_dim 0: column-, 1: row-parallel). Token
+    counts not a multiple of 16 (fp8 products need every dim one; training's B x 2048 always is) take F.linear."""
     rows = x.reshape(-1, x.size(-1))
     if rows.size(0) % 16:
         return F.linear(x, weight.to(x.dtype))
@@ -154,8 +146,6 @@ def fp8_linear(x, weight):
 
 
 class Fp8Linear(Linear):
-    """A Linear whose product runs in tensorwise fp8 (fp8_linear) while `fp8` is on."""
-
     def forward(self, x):
         return fp8_linear(x, self.weight) if self.fp8 else super().forward(x)
 
@@ -163,7 +153,6 @@ class Fp8Linear(Linear):
 # ---- the MLP (see the module docstring) ----
 
 def fc_relu_square(x8, w_fc8, scale, out_dtype, use_kernels):
-    """relu(x8 @ w_fc8^T * scale)^2 in out_dtype, and its amax."""
     if use_kernels:
         return kernels.fc_relu_square_fp8(x8, w_fc8, scale, out_dtype)
     y = F.relu(x8.float() @ w_fc8.float().t() * scale).square().to(out_dtype)
@@ -171,7 +160,6 @@ def fc_relu_square(x8, w_fc8, scale, out_dtype, use_kernels):
 
 
 def relu_square_input_grad(dy8, w_proj8_t, y, scale, use_kernels):
-    """(dy8 @ w_proj8_t^T * scale) * 2 sqrt(y) in y's dtype, and its amax."""
     if use_kernels:
         return kernels.relu_square_input_grad_fp8(dy8, w_proj8_t, y, scale)
     grad_h = (dy8.float() @ w_proj8_t.float().t() * scale * 2 * y.float().sqrt()).to(y.dtype)
@@ -208,9 +196,8 @@ class _Fp8MLP(torch.autograd.Function):
 
 
 class Fp8MLP(MLP):
-    """gpt.MLP with ReLU^2 fused into its fp8 products (_Fp8MLP) while `fp8` is on; token counts that are not a
-    multiple of 16 take gpt.MLP's path, as in fp8_linear. Under TP the product is this rank's partial sum, which
-    c_proj.reduce sums over the TP group."""
+    """gpt.MLP with ReLU^2 fused into its fp8 products (_Fp8MLP) while `fp8` is on; token counts not a multiple of
+    16 take gpt.MLP's path, as in fp8_linear. Under TP: this rank's partial sum, which c_proj.reduce sums."""
 
     def product(self, x):
         rows = x.reshape(-1, x.size(-1))

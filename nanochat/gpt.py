@@ -5,24 +5,21 @@ The GPT: a decoder-only transformer with no biases.
   token's embedding
 - blocks: x = resid_lambda * x + x0_lambda * x0 (x0 = the normed, smeared embedding), then pre-norm attention and
   a ReLU^2 MLP (4x), each added residually
-- attention: rotary positions (base 1e5), QK-norm then q and k scaled by 1.2, GQA (n_kv_head), a sliding window
-  per layer from a pattern tiled over layers (S = a quarter of the context rounded to 128, L = full; the last
-  layer is always L); on alternating layers (the last included) a per-token value embedding is added to V
-  through a small input-dependent gate
-- backout: before the final norm, subtract a learned share of the residual stream at mid-depth
-- untied lm_head; logits soft-capped 15*tanh(x/15) in fp32; cross-entropy with ignore_index=-1
+- attention: rotary positions (base 1e5), QK-norm then q and k scaled by 1.2, GQA, a sliding window per layer from
+  a pattern tiled over layers (S = a quarter of the context rounded to 128, L = full; the last layer L); on
+  alternating layers (the last included) a per-token value embedding added to V through an input-dependent gate
+- backout: before the final norm, subtract a learned share of the residual stream at mid-depth; untied lm_head;
+  logits soft-capped 15*tanh(x/15) in fp32; cross-entropy with ignore_index=-1
 - Large Lookup Layers (l3.py), if configured, after some blocks: x = x + l3(x, token ids)
 
 Every op is written here as its reference math; the ones with fast kernels ask the kernels facade first
-(nanochat/kernels: `--kernels reference` makes every answer no). Weights are fp32 (the optimizer's precision),
-matmuls run in the compute dtype (modules cast weights to the activations' dtype; no autocast). The model is built
-on the meta device, moved with to_empty() and initialized by init_weights(), which says per parameter how. The
-forward is three pieces that the parallel helpers wrap, embed() -> run_blocks(start, end) -> head(), with what a
-later block needs in a `Residual` (x, x0, x_mid); tensor parallelism swaps the blocks' Linears in place. Each
-piece takes `cp`, context parallelism's view of this rank's chunks of the sequence (context_parallel.py), or None
-for the whole sequence. The modules that hold large weights (the token embedding, each block, each L3 layer, the
-lm_head) are called through `self.weights.run(module, fn, *args)`: fn(*args) here, where every weight is whole on
-this rank; with sharded weights (data_parallel.ShardedWeights) their whole weights are gathered around the call.
+(`--kernels reference` makes every answer no). Weights are fp32 (the optimizer's precision), matmuls run in the
+compute dtype (weights cast to the activations' dtype; no autocast). Built on the meta device, then to_empty() and
+init_weights(), which says per parameter how. The forward is three pieces the parallel helpers wrap, embed() ->
+run_blocks(start, end) -> head(), passing a `Residual`; tensor parallelism swaps the blocks' Linears in place, and
+two seams are swapped whole: `sequence`, which tokens this rank holds and what attention and the loss see of the
+others (WholeSequence; a KV cache when sampling; context parallelism's chunks), and `weights.run(module, fn, *args)`,
+around each module holding large weights (sharding.ShardedWeights gathers them for the call).
 """
 
 import math
@@ -35,7 +32,6 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from nanochat import kernels
-from nanochat import context_parallel  # noqa: F401 (registers the ring op that SELECTIVE_KEEPS names)
 from nanochat.common import ConfigError
 from nanochat.kernels import Linear
 from nanochat.l3 import L3Layer
@@ -77,21 +73,6 @@ class GPTConfig:
         return cls(**d)
 
 
-def config_for_depth(depth, aspect_ratio=64, head_dim=128, vocab_size=32768, sequence_len=2048,
-                     window_pattern="SSSL", n_kv_head=0, **kwargs):
-    """The one dial: model_dim = depth * aspect_ratio rounded up to a multiple of head_dim."""
-    if depth < 1 or aspect_ratio < 1 or head_dim < 2 or head_dim % 2 or sequence_len < 1 or n_kv_head < 0:
-        raise ConfigError(f"--depth ({depth}), --aspect-ratio ({aspect_ratio}), --max-seq-len ({sequence_len}) must be "
-                         f"positive, --head-dim ({head_dim}) positive and even, --n-kv-head ({n_kv_head}) >= 0")
-    model_dim = ((depth * aspect_ratio + head_dim - 1) // head_dim) * head_dim
-    n_head = model_dim // head_dim
-    n_kv_head = n_kv_head or n_head
-    if n_head % n_kv_head != 0:
-        raise ConfigError(f"--n-kv-head {n_kv_head} must divide the number of heads, {n_head}")
-    return GPTConfig(sequence_len=sequence_len, vocab_size=vocab_size, n_layer=depth, n_head=n_head,
-                     n_kv_head=n_kv_head, n_embd=model_dim, window_pattern=window_pattern, **kwargs)
-
-
 def window_sizes(config):
     """Per layer: the attention window in tokens (== sequence_len for full context)."""
     pattern = config.window_pattern.upper()
@@ -129,11 +110,8 @@ def rotary_norm(x, cos, sin):
     return F.rms_norm(rotated, (x.size(-1),), eps=torch.finfo(torch.float32).eps) * QK_SCALE
 
 
-def relu_square(h):
-    """relu(h)^2; with the kernels on, as a Function that keeps only its output for the backward."""
-    if kernels.KERNELS.on:
-        return kernels.relu_square(h)
-    return F.relu(h).square()
+def relu_square(h):  # with the kernels on, a Function that keeps only its output for the backward
+    return kernels.relu_square(h) if kernels.KERNELS.on else F.relu(h).square()
 
 
 def softcap(logits):
@@ -141,16 +119,40 @@ def softcap(logits):
 
 
 def reduce_losses(losses, targets, reduction):
-    """Per-token losses reduced as F.cross_entropy does with ignore_index=-1: 'none' (the targets' shape),
-    'sum', or 'mean' over the targets that count (NaN when none does)."""
+    """Per-token losses reduced as F.cross_entropy does with ignore_index=-1 ('mean': NaN when no target counts)."""
     if reduction == "none":
         return losses.view(targets.shape)
-    if reduction == "sum":
-        return losses.sum()
-    return losses.sum() / (targets != -1).sum()
+    return losses.sum() if reduction == "sum" else losses.sum() / (targets != -1).sum()
 
 
-# --- Building blocks --------------------------------------------------------------
+class WholeSequence:
+    """Which tokens of the (B, T) sequences this rank holds, and what the model asks of them; here every token of
+    whole sequences. A KV cache (engine.KVCache: a decoding call's tokens after those cached) and context parallelism
+    (context_parallel.ContextParallel: two chunks of each sequence) answer the same questions: local(t), this rank's
+    tokens of ids or targets; rotary, the tables at their positions; previous, each token's previous token's
+    embedding for the smear (zeros before the first; embed(ids) embeds any ids); attend, attention over the keys a
+    query may see; loss, over the tokens that count; advance, after a forward of T tokens; selective_keeps, ops whose
+    outputs --recompute selective keeps besides the kernels'."""
+
+    selective_keeps = ()
+
+    def local(self, t):
+        return t
+
+    def rotary(self, cos, sin, T):
+        return cos[:, :T], sin[:, :T]
+
+    def previous(self, x, idx, embed):
+        return F.pad(x[:, :-1], (0, 0, 1, 0))
+
+    def attend(self, layer_idx, q, k, v, window):
+        return kernels.attention(q, k, v, window)  # softmax(q k^T / sqrt(hd) + causal window mask) v
+
+    def loss(self, criterion, x, lm_head, targets, reduction):
+        return criterion(x, lm_head, targets, reduction)
+
+    def advance(self, T):
+        pass
 
 
 VE_GATE_CHANNELS = 32  # value-embedding gate reads the first channels of the block input
@@ -170,7 +172,7 @@ class CausalSelfAttention(nn.Module):
         self.ve_gate = Linear(VE_GATE_CHANNELS, config.n_kv_head) if has_value_embed(layer_idx, config.n_layer) else None
         self.tp_enter = nn.Identity()  # tensor parallelism swaps in its region-entry collective
 
-    def forward(self, x, ve, cos, sin, window, kv_cache=None, cp=None):
+    def forward(self, x, ve, cos, sin, window, seq):
         x = self.tp_enter(x)
         B, T, _ = x.shape
         hd = self.head_dim
@@ -182,13 +184,7 @@ class CausalSelfAttention(nn.Module):
             gate = 2 * torch.sigmoid(self.ve_gate(x[..., :VE_GATE_CHANNELS]))
             v = v + gate.unsqueeze(-1) * ve.view(B, T, -1, hd)
         q, k = rotary_norm(q, cos, sin), rotary_norm(k, cos, sin)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if kv_cache is not None:
-            k, v = kv_cache.update(self.layer_idx, k, v)
-        if cp is None:
-            y = kernels.attention(q, k, v, window)  # softmax(q k^T / sqrt(hd) + causal window mask) v
-        else:  # this rank's queries over every rank's keys (the ring)
-            y = cp.attention(q, k, v, window)
+        y = seq.attend(self.layer_idx, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), window)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -209,16 +205,13 @@ class MLP(nn.Module):
 
 
 RECOMPUTE_MODES = ("none", "selective", "block")
-# what --recompute selective keeps: the kernels' choice, and context parallelism's ring (whose recompute would
-# exchange every K/V block again)
-SELECTIVE_KEEPS = kernels.SELECTIVE_KEEPS + (torch.ops.nanochat.ring_attention.default,)
 
 
 class Block(nn.Module):
     """Pre-norm attention and MLP around the residual stream. `recompute` (set by training.setup; only while
     training with grad enabled) recomputes activations in the backward (torch.utils.checkpoint): "block" keeps
-    only the block's inputs, "selective" also the outputs of SELECTIVE_KEEPS. Under tensor parallelism
-    the recomputed region's collectives run again in the backward, in the same order on every rank."""
+    only the block's inputs, "selective" also the outputs of the ops the kernels and the sequence view name. Under
+    tensor parallelism the recomputed region's collectives run again in the backward, in the same order."""
 
     recompute = "none"
 
@@ -232,30 +225,28 @@ class Block(nn.Module):
         kv_dim = config.n_kv_head * config.head_dim
         self.value_embed = nn.Embedding(config.vocab_size, kv_dim) if has_value_embed(layer_idx, config.n_layer) else None
 
-    def forward(self, x, x0, idx, cos, sin, window, kv_cache=None, cp=None):
+    def forward(self, x, x0, idx, cos, sin, window, seq):
         if self.recompute == "none" or not (self.training and torch.is_grad_enabled()):
-            return self._forward(x, x0, idx, cos, sin, window, kv_cache, cp)
+            return self._forward(x, x0, idx, cos, sin, window, seq)
         # non-reentrant: works under torch.compile and with inputs that need no grad; no RNG state (no randomness)
         context = {}
         if self.recompute == "selective":  # the outputs of these ops are saved, and the recompute reuses them
             context["context_fn"] = functools.partial(torch.utils.checkpoint.create_selective_checkpoint_contexts,
-                                                      list(SELECTIVE_KEEPS))
-        return torch.utils.checkpoint.checkpoint(self._forward, x, x0, idx, cos, sin, window, kv_cache, cp,
+                                                      list(kernels.SELECTIVE_KEEPS + seq.selective_keeps))
+        return torch.utils.checkpoint.checkpoint(self._forward, x, x0, idx, cos, sin, window, seq,
                                                  use_reentrant=False, preserve_rng_state=False, **context)
 
-    def _forward(self, x, x0, idx, cos, sin, window, kv_cache, cp):
+    def _forward(self, x, x0, idx, cos, sin, window, seq):
         x = self.resid_lambda.to(x.dtype) * x + self.x0_lambda.to(x.dtype) * x0
         ve = self.value_embed(idx).to(x.dtype) if self.value_embed is not None else None
-        x = x + self.attn(norm(x), ve, cos, sin, window, kv_cache, cp)
+        x = x + self.attn(norm(x), ve, cos, sin, window, seq)
         return x + self.mlp(norm(x))
 
 
 class SoftcapCrossEntropy(nn.Module):
     """Logits in fp32, soft-capped to (-15, 15), then cross-entropy (ignore_index=-1). It applies the lm_head itself,
     so that the matmul and the loss can be one kernel; tensor parallelism swaps in a vocab-parallel twin."""
-
-    def logits(self, raw):
-        return softcap(raw)
+    logits = staticmethod(softcap)
 
     def forward(self, x, lm_head, targets, reduction="mean"):
         weight = lm_head.weight.to(x.dtype)
@@ -268,22 +259,16 @@ class SoftcapCrossEntropy(nn.Module):
 
 @dataclass
 class Residual:
-    """What flows between blocks (and between pipeline stages): the residual stream x, the embedding
-    x0 (normed and smeared) that every block mixes back in, and x_mid, the residual at mid-depth for
-    backout (None until the stream has passed the middle)."""
+    """What flows between blocks and pipeline stages: the residual stream x, the normed and smeared embedding x0 that
+    every block mixes back in, and x_mid, the residual at mid-depth for backout (None before the middle)."""
     x: torch.Tensor
     x0: torch.Tensor
     x_mid: torch.Tensor = None
 
 
 class ResidentWeights:
-    """Every weight whole on this rank, in its module: a module's call runs as it is."""
-
-    def run(self, module, fn, *args):
+    def run(self, module, fn, *args):  # every weight whole on this rank, in its module
         return fn(*args)
-
-
-# --- The model --------------------------------------------------------------------
 
 
 class GPT(nn.Module):
@@ -307,7 +292,8 @@ class GPT(nn.Module):
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
         self.compute_dtype = torch.float32
-        self.weights = ResidentWeights()  # data_parallel.ShardedWeights under --shard-params
+        self.sequence = WholeSequence()  # context_parallel.ContextParallel under --cp
+        self.weights = ResidentWeights()  # sharding.ShardedWeights under --shard-params
 
     @torch.no_grad()
     def init_weights(self):
@@ -337,78 +323,62 @@ class GPT(nn.Module):
         self.cos.copy_(cos)
         self.sin.copy_(sin)
 
-    # --- the three pieces of the forward ------------------------------------------
+    def embed(self, idx, seq=None):
+        """Token embedding, norm, smear. Returns the Residual that enters block 0 (this rank's tokens of idx)."""
+        return self.weights.run(self.wte, self._embed, idx, seq or self.sequence)
 
-    def embed(self, idx, kv_cache=None, cp=None):
-        """Token embedding, norm, smear. Returns the Residual that enters block 0 (under cp: this rank's tokens)."""
-        return self.weights.run(self.wte, self._embed, idx, kv_cache, cp)
-
-    def _embed(self, idx, kv_cache, cp):
-        x = norm(self.wte(idx if cp is None else cp.local(idx)).to(self.compute_dtype))
-        # smear: x[t] += lambda * sigmoid(gate(x[t])) * x[t-1]; decoding: x[-1] of the previous call, or zeros
-        if kv_cache is not None:
-            prev = kv_cache.prev_embedding(x)
-        elif cp is not None:  # a chunk's first token follows a token of another chunk
-            prev = cp.previous_embeddings(x, idx, lambda ids: norm(self.wte(ids).to(self.compute_dtype)))
-        else:
-            prev = F.pad(x[:, :-1], (0, 0, 1, 0))
+    def _embed(self, idx, seq):
+        x = norm(self.wte(seq.local(idx)).to(self.compute_dtype))
+        # smear: x[t] += lambda * sigmoid(gate(x[t])) * x[t-1]
+        prev = seq.previous(x, idx, lambda ids: norm(self.wte(ids).to(self.compute_dtype)))
         gate = self.smear_lambda.to(x.dtype) * torch.sigmoid(self.smear_gate(x[..., :SMEAR_GATE_CHANNELS]))
         x = self.embed_exit(x + gate * prev)
         return Residual(x=x, x0=x)
 
-    def rotary(self, T, start=0):
-        if start + T > self.rotary_len:
-            raise ValueError(f"sequence of {start + T} tokens is longer than the rotary table ({self.rotary_len})")
-        return (self.cos[:, start:start + T].to(self.compute_dtype), self.sin[:, start:start + T].to(self.compute_dtype))
-
-    def run_blocks(self, h: Residual, idx, start, end, kv_cache=None, cp=None):
+    def run_blocks(self, h: Residual, idx, start, end, seq=None):
         """Blocks start..end-1 (and the L3 layers placed after them). idx: the whole sequences' ids."""
-        if cp is not None:  # this rank's chunks: their ids, rotary at their global positions
-            idx = cp.local(idx)
-            cos, sin = (t.index_select(1, cp.positions).to(self.compute_dtype) for t in (self.cos, self.sin))
-        else:
-            cos, sin = self.rotary(idx.size(1), kv_cache.pos if kv_cache is not None else 0)
+        seq = seq or self.sequence
+        idx = seq.local(idx)
+        cos, sin = seq.rotary(self.cos, self.sin, idx.size(1))
+        if cos.size(1) != idx.size(1):
+            raise ValueError(f"a sequence of {idx.size(1)} tokens runs past the rotary table ({self.rotary_len} positions)")
+        cos, sin = cos.to(self.compute_dtype), sin.to(self.compute_dtype)
         x, x_mid = h.x, h.x_mid
         for i in range(start, end):
             if i == self.backout_layer:
                 x_mid = x
             block = self.blocks[i]
-            x = self.weights.run(block, block, x, h.x0, idx, cos, sin, self.window_sizes[i], kv_cache, cp)
+            x = self.weights.run(block, block, x, h.x0, idx, cos, sin, self.window_sizes[i], seq)
             if str(i) in self.l3:
                 layer = self.l3[str(i)]
                 x = x + self.weights.run(layer, layer, x, idx)
         return Residual(x=x, x0=h.x0, x_mid=x_mid)
 
-    def head(self, h: Residual, targets=None, loss_reduction="mean", positions=None, cp=None):
+    def head(self, h: Residual, targets=None, loss_reduction="mean", positions=None, seq=None):
         """Backout, final norm, lm_head, soft-cap (fp32), and the loss if targets are given (the whole sequences';
-        under cp see ContextParallel.loss). positions: index tensors selecting the tokens whose logits are wanted
-        (evaluation)."""
+        the sequence view says which tokens count here). positions: index tensors selecting the tokens whose logits
+        are wanted (evaluation)."""
         x = h.x
         if h.x_mid is not None:
             x = x - self.backout_lambda.to(x.dtype) * h.x_mid
         if positions is not None:
             x = x[positions]
-        return self.weights.run(self.lm_head, self._logits_or_loss, norm(x), targets, loss_reduction, cp)
+        return self.weights.run(self.lm_head, self._logits_or_loss, norm(x), targets, loss_reduction,
+                                seq or self.sequence)
 
-    def _logits_or_loss(self, x, targets, loss_reduction, cp):
+    def _logits_or_loss(self, x, targets, loss_reduction, seq):
         if targets is None:
             return self.criterion.logits(self.lm_head(x))
-        if cp is not None:
-            return cp.loss(self.criterion, x, self.lm_head, targets, loss_reduction)
-        return self.criterion(x, self.lm_head, targets, loss_reduction)
+        return seq.loss(self.criterion, x, self.lm_head, targets, loss_reduction)
 
-    def forward(self, idx, targets=None, loss_reduction="mean", kv_cache=None, positions=None, cp=None):
-        h = self.embed(idx, kv_cache, cp)
-        h = self.run_blocks(h, idx, 0, self.config.n_layer, kv_cache, cp)
-        if kv_cache is not None:
-            kv_cache.advance(idx.size(1))
-        return self.head(h, targets, loss_reduction, positions, cp)
-
-    # --- accounting ---------------------------------------------------------------
+    def forward(self, idx, targets=None, loss_reduction="mean", kv_cache=None, positions=None):
+        seq = kv_cache or self.sequence
+        h = self.run_blocks(self.embed(idx, seq), idx, 0, self.config.n_layer, seq)
+        seq.advance(idx.size(1))
+        return self.head(h, targets, loss_reduction, positions, seq)
 
     def matmul_parameters(self):
-        """Parameters that take part in matmuls: the blocks' linears, L3's W_up/W_mix, the lm_head.
-        (Embedding tables, value embeddings and L3's tables are lookups, scalars are elementwise.)"""
+        """The blocks' linears, L3's W_up/W_mix, the lm_head (tables are lookups, scalars elementwise)."""
         return sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
 
     def num_scaling_params(self):
@@ -416,23 +386,19 @@ class GPT(nn.Module):
         return self.matmul_parameters() - sum(p.numel() for layer in self.l3.values() for p in layer.dense_parameters())
 
     def attention_flops(self, layer_idx, causal=False):
-        """Attention FLOPs per token of one layer: 12 * heads * head_dim * its effective context, the window (the
-        count of the scaling-law recipe and of upstream nanochat), or with causal=True the keys a query attends to
-        on average, min(t + 1, window) over the positions t: the work a kernel that skips masked tiles does."""
+        """Attention FLOPs per token of one layer: 12 * heads * head_dim * the window (the scaling-law recipe's and
+        upstream nanochat's count), or with causal=True the mean min(t + 1, window): what skipping masked tiles does."""
         cfg = self.config
         T, W = cfg.sequence_len, min(self.window_sizes[layer_idx], cfg.sequence_len)
         context = (W * (W + 1) / 2 + (T - W) * W) / T if causal else W
         return 12 * cfg.n_head * cfg.head_dim * context
 
     def estimate_flops(self, causal=False):
-        """Training FLOPs per token: 6 * matmul params + each layer's attention_flops, plus L3's
-        lookups and projections (l3.py)."""
+        """Training FLOPs per token: 6 * matmul params + attention_flops, plus L3's lookups and W_up / W_mix."""
         attn = sum(self.attention_flops(i, causal) for i in range(self.config.n_layer))
-        l3 = sum(layer.estimate_flops() for layer in self.l3.values())  # includes L3's W_up / W_mix
-        return 6 * self.num_scaling_params() + attn + l3
+        return 6 * self.num_scaling_params() + attn + sum(layer.estimate_flops() for layer in self.l3.values())
 
-    def parameter_counts(self):
-        """Total, and split by kind, for the start-of-run printout."""
+    def parameter_counts(self):  # for the start-of-run printout
         total = sum(p.numel() for p in self.parameters())
         embed = self.wte.weight.numel() + sum(b.value_embed.weight.numel() for b in self.blocks if b.value_embed is not None)
         sparse = sum(p.numel() for layer in self.l3.values() for p in layer.table_parameters())
@@ -440,11 +406,9 @@ class GPT(nn.Module):
                 "matmul": self.matmul_parameters(), "scaling": self.num_scaling_params(),
                 "active": total - sparse}
 
-    # --- optimizer ----------------------------------------------------------------
-
     def param_groups(self, embedding_lr, unembedding_lr, matrix_lr, scalar_lr, weight_decay):
-        """Which parameter goes to which update rule, with its learning rate. AdamW LRs for embeddings
-        and the lm_head scale with (model_dim/768)^-0.5 (tuned at d12)."""
+        """Which parameter goes to which update rule, with its LR; the embeddings' and lm_head's AdamW LRs scale with
+        (model_dim/768)^-0.5 (tuned at d12)."""
         dim_scale = (self.config.n_embd / 768) ** -0.5
         table_ids = {id(p) for layer in self.l3.values() for p in layer.table_parameters()}
         embeds, unembed, scalars, matrices, tables = [], [], [], [], []
@@ -472,8 +436,7 @@ class GPT(nn.Module):
 PARAM_GROUPS = ("embeddings", "lm_head", "scalars", "matrices", "l3_tables")  # param_groups' names, in its order
 
 
-def build_model(config, device, compute_dtype=torch.float32):
-    """Build on meta (no memory, no init cost), materialize on `device`, initialize explicitly."""
+def build_model(config, device, compute_dtype=torch.float32):  # on meta (no memory, no init cost), then materialized
     with torch.device("meta"):
         model = GPT(config)
     model.to_empty(device=device)

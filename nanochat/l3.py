@@ -1,32 +1,29 @@
 """
-Large Lookup Layers (L3; Tseng & De Sa, arXiv 2601.21461): a per-token bank of learned rows, read with attention
-by the hidden state, inserted residually between blocks (gpt.py: x = x + l3(x, idx)). For hidden x in R^d at a
-position holding token t, which owns the rows [start_t, end_t) of one table E (n_emb x d), serving as both keys
-and values (the paper's tied option, as good as two tables at d12 and faster: dev/LOG.md, 2026-11-21):
+Large Lookup Layers (L3; Tseng & De Sa, arXiv 2601.21461): a per-token bank of learned rows, read with attention by
+the hidden state, added residually between blocks (gpt.py: x = x + l3(x, idx)). Token t owns rows [start_t, end_t)
+of one table E (n_emb x d), both keys and values (the paper's tied option: as good as two tables at d12 and faster,
+dev/LOG.md, 2026-11-21). For hidden x in R^d:
 
     a   = softmax(E_t x)                  no 1/sqrt(d) scale, as in the paper
     u   = LayerNorm(W_up (E_t^T a))       no affine (W_mix absorbs a gain)
     out = W_mix [u ; x]                   W_mix zero-initialized: a no-op at start
 The table is sparse (each token touches its own rows) and goes to AdamW; W_up and W_mix to Muon.
 
-The allocation (per the paper, a uniform split loses nearly all of the gain): LZW over L3_LZW_SAMPLE_TOKENS
-training tokens, every new dictionary entry crediting its last token (every token starts with one credit);
-r_t = clamp(lambda * credit_t, 1, k_max) with lambda bisected so that sum r_t = n_emb, then d_t = floor(r_t) and
-the rows left to the largest fractional parts (ties: lower id). Deterministic, 1 <= d_t <= k_max, stored as
-cumulative bounds in a buffer that checkpoints carry.
+Allocation (per the paper, a uniform split loses nearly all of the gain): LZW over L3_LZW_SAMPLE_TOKENS training
+tokens, each new dictionary entry crediting its last token (every token starts with one credit); r_t = clamp(lambda
+* credit_t, 1, k_max) with lambda bisected so that sum r_t = n_emb, then d_t = floor(r_t) and the rows left to the
+largest fractional parts (ties: lower id). Deterministic; kept as cumulative bounds in a buffer.
 
 The lookup, without a Python loop over tokens:
 - padded (CPU reference): gather (N, max d_t, d) rows, mask the padding, softmax, weighted sum; autograd.
-- blocked (GPU; CPU too when the padded gather would be big or mostly padding): positions sorted by token id
-  make the score matrix (positions x rows) block-diagonal; runs of at most L3_BLOCK_POSITIONS sorted positions
-  whose rows fit a window of < 2 k_max rows are each one small masked attention against the gathered window,
-  batched (bmm), in chunks under L3_CHUNK_BYTES. The backward is written by hand: it recomputes each chunk and
-  accumulates the table gradient in fp32; nothing of size (sum of d_t) x d is kept. The lookup runs eagerly
-  (data-dependent sizes); W_up, the LayerNorm and W_mix around it compile.
+- blocked (GPU; CPU when the padded gather is big or mostly padding): sorted by token id, the score matrix is
+  block-diagonal; runs of <= L3_BLOCK_POSITIONS sorted positions with rows in a window of < 2 k_max rows are each a
+  small masked attention, batched (bmm) in chunks under L3_CHUNK_BYTES. A hand-written backward recomputes each chunk,
+  accumulating the table gradient in fp32 (nothing (sum d_t) x d is kept).
 
-Parallelism: the layer is replicated over TP ranks (tensor_parallel.py says why); with sequence parallelism each
-rank looks up its own tokens (`token_share`) and the partial gradients are summed over TP in the optimizer. Dtypes
-follow gpt.py: fp32 parameters, compute-dtype activations, fp32 softmax and table-gradient accumulation.
+Parallelism: replicated over TP ranks (tensor_parallel.py says why); with sequence parallelism each rank looks up
+its own tokens (`token_share`) and the optimizer sums the partial gradients over TP. Dtypes follow gpt.py: fp32
+parameters, compute-dtype activations, fp32 softmax and table-gradient accumulation.
 """
 
 import bisect
@@ -41,7 +38,7 @@ import torch.nn.functional as F
 import torch.distributed as dist
 
 from nanochat.kernels import Linear
-from nanochat.common import print0
+from nanochat.common import print0, eager
 
 L3_LZW_SAMPLE_TOKENS = 10_000_000  # enough to estimate the credit of the few thousand tokens that own most rows
 L3_LZW_MAX_ENTRIES = 1 << 22  # LZW dictionary cap; cleared when full. 2^22 entries ~ 0.5 GB of Python dict
@@ -53,17 +50,14 @@ L3_PADDED_MAX_BYTES = 64 << 20  # padded path (CPU): while its (N, max d_t, d) g
 
 
 def default_n_emb(vocab_size, k_max):
-    """Table rows when config.l3_n_emb == 0: L3_ROWS_PER_TOKEN per vocabulary entry, at most vocab * k_max."""
     return vocab_size * min(L3_ROWS_PER_TOKEN, k_max)
 
 
-# --- Allocation: LZW credits -> rows per token ------------------------------------
-
+# ---- Allocation: LZW credits -> rows per token ----
 
 def lzw_credits(tokens, vocab_size, max_entries=L3_LZW_MAX_ENTRIES):
-    """Per token (int64 numpy array): 1 (its entry in LZW's initial dictionary) + the number of new dictionary
-    entries (n-grams) that end with it, over `tokens` (list, numpy array or tensor). The dictionary maps (prefix
-    code, token) -> code, keyed by prefix * vocab + token (faster than tuples); cleared when it is full."""
+    """Per token (int64 array): 1 (its entry in LZW's initial dictionary) + the new dictionary entries (n-grams)
+    ending with it, over `tokens` (list, array or tensor). Keys are prefix code * vocab + token (faster than tuples)."""
     tokens = np.asarray(tokens.cpu() if torch.is_tensor(tokens) else tokens, dtype=np.int64).reshape(-1)
     if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
         raise ValueError(f"token ids must lie in [0, {vocab_size}); got [{tokens.min()}, {tokens.max()}]")
@@ -74,8 +68,7 @@ def lzw_credits(tokens, vocab_size, max_entries=L3_LZW_MAX_ENTRIES):
     for lo in range(1, tokens.size, step):
         for c in tokens[lo:lo + step].tolist():
             key = w * vocab_size + c
-            code = table.get(key)
-            if code is None:  # prefix + c is new: add it, credit its last token, restart from c
+            if (code := table.get(key)) is None:  # prefix + c is new: add it, credit its last token, restart from c
                 table[key] = next_code
                 next_code += 1
                 credits[c] += 1
@@ -89,8 +82,7 @@ def lzw_credits(tokens, vocab_size, max_entries=L3_LZW_MAX_ENTRIES):
 
 
 def allocate_rows(credits, n_emb, k_max):
-    """Rows per token d_t, proportional to credit with 1 <= d_t <= k_max and sum d_t == n_emb exactly
-    (the rule is in the module docstring). Returns an int64 numpy array."""
+    """Rows per token d_t (int64 array) by the module docstring's rule: 1 <= d_t <= k_max, sum d_t == n_emb."""
     c = np.asarray(credits, dtype=np.float64)
     V = c.size
     if not V <= n_emb <= V * k_max:
@@ -102,32 +94,24 @@ def allocate_rows(credits, n_emb, k_max):
     lo, hi = 0.0, k_max / c.min()
     for _ in range(200):
         mid = 0.5 * (lo + hi)
-        if np.clip(mid * c, 1, k_max).sum() >= n_emb:
-            hi = mid
-        else:
-            lo = mid
-    r = np.clip(hi * c, 1, k_max)  # sum(r) >= n_emb by a hair, so the leftover below is <= sum(frac)
+        lo, hi = (lo, mid) if np.clip(mid * c, 1, k_max).sum() >= n_emb else (mid, hi)
+    r = np.clip(hi * c, 1, k_max)  # sum(r) >= n_emb by a hair, so the rows left are <= the sum of the fractions
     d = np.floor(r).astype(np.int64)
-    frac = r - d
-    left = n_emb - int(d.sum())
-    order = np.lexsort((np.arange(V), -frac))  # largest fractional part first, then lower token id
-    d[order[:left]] += 1
+    order = np.lexsort((np.arange(V), d - r))  # largest fractional part first, then lower token id
+    d[order[:n_emb - int(d.sum())]] += 1
     if d.sum() != n_emb or d.min() < 1 or d.max() > k_max:
         raise RuntimeError(f"L3 allocation broke its invariants (sum {d.sum()}, min {d.min()}, max {d.max()})")
     return d
 
 
 def uniform_rows(vocab_size, n_emb):
-    """n_emb rows split as evenly as possible (lower ids get the extra rows): the allocation a layer has
-    after init_weights, before allocate_for_model."""
     d = np.full(vocab_size, n_emb // vocab_size, dtype=np.int64)
     d[:n_emb % vocab_size] += 1
     return d
 
 
 def sample_training_tokens(tokenizer, data_dir, n_tokens):
-    """The first n_tokens of the training shards, read in order as documents each prefixed with <|bos|>
-    (what the dataloader feeds the model). Fewer if the shards hold fewer. int32 numpy array."""
+    """The first n_tokens (all, if fewer) of the training shards, int32: documents in order, each after a <|bos|>."""
     from nanochat.dataset import iter_documents, split_files, resolve_data_dir
     docs = iter_documents(split_files(resolve_data_dir(data_dir, quiet=True), "train"))
     parts, total = [], 0
@@ -139,17 +123,15 @@ def sample_training_tokens(tokenizer, data_dir, n_tokens):
 
 
 def allocate_for_model(model, tokenizer, data_dir, layout, sample_tokens=L3_LZW_SAMPLE_TOKENS):
-    """Compute the LZW allocation once (global rank 0, from the training shards), broadcast it to every
-    rank, write it into every L3 layer of `model` (model.l3), and print its statistics."""
+    """Compute the LZW allocation on global rank 0 from the training shards; broadcast it to every L3 layer."""
     layers = list(model.l3.values())
     if not layers:
         return
     V, n_emb, k_max = layers[0].vocab_size, layers[0].n_emb, layers[0].k_max
     if any((l.vocab_size, l.n_emb, l.k_max) != (V, n_emb, k_max) for l in layers):
         raise ValueError("all L3 layers of a model must share vocab_size, n_emb and k_max (one allocation)")
-    device = layers[0].bounds.device
-    counts = torch.zeros(V, dtype=torch.int64, device=device)
-    mean_rows = torch.zeros(1, dtype=torch.float64, device=device)
+    counts = torch.zeros(V, dtype=torch.int64, device=layers[0].bounds.device)
+    mean_rows = torch.zeros(1, dtype=torch.float64, device=counts.device)
     if layout.rank == 0:
         t0 = time.time()
         tokens = sample_training_tokens(tokenizer, data_dir, sample_tokens)
@@ -160,9 +142,8 @@ def allocate_for_model(model, tokenizer, data_dir, layout, sample_tokens=L3_LZW_
         credits = lzw_credits(tokens, V)
         t2 = time.time()
         d = allocate_rows(credits, n_emb, k_max)
-        freq = np.bincount(tokens, minlength=V)
         counts.copy_(torch.from_numpy(d))
-        mean_rows.fill_(float((freq * d).sum() / max(1, freq.sum())))
+        mean_rows.fill_(float((np.bincount(tokens, minlength=V) * d).sum() / max(1, tokens.size)))
         top100 = np.sort(d)[::-1][:100].sum() / n_emb
         print0(f"L3 allocation: {tokens.size:,} training tokens (tokenized in {t1 - t0:.1f}s), LZW {t2 - t1:.1f}s, "
                f"{int(credits.sum()) - V:,} dictionary entries; {n_emb:,} rows over {V:,} tokens, k_max {k_max}")
@@ -176,17 +157,14 @@ def allocate_for_model(model, tokenizer, data_dir, layout, sample_tokens=L3_LZW_
         layer.set_allocation(counts, mean_rows.item())
 
 
-# --- The lookup h = E_t^T softmax(E_t x), two ways --------------------------------
-
+# ---- The lookup h = E_t^T softmax(E_t x), two ways ----
 
 def _acc_dtype(dtype):
-    """Accumulation dtype: fp32 for half-precision activations, else the activations' own (fp32/fp64)."""
     return torch.promote_types(dtype, torch.float32)
 
 
 def lookup_padded(x, ids, table, bounds):
-    """Reference path: x (N, d), ids (N,) -> h (N, d), by a padded (N, max d_t, d) gather. Padding slots read
-    row 0 and get exactly zero weight, so they add exactly zero gradient to it."""
+    """x (N, d), ids (N,) -> h (N, d). Padding slots read row 0 with weight exactly 0: they add no gradient to it."""
     start = bounds[ids]
     count = bounds[ids + 1] - start
     slot = torch.arange(int(count.max()), device=x.device)
@@ -198,11 +176,9 @@ def lookup_padded(x, ids, table, bounds):
 
 
 class _Plan:
-    """How one batch is cut up: positions sorted by token id (`order`; `start`/`end` are their row
-    ranges, both non-decreasing), grouped into blocks of at most `block` consecutive sorted positions
-    whose rows lie in one window of the table (block b: sorted positions first[b] .. first[b]+count[b]-1,
-    window rows lo[b] .. lo[b]+width[b]-1), and the blocks, widest first (`by_width`), cut into chunks
-    (i, j, w): blocks by_width[i:j], padded to window width w."""
+    """One batch cut up. `order`: positions sorted by token id, `start`/`end` their row ranges (both non-decreasing);
+    block b: sorted positions first[b] .. first[b]+count[b]-1, window rows lo[b] .. lo[b]+width[b]-1; chunk (i, j, w):
+    blocks by_width[i:j] (widest first), padded to width w."""
 
     def __init__(self, ids, bounds, block, max_rows, window):
         n = ids.numel()
@@ -210,9 +186,8 @@ class _Plan:
         self.order = torch.argsort(ids, stable=True)
         sid = ids[self.order]
         self.start, self.end = bounds[sid], bounds[sid + 1]
-        # window: at least every token's row count (k_max), so every token's rows fit in one window
-        # fixed groups of `block` sorted positions, split where a position's first row moves into the
-        # next window-sized stretch after the group's first row: a block's rows then span < 2 windows
+        # groups of `block` sorted positions, split where a first row moves into the next window-sized stretch after
+        # the group's first row; window >= every token's row count (k_max), so a block's rows span < 2 windows
         group = torch.arange(n, device=ids.device) // block
         stretch = (self.start - self.start[group * block]) // window
         new = torch.ones(n, dtype=torch.bool, device=ids.device)
@@ -222,9 +197,8 @@ class _Plan:
         self.lo = self.start[self.first]
         self.width = self.end[self.first + self.count - 1] - self.lo  # ends are sorted: the last one is the max
         self.by_width = torch.argsort(self.width, descending=True, stable=True)
-        # chunks: at most max_rows rows gathered (blocks x max(width, block)), and widths within 2x of the
-        # chunk's widest, so padding every block to that width at most doubles the work. Padded widths are
-        # multiples of L3_WIDTH_ALIGN: 16-byte aligned row strides, which cuBLAS's Hopper kernels need
+        # chunks: <= max_rows rows gathered (blocks x max(width, block)), widths within 2x of the chunk's widest, so
+        # padding to it at most doubles the work; to multiples of L3_WIDTH_ALIGN (cuBLAS Hopper: 16-byte row strides)
         widths = self.width[self.by_width].tolist()
         ascending = [-w for w in widths]
         self.chunks, i = [], 0
@@ -235,11 +209,9 @@ class _Plan:
             i = j
 
     def blocks(self, i, j, w, n_rows):
-        """For chunk blocks by_width[i:j]: slot (blocks, block) sorted positions (padding slots repeat
-        the block's first position), target (blocks * block,) where each slot's result goes (padding
-        slots: the spare row n, dropped at the end; scattering there needs no host sync, unlike a boolean
-        index), rows (blocks, w) table rows to gather (clamped into the table), mask (blocks, block, w):
-        row belongs to the slot's token."""
+        """Chunk blocks by_width[i:j]: slot (blocks, block) sorted positions (padding repeats the block's first);
+        target (blocks * block,) each slot's output row (padding: spare row n, dropped; no host sync, unlike a boolean
+        index); rows (blocks, w) table rows (clamped); mask (blocks, block, w): the slot token's rows."""
         b = self.by_width[i:j]
         k = torch.arange(self.block, device=b.device)
         valid = k < self.count[b, None]
@@ -251,7 +223,6 @@ class _Plan:
 
 
 def _block_attention(xb, kb, mask, acc):
-    """a = softmax over each slot's own rows of xb @ kb^T: (blocks, block, w) in acc dtype."""
     scores = torch.bmm(xb, kb.transpose(1, 2)).to(acc)
     return torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
 
@@ -277,15 +248,13 @@ class _BlockedLookup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_h):
-        x, tc = ctx.saved_tensors
-        plan = ctx.plan
+        (x, tc), plan = ctx.saved_tensors, ctx.plan
         acc = _acc_dtype(x.dtype)
         xs = x.index_select(0, plan.order)
         gs = grad_h.to(x.dtype).index_select(0, plan.order)
         dxs = xs.new_empty(xs.size(0) + 1, xs.size(1))  # + the spare row for padding slots
-        # the table gradient accumulates in fp32 over blocks (each block's bmm already sums its slots in fp32).
-        # index_put_ with accumulate sorts the row indices and sums duplicates in order: many blocks of a
-        # frequent token share one window of rows, and atomic adds (index_add_) on those rows contend
+        # fp32 table gradient (each block's bmm sums its slots in fp32). index_put_(accumulate) sorts the rows and
+        # sums duplicates in order: a frequent token's blocks share rows, where atomic adds (index_add_) contend
         de = torch.zeros(tc.shape, dtype=acc, device=tc.device)
         for i, j, w in plan.chunks:
             slot, target, rows, mask = plan.blocks(i, j, w, tc.size(0))
@@ -303,14 +272,12 @@ class _BlockedLookup(torch.autograd.Function):
 
 
 def lookup_blocked(x, ids, table, bounds, block=L3_BLOCK_POSITIONS, chunk_bytes=L3_CHUNK_BYTES, window=None):
-    """The GPU path: x (N, d), ids (N,) -> h (N, d) by blocks of sorted positions, in chunks under chunk_bytes.
-    window: an upper bound on any token's row count (the layer passes k_max; None reads the bounds: a host sync)."""
+    """x (N, d), ids (N,) -> h (N, d). window: >= every token's row count (k_max; None reads bounds: a host sync)."""
     if window is None:
         window = int((bounds[1:] - bounds[:-1]).max())
     # one gathered row costs its channels, or its column of fp32 scores (block entries) if that is more
     row_bytes = max(table.size(1) * x.element_size(), 4 * block)
-    max_rows = max(1, chunk_bytes // row_bytes)
-    return _BlockedLookup.apply(x, table, ids, bounds, block, max_rows, window)
+    return _BlockedLookup.apply(x, table, ids, bounds, block, max(1, chunk_bytes // row_bytes), window)
 
 
 def choose_path(x, ids, bounds):
@@ -324,8 +291,7 @@ def choose_path(x, ids, bounds):
     return "padded" if small and 2 * padded_slots <= 3 * int(count.sum()) else "blocked"
 
 
-# --- The layer --------------------------------------------------------------------
-
+# ---- The layer ----
 
 class L3Layer(nn.Module):
     def __init__(self, vocab_size, d_model, n_emb, d_up=None, k_max=512):
@@ -354,9 +320,8 @@ class L3Layer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self):
-        """The table uniform with std 1/sqrt(d): scores E_t x start with std ~ rms(x), a soft but not flat attention
-        (as values their scale is free: a LayerNorm follows W_up). W_up uniform like every matrix; W_mix zero, a
-        no-op at start. The allocation is reset to a uniform split; allocate_for_model replaces it."""
+        """Table and W_up uniform, std 1/sqrt(d): scores E_t x start with std ~ rms(x), soft but not flat (as values
+        their scale is free: a LayerNorm follows W_up). W_mix zero. Uniform allocation until allocate_for_model."""
         s = math.sqrt(3) / math.sqrt(self.d_model)
         nn.init.uniform_(self.key_table, -s, s)
         nn.init.uniform_(self.w_up.weight, -s, s)
@@ -366,7 +331,6 @@ class L3Layer(nn.Module):
 
     @torch.no_grad()
     def set_allocation(self, rows, rows_per_token):
-        """Install rows per token (vocab,) and the mean rows a training token reads."""
         rows = torch.as_tensor(rows, dtype=torch.int64).cpu()
         if rows.shape != (self.vocab_size,) or rows.sum() != self.n_emb or rows.min() < 1 or rows.max() > self.k_max:
             raise ValueError(f"an L3 allocation needs {self.vocab_size} entries in [1, {self.k_max}] summing to "
@@ -382,13 +346,13 @@ class L3Layer(nn.Module):
         return [self.w_up.weight, self.w_mix.weight]
 
     def estimate_flops(self):
-        """Training FLOPs per token: 6 * (W_up + W_mix params) + 12 * r * d, r the mean rows a training token reads
+        """Training FLOPs per token: 6 * (W_up + W_mix params) + 12 r d, r the mean rows a training token reads
         (scores 2 r d and mix 2 r d forward, twice that backward; k_max on the meta device, an upper bound). Useful
-        FLOPs only: like masked attention, the masked-out part of the blocked path's tiles is not counted."""
+        FLOPs only: as for masked attention, the blocked path's masked-out tile entries are not counted."""
         r = self.k_max if self.rows_per_token.is_meta else float(self.rows_per_token)
         return 6 * sum(p.numel() for p in self.dense_parameters()) + 12 * r * self.d_model
 
-    @torch.compiler.disable  # data-dependent sizes; see the module docstring
+    @eager  # data-dependent sizes; W_up, the LayerNorm and W_mix around it compile
     def lookup(self, x, ids):
         """h = E_t^T softmax(E_t x) for x (N, d), ids (N,) -> (N, d) in x.dtype."""
         path = choose_path(x, ids, self.bounds) if self.path == "auto" else self.path

@@ -52,7 +52,6 @@ def evaluate_bpb(loss_fn, batches, steps, token_bytes, layout=None, label="bpb")
     if layout is not None and layout.dp_size > 1:
         dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=layout.dp_group)
     if layout is not None and layout.pp_size > 1:
-        last = layout.peer(pp=layout.pp_size - 1)
-        dist.broadcast(sums, src=last, group=layout.pp_group)
+        dist.broadcast(sums, src=layout.peer(pp=layout.pp_size - 1), group=layout.pp_group)
     nats, nbytes = sums.tolist()
     return nats / (math.log(2) * nbytes) if nbytes else float("inf")

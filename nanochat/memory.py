@@ -4,20 +4,23 @@ The memory a run needs, estimated before it starts.
 - A CPU run (cpu_memory_error): a CPU that runs out of memory kills the process without a word, so the scripts
   refuse a micro-batch that cannot fit, with a size that does.
 - A GPU layout (rank_memory, scripts/plan.py): what each rank of a DP x CP x TP x PP layout holds at its peak, for
-  any depth, without touching a GPU. The parameters, gradients and optimizer state are counted off the real model
-  built on the meta device, cut as the run cuts it (tensor_parallel.parallelize, pipeline_parallel.split_stages,
-  the optimizer's Muon stacks and DP ownership). The activations are a per-token, per-layer, per-width byte count
-  for each --recompute mode, fitted to measured peaks (dev/BENCHMARKS.md, "Memory planner"), with Megatron-LM's
-  split of a layer's activations into the part tensor parallelism shards and the part it does not; pipeline
-  stages hold as many micro-batches as their schedule keeps alive (pipeline_parallel.peak_in_flight).
+  any depth, without a GPU. Parameters, gradients and optimizer state are counted off the real model on the meta
+  device, cut as the run cuts it (tensor_parallel.parallelize, pipeline_parallel.split_stages, the optimizer's Muon
+  stacks and DP ownership). Activations are a per-token, per-layer, per-width byte count for each --recompute
+  mode, fitted to measured peaks, with Megatron-LM's split of a layer's activations into the part TP shards and the
+  rest; pipeline stages hold as many micro-batches as their schedule keeps alive (peak_in_flight).
 """
 
 import os
 import math
 import itertools
-from dataclasses import dataclass, replace
+from dataclasses import replace
+from types import SimpleNamespace
 
 import torch
+
+from nanochat.common import ConfigError
+from nanochat.recipe import Setting
 
 
 def available_memory():
@@ -33,10 +36,9 @@ def available_memory():
 
 
 def estimate_memory(num_params, n_layer, n_embd, vocab_size, tokens, training=True):
-    """Bytes a CPU process needs, roughly (measured on CPU, depth 4-8, fp32), plus 1 GiB for the rest.
-    Training: 16 per parameter (weights, gradients, two optimizer states) and, per token of a micro-batch,
-    18 x vocab (the logits and their gradient) + 96 x layers x width (activations kept for the backward).
-    Evaluation: 4 per parameter and, per token, 14 x vocab + 16 x layers x width."""
+    """Bytes a CPU process needs, roughly (measured on CPU, depth 4-8, fp32), plus 1 GiB for the rest. Training:
+    16 per parameter (weights, gradients, two optimizer states) and per token 18 x vocab (logits and their gradient)
+    + 96 x layers x width (activations); evaluation: 4 per parameter, per token 14 x vocab + 16 x layers x width."""
     if training:
         return 16 * num_params + tokens * (18 * vocab_size + 96 * n_layer * n_embd) + 2**30
     return 4 * num_params + tokens * (14 * vocab_size + 16 * n_layer * n_embd) + 2**30
@@ -47,15 +49,14 @@ def cpu_memory_error(num_params, config, batch_size, seq_len, training=True):
     this machine (or it is unknown); else the message, with a batch size that fits."""
     processes = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     have = available_memory()
-
-    def need(b):
-        return processes * estimate_memory(num_params, config.n_layer, config.n_embd, config.vocab_size, b * seq_len, training)
+    need = lambda b: processes * estimate_memory(num_params, config.n_layer, config.n_embd, config.vocab_size,
+                                                 b * seq_len, training)
     if have is None or need(batch_size) <= have:
         return None
     fits = [b for b in (2 ** i for i in range(12)) if b < batch_size and need(b) <= have]
-    return (f"{'training' if training else 'evaluating'} on the CPU with micro-batches of {batch_size} x {seq_len} tokens "
-            f"needs about {need(batch_size) / 2**30:.1f} GiB, and {have / 2**30:.1f} GiB is available: lower "
-            f"--device-batch-size" + (f" (about {fits[-1]} fits)" if fits else "") +
+    return (f"{'training' if training else 'evaluating'} on the CPU with micro-batches of {batch_size} x "
+            f"{seq_len} tokens needs about {need(batch_size) / 2**30:.1f} GiB, and {have / 2**30:.1f} GiB is "
+            f"available: lower --device-batch-size" + (f" (about {fits[-1]} fits)" if fits else "") +
             (" or --max-seq-len, or train a smaller --depth" if training else ""))
 
 
@@ -79,41 +80,8 @@ GPUS = {"h100": 79.6, "h200": 140.4, "a100": 79.2, "a100-40gb": 39.4}  # GiB, as
 
 
 def usable_bytes(gib):
-    """What an allocator peak may reach on a GPU of `gib` GiB: 95% (fragmentation) of what the CUDA context and
-    NCCL's buffers leave (1.5 GiB)."""
+    """What an allocator peak may reach on a `gib` GiB GPU: 95% (fragmentation) of what CUDA and NCCL leave."""
     return 0.95 * (gib - 1.5) * GIB
-
-
-@dataclass
-class Setting:
-    """One way to train a model: the layout and the memory savers (base_train's flags of the same names)."""
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    pp_schedule: str = "1f1b"
-    pp_virtual: int = 1
-    sequence_parallel: bool = False
-    shard_params: bool = False
-    keep_gathered: bool = False
-    device_batch: int = 32
-    total_batch: int = 524288
-    recompute: str = "none"
-    fp8: bool = False
-    compute_bytes: int = 2  # of the compute dtype: bf16 on GPUs (4: fp32, as on a CPU)
-
-    def describe(self):
-        parts = [f"dp {self.dp}"] + [f"{k} {v}" for k, v in (("cp", self.cp), ("tp", self.tp), ("pp", self.pp)) if v > 1]
-        if self.pp > 1:
-            parts.append(self.pp_schedule + (f" V={self.pp_virtual}" if self.pp_virtual > 1 else ""))
-        parts += [f for f, on in (("sp", self.sequence_parallel), ("sharded", self.shard_params),
-                                  ("kept", self.keep_gathered), ("fp8", self.fp8)) if on]
-        return ", ".join(parts) + f"; batch {self.device_batch}; recompute {self.recompute}"
-
-
-class _TPOnly:  # what tensor_parallel.parallelize reads of a layout (rank 0 of the TP group; no process group)
-    def __init__(self, tp):
-        self.tp_rank, self.tp_size, self.tp_group = 0, tp, None
 
 
 _models = {}
@@ -126,9 +94,9 @@ def _meta_model(config, s):
         from nanochat.gpt import GPT
         with torch.device("meta"):
             model = GPT(config)
-        if s.tp > 1:
+        if s.tp > 1:  # the layout parallelize reads: rank 0 of the TP group, no process group
             from nanochat.tensor_parallel import parallelize
-            parallelize(model, _TPOnly(s.tp), s.sequence_parallel)
+            parallelize(model, SimpleNamespace(tp_rank=0, tp_size=s.tp, tp_group=None), s.sequence_parallel)
         _models[key] = model
     return _models[key]
 
@@ -136,33 +104,25 @@ def _meta_model(config, s):
 def rank_memory(config, s):
     """Per pipeline rank (DP rank 0, which owns the most under sharding), the bytes it holds at its peak in a
     training step: {"weights", "working copies", "gradients", "optimizer state", "activations", "total"} (and
-    "gathered", the whole weights of the working copies). Not counted: the optimizer step's temporaries, and the
-    whole copy of the model that CORE and sampling build under PP, SP or sharding (4 bytes a parameter while they
-    run). ConfigError where the setting cannot run (a batch that does not divide the step, ...)."""
-    from nanochat.common import ConfigError
+    "gathered", the working copies' whole weights). Not counted: the step's temporaries, and the whole model copy
+    CORE and sampling build under PP, SP or sharding (4 bytes a parameter). ConfigError where Setting.check fails."""
     from nanochat.optim import muon_stacks
-    from nanochat.pipeline_parallel import block_costs, split_stages, stage_actions, peak_in_flight
-    from nanochat.data_parallel import RoundRobin, owned_by_rows, embedding_types
-    T = config.sequence_len
-    if (s.cp > 1 and T % (2 * s.cp)) or s.total_batch % (s.device_batch * T * s.dp):
-        raise ConfigError(f"{s.describe()}: the step ({s.total_batch:,} tokens) is no multiple of device batch x "
-                          f"sequence x dp, or the sequence does not cut into 2 x cp chunks")
-    m = s.total_batch // (s.device_batch * T * s.dp)  # micro-batches per step
-    if s.pp > 1 and (m < s.pp or (s.pp_schedule == "interleaved" and m % s.pp)):
-        raise ConfigError(f"{s.describe()}: {m} micro-batches cannot fill {s.pp} pipeline stages")
+    from nanochat.pipeline_parallel import block_costs, split_stages
+    from nanochat.pipeline_schedules import stage_actions, peak_in_flight
+    from nanochat.data_parallel import RoundRobin, owned_by_rows
+    from nanochat.sharding import embedding_types
+    m = s.check(config)  # micro-batches per step
     model = _meta_model(config, s)
     D = s.dp * s.cp  # the optimizer's group: gradients are summed, and state (and weights) shared, over DP x CP
     dt = s.compute_bytes  # of a gathered weight (fp8's casts come after the gather)
-    width = config.n_embd
     per_layer = ACTIVATION_BYTES[s.recompute]
     if s.fp8:
         per_layer += FP8_BLOCK_EXTRA if s.recompute == "block" else -FP8_SAVING * per_layer / ACTIVATION_BYTES["none"]
     tp_share = 1 / s.tp if s.sequence_parallel else (1 - TP_SHARDED) + TP_SHARDED / s.tp
-    tokens = s.device_batch * T / s.cp
-    costs, head_cost = block_costs(model)
-    chunks = split_stages(costs, head_cost, s.pp * s.pp_virtual)
-    kept = [tokens * ((b - a) * width * per_layer * tp_share + (HEAD_BYTES * config.vocab_size / s.tp
-                                                               if c == len(chunks) - 1 else 0))
+    tokens = s.device_batch * config.sequence_len / s.cp
+    chunks = split_stages(*block_costs(model), s.pp * s.pp_virtual)
+    head = HEAD_BYTES * config.vocab_size / s.tp  # on the last chunk
+    kept = [tokens * ((b - a) * config.n_embd * per_layer * tp_share + (head if c == len(chunks) - 1 else 0))
             for c, (a, b) in enumerate(chunks)]
     if s.pp > 1:
         actions = [stage_actions(s.pp_schedule, s.pp, m, r, s.pp_virtual) for r in range(s.pp)]
@@ -187,23 +147,18 @@ def rank_memory(config, s):
             weights += held * params[0].numel() * 4
             state += owned * (math.prod(full_shape) + full_shape[0]) * 4  # momentum, NorMuon's per-row moment
             sharded |= {id(p) for p in params}
-        for g in mine:
-            if g["kind"] != "adamw":
-                continue
-            for p in g["params"]:
-                rows = owned_by_rows(p, D)
-                weights += p.numel() * 4 // (D if rows and s.shard_params else 1)
-                state += 8 * p.numel() // (D if rows else 1)  # AdamW's two moments: by rows already (ZeRO-2)
-                if rows:
-                    sharded.add(id(p))
+        for p in (p for g in mine if g["kind"] == "adamw" for p in g["params"]):
+            rows = owned_by_rows(p, D)
+            weights += p.numel() * 4 // (D if rows and s.shard_params else 1)
+            state += 8 * p.numel() // (D if rows else 1)  # AdamW's two moments: by rows already (ZeRO-2)
+            if rows:
+                sharded.add(id(p))
         gathered = working = 0
         if s.shard_params and D > 1:
-            unit_numel = [sum(p.numel() for p in u.parameters() if id(p) in sharded) for u in units]
-            largest = max(unit_numel)
-            # freed after each call: in a backward this module's whole weights and the one's before it, and in a
-            # pipeline the gathering posted for its next forward; kept: every micro-batch alive holds the weights its
-            # backward reads (all but the embedding tables). And two modules' gradients as their backward makes them
-            # (compute dtype) and on their way to the owners (fp32).
+            largest = max(sum(p.numel() for p in u.parameters() if id(p) in sharded) for u in units)
+            # freed after each call: in a backward this module's whole weights and the previous one's, in a pipeline
+            # the gathering posted for its next forward; kept: each micro-batch alive holds what its backward reads
+            # (all but embedding tables). And two modules' gradients: as made (compute dtype), to owners (fp32).
             read = [sum(p.numel() for m in u.modules() if not isinstance(m, embedding_types())
                         for p in m.parameters(recurse=False) if id(p) in sharded) for u in units]
             freed = (3 if s.pp > 1 else 2) * largest
@@ -226,7 +181,6 @@ def worst_rank_peak(config, s):
 def largest_batch(config, s, capacity):
     """The largest power-of-two device batch with which every rank fits in `capacity` bytes, and the worst rank's
     peak with it ((0, None): none fits)."""
-    from nanochat.common import ConfigError
     best = (0, None)
     for b in (2 ** i for i in range(12)):
         try:
@@ -239,23 +193,26 @@ def largest_batch(config, s, capacity):
 
 
 def relative_speed(s, micro_batches):
-    """Tok/s per GPU against one GPU without savers, from the measured factors in SPEED (an ordering, not a
-    prediction)."""
+    """Tok/s per GPU against one GPU without savers, from the measured SPEED (an ordering, not a prediction)."""
     speed = SPEED.get(s.recompute, 1.0) * SPEED["tp2"] ** math.log2(s.tp) * SPEED["cp2"] ** math.log2(s.cp)
     if s.pp > 1:
-        v = s.pp_virtual
-        speed *= micro_batches * v / (micro_batches * v + s.pp - 1)
+        speed *= micro_batches * s.pp_virtual / (micro_batches * s.pp_virtual + s.pp - 1)
     return speed
 
 
 def candidate_settings(config, gpus, total_batch, fp8=False):
-    """Every layout of `gpus` GPUs the run accepts for this model: TP dividing the heads, PP up to the blocks, CP
-    only for sequences of 8K tokens or more, sharded or not, each recompute mode."""
+    """Every layout of `gpus` GPUs the run accepts for this model (Setting.check at a device batch of one, the most
+    micro-batches), CP only for sequences of 8K tokens or more, sharded or not, each recompute mode."""
     powers = [2 ** i for i in range(int(math.log2(gpus)) + 1) if gpus % 2 ** i == 0]
     for tp, pp, cp in itertools.product(powers, powers, powers):
-        if gpus % (tp * pp * cp) or config.n_head % tp or config.n_kv_head % tp or pp > config.n_layer or \
-                (cp > 1 and config.sequence_len < 8192):
+        if gpus % (tp * pp * cp) or (cp > 1 and config.sequence_len < 8192):
             continue
-        for shard, recompute in itertools.product((False, True) if gpus > tp * pp else (False,), ("none", "selective", "block")):
-            yield Setting(dp=gpus // (tp * pp * cp), tp=tp, pp=pp, cp=cp, shard_params=shard, recompute=recompute,
-                          total_batch=total_batch, fp8=fp8)
+        shards = (False, True) if gpus > tp * pp else (False,)
+        for shard, recompute in itertools.product(shards, ("none", "selective", "block")):
+            s = Setting(dp=gpus // (tp * pp * cp), tp=tp, pp=pp, cp=cp, shard_params=shard, recompute=recompute,
+                        total_batch=total_batch, fp8=fp8)
+            try:
+                replace(s, device_batch=1).check(config)
+            except ConfigError:
+                continue
+            yield s

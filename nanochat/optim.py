@@ -16,12 +16,11 @@ Muon (every 2-D matrix in the blocks), per matrix G:
 Matrices of the same shape are stacked so one (compiled, on CUDA) call updates a group.
 
 The step starts the data-parallel reductions (data_parallel.py; the backward may have started them), updates
-what this rank owns as its gradients land, and applies the owners' all-gathered updates. Muon sees whole
-matrices under tensor parallelism: a rank gathers its owned matrices' TP shards (summed over DP first: the same
-numbers on 1/W of the bytes) and applies its shard of the update, so the result does not depend on the TP
-degree. Replicated parameters that saw only this rank's tokens under sequence parallelism (tp_partial_grad) have
-their gradients summed over TP first. State is saved and loaded as whole tensors per parameter name
-(full_state_dict / load_full_state_dict), so a run resumes on any number of ranks.
+what this rank owns as its gradients land, and applies the owners' all-gathered updates. Under tensor parallelism
+Muon sees whole matrices: a rank gathers its owned matrices' TP shards (summed over DP first: the same numbers on
+1/W of the bytes) and applies its shard of the update, so the result does not depend on the TP degree; partial
+gradients under sequence parallelism (tp_partial_grad) are summed over TP first. State is saved and loaded as
+whole tensors per parameter name, so a run resumes on any number of ranks.
 """
 
 import math
@@ -30,7 +29,6 @@ import torch
 import torch.distributed as dist
 
 from nanochat import tensor_parallel as tp
-from nanochat.data_parallel import DataParallel
 from nanochat.gpt import PARAM_GROUPS
 
 # Polar Express coefficients for 5 iterations of X <- aX + (bA + cA^2)X, A = X X^T (arXiv 2505.16932,
@@ -47,12 +45,10 @@ NORMUON_EPS = 1e-10
 
 
 def muon_update(grads, momentum_buf, second_buf, momentum, compute_dtype: torch.dtype):
-    """Steps 1-5 for a stack of matrices (K, m, n). Updates the two state buffers in place and returns
-    the update (K, m, n) in fp32."""
+    """Steps 1-5 on a stack (K, m, n): updates the state buffers in place, returns the fp32 update (K, m, n)."""
     momentum_buf.lerp_(grads, 1 - momentum)
     u = grads.lerp(momentum_buf, momentum)
-    # row equalisation: every row gets the mean row norm
-    row_norms = u.norm(dim=-1, keepdim=True)
+    row_norms = u.norm(dim=-1, keepdim=True)  # step 2: every row to the mean row norm
     u = u * (row_norms.mean(dim=-2, keepdim=True) / (row_norms + 1e-7))
     # Polar Express on the wide orientation (fewer FLOPs for A = X X^T)
     x = u.to(compute_dtype)
@@ -69,8 +65,7 @@ def muon_update(grads, momentum_buf, second_buf, momentum, compute_dtype: torch.
     u = x.float()
     target_norm = math.sqrt(min(u.size(-2), u.size(-1)))
     u = u * (target_norm / (u.norm(dim=(-2, -1), keepdim=True) + 1e-7))
-    # NorMuon: normalize each row (output neuron) by its running RMS, keep the overall norm
-    second_buf.lerp_(u.square().mean(dim=-1, keepdim=True), 1 - NORMUON_BETA2)
+    second_buf.lerp_(u.square().mean(dim=-1, keepdim=True), 1 - NORMUON_BETA2)  # step 5: NorMuon
     u = u / (second_buf.sqrt() + NORMUON_EPS)
     u = u * (target_norm / (u.norm(dim=(-2, -1), keepdim=True) + 1e-7))
     return u
@@ -78,24 +73,20 @@ def muon_update(grads, momentum_buf, second_buf, momentum, compute_dtype: torch.
 
 def muon_apply(p, u, step_size, decay):
     """Step 6 on one matrix (or its TP shard): the update plus cautious weight decay."""
-    mask = (u * p) > 0
-    p.sub_(step_size * u + decay * mask * p)
+    p.sub_(step_size * u + decay * ((u * p) > 0) * p)
 
 
 def adamw_update(p, g, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, wd):
     """One AdamW step on a tensor (or a slice of one), in place."""
     exp_avg.lerp_(g, 1 - beta1)
     exp_avg_sq.lerp_(g.square(), 1 - beta2)
-    bias1 = 1 - beta1 ** step
-    bias2 = 1 - beta2 ** step
-    denom = (exp_avg_sq / bias2).sqrt() + eps
+    denom = (exp_avg_sq / (1 - beta2 ** step)).sqrt() + eps
     p.mul_(1 - lr * wd)
-    p.sub_(exp_avg / denom * (lr / bias1))
+    p.sub_(exp_avg / denom * (lr / (1 - beta1 ** step)))
 
 
 def muon_stacks(groups):
-    """[(group, full shape, params)]: Muon's matrices in stacks of one shape (the full shape under TP, and split
-    the same way), in one order on every rank."""
+    """[(group, full shape, params)]: Muon's matrices by shape (full under TP, split alike), in one order everywhere."""
     stacks = []
     for group in groups:
         if group["kind"] != "muon":
@@ -109,8 +100,7 @@ def muon_stacks(groups):
 
 
 class MuonStack:
-    """Same-shape Muon matrices of one group (full shape under TP), and the momentum and second-moment state of
-    the ones this rank owns (owner: data_parallel.RoundRobin)."""
+    """Same-shape Muon matrices of one group (full shape under TP), and the state of those this rank owns."""
 
     def __init__(self, group, shape, params, owner):
         self.group, self.shape, self.params, self.owner = group, shape, params, owner
@@ -124,8 +114,7 @@ class MuonStack:
             self._apply(p, updates[self.owner.slot(i)])
 
     def apply_owned(self, updates):
-        """Step 6 on the matrices this rank owns, from its own updates (rounds, ...): sharded weights, where no other
-        rank holds them."""
+        """Step 6 on this rank's own matrices from its updates (rounds, ...), where the weights are sharded."""
         for j in range(self.owner.rounds):
             if (i := self.owner.owned(j)) is not None:
                 self._apply(self.params[i], updates[j])
@@ -138,37 +127,27 @@ class MuonStack:
 
 class MuonAdamW(torch.optim.Optimizer):
     """groups: dicts of kind 'adamw' (lr, betas, eps, weight_decay) or 'muon' (lr, momentum, weight_decay), each
-    named (one of gpt.PARAM_GROUPS); names: {param: name} for saving; dp_group None in one process; compute_dtype:
-    Muon's orthogonalization dtype; compile: the stacked updates; overlap_grad_reduce: reductions during the last
-    backward (data_parallel.py); counts_replicated: this rank counts, in the gradient norm, the parameters that are
-    whole on every tensor-parallel rank (TP rank 0 does); shard_params: the weights are shared out like the state
-    (ZeRO-3, data_parallel.ShardedWeights): each rank updates what it holds and nothing is all-gathered."""
+    named (one of gpt.PARAM_GROUPS); names: {param: name} for saving; dp: data_parallel.DataParallel over
+    muon_stacks(groups) and the AdamW tensors (made by training.setup), which reduces the gradients and says who
+    updates what; compute_dtype: Muon's orthogonalization dtype; compile: the stacked updates; counts_replicated:
+    this rank counts parameters whole on every TP rank in the gradient norm (TP rank 0 does)."""
 
-    def __init__(self, groups, names, dp_group=None, compute_dtype=torch.float32, compile=False,
-                 overlap_grad_reduce=False, counts_replicated=True, shard_params=False):
+    def __init__(self, groups, names, dp, compute_dtype=torch.float32, compile=False, counts_replicated=True):
         for g in groups:
             g["initial_lr"] = g["lr"]
         super().__init__(groups, {})
-        self.names, self.counts_replicated = names, counts_replicated
+        self.names, self.counts_replicated, self.dp = names, counts_replicated, dp
         self.grad_norms = None  # after a step: (the global gradient norm, then each of PARAM_GROUPS'), a device tensor
         self.compute_dtype = compute_dtype
         self.adamw_step = 0
         self._muon_update = torch.compile(muon_update, dynamic=False) if compile else muon_update
         self._adamw_update = torch.compile(adamw_update, dynamic=False) if compile else adamw_update
-        stacks = muon_stacks(self.param_groups)
         self.adamw_group = {p: g for g in self.param_groups if g["kind"] == "adamw" for p in g["params"]}
-        self.dp = DataParallel([params for _, _, params in stacks], list(self.adamw_group), dp_group, overlap_grad_reduce,
-                               shard_params and dp_group is not None and dist.get_world_size(dp_group) > 1)
-        self.muon_stacks = [MuonStack(group, shape, params, owner) for (group, shape, params), owner in zip(stacks, self.dp.owners)]
+        self.muon_stacks = [MuonStack(group, shape, params, owner)
+                            for (group, shape, params), owner in zip(muon_stacks(self.param_groups), dp.owners)]
 
     def prepare_last_backward(self):
         self.dp.prepare_last_backward()
-
-    def _zero_missing_grads(self):
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:  # a stage or layer that did not run
-                    p.grad = torch.zeros_like(p)
 
     def _adamw_state(self, p):
         state = self.state[p]
@@ -182,7 +161,8 @@ class MuonAdamW(torch.optim.Optimizer):
     def step(self):
         self.adamw_step += 1
         self.dp.finish_backward()
-        self._zero_missing_grads()
+        for p in (p for g in self.param_groups for p in g["params"] if p.grad is None):
+            p.grad = torch.zeros_like(p)  # a stage or layer that did not run
         self.grad_bytes = sum(p.grad.numel() * p.grad.element_size() for g in self.param_groups for p in g["params"])
         W, sharded = self.dp.size, self.dp.shard_params
         self.dp.launch_remaining()
@@ -190,8 +170,7 @@ class MuonAdamW(torch.optim.Optimizer):
         # the gradient norm, from the reduced gradients each rank holds anyway: per group, the squares of what this
         # rank alone holds (its Muon matrices and AdamW rows; the rest on DP rank 0, and TP rank 0 where whole)
         squares = torch.zeros(len(PARAM_GROUPS), dtype=torch.float32, device=self.param_groups[0]["params"][0].device)
-        # Muon, stack by stack as its rounds land: this rank's matrices (whole under TP), steps 1-5, the updates
-        # all-gathered in the compute dtype (exact in fp32)
+        # Muon, stack by stack as rounds land: steps 1-5 on this rank's whole matrices, updates sent in compute dtype
         for s, stack in enumerate(self.muon_stacks):
             grads = self.dp.reduced_muon_grads(s)
             p0 = stack.params[0]
@@ -216,18 +195,14 @@ class MuonAdamW(torch.optim.Optimizer):
             group = self.adamw_group[p]
             if (self.dp.owns_rows(p) or self.dp.rank == 0) and (tp.is_sharded(p) or self.counts_replicated):
                 squares[PARAM_GROUPS.index(group["name"])] += g.float().square().sum()
-            beta1, beta2 = group["betas"]
             state = self._adamw_state(p)
             # LR, decay and step go in as tensors so the compiled update is not recompiled when they change
-            args = (torch.tensor(self.adamw_step, dtype=torch.float32), torch.tensor(group["lr"]), beta1, beta2,
+            args = (torch.tensor(self.adamw_step, dtype=torch.float32), torch.tensor(group["lr"]), *group["betas"],
                     group["eps"], torch.tensor(group["weight_decay"]))
-            if self.dp.owns_rows(p):
-                rows = self.dp.rows_held(p)
-                self._adamw_update(rows, g, state["exp_avg"], state["exp_avg_sq"], *args)
-                if not sharded:
-                    pending.append((p, *self.dp.gather_rows(rows)))
-            else:
-                self._adamw_update(p.data, g, state["exp_avg"], state["exp_avg_sq"], *args)
+            target = self.dp.rows_held(p) if self.dp.owns_rows(p) else p.data
+            self._adamw_update(target, g, state["exp_avg"], state["exp_avg_sq"], *args)
+            if self.dp.owns_rows(p) and not sharded:
+                pending.append((p, *self.dp.gather_rows(target)))
         self.dp.finish_step()
         if dist.is_initialized():  # every rank's part: DP ranks, TP shards, pipeline stages
             dist.all_reduce(squares)
@@ -241,13 +216,12 @@ class MuonAdamW(torch.optim.Optimizer):
                 target.data.copy_(full)
 
     def held_bytes(self):
-        """What this rank holds, in bytes, measured off its tensors: the weights, the gradients at the last step
-        (before they were cleared) and the optimizer state."""
-        params = [p for g in self.param_groups for p in g["params"]]
+        """Bytes this rank holds: the weights, the last step's gradients (before clearing), the optimizer state."""
+        size = lambda ts: sum(t.numel() * t.element_size() for t in ts)
+        weights = size(p.data for g in self.param_groups for p in g["params"])
         state = [t for stack in self.muon_stacks for t in (stack.momentum, stack.second)] + \
             [t for s in self.state.values() for t in s.values() if torch.is_tensor(t)]
-        size = lambda ts: sum(t.numel() * t.element_size() for t in ts)
-        return {"weights": size(p.data for p in params), "gradients": getattr(self, "grad_bytes", 0), "state": size(state)}
+        return {"weights": weights, "gradients": getattr(self, "grad_bytes", 0), "state": size(state)}
 
     # --- layout-free state ----------------------------------------------------------
 
@@ -258,16 +232,14 @@ class MuonAdamW(torch.optim.Optimizer):
         out = {}
         for p in self.adamw_group:
             state = self._adamw_state(p)
-            entry = {}
             for key in ("exp_avg", "exp_avg_sq"):
                 t = self.dp.gather_row_state(state[key]) if self.dp.owns_rows(p) else state[key]
                 full = tp.gather_full(t, p)  # every TP rank takes part in the gather
                 if keep:
-                    entry[key] = full.cpu()
-            if keep:
-                out[self.names[p]] = entry
+                    out.setdefault(self.names[p], {})[key] = full.cpu()
         for s, stack in enumerate(self.muon_stacks):
-            momentum, second = self.dp.gather_stack_state(s, stack.momentum), self.dp.gather_stack_state(s, stack.second)
+            momentum = self.dp.gather_stack_state(s, stack.momentum)
+            second = self.dp.gather_stack_state(s, stack.second)
             if keep:
                 for i, p in enumerate(stack.params):
                     out[self.names[p]] = {"momentum": momentum[i].cpu(), "second": second[i].cpu()}
@@ -288,8 +260,7 @@ class MuonAdamW(torch.optim.Optimizer):
                 state[key].copy_(self.dp.my_rows(t) if self.dp.owns_rows(p) else t)
         for stack in self.muon_stacks:
             for j in range(stack.owner.rounds):
-                i = stack.owner.owned(j)
-                if i is not None:
+                if (i := stack.owner.owned(j)) is not None:
                     entry = params[self.names[stack.params[i]]]
                     stack.momentum[j].copy_(entry["momentum"])
                     stack.second[j].copy_(entry["second"])

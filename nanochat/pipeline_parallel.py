@@ -6,8 +6,6 @@ Collectives, over this pipeline's ranks (the PP group, or the ranks before and a
   isend / irecv        per micro-batch and chunk boundary: activations to the next chunk's rank, their gradients
                        back, each message as one batch_isend_irecv, posted in the order of message_order
   broadcast            the step's loss, from the last chunk's rank to the others
-  all_gather_object,   a whole copy of the model for CORE and sampling (whole_model_copy): what tensors each
-  broadcast            rank holds, then each of them from its rank
 
 Chunks. Block i costs its matmul and attention FLOPs per token; chunk 0 also holds the embeddings, the last chunk
 the head and loss (as much as several blocks at small depth). The split into p x V chunks minimizes the most
@@ -17,17 +15,9 @@ holds only its own parameters, under their global names (checkpoints stay layout
 go gpt.Residual (x, x0, and x_mid once past the middle) and the token ids (value embeddings and L3 look them up);
 back go the gradients of the Residual.
 
-Schedules are lists of actions per rank, (kind, micro-batch, chunk): F a forward, B a backward, W a deferred
-weight gradient (stage_actions: what train_step runs, --pp-print-schedule prints and dev/pipeline_sim.py prices).
-With p ranks and m >= p micro-batches, the idle fraction of each rank at equal F, B (and W) times:
-  gpipe        all m forwards, then all m backwards; m micro-batches of activations alive.     (p-1)/(m+p-1)
-  1f1b         warm-up (p-s-1 forwards on rank s), one forward one backward, cool-down; at
-               most p-s micro-batches alive.                                                     (p-1)/(m+p-1)
-  interleaved  1F1B over V chunks per rank, the micro-batches in groups of p, each group through
-               chunk 0, then chunk 1, ...; a V-th of the bubble, V times the messages, m % p == 0. (p-1)/(Vm+p-1)
-  zb           ZB-H1: each backward split in two: B, the input gradient, sent on at once, and W, the weight
-               gradients, run later where 1F1B idles (rank s defers s of them); at most p micro-batches alive
-               on every rank (1F1B's peak, on rank 0).                                          (p-1)/(3m+p-1)
+Schedules are lists of actions per rank (pipeline_schedules.py: gpipe, 1f1b, interleaved, zb), which train_step
+runs in order, each action as soon as its input has come, the messages posted in the one order message_order gives.
+
 How zb splits a backward: during the forward, each linear's output y is kept (record_linears; under torch.compile
 the linears run outside the graphs, as graph breaks, so that y is a tensor autograd can stop at). B is one
 backward to the chunk's inputs, the kept y's and the parameters that are no linear's weight (autograd computes
@@ -39,14 +29,9 @@ its module path, not the fused ReLU^2 kernel, and split-K weight gradients are o
 recomputes each block once more (B did once); --recompute selective is refused (B's recomputation uses up the
 outputs it keeps, which W's would need again).
 
-Messages. Every rank runs its actions in order, each as soon as its input has come; the sends are posted after
-the action that produces them, and the receives in one global order (message_order, from a replay of all ranks'
-lists in time), so that the messages between two ranks are posted in the same order on both (NCCL runs them in
-order on one stream per pair of ranks: two ranks each first waiting on the other would hang).
-
 Evaluation: val bpb runs through the chunks (forward_loss); CORE and sampling take sequences of any length,
 which neither fixed-shape messages nor sequence parallelism's equal split can take, so they run on a whole copy
-of the model (whole_model_copy).
+of the model (checkpoint_manager.whole_model_copy).
 """
 
 import itertools
@@ -57,11 +42,9 @@ import torch.nn as nn
 import torch.distributed as dist
 import torch.utils.checkpoint
 
-from nanochat.gpt import Residual, build_model
-from nanochat.common import ConfigError
+from nanochat.gpt import Residual
+from nanochat.pipeline_schedules import stage_actions, idle_formula, input_of, message_order, action_name
 from nanochat.kernels import Linear
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
 
 
 def block_costs(model):
@@ -79,8 +62,6 @@ def split_stages(costs, head_cost, num_stages):
     """Contiguous [start, end) block ranges minimizing the most expensive stage (the last stage
     also pays for the head). Dynamic programming over cut points; n_layer is small."""
     n = len(costs)
-    if num_stages > n:
-        raise ConfigError(f"--pp x --pp-virtual = {num_stages} chunks is more than the {n} blocks; each chunk needs one")
     prefix = list(itertools.accumulate(costs, initial=0))
     # best[k][i]: minimal max-cost splitting blocks[:i] into k stages (the head not yet counted)
     best = [[float("inf")] * (n + 1) for _ in range(num_stages + 1)]
@@ -99,131 +80,6 @@ def split_stages(costs, head_cost, num_stages):
     return list(zip(cuts, cuts[1:]))
 
 
-# --- schedules: per rank, the ordered actions (kind, micro-batch, chunk) -----------------------------------
-
-def stage_actions(schedule, p, m, rank, virtual=1):
-    """What `rank` of p runs in one step of m micro-batches (module docstring): train_step runs exactly this list,
-    --pp-print-schedule prints it, dev/pipeline_sim.py prices it."""
-    if schedule == "gpipe":
-        return [("F", i, rank) for i in range(m)] + [("B", i, rank) for i in range(m)]
-    if schedule == "interleaved":
-        return _interleaved(p, m, virtual, rank)
-    warmup = min(p - rank - 1, m)
-    acts = [("F", i, rank) for i in range(warmup)]  # warm-up: fill the pipeline
-    deferred = 0
-    for b in range(m):  # steady state: one forward, one backward (zb: and the oldest W, once `rank` are waiting)
-        if warmup + b < m:
-            acts.append(("F", warmup + b, rank))
-        acts.append(("B", b, rank))
-        if schedule == "zb" and b >= rank:
-            acts.append(("W", deferred, rank))
-            deferred += 1
-    return acts + ([("W", i, rank) for i in range(deferred, m)] if schedule == "zb" else [])
-
-
-def _interleaved(p, m, V, rank):
-    """Megatron-LM's interleaved 1F1B: the k-th forward of a rank is micro-batch group*p + k mod p of its chunk
-    (k // p) mod V; backwards walk the chunks in reverse. A deeper warm-up (2 per rank after this one, and a
-    round of p for every chunk past the first) keeps every later chunk fed."""
-    total = m * V
-
-    def nth(k, backward):
-        group, within = divmod(k, p * V)
-        v = within // p
-        return group * p + within % p, ((V - 1 - v) if backward else v) * p + rank
-
-    warmup = min((p - rank - 1) * 2 + (V - 1) * p, total)
-    acts = [("F", *nth(k, False)) for k in range(warmup)]
-    for k in range(warmup, total):
-        acts += [("F", *nth(k, False)), ("B", *nth(k - warmup, True))]
-    return acts + [("B", *nth(k, True)) for k in range(total - warmup, total)]
-
-
-def idle_formula(schedule, p, m, virtual=1):
-    """Each rank's idle fraction of the step at equal F, B and W times (module docstring)."""
-    work = {"gpipe": m, "1f1b": m, "interleaved": virtual * m, "zb": 3 * m}[schedule]
-    return (p - 1) / (work + p - 1)
-
-
-def input_of(action, num_chunks):
-    """The action whose output `action` waits for (None: the first chunk's forward): a forward takes the previous
-    chunk's forward, a backward the next chunk's backward (the last chunk: its own forward), W its own B."""
-    kind, i, c = action
-    if kind == "F":
-        return None if c == 0 else ("F", i, c - 1)
-    if kind == "W":
-        return ("B", i, c)
-    return ("F", i, c) if c == num_chunks - 1 else ("B", i, c + 1)
-
-
-def simulate(actions, duration, p2p=0.0):
-    """Replay the ranks' action lists in time: each rank runs its actions in order, each once the rank is free and
-    its input has come (a message between ranks takes p2p). duration(action) -> time. Returns per rank the list of
-    (action, start, end) in the order run; raises ValueError if the lists wait on each other."""
-    p = len(actions)
-    num_chunks = 1 + max(c for acts in actions for _, _, c in acts)
-    done, timeline, position, free = {}, [[] for _ in range(p)], [0] * p, [0.0] * p
-    while any(position[r] < len(actions[r]) for r in range(p)):
-        progressed = False
-        for r in range(p):
-            while position[r] < len(actions[r]):
-                action = actions[r][position[r]]
-                dep = input_of(action, num_chunks)
-                if dep is not None and dep not in done:
-                    break
-                ready = 0.0 if dep is None else done[dep] + (p2p if dep[2] % p != r else 0.0)
-                start = max(free[r], ready)
-                free[r] = done[action] = start + duration(action)
-                timeline[r].append((action, start, free[r]))
-                position[r] += 1
-                progressed = True
-        if not progressed:
-            raise ValueError("the action lists wait on each other: no rank can run its next action")
-    return timeline
-
-
-def peak_in_flight(actions, kept=None):
-    """Per rank, the most micro-batch chunks whose activations are alive at once: from a forward until its
-    backward (zb: until its W, which still needs them). What train_step measures as Pipeline.peak_in_flight.
-    kept: per chunk, the bytes its forward keeps (then the peak is in bytes); None counts each chunk as 1."""
-    peaks = []
-    for acts in actions:
-        freeing = "W" if any(kind == "W" for kind, _, _ in acts) else "B"
-        alive = peak = 0
-        for kind, _, c in acts:
-            weight = 1 if kept is None else kept[c]
-            alive += weight if kind == "F" else -weight if kind == freeing else 0
-            peak = max(peak, alive)
-        peaks.append(peak)
-    return peaks
-
-
-ORDER_TIMES = {"F": 1, "B": 2, "W": 1}  # for message_order only: any times give a valid order; these keep it close
-
-
-def message_order(actions, rank):
-    """This rank's program: ("run", action) for its actions, ("send", action) for an action's output right after
-    it, ("recv", action) to post the receive of another rank's output, in one order for all ranks (the replay's
-    time, then the sending rank), so that two ranks post the messages between them in the same order."""
-    p = len(actions)
-    num_chunks = 1 + max(c for acts in actions for _, _, c in acts)
-    timeline = simulate(actions, lambda a: ORDER_TIMES[a[0]])
-    keyed = []
-    for r, events in enumerate(timeline):
-        for n, (action, start, end) in enumerate(events):
-            kind, i, c = action
-            if r == rank:  # after every receive that arrives by its start
-                keyed.append(((start, p, n), ("run", action)))
-            to = {"F": c + 1, "B": c - 1}.get(kind)
-            if to is None or not 0 <= to < num_chunks or to % p == r:
-                continue
-            if r == rank:
-                keyed.append(((end, r, n), ("send", action)))
-            if to % p == rank:
-                keyed.append(((end, r, n), ("recv", action)))
-    return [step for _, step in sorted(keyed)]
-
-
 # --- the pipeline ----------------------------------------------------------------------------------------
 
 @dataclass
@@ -237,28 +93,14 @@ class Chunk:
 
 
 class Pipeline:
-    """This rank's chunks of the model and the schedule that drives them. sequence_parallel: the model was
-    parallelized with it, so the residual stream between blocks, and in the messages, holds this rank's share of
-    the sequence. virtual: chunks per rank (interleaved)."""
+    """This rank's chunks of the model and the schedule that drives them, for a recipe.Setting that check() passed
+    (its pp_schedule, pp_virtual chunks per rank, device_batch, and sequence_parallel: the residual stream between
+    blocks, and in the messages, holds this rank's share of the sequence, as under context parallelism)."""
 
-    def __init__(self, model, layout, num_microbatches, micro_batch_size, schedule="1f1b", sequence_parallel=False,
-                 virtual=1, cp=None):
-        self.model, self.layout, self.micro_batch_size = model, layout, micro_batch_size
-        p, m = layout.pp_size, num_microbatches
+    def __init__(self, model, layout, setting, num_microbatches):
+        p, m, virtual, schedule = layout.pp_size, num_microbatches, setting.pp_virtual, setting.pp_schedule
+        self.model, self.layout, self.micro_batch_size = model, layout, setting.device_batch
         self.num_stages, self.stage, self.num_microbatches, self.virtual = p, layout.pp_rank, m, virtual
-        if schedule not in SCHEDULES:
-            raise ConfigError(f"unknown --pp-schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
-        if m < p:
-            raise ConfigError(f"pipeline parallelism needs at least pp={p} micro-batches per step, got {m}")
-        if (schedule == "interleaved") != (virtual > 1):
-            raise ConfigError(f"--pp-virtual {virtual} with --pp-schedule {schedule}: interleaved needs "
-                              "--pp-virtual >= 2 chunks per rank, the other schedules one")
-        if schedule == "interleaved" and m % p:
-            raise ConfigError(f"--pp-schedule interleaved runs the micro-batches in groups of pp={p}: "
-                              f"{m} micro-batches per step is no multiple (set --total-batch-size)")
-        if schedule == "zb" and not hasattr(torch.utils.checkpoint, "GraphExecGroup"):
-            raise ConfigError(f"--pp-schedule zb needs torch.utils.checkpoint.GraphExecGroup, which torch "
-                              f"{torch.__version__} lacks: upgrade torch, or use 1f1b or interleaved")
         self.schedule = schedule
         costs, head_cost = block_costs(model)
         self.num_chunks = p * virtual
@@ -282,8 +124,8 @@ class Pipeline:
         if self.stage != p - 1:
             model.lm_head = model.backout_lambda = None
         self.dtype, self.n_embd = model.compute_dtype, model.config.n_embd
-        self.cp = cp  # context parallelism: the residual stream holds this rank's chunks, 1/cp of each sequence
-        self.seq_shards = (layout.tp_size if sequence_parallel else 1) * layout.cp_size
+        # the residual stream holds 1/tp of the tokens under sequence parallelism, and 1/cp of each sequence under CP
+        self.seq_shards = (layout.tp_size if setting.sequence_parallel else 1) * layout.cp_size
         self.device = next(model.parameters()).device
         self.prev_rank = layout.peer(pp=(self.stage - 1) % p)
         self.next_rank = layout.peer(pp=(self.stage + 1) % p)
@@ -362,7 +204,7 @@ class Pipeline:
         the previous chunk. Returns (Residual, idx), or the loss of the last chunk."""
         model, chunk = self.model, self.chunks[c]
         if chunk.first:
-            h, idx = model.embed(self.xs[i], cp=self.cp), self.xs[i]
+            h, idx = model.embed(self.xs[i]), self.xs[i]
         else:
             h, idx = inputs
             for t in carried(h, chunk.receives_mid):
@@ -370,10 +212,10 @@ class Pipeline:
         self._saved_inputs[i, c] = h
         if self.schedule == "zb":
             self._recording = self._linear_outputs[i, c] = []
-        h = model.run_blocks(h, idx, chunk.start, chunk.end, cp=self.cp)
+        h = model.run_blocks(h, idx, chunk.start, chunk.end)
         self._recording = None
         if chunk.last:
-            loss = model.head(h, self.ys[i], cp=self.cp)
+            loss = model.head(h, self.ys[i])
             self.total_loss += loss.detach()
             out = loss / self.num_microbatches
         else:
@@ -452,24 +294,19 @@ class Pipeline:
         model, sends, losses = self.model, [], None
         for c, chunk in self.chunks.items():
             if chunk.first:
-                h, idx = model.embed(x, cp=self.cp), x
+                h, idx = model.embed(x), x
             else:
                 requests, (h, idx) = self._recv(("F", None, c - 1))
                 for request in requests:
                     request.wait()
-            h = model.run_blocks(h, idx, chunk.start, chunk.end, cp=self.cp)
+            h = model.run_blocks(h, idx, chunk.start, chunk.end)
             if chunk.last:
-                losses = model.head(h, y, loss_reduction="none", cp=self.cp)
+                losses = model.head(h, y, loss_reduction="none")
             else:
                 sends += self._send(("F", None, c), (h, idx))
         for request in sends:
             request.wait()
         return losses
-
-
-def action_name(action, virtual=1):
-    kind, i, c = action
-    return f"{kind}{i}" + (f"c{c}" if virtual > 1 else "")
 
 
 def carried(h, with_mid):
@@ -517,29 +354,3 @@ def backward_weight(recorded):
         for y, weight in recorded:
             torch.autograd.backward(y, y.grad, inputs=[weight])
             y.grad = None
-
-
-def whole_model_copy(model, layout):
-    """A whole, unsharded copy of a TP and/or PP model on every rank, for CORE and sampling (module docstring): TP
-    shards all-gathered (checkpoint_manager.full_model_state), then each tensor broadcast over the PP group from
-    the stage holding it. Costs one full model (plus a CPU copy of the local part) per rank while it lives."""
-    from nanochat.checkpoint_manager import full_model_state, load_model_state
-    device = next(model.parameters()).device
-    state = full_model_state(model)
-    if layout.pp_size > 1:
-        held = [None] * layout.pp_size  # per stage: name -> (shape, dtype) of the tensors it holds
-        dist.all_gather_object(held, {n: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in state.items()},
-                               group=layout.pp_group)
-        for stage, tensors in enumerate(held):
-            src = layout.peer(pp=stage)
-            for name, (shape, dtype) in tensors.items():
-                if stage == layout.pp_rank:
-                    t = state[name].to(device)
-                else:
-                    t = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
-                dist.broadcast(t, src=src, group=layout.pp_group)
-                state[name] = t
-    full = build_model(model.config, device, model.compute_dtype)
-    load_model_state(full, state)
-    full.eval()
-    return full

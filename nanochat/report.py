@@ -1,7 +1,6 @@
 """
-The run report: each stage writes its own section under $NANOCHAT_BASE_DIR/report/ (so stages can run,
-fail and re-run independently); generate() stitches them into report.md with a summary, a loss curve,
-the run's wall time and cost, and the names of the stages that did not run.
+The run report: each stage writes its section in $NANOCHAT_BASE_DIR/report/ (stages run, fail and re-run alone);
+generate() stitches them into report.md with a summary, loss curve, wall time and cost, and the stages not run.
 
     python -m nanochat.report reset               # start a new report (writes the environment section)
     python -m nanochat.report stage NAME SECONDS  # record a stage's wall time
@@ -61,10 +60,9 @@ def log_section(title, items):
     for item in items:
         lines += [f"- {k}: {_format_value(v)}" for k, v in item.items()] if isinstance(item, dict) else [str(item)]
         lines.append("")
-    stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
     path = os.path.join(report_dir(), f"{slug(title)}.md")
     with open(path, "w") as f:
-        f.write(f"## {title}\n_timestamp: {stamp}_\n\n" + "\n".join(lines) + "\n")
+        f.write(f"## {title}\n_timestamp: {datetime.datetime.now():%Y-%m-%d %H:%M:%S}_\n\n" + "\n".join(lines) + "\n")
     return path
 
 
@@ -90,7 +88,6 @@ def environment():
 
 
 def reset():
-    """Start a fresh report: remove old sections, write the environment, remember the start time."""
     if get_rank() != 0:
         return
     d = report_dir()
@@ -143,7 +140,6 @@ def plot_loss_curve(metrics, png_path):
 
 
 def generate():
-    """Stitch the sections into report.md; returns its path."""
     d = report_dir()
     files = {f[:-3]: os.path.join(d, f) for f in os.listdir(d) if f.endswith(".md") and f != "report.md"}
     ordered = [slug(t) for t in SECTION_ORDER if slug(t) in files]
@@ -167,11 +163,9 @@ def generate():
         rows.append((f"cost at ${GPU_HOUR_USD:.2f}/GPU-hour (NANOCHAT_GPU_HOUR_USD)",
                      f"${wall / 3600 * n_gpus * GPU_HOUR_USD:.2f} ({n_gpus} GPUs)" if n_gpus else "$0.00 (CPU run)"))
     out += ["## Summary", "", "| metric | value |", "| --- | --- |"] + [f"| {k} | {v} |" for k, v in rows] + [""]
-    absent = [t for t in SECTION_ORDER if slug(t) not in files]
-    if absent:
+    if absent := [t for t in SECTION_ORDER if slug(t) not in files]:
         out += [f"Not in this report (the stage did not run, or did not finish): {', '.join(absent)}.", ""]
-    metrics = train.get("metrics")
-    if metrics and os.path.exists(metrics):
+    if (metrics := train.get("metrics")) and os.path.exists(metrics):
         note = plot_loss_curve(metrics, os.path.join(d, "loss_curve.png"))
         out += ["## Loss curve", "", note if note else "![loss curve](loss_curve.png)", ""]
     for key in ordered:

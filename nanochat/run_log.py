@@ -2,10 +2,9 @@
 A run's record, in a file tools read instead of its printout: metrics.jsonl beside the run's checkpoints
 ($NANOCHAT_BASE_DIR/base_checkpoints/<model-tag>/), one JSON object per line:
   {"kind": "header", ...}  at every launch: flags, model config, layout, device, attention kernel, fp8, recipe
-  {"step": s, ...}         per step: loss (the step's mean), loss_smooth (the debiased EMA the log line shows),
-                           grad_norm (global) and grad_norm_<group> (gpt.PARAM_GROUPS), lrm, dt (s), tok_per_sec,
-                           mfu (%), peak_mem_gib, epoch; spikes where SpikeWatch saw one; val_bpb and core where
-                           evaluated
+  {"step": s, ...}         per step: loss (the step's mean), loss_smooth (the log line's debiased EMA), grad_norm
+                           (global) and grad_norm_<group> (gpt.PARAM_GROUPS), lrm, dt (s), tok_per_sec, mfu (%),
+                           peak_mem_gib, epoch; spikes where SpikeWatch saw one; val_bpb and core where evaluated
   {"kind": "end", ...}     at the end (completed or stopped): the last step, training time, every rank's peak memory
 A resumed run keeps the records before its first step, so the file tells one trajectory. Rank 0 writes line by
 line (a line a crash cuts off is skipped when read); wandb and TensorBoard, when asked for, get the same numbers.
@@ -16,6 +15,7 @@ import json
 import math
 import time
 import statistics
+import contextlib
 
 from nanochat.common import UserError
 
@@ -29,8 +29,8 @@ class RunLog:
             return
         os.makedirs(os.path.dirname(path), exist_ok=True)
         # resumed: the earlier launches' headers and steps before this one's first (not their end records)
-        kept = [r for r in read_records(path) if r.get("kind") == "header" or ("kind" not in r and r["step"] < start_step)]
-        kept = kept if start_step > 0 else []
+        kept = [r for r in read_records(path) if start_step > 0 and (
+            r.get("kind") == "header" or ("kind" not in r and r["step"] < start_step))]
         with open(path, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in kept)
         self.write({"kind": "header", "time": time.time(), "start_step": start_step, **header})
@@ -98,16 +98,13 @@ class SpikeWatch:
 
 
 def read_records(path):
-    """Every complete record of a metrics.jsonl, in order ([] when there is no file; a line cut off by a crash
-    is skipped)."""
+    """Every complete record of a metrics.jsonl, in order ([] without a file; a line a crash cut off is skipped)."""
     records = []
     if os.path.exists(path):
         with open(path) as f:
             for line in f:
-                try:
+                with contextlib.suppress(ValueError):
                     records.append(json.loads(line))
-                except ValueError:
-                    pass
     return records
 
 
@@ -127,7 +124,6 @@ class Run:
                 self.steps.setdefault(r["step"], {}).update(r)
 
     def series(self, key, from_step=0):
-        """{step: value} of the steps from `from_step` on that have `key`."""
         return {s: r[key] for s, r in sorted(self.steps.items()) if key in r and s >= from_step}
 
     def losses(self):

@@ -1,12 +1,12 @@
 """
-Ctrl-C, SIGTERM and a STOP file as a request to stop, which the training loop and the evaluations poll: a run
-stops within seconds at any time (an evaluation included) and saves its checkpoint on the way out, instead of
-dying mid-step. The file serves where a signal cannot end the run cleanly: torchrun, once signalled itself,
-exits 1 whatever its workers did.
+Ctrl-C, SIGTERM and a STOP file as a stop request, which the training loop and the evaluations poll: a run stops
+within seconds at any time (an evaluation included) and saves its checkpoint instead of dying mid-step. The file
+serves where a signal cannot end the run cleanly: torchrun, once signalled itself, exits 1 whatever its workers did.
 """
 
 import os
 import signal
+import contextlib
 
 from nanochat.distributed import all_reduce_max
 
@@ -19,8 +19,7 @@ _stop_signal, _stop_file = None, None
 
 
 def install_stop_handlers(stop_file=None):
-    """Ctrl-C and SIGTERM set the stop request instead of killing the process; so does creating stop_file (when
-    given), which the first poll that finds it removes."""
+    """Ctrl-C and SIGTERM request a stop; so does creating stop_file, which the first poll that finds it removes."""
     global _stop_file
     def request_stop(signum, frame):
         global _stop_signal
@@ -35,10 +34,8 @@ def install_stop_handlers(stop_file=None):
 def stop_requested():
     global _stop_signal
     if _stop_signal is None and _stop_file is not None and os.path.exists(_stop_file):
-        try:
-            os.remove(_stop_file)  # a resume must not stop at once; another rank may have removed it first
-        except FileNotFoundError:
-            pass
+        with contextlib.suppress(FileNotFoundError):  # another rank may have removed it first
+            os.remove(_stop_file)  # a resume must not stop at once
         print(f"found {_stop_file}: stopping at the next step or evaluation batch", flush=True)
         _stop_signal = "STOP file"
     return _stop_signal is not None

@@ -18,16 +18,14 @@ What is cut how:
 - token embedding and lm_head vocab-parallel, with a vocab-parallel soft-capped cross-entropy that never gathers
   the logits (at d32 the fp32 logits of a 32x2048 micro-batch are 8.6 GB per copy)
 - sequence parallelism (optional): between the TP regions the residual stream is split along the flattened
-  (B*T) tokens, rank k holding tokens [k, k+1) * B*T/tp viewed as (B, T/tp, D): every op there is per token, and
-  dim 0 of a contiguous tensor goes through the collectives as it is; regions start with an all-gather and end
-  with a reduce-scatter
-- L3 layers replicated, needing no collective: sharding the table along d would all-reduce every score, and by
-  token would cut a skewed, data-derived allocation into unequal shards (dev/LOG.md, 2026-11-23). With SP each
-  rank looks up its own tokens and the partial gradients are summed over TP once per step (tp_partial_grad).
+  (B*T) tokens, rank k holding tokens [k, k+1) * B*T/tp viewed as (B, T/tp, D): every op there is per token,
+  and dim 0 of a contiguous tensor goes through the collectives as it is
+- L3 layers replicated: sharding the table along d would all-reduce every score, and by token would cut a
+  skewed, data-derived allocation into unequal shards (dev/LOG.md, 2026-11-23). With SP each rank looks up
+  its own tokens and the partial gradients are summed over TP once per step (tp_partial_grad).
 A region starts with `region_enter` at the model's `tp_enter` hook and ends inside the row-parallel linear.
-
-A sharded parameter carries `tp_dim` (the dim it is cut along), `tp_group` and `tp_size`; the optimizer and
-the checkpoint code go between shards and whole tensors with the helpers below (identities at TP=1).
+A sharded parameter carries `tp_dim` (the dim it is cut along), `tp_group` and `tp_size`; the helpers below go
+between shards and whole tensors for the optimizer and checkpoints (identities at TP=1).
 """
 
 import torch
@@ -36,20 +34,17 @@ import torch.nn.functional as F
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from nanochat.common import ConfigError
 from nanochat.gpt import softcap, reduce_losses
 from nanochat.fp8 import fp8_linear
 
 
 # --- Shards <-> full tensors (used by the optimizer and checkpoints) --------------
 
-
 def is_sharded(p):
     return getattr(p, "tp_dim", None) is not None
 
 
 def full_shape(p):
-    """The shape of the whole parameter (the shard's shape scaled back up along tp_dim)."""
     shape = list(p.shape)
     if is_sharded(p):
         shape[p.tp_dim] *= p.tp_size
@@ -73,17 +68,15 @@ def local_shard(t, p):
 
 
 def reduce_partial_grad(p, grad):
-    """Under sequence parallelism a replicated parameter used on this rank's slice of the sequence gets only part of
-    its gradient: sum the parts (`grad`, p's gradient or its DP-reduced copy) over the TP group, in place."""
+    """Under SP sum a replicated parameter's partial gradients over TP, in place (`grad`: p's or its DP-reduced)."""
     if getattr(p, "tp_partial_grad", False):
         dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=p.tp_group)
 
 
 # --- The collectives --------------------------------------------------------------
-# `funcol` (functional collectives) return new tensors, which torch.compile can trace; gloo (CPU) and NCCL alike.
-# Each result is waited on explicitly (wait_tensor): compiled under torch 2.11, results only converted with
-# torch.as_tensor gave TP wrong gradients (after 3 steps at TP=2 a weight was off by 0.1; as if read unwaited).
-
+# `funcol` returns new tensors, which torch.compile can trace (gloo and NCCL alike). Each is waited on explicitly:
+# compiled under torch 2.11, results only converted with torch.as_tensor gave TP wrong gradients (a weight off by
+# 0.1 after 3 steps at TP=2, as if read unwaited).
 
 def _all_gather(x, dim, group):
     """Concatenate every rank's x along dim (all_gather works on dim 0: move dim to the front)."""
@@ -100,7 +93,6 @@ def _my_chunk(x, dim, group):
 
 
 # the token split of sequence parallelism: (B, T, D) <-> this rank's (B, T/tp, D), by flattened tokens
-
 def _gather_tokens(x, group):
     B, t, D = x.shape
     return _all_gather(x.reshape(B * t, D), 0, group).view(B, t * dist.get_world_size(group), D)
@@ -154,13 +146,7 @@ def region_enter(group, sequence_parallel):
     return Collective(_GatherSequence.apply if sequence_parallel else _CopyToTP.apply, group)
 
 
-def _my_token_ids(idx, group):
-    """This rank's share of the token ids (B, T) -> (B, T/tp), the residual stream's split (for L3's lookups)."""
-    return _my_tokens(idx.unsqueeze(-1), group).squeeze(-1)
-
-
 # --- Sharded layers: each holds only its shard, `tp_dim` says along which dim ------
-
 
 def _shard_parameter(full, dim, layout):
     """This rank's slice of a full tensor, as a new Parameter tagged with its sharding."""
@@ -175,8 +161,7 @@ def _linear(module, x):
 
 
 class ColumnParallelLinear(nn.Module):
-    """y_local = x W_local^T with W cut along its outputs (rows), inside the TP region (region_enter): the output
-    stays sharded (local heads / hidden units). Keeps the fp8 flag of the linear it is made from (fp8.Fp8Linear)."""
+    """W cut along its outputs (rows): the output stays sharded (local heads / hidden units). Keeps fp8's flag."""
 
     def __init__(self, linear, layout):
         super().__init__()
@@ -188,8 +173,7 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """y = sum over ranks of x_local W_local^T with W cut along its inputs (columns): leaves the TP region with g
-    (all-reduce) or, with sequence parallelism, a reduce-scatter along the sequence. Keeps the fp8 flag too."""
+    """W cut along its inputs (columns): sums the ranks' partial outputs to leave the TP region. Keeps fp8's flag."""
 
     def __init__(self, linear, layout, sequence_parallel):
         super().__init__()
@@ -201,19 +185,17 @@ class RowParallelLinear(nn.Module):
         return self.reduce(self.product(x))
 
     def product(self, x):
-        """This rank's partial output, before the reduction."""
         return _linear(self, x)
 
     def reduce(self, partial):
-        """Leave the TP region with this rank's partial output (also fp8.Fp8MLP's, whose product is its own)."""
+        """g or the SP reduce-scatter (also for fp8.Fp8MLP, whose product is its own)."""
         if self.sequence_parallel:
             return _ScatterSequence.apply(partial, self.group)
         return _ReduceFromTP.apply(partial, self.group)
 
 
 class ColumnParallelEmbedding(nn.Module):
-    """An embedding whose table is cut along the embedding dim (value embeddings: one slice per
-    local kv head); lookups need no communication since every rank has all token ids."""
+    """A table cut along the embedding dim (value embeddings: one slice per local kv head); no collective."""
 
     def __init__(self, embedding, layout):
         super().__init__()
@@ -224,8 +206,7 @@ class ColumnParallelEmbedding(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """The token table cut along the vocabulary: each rank looks up the ids it owns (zeros for the
-    rest) and g sums the parts."""
+    """The token table cut along the vocabulary: each rank looks up the ids it owns, g sums the parts."""
 
     def __init__(self, embedding, layout):
         super().__init__()
@@ -241,8 +222,7 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class VocabParallelLMHead(nn.Module):
-    """The lm_head cut along the vocabulary: enters the TP region (f, or the sequence all-gather) and
-    returns this rank's slice of the logits for every token."""
+    """The lm_head cut along the vocabulary: enters the TP region, returns this rank's slice of every token's logits."""
 
     def __init__(self, linear, layout, sequence_parallel):
         super().__init__()
@@ -254,8 +234,7 @@ class VocabParallelLMHead(nn.Module):
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Per-token cross-entropy of logits split over the vocabulary, without gathering them: the max,
-    the sum of exponentials and the target's logit are each one all-reduce over the TP group."""
+    """Per-token cross-entropy of logits split over the vocabulary, never gathered (three all-reduces)."""
 
     @staticmethod
     def forward(ctx, logits, targets, vocab_start, group):
@@ -303,24 +282,8 @@ class VocabParallelSoftcapCrossEntropy(nn.Module):
 
 # --- Applying TP to the model -----------------------------------------------------
 
-
-def check_tp_size(config, tp, sequence_parallel=False):
-    """Clear errors when TP cannot split the model (or, with sequence parallelism, the sequence) evenly."""
-    checks = [("query heads (n_head)", config.n_head), ("key/value heads (n_kv_head)", config.n_kv_head),
-              ("MLP width (4 x n_embd)", 4 * config.n_embd), ("vocabulary (vocab_size)", config.vocab_size)]
-    for what, n in checks:
-        if n % tp != 0:
-            valid = [d for d in range(1, min(config.n_head, 64) + 1) if all(m % d == 0 for _, m in checks)]
-            raise ConfigError(f"--tp {tp} does not divide the {what} = {n}; valid --tp values for this model: {valid}. "
-                             f"(head count = model_dim / head_dim: pick --depth/--aspect-ratio/--head-dim so it divides)")
-    if sequence_parallel and config.sequence_len % tp != 0:
-        raise ConfigError(f"--sequence-parallel needs --max-seq-len ({config.sequence_len}) divisible by --tp {tp}")
-
-
 def parallelize(model, layout, sequence_parallel=False):
-    """Shard an initialized GPT in place for this rank, as the module docstring says. Every rank must hold the
-    same full weights before."""
-    check_tp_size(model.config, layout.tp_size, sequence_parallel)
+    """Shard an initialized GPT in place (a TP degree recipe.Setting.check accepted); ranks start with equal weights."""
     group = layout.tp_group
     for block in model.blocks:
         attn, mlp = block.attn, block.mlp
@@ -340,9 +303,9 @@ def parallelize(model, layout, sequence_parallel=False):
     model.criterion = VocabParallelSoftcapCrossEntropy(model.config.vocab_size, layout)
     if sequence_parallel:
         model.embed_exit = Collective(_SplitSequence.apply, group)
-        for layer in model.l3.values():  # replicated (module docstring): each rank looks up its own tokens
-            layer.token_share = Collective(_my_token_ids, group)
-        # replicated parameters used on this rank's part of the sequence only: partial gradients, summed over TP
+        for layer in model.l3.values():  # replicated: each rank looks up its own token ids, (B, T) -> (B, T/tp)
+            layer.token_share = Collective(lambda idx, g: _my_tokens(idx.unsqueeze(-1), g).squeeze(-1), group)
+        # replicated parameters that see this rank's tokens only: partial gradients
         lambdas = [model.backout_lambda] + [p for b in model.blocks for p in (b.resid_lambda, b.x0_lambda)]
         for p in lambdas + list(model.l3.parameters()):
             p.tp_partial_grad, p.tp_group = True, group

@@ -16,8 +16,7 @@ import torch
 
 from nanochat.common import UserError, get_base_dir, atomic_write_bytes, atomic_torch_save, base_dir_hint
 
-# GPT-4 style split, except that numbers split in groups of 1-2 digits (not 1-3): with a small
-# vocabulary, fewer number tokens leave room for more words.
+# GPT-4's split, but numbers in groups of 1-2 digits (not 1-3): fewer number tokens leave a small vocab more words
 SPLIT_PATTERN = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
 
 SPECIAL_TOKENS = ["<|bos|>",  # begins every document; the others are reserved for chat fine-tuning
@@ -135,7 +134,6 @@ class Tokenizer:
         return self.enc.decode_single_token_bytes(token_id)
 
     def token_bytes(self):
-        """int32 tensor: the UTF-8 byte length of each token, 0 for special tokens."""
         specials = set(self.special_tokens.values())
         return torch.tensor([0 if i in specials else len(self.id_to_token(i)) for i in range(self.get_vocab_size())],
                             dtype=torch.int32)

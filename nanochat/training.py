@@ -1,15 +1,17 @@
 """
 The training core, written once: base_train, the parallel-equivalence tests (tests/parallel_harness.py) and the
 dev tools build the model and step it through `setup` and its Trainer, so the tests check what the product runs.
-setup does the whole order in one function (as torchtitan applies its plan): build (meta, materialize, init) ->
-L3 rows allocated from the data (a fresh run) -> fp8 linears -> resumed weights into the whole model -> tensor
-parallelism -> this rank's chunks of the sequence (context parallelism) -> this rank's pipeline stage -> attention
-kernel settled before any trace -> split-K tuned (CUDA) -> optimizer -> the weights cut to what this rank owns
-(--shard-params) -> the optimizer's state -> recompute -> compile. The loop: Schedule (LR, Muon momentum and decay by step) and
-Trainer (one step, evaluation mode, the whole model for CORE, the checkpoint save).
+setup does the whole order in one function (as torchtitan applies its plan), for a recipe.Setting it checks first:
+build (meta, materialize, init) -> L3 rows allocated from the data (a fresh run) -> fp8 linears -> resumed weights
+into the whole model -> tensor parallelism -> this rank's chunks of the sequence (context parallelism) -> this
+rank's pipeline stage -> attention kernel settled before any trace -> split-K tuned (CUDA) -> data parallelism and
+the optimizer it serves -> the weights cut to what this rank owns (--shard-params) -> the optimizer's state ->
+recompute -> compile. The loop: Schedule (LR, Muon momentum and decay by step) and Trainer (one step, evaluation
+mode, the whole model for CORE, the checkpoint save).
 """
 
 import os
+import copy
 import math
 import time
 import contextlib
@@ -20,44 +22,31 @@ import torch.distributed as dist
 
 from nanochat.common import print0, ConfigError
 from nanochat.distributed import barrier, all_reduce_max, gather_objects, agree_on_error
-from nanochat.gpt import build_model, Block, RECOMPUTE_MODES
+from nanochat.gpt import build_model, Block, WholeSequence
 from nanochat import kernels
-from nanochat.optim import MuonAdamW
+from nanochat.optim import MuonAdamW, muon_stacks
+from nanochat.data_parallel import DataParallel
 from nanochat.dataloader import DataLoader
+from nanochat.loss_eval import evaluate_bpb
 from nanochat import checkpoint_manager as ckpt
 
 # -----------------------------------------------------------------------------
 # Setup
 
 
-@dataclass
-class LearningRates:
-    """Base learning rates and Muon's weight decay (base_train scales them by the recipe first)."""
-    embedding_lr: float = 0.3
-    unembedding_lr: float = 0.008
-    matrix_lr: float = 0.02
-    scalar_lr: float = 0.5
-    weight_decay: float = 0.28
-
-
-def setup(config, layout, device, dtype, lrs, fp8=False, l3_data=None, after_init=None, resume=None,
-          sequence_parallel=False, pp_schedule="1f1b", pp_virtual=1, num_microbatches=1, micro_batch_size=1, recompute="none",
-          compile=None, overlap_grad_reduce=False, shard_params=False, keep_gathered=False):
-    """Build what one training process steps, in the order above; returns its Trainer.
-    l3_data: (tokenizer, data_dir) to allocate L3's rows from (a fresh run). after_init(model): a hook on the
-    whole initialized model (the tests move the weights off the init point there). resume: (model_state,
-    optim_state or None) of a checkpoint. compile: a torch.compile backend ("inductor"; the tests' aot_eager),
-    or None for eager; the optimizer's updates are compiled too under inductor. shard_params: each DP rank keeps
-    only the weights it updates (data_parallel.ShardedWeights; nothing changes at DP = 1); keep_gathered: with it,
-    a module's gathered weights stay from its forward to its backward."""
-    if shard_params and layout.pp_size > 1 and pp_schedule == "zb":
-        raise ConfigError("--shard-params with --pp-schedule zb: zb's deferred weight gradients would need each "
-                          "module's gathered weights again after its backward; use --pp-schedule 1f1b or interleaved")
+def setup(config, setting, layout, device, dtype, lrs, l3_data=None, after_init=None, resume=None, compile=None):
+    """Build what one training process steps, in the order above; returns its Trainer. setting: the layout, the
+    micro-batch and the savers (recipe.Setting; its fp8 converts the linears where the device takes fp8). lrs:
+    recipe.LearningRates, already scaled. l3_data: (tokenizer, data_dir) to allocate L3's rows from (a fresh run).
+    after_init(model): a hook on the whole initialized model (the tests move the weights off the init point there).
+    resume: (model_state, optim_state or None) of a checkpoint. compile: a torch.compile backend ("inductor"; the
+    tests' aot_eager), or None for eager; the optimizer's updates are compiled too under inductor."""
+    micro_batches = setting.check(config)
     model = build_model(config, device, dtype)
     if config.l3_after_layers and l3_data is not None:
         from nanochat.l3 import allocate_for_model
         allocate_for_model(model, *l3_data, layout)
-    if fp8:
+    if setting.fp8:
         from nanochat.fp8 import convert_to_fp8
         convert_to_fp8(model, device)
     if after_init is not None:
@@ -67,54 +56,53 @@ def setup(config, layout, device, dtype, lrs, fp8=False, l3_data=None, after_ini
     flops_per_token = model.estimate_flops()  # of the whole model, with L3's real allocation
     if layout.tp_size > 1:
         from nanochat.tensor_parallel import parallelize
-        parallelize(model, layout, sequence_parallel)
-    cp = None
+        parallelize(model, layout, setting.sequence_parallel)
     if layout.cp_size > 1:
-        from nanochat.context_parallel import ContextParallel, check_context_parallel
-        check_context_parallel(layout.cp_size, config.sequence_len, layout.tp_size, sequence_parallel)
-        cp = ContextParallel(layout, config.sequence_len, device)
+        from nanochat.context_parallel import ContextParallel
+        model.sequence = ContextParallel(layout, config.sequence_len, device)
     pipeline = None
     if layout.pp_size > 1:
         from nanochat.pipeline_parallel import Pipeline
-        pipeline = Pipeline(model, layout, num_microbatches, micro_batch_size, pp_schedule, sequence_parallel,
-                            pp_virtual, cp)
-    if cp is None:
+        pipeline = Pipeline(model, layout, setting, micro_batches)
+    if layout.cp_size == 1:
         attention = kernels.prepare_attention(config, model.window_sizes, device, dtype)
     else:
+        chunk = model.sequence.chunk
         attention = f"ring attention over cp {layout.cp_size} ({kernels.attention_block_name(device, dtype)})"
-        odd = sorted({w for w in model.window_sizes if w < config.sequence_len and w % cp.chunk})
+        odd = sorted({w for w in model.window_sizes if w < config.sequence_len and w % chunk})
         if odd and device.type == "cuda":
-            print0(f"WARNING: windows {odd} are not whole chunks of {cp.chunk} tokens (--max-seq-len / 2 x --cp): their "
+            print0(f"WARNING: windows {odd} are not whole chunks of {chunk} tokens (--max-seq-len / 2 x --cp): their "
                    f"band blocks run the reference math (slow, a chunk x chunk fp32 score matrix per head); choose "
                    f"--max-seq-len and --cp so that the S window (a quarter of the context) is a multiple of the chunk")
     wgrad_splits = {}
     if device.type == "cuda":  # rank 0's choice, so that every rank computes alike
-        splits = [kernels.tune_wgrad_splits(model, micro_batch_size * config.sequence_len, dtype)]
+        splits = [kernels.tune_wgrad_splits(model, setting.device_batch * config.sequence_len, dtype)]
         if layout.world_size > 1:
             dist.broadcast_object_list(splits, src=0)
         wgrad_splits = splits[0]
         kernels.set_wgrad_splits(model, wgrad_splits)
-    if recompute not in RECOMPUTE_MODES:
-        raise ConfigError(f"--recompute {recompute!r}: use one of {', '.join(RECOMPUTE_MODES)}")
-    if recompute == "selective" and pipeline is not None and pipeline.schedule == "zb":
-        raise ConfigError("--recompute selective with --pp-schedule zb: the input-gradient pass uses up the outputs "
-                          "selective recompute keeps, which the weight-gradient pass needs again; use --recompute block")
     groups = model.param_groups(**vars(lrs))
-    optimizer = MuonAdamW(groups, {p: n for n, p in model.named_parameters()}, dp_group=layout.dp_cp_group,
-                          compute_dtype=dtype, compile=compile == "inductor", overlap_grad_reduce=overlap_grad_reduce,
-                          counts_replicated=layout.tp_rank == 0, shard_params=shard_params)
-    if optimizer.dp.shard_params:
-        model.weights = optimizer.dp.shard(model, keep_gathered)
+    # data parallelism over DP x CP (CP ranks hold the same weights, each having seen its share of the tokens); the
+    # optimizer updates what it hands out; sharded weights at one rank are no sharding
+    sharded = setting.shard_params and layout.dp_cp_group is not None
+    dp = DataParallel([params for _, _, params in muon_stacks(groups)],
+                      [p for g in groups if g["kind"] == "adamw" for p in g["params"]], layout.dp_cp_group,
+                      overlap=setting.overlap_grad_reduce, shard_params=sharded)
+    optimizer = MuonAdamW(groups, {p: n for n, p in model.named_parameters()}, dp, compute_dtype=dtype,
+                          compile=compile == "inductor", counts_replicated=layout.tp_rank == 0)
+    if sharded:
+        from nanochat.sharding import ShardedWeights
+        model.weights = dp.weights = ShardedWeights(model, dp, setting.keep_gathered)
     if resume is not None and resume[1] is not None:
         optimizer.load_full_state_dict(resume[1])
     for block in model.blocks:
         if isinstance(block, Block):  # a pipeline stage holds Identities in place of the others' blocks
-            block.recompute = recompute
-    per_block = optimizer.dp.overlap or optimizer.dp.shard_params  # gradients wanted as each block's backward ends
+            block.recompute = setting.recompute
+    per_block = dp.overlap or sharded  # gradients wanted as each block's backward ends
     train_model = model if compile is None else compile_for_training(model, pipeline, per_block, compile)
-    return Trainer(model, train_model, pipeline, optimizer, layout, cp, sequence_parallel=sequence_parallel,
+    return Trainer(model, train_model, pipeline, optimizer, dp, layout, setting,
                    fp8=any(getattr(m, "fp8", False) for m in model.modules()), flops_per_token=flops_per_token,
-                   attention=attention, wgrad_splits=wgrad_splits)
+                   attention=attention, wgrad_splits=wgrad_splits, micro_batches=micro_batches)
 
 
 def compile_for_training(model, pipeline, per_block, backend):
@@ -167,6 +155,11 @@ def check_ranks_agree(layout, data_dir, data_listing, ckpt_dir, saves):
     return (f"WARNING: the checkpoint folder {ckpt_dir} (on {os.uname().nodename}) is not visible from "
             f"{', '.join(blind)}: checkpoints will be split over the nodes' disks and a resume cannot read them. "
             f"Point NANOCHAT_BASE_DIR at a shared file system, or copy the checkpoint to every node before resuming.")
+
+
+def reads_data(layout):
+    """Whether this rank reads batches: middle pipeline stages take their inputs from the stage before."""
+    return layout.pp_size == 1 or layout.is_first_stage or layout.is_last_stage
 
 
 def make_loader(tokenizer, split, batch_size, seq_len, device, layout, data_dir, grad_accum=1, state=None,
@@ -231,34 +224,35 @@ def next_batches(loader, n):
 class Trainer:
     """What one training process steps, evaluates and saves. model: the uncompiled module (checkpoints,
     evaluation with fp8, CORE, sampling); train_model: what the step calls (compiled or the same);
-    pipeline: this rank's stage driver, None without pipeline parallelism; cp: this rank's chunks of the sequence
-    (context_parallel.ContextParallel), None without context parallelism."""
+    pipeline: this rank's stage driver, None without pipeline parallelism; dp: the gradient reduction and who
+    updates what (data_parallel.DataParallel), which the optimizer serves."""
     model: torch.nn.Module
     train_model: torch.nn.Module
     pipeline: object
     optimizer: MuonAdamW
+    dp: DataParallel
     layout: object
-    cp: object = None
-    sequence_parallel: bool = False
+    setting: object                 # the recipe.Setting it was built for
     fp8: bool = False               # fp8 linears in training (evaluation runs them in bf16)
     flops_per_token: float = 0.0    # of the whole model, before it was cut up
     attention: str = ""             # the kernel that trains, and split-K per weight shape (for the log)
     wgrad_splits: dict = field(default_factory=dict)
+    micro_batches: int = 1          # per step (gradient accumulation)
 
     def step(self, batches, schedule, it):
         """One optimizer step on the micro-batches [(x, y), ...]: forward and backward (through the
         pipeline's schedule under PP), the LR, momentum and decay of step `it` set, the update, gradients
         cleared. Every CP rank gets the whole (B, T) micro-batches and the model takes its chunks. Returns (the
-        loss: mean over micro-batches and DP ranks, a device tensor, so nothing here
-        waits for the GPU; the LR multiplier)."""
+        loss: mean over micro-batches and DP ranks, a device tensor, so nothing here waits for the GPU; the LR
+        multiplier)."""
         if self.pipeline is not None:
-            loss = self.pipeline.train_step(batches, self.optimizer.prepare_last_backward)
+            loss = self.pipeline.train_step(batches, self.dp.prepare_last_backward)
         else:
             loss = torch.zeros((), device=batches[0][0].device)
             for i, (x, y) in enumerate(batches):  # gradients accumulate in .grad
                 if i == len(batches) - 1:  # this backward completes them: DP reductions may start during it
-                    self.optimizer.prepare_last_backward()
-                micro_loss = self.train_model(x, y, cp=self.cp)
+                    self.dp.prepare_last_backward()
+                micro_loss = self.train_model(x, y)
                 (micro_loss / len(batches)).backward()
                 loss += micro_loss.detach()
             loss = loss / len(batches)
@@ -270,7 +264,28 @@ class Trainer:
                 group["weight_decay"] = schedule.muon_weight_decay(it)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return self.optimizer.dp.mean_loss(loss), lrm
+        return self.dp.mean_loss(loss), lrm
+
+    def describe(self, print_schedule=False):
+        """What setup built, as lines for the log: the pipeline (and every rank's schedule), split-K, attention, and
+        how the gradients reach their owners."""
+        lines = []
+        if self.pipeline is not None:
+            lines.append(f"pipeline: {self.pipeline.describe()}")
+            lines += [self.pipeline.schedule_text()] if print_schedule else []
+        if self.wgrad_splits:
+            lines.append("weight gradients, split-K by shape (out x in: split, ms plain -> ms split): " + ", ".join(
+                f"{o}x{i}: {s} ({t1:.3f} -> {ts:.3f})" for (o, i), (s, t1, ts) in self.wgrad_splits.items()))
+        lines.append(f"attention: {self.attention}")
+        if self.dp.shard_params:
+            lines.append(f"weights sharded over {self.dp.size} data-parallel ranks: each module's gathered around its "
+                         f"call" + (", kept until its backward" if self.setting.keep_gathered else " and again for "
+                                    "its backward") + "; gradients sent to their owners as each module's backward ends")
+        elif self.setting.shard_params:
+            lines.append("--shard-params: one data-parallel rank holds everything already (nothing to shard)")
+        else:
+            lines.append(f"DP gradient reduction: {'overlapped with the last micro-batch backward' if self.dp.overlap else 'after the backward'}")
+        return lines
 
     @contextlib.contextmanager
     def evaluating(self):
@@ -283,21 +298,36 @@ class Trainer:
         finally:
             self.model.train()
 
+    def val_bpb(self, tokenizer, data_dir, steps, token_bytes):
+        """Bits per byte over `steps` batches of the validation shard, in evaluation mode."""
+        L, batch, T = self.layout, self.setting.device_batch, self.model.config.sequence_len
+        device = next(self.model.parameters()).device
+        loader = make_loader(tokenizer, "val", batch, T, device, L, data_dir) if reads_data(L) else iter(lambda: (None, None), 0)
+        try:
+            with self.evaluating():
+                return evaluate_bpb(self.eval_loss, loader, steps, token_bytes, L, label="val bpb")
+        finally:
+            if reads_data(L):
+                loader.close()
+
     def eval_loss(self, x, y):
         """Per-token losses for bits per byte (inside evaluating()): through the pipeline under PP (None
         on stages without the head); with fp8 on the uncompiled model: the compiled graph was traced with
         the fp8 flags on."""
         if self.pipeline is not None:
             return self.pipeline.forward_loss(x, y)
-        return (self.model if self.fp8 else self.train_model)(x, y, loss_reduction="none", cp=self.cp)
+        return (self.model if self.fp8 else self.train_model)(x, y, loss_reduction="none")
 
     def whole_model(self):
-        """The model CORE and sampling run (variable-length inputs): this one (called without cp, it runs whole
-        sequences), or under pipeline or sequence parallelism (fixed shapes only) or sharded weights a gathered
-        whole copy on every rank, to be freed after."""
-        if self.pipeline is not None or self.sequence_parallel or self.optimizer.dp.shard_params:
-            from nanochat.pipeline_parallel import whole_model_copy
-            return whole_model_copy(self.model, self.layout)
+        """The model CORE and sampling run (variable-length inputs): this one; under context parallelism the same
+        weights over whole sequences (a shallow copy with the whole-sequence view); under pipeline or sequence
+        parallelism (fixed shapes only) or sharded weights a gathered whole copy on every rank, to be freed after."""
+        if self.pipeline is not None or self.setting.sequence_parallel or self.dp.shard_params:
+            return ckpt.whole_model_copy(self.model, self.layout)
+        if type(self.model.sequence) is not WholeSequence:
+            whole = copy.copy(self.model)
+            whole.sequence = WholeSequence()
+            return whole
         return self.model
 
     def save_checkpoint(self, ckpt_dir, step, data_state, meta, keep_last=-1):

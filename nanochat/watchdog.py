@@ -1,10 +1,9 @@
 """
-Hang diagnostics: every rank keeps a record (step, phase, when it began, the last collective named). A daemon
-thread reports a phase that outlasts --dist-timeout (the record and every thread's stack, to stderr and
-<report_dir>/rank<R>.txt); at twice the timeout it exits 1 so that torchrun stops the others (a gloo collective
-may wait forever). An uncaught exception writes the same record. On NCCL, enable_flight_recorder() makes
-PyTorch dump each group's last collectives on a timeout; `torchfrtrace <report_dir> -j` names the one where
-the ranks diverged.
+Hang diagnostics: every rank keeps a record (step, phase, when it began, the last collective named). A daemon thread
+reports a phase that outlasts --dist-timeout (the record and every thread's stack, to stderr and
+<report_dir>/rank<R>.txt); at twice the timeout it exits 1 so that torchrun stops the others (a gloo collective may
+wait forever). An uncaught exception writes the same record. On NCCL, enable_flight_recorder() makes PyTorch dump
+each group's last collectives on a timeout; `torchfrtrace <report_dir> -j` names the one where the ranks diverged.
 """
 
 import os
@@ -15,8 +14,7 @@ import faulthandler
 
 
 def enable_flight_recorder(report_dir):
-    """PyTorch's NCCL flight recorder: record each group's last collectives, dump them on a timeout.
-    Must run before the NCCL process group is created. Variables the user set are kept."""
+    """Must run before the NCCL process group is created; variables the user set are kept."""
     os.makedirs(report_dir, exist_ok=True)
     os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
     os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
@@ -43,7 +41,6 @@ class Watchdog:
             sys.excepthook = report_then_raise
 
     def phase(self, name, step=None):
-        """This rank starts doing `name` (at optimizer step `step`)."""
         self.phase_name, self.since = name, time.time()
         if step is not None:
             self.step = step
@@ -70,7 +67,6 @@ class Watchdog:
                 os._exit(1)
 
     def report(self, reason):
-        """Write the record and every thread's stack to stderr and to report_dir/rank<R>.txt."""
         header = f"{reason} {self.describe()}. Every rank writes such a report; compare their steps and phases."
         print(header, file=sys.stderr, flush=True)
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)

@@ -22,8 +22,7 @@ from nanochat.dataloader import DataLoader
 from nanochat.dataset import check_data
 from nanochat.loss_eval import evaluate_bpb, default_eval_tokens
 from nanochat.core_eval import find_eval_bundle, evaluate_core
-from nanochat import report
-from nanochat import kernels
+from nanochat import report, kernels
 
 
 def main():
@@ -56,7 +55,6 @@ def main():
 
 
 def evaluate(args, layout, device):
-    """CORE, then bpb on train and val; the results to stdout, the CSV and the report."""
     if args.max_per_task == 0:
         raise ConfigError("--max-per-task 0 evaluates nothing; give a positive count, or -1 for all items")
     # everything that can be missing is looked for before the long parts: the bundle first (offline
@@ -70,7 +68,7 @@ def evaluate(args, layout, device):
     model_tag, step = meta["model_tag"], meta["step"]
     print0(f"evaluating {model_tag} step {step} (sequence length {model.config.sequence_len}, "
            f"compute dtype {model.compute_dtype}) on dp {layout.dp_size} x tp {layout.tp_size}")
-    items = {"model tag": model_tag, "step": step}
+    items = {"model tag": model_tag, "step": step, "CORE": "skipped (--skip-core)"}
     sections = []
     if not args.skip_core:
         core = evaluate_core(model, tokenizer, device, bundle, args.max_per_task, layout)
@@ -92,8 +90,6 @@ def evaluate(args, layout, device):
                       "missing tasks": ", ".join(core["missing"]) or "none",
                       "items per task": "all" if args.max_per_task < 0 else f"first {args.max_per_task}"})
         sections.append(table)
-    else:
-        items["CORE"] = "skipped (--skip-core)"
     if not args.skip_bpb:
         T = model.config.sequence_len
         if device.type == "cpu" and (error := cpu_memory_error(sum(p.numel() for p in model.parameters()), model.config,

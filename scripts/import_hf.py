@@ -1,8 +1,7 @@
 """
-Turn a folder written by scripts.export_hf back into a nanochat checkpoint (fp32) for base_eval, sample and
-base_train --resume-from-step. The meta is the exported one (step, loop and data position carry over) with
-weights_only: true ("start the optimizer fresh"). The tokenizer goes to NANOCHAT_BASE_DIR/tokenizer when none
-is there; a different one there is an error.
+Turn a scripts.export_hf folder back into a nanochat checkpoint (fp32) for base_eval, sample and base_train
+--resume-from-step: the exported meta (step, loop and data position carry over) with weights_only: true ("start the
+optimizer fresh"). The tokenizer goes to NANOCHAT_BASE_DIR/tokenizer if none is there; another one there is an error.
 
     python -m scripts.import_hf --dir hf/d20 --model-tag d20-hf
     python -m scripts.base_train --model-tag d20-hf --resume-from-step 5000 [the original run's flags]

@@ -1,42 +1,32 @@
 """
-Plan a run's memory before launching it, without a GPU: what each rank holds at its peak (weights, gathered
-working copies, gradients, optimizer state, activations) for a layout, whether that fits the GPU, the largest
+Plan a run's memory without a GPU: what each rank holds at its peak for a layout, whether that fits, the largest
 device batch that does, and the layouts of this many GPUs that fit, fastest first (nanochat/memory.py).
 
-    python -m scripts.plan --depth 26 --gpus 8 --gpu h100                    # the layout base_train's flags give, and the ones that fit
+    python -m scripts.plan --depth 26 --gpus 8 --gpu h100                  # base_train's layout, then those that fit
     python -m scripts.plan --depth 32 --gpus 8 --gpu h100 --tp 2 --shard-params --recompute selective
     python -m scripts.plan --compare --depths 20,26,32 --gpus 8 --gpu h100,h200   # sharded or not, TP 1 or 2
 
-Every flag but its own goes to base_train's parser, as the run would take it (--depth, --max-seq-len,
---device-batch-size, --total-batch-size, --tp, --pp, --cp, --pp-schedule, --pp-virtual, --sequence-parallel,
---shard-params, --keep-gathered, --recompute, --fp8, the model flags), and the total batch is the recipe's. The GPU
-is taken as usable up to 95% of what is left after 1.5 GiB for the CUDA context and NCCL (the allocator's
-fragmentation). Predictions are peaks of allocated memory (torch.cuda.max_memory_allocated), what base_train logs.
+Every other flag goes to base_train's parser, as the run would take it (model, batch, layout, --recompute, --fp8); the
+total batch is the recipe's. A GPU is usable up to 95% (allocator fragmentation) of what the CUDA context and NCCL
+leave (1.5 GiB). Predictions are allocated-memory peaks (torch.cuda.max_memory_allocated), as base_train logs.
 """
 
-import sys
 import argparse
 from dataclasses import replace
 
 from nanochat.common import HelpWithDefaults, ConfigError, fail
-from nanochat.memory import (GIB, GPUS, Setting, rank_memory, largest_batch, relative_speed, candidate_settings,
-                             usable_bytes)
+from nanochat.memory import GIB, GPUS, rank_memory, largest_batch, relative_speed, candidate_settings, usable_bytes
+from nanochat.recipe import Setting, parse_args, model_config, derive_recipe
 
 
 def run_setting(argv, gpus, vocab_size):
     """(config, Setting) from base_train's flags, over `gpus` GPUs."""
-    from scripts.base_train import parse_args, model_config, derive_recipe
     args = parse_args(argv)
-    config = model_config(args, vocab_size, None)
-    recipe = derive_recipe(args, config)
+    config = model_config(args, vocab_size)
     model_parallel = args.tp * args.pp * args.cp
     if gpus % model_parallel:
         raise ConfigError(f"--gpus {gpus} is not divisible by tp x pp x cp = {model_parallel}")
-    return config, Setting(dp=gpus // model_parallel, tp=args.tp, pp=args.pp, cp=args.cp, pp_schedule=args.pp_schedule,
-                           pp_virtual=args.pp_virtual, sequence_parallel=args.sequence_parallel,
-                           shard_params=args.shard_params, keep_gathered=args.keep_gathered,
-                           device_batch=args.device_batch_size, total_batch=recipe.total_batch_size,
-                           recompute=args.recompute, fp8=args.fp8)
+    return config, Setting.from_args(args, gpus // model_parallel, derive_recipe(args, config).total_batch_size)
 
 
 def gib(n):
@@ -44,13 +34,12 @@ def gib(n):
 
 
 def print_setting(config, s, capacity):
-    ranks = rank_memory(config, s)
     kinds = ["weights", "working copies", "gradients", "optimizer state", "activations", "total"]
     print(f"d{config.n_layer} ({config.n_embd} wide, {config.sequence_len:,} tokens a sequence), {s.describe()}, "
           f"{s.total_batch:,} tokens a step; GiB per rank at its peak:")
     print("| pipeline rank | " + " | ".join(kinds) + " | fits |")
     print("|" + " --- |" * (len(kinds) + 2))
-    for r, parts in enumerate(ranks):
+    for r, parts in enumerate(rank_memory(config, s)):
         print(f"| {r} | " + " | ".join(gib(parts[k]) for k in kinds) +
               f" | {'yes' if parts['total'] <= capacity else 'no'} |")
     best, _ = largest_batch(config, s, capacity)
@@ -69,10 +58,9 @@ def print_candidates(config, gpus, total_batch, fp8, capacity, top):
     if not rows:
         print(f"no layout of {gpus} GPUs fits d{config.n_layer} in {gib(capacity)} GiB a GPU")
         return
-    print(f"\nlayouts of {gpus} GPUs that fit, fastest first (tok/s per GPU against one GPU without savers, from measured "
-          f"factors: an ordering, not a prediction); the first is the suggestion:")
-    print("| layout | device batch | peak GiB (worst rank) | relative speed |")
-    print("| --- | --- | --- | --- |")
+    print(f"\nlayouts of {gpus} GPUs that fit, fastest first (tok/s per GPU against one GPU without savers, from "
+          f"measured factors: an ordering, not a prediction); the first is the suggestion:")
+    print("| layout | device batch | peak GiB (worst rank) | relative speed |\n| --- | --- | --- | --- |")
     for speed, _, _, b, s, peak in rows[:top]:
         print(f"| {s.describe()} | {b} | {gib(peak)} | {speed:.2f} |")
 
@@ -85,7 +73,6 @@ def print_comparison(depths, gpu_names, gpus, rest, vocab_size):
     print("|" + " --- |" * (len(columns) + 2))
     for depth in depths:
         for name in gpu_names:
-            capacity = usable_bytes(GPUS[name])
             cells = []
             for _, tp, shard in columns:
                 flags = rest + ["--depth", str(depth), "--tp", str(tp)] + (["--shard-params"] if shard else [])
@@ -93,7 +80,7 @@ def print_comparison(depths, gpu_names, gpus, rest, vocab_size):
                 if config.n_head % tp or config.n_kv_head % tp:
                     cells.append(f"- (TP {tp} does not divide {config.n_head} heads)")
                     continue
-                b, peak = largest_batch(config, s, capacity)
+                b, peak = largest_batch(config, s, usable_bytes(GPUS[name]))
                 cells.append(f"{b} ({gib(peak)})" if b else "none")
             print(f"| d{depth} | {name} | " + " | ".join(cells) + " |")
 
@@ -106,11 +93,11 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=Help, allow_abbrev=False,
                                      usage="python -m scripts.plan [plan flags] [base_train flags]")
     parser.add_argument("--gpus", type=int, default=8, help="GPUs of the run (the world size)")
-    parser.add_argument("--gpu", type=str, default="h100", help=f"the GPU: {', '.join(GPUS)} (several, comma-separated, "
-                                                                 "with --compare)")
+    parser.add_argument("--gpu", type=str, default="h100",
+                        help=f"the GPU: {', '.join(GPUS)} (several, comma-separated, with --compare)")
     parser.add_argument("--gpu-memory", type=float, default=0.0, help="GiB a GPU has, in place of --gpu's")
-    parser.add_argument("--compare", action="store_true", help="the table of --depths x --gpu: unsharded and sharded, "
-                                                               "TP 1 and 2")
+    parser.add_argument("--compare", action="store_true",
+                        help="the table of --depths x --gpu: unsharded and sharded, TP 1 and 2")
     parser.add_argument("--depths", type=str, default="20,26,32", help="with --compare")
     parser.add_argument("--top", type=int, default=10, help="layouts listed")
     parser.add_argument("--vocab-size", type=int, default=32768, help="the tokenizer's vocabulary")
@@ -131,4 +118,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

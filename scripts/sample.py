@@ -14,8 +14,7 @@ from nanochat.distributed import compute_init, compute_cleanup
 from nanochat.checkpoint_manager import load_model
 from nanochat.tokenizer import get_tokenizer
 from nanochat.engine import generate, SAMPLE_PROMPTS
-from nanochat import report
-from nanochat import kernels
+from nanochat import report, kernels
 
 parser = argparse.ArgumentParser(description="Sample completions from a base model", formatter_class=HelpWithDefaults)
 parser.add_argument("--model-tag", type=str, default=None, help="checkpoint folder (default: the most recent one)")
@@ -47,7 +46,6 @@ print(f"sampling from {model_tag} step {meta['step']} (temperature {args.tempera
 
 
 def stdin_prompts():
-    """One prompt per non-empty line until end of input."""
     while True:
         if sys.stdin.isatty():
             print("prompt> ", end="", flush=True)

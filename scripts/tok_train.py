@@ -32,7 +32,6 @@ t0 = time.time()
 
 
 def text_iterator():
-    """Documents (capped at --doc-cap chars) until --max-chars, printing progress every ~10%."""
     next_report = args.max_chars // 10
     for doc in iter_documents(train_files):
         doc = doc[:args.doc_cap]

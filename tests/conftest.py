@@ -1,11 +1,24 @@
 """Shared fixtures: a tiny tokenizer trained on the bundled sample, in a temporary base dir that the
 scripts under test also use (NANOCHAT_BASE_DIR)."""
 
+import io
 import os
+import gc
 import sys
+import runpy
+import inspect
+import importlib
+import importlib.util
+import signal
+import traceback
 import subprocess
+import contextlib
+from unittest import mock
 
 import pytest
+import torch
+
+torch.set_num_threads(1)  # as the scripts run under script_env (OMP_NUM_THREADS=1): two test workers share two cores
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLE_DATA = os.path.join(REPO, "nanochat", "sample_data")  # the shards bundled with the package
@@ -50,17 +63,95 @@ def tokenizer(base_dir):
     return get_tokenizer(os.path.join(base_dir, "tokenizer"))
 
 
-def run_script(module, args, env, nproc=1, timeout=600, check=True):
-    """Run `python -m module args` (or torchrun with nproc processes); returns CompletedProcess."""
-    if nproc == 1:
-        cmd = [sys.executable, "-m", module] + list(args)
+def run_script(module, args, env, nproc=1, timeout=600, check=True, process=False, input=None):
+    """Run `python -m module args` as torchrun would with nproc processes: by default in this process (one rank) or
+    on the test session's pool of ranks (parallel_harness.spawn), where no interpreter starts and nothing is imported
+    again; with process=True in a new process, or under the real torchrun. Returns a CompletedProcess (under the
+    pool: the ranks' output one after the other, the largest exit status)."""
+    if not process:
+        cmd = [module] + list(args)
+        p = run_in_process(module, args, env, input) if nproc == 1 else run_on_pool(module, args, env, nproc)
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", module] + list(args)
-    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+        launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
+        cmd = [sys.executable] + launcher + ["-m", module] + list(args)
+        p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, input=input)
     if check and p.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({p.returncode}):\nSTDOUT:\n{p.stdout[-6000:]}\nSTDERR:\n{p.stderr[-6000:]}")
     return p
 
+
+def _pool_rank(rank, module, args, envs, port, nproc, per_node, out_dir):
+    """One rank of run_on_pool: the environment torchrun gives its workers, then the module as a script."""
+    env = dict(envs[rank], RANK=str(rank), LOCAL_RANK=str(rank % per_node), WORLD_SIZE=str(nproc),
+               LOCAL_WORLD_SIZE=str(per_node), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+               TORCHELASTIC_RUN_ID=f"pool{port}")
+    hook = sys.excepthook
+    try:
+        p = run_in_process(module, args, env)
+    finally:
+        sys.excepthook = hook  # nanochat.watchdog chains its own
+    torch.save({"code": p.returncode, "stdout": p.stdout, "stderr": p.stderr}, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def run_on_pool(module, args, env, nproc, per_node=None):
+    """The ranks as torchrun would start them, on the pool; env: one environment, or one per rank (the nodes of a
+    multi-node run, per_node ranks each)."""
+    import tempfile
+    from parallel_harness import spawn, _free_port
+    envs = env if isinstance(env, list) else [env] * nproc
+    with tempfile.TemporaryDirectory() as out_dir:
+        spawn(_pool_rank, (module, list(args), envs, _free_port(), nproc, per_node or nproc, out_dir), nproc)
+        ranks = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(nproc)]
+    return subprocess.CompletedProcess([module] + list(args), max(r["code"] for r in ranks),
+                                       "".join(r["stdout"] for r in ranks), "".join(r["stderr"] for r in ranks))
+
+
+def run_in_process(module, args, env, input=None):
+    """`python -m module args` with environment `env`, run here as its own process would run it: sys.argv, the
+    environment, stdout and stderr, the exit status (a traceback to stderr where it raises), no GPU where env hides
+    them; and what a script changes in the process (signal handlers, the stop request, the garbage collector, the
+    kernels' switch, the random generator) restored after."""
+    from nanochat import signals, kernels
+    saved_env, saved_argv, saved_cwd, saved_stdin = dict(os.environ), sys.argv, os.getcwd(), sys.stdin
+    saved_kernels, saved_rng = kernels.KERNELS.mode, torch.get_rng_state()
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    os.environ.clear()
+    os.environ.update(env)
+    sys.argv = [module] + list(args)
+    sys.stdin = io.StringIO(input or "")
+    os.chdir(REPO)
+    no_gpu = mock.patch("torch.cuda.is_available", return_value=False) if env.get("CUDA_VISIBLE_DEVICES") == "" \
+        else contextlib.nullcontext()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), no_gpu:
+            with open(importlib.util.find_spec(module).origin) as f:
+                has_main = "\ndef main(" in f.read()
+            if not has_main:  # a script written at module level (importing it would run it)
+                runpy.run_module(module, run_name="__main__")
+            else:  # its main(), as `if __name__ == "__main__"` calls it (without running the module again)
+                main = importlib.import_module(module).main
+                main(list(args)) if inspect.signature(main).parameters else main()
+    except SystemExit as e:
+        if isinstance(e.code, str):
+            err.write(e.code + "\n")
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+        err.write(traceback.format_exc())
+        code = 1
+    finally:
+        os.environ.clear()
+        os.environ.update(saved_env)
+        sys.argv, sys.stdin = saved_argv, saved_stdin
+        os.chdir(saved_cwd)
+        for s, h in handlers.items():
+            signal.signal(s, h)
+        signals._stop_signal, signals._stop_file = None, None
+        kernels.KERNELS.mode = saved_kernels
+        torch.set_rng_state(saved_rng)
+        gc.unfreeze()
+        gc.enable()
+    return subprocess.CompletedProcess([module] + list(args), code, out.getvalue(), err.getvalue())
 
 def write_damaged_shard(path, docs):
     """A shard of the sample's first `docs` documents in row groups of 8, whose last row group's pages are

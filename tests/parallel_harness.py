@@ -1,18 +1,24 @@
 """Train a tiny GPT for a few steps at a given (DP, CP, TP, PP) layout on fixed batches, in processes
 started with torch.multiprocessing (gloo, CPU, fp32), and return the losses and the full parameters.
 The setup, the step (with base_train's schedules) and the checkpoint save are base_train's own
-(nanochat.training.setup and its Trainer). The equivalence tests compare each layout against one process."""
+(nanochat.training.setup and its Trainer). The equivalence tests compare each layout against one process.
+
+The ranks are a pool of processes kept for the whole test session (spawn): each imported torch and nanochat once,
+and runs one layout after another, each in a process group of its own (gloo, a new port per run). Starting a
+world per run cost seconds of imports per rank, most of the suite's time."""
 
 import os
+import sys
 import atexit
 import shutil
 import socket
+import datetime
 import tempfile
+import traceback
+import multiprocessing
 
 import torch
-import torch._dynamo
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 CONFIG = dict(sequence_len=32, vocab_size=64, n_layer=4, n_head=4, n_kv_head=2, n_embd=64, window_pattern="SL")
 GLOBAL_BATCH = 8   # sequences per step
@@ -84,10 +90,11 @@ def _worker(rank, world, tp, pp, sequence_parallel, schedule, steps, port, out_d
     """One process of the run: base_train's setup and step (nanochat.training), on the fixed batches."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    if world > 1:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+    if world > 1:  # a run that fails on one rank makes the others fail within the timeout, not hang
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
     from nanochat.distributed import build_layout
     from nanochat.gpt import GPTConfig
+    from nanochat.recipe import Setting, LearningRates
     from nanochat import checkpoint_manager as ckpt
     from nanochat import training
     layout = build_layout(rank, world, rank, tp, pp, cp)
@@ -107,12 +114,12 @@ def _worker(rank, world, tp, pp, sequence_parallel, schedule, steps, port, out_d
         resume, first_step = (model_state, optim_state), meta["step"]
     per_rank = GLOBAL_BATCH // layout.dp_size
     config = GPTConfig(**{**CONFIG, **config_overrides})
-    trainer = training.setup(config, layout, torch.device("cpu"), torch.float32,
-                             training.LearningRates(**LRS), after_init=after_init, resume=resume,
-                             sequence_parallel=sequence_parallel, pp_schedule=schedule, pp_virtual=virtual,
-                             num_microbatches=per_rank // micro_batch, micro_batch_size=micro_batch, recompute=recompute,
-                             compile=compile_backend, overlap_grad_reduce=overlap, shard_params=shard_params,
-                             keep_gathered=keep_gathered)
+    setting = Setting(dp=layout.dp_size, tp=tp, pp=pp, cp=cp, pp_schedule=schedule, pp_virtual=virtual,
+                      sequence_parallel=sequence_parallel, shard_params=shard_params, keep_gathered=keep_gathered,
+                      overlap_grad_reduce=overlap, device_batch=micro_batch,
+                      total_batch=GLOBAL_BATCH * config.sequence_len, recompute=recompute)
+    trainer = training.setup(config, setting, layout, torch.device("cpu"), torch.float32, LearningRates(**LRS),
+                             after_init=after_init, resume=resume, compile=compile_backend)
     schedule_of_steps = training.Schedule(steps, LRS["weight_decay"], warmup_steps=0, warmdown_ratio=0.0)
     batches = fixed_batches(steps, sequence_len=config.sequence_len, documents=documents)
     losses, overlapped, graphs, grad_norms = [], [], [], []
@@ -122,9 +129,10 @@ def _worker(rank, world, tp, pp, sequence_parallel, schedule, steps, port, out_d
         loss, _ = trainer.step(micro, schedule_of_steps, step)
         losses.append(loss.item())
         grad_norms.append(trainer.optimizer.grad_norms.tolist())
-        overlapped.append(trainer.optimizer.dp.launched_in_backward)
-        if compile_backend is not None:  # graphs compiled so far in this process: a recompile adds one
-            graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+        overlapped.append(trainer.dp.launched_in_backward)
+        if compile_backend is not None:  # graphs compiled so far in this run: a recompile adds one
+            from torch._dynamo.utils import counters
+            graphs.append(counters["stats"]["unique_graphs"])
         if step + 1 == steps // 2 and out_dir is not None:  # a mid-run checkpoint, saved as base_train saves
             trainer.save_checkpoint(os.path.join(out_dir, "ckpt"), step + 1, None, {})
     # the loss of whole sequences, as CORE and sampling see the model: pipeline and sequence-parallel
@@ -133,7 +141,7 @@ def _worker(rank, world, tp, pp, sequence_parallel, schedule, steps, port, out_d
     with torch.no_grad(), trainer.evaluating():
         eval_loss = eval_model(batches[0][:, :-1], batches[0][:, 1:]).item()
     model_state = ckpt.full_model_state(trainer.model)
-    gathered_peak = trainer.optimizer.dp.weights.gathered_peak if trainer.optimizer.dp.weights is not None else 0
+    gathered_peak = trainer.dp.weights.gathered_peak if trainer.dp.weights is not None else 0
     torch.save({**trainer.optimizer.held_bytes(), "gathered_peak": gathered_peak}, os.path.join(out_dir, f"held{rank}.pt"))
     if layout.dp_rank == 0 and layout.cp_rank == 0 and layout.tp_rank == 0:
         torch.save({"losses": losses, "params": model_state, "eval_loss": eval_loss, "overlapped": overlapped,
@@ -142,6 +150,102 @@ def _worker(rank, world, tp, pp, sequence_parallel, schedule, steps, port, out_d
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()
+
+
+# -----------------------------------------------------------------------------
+# The pool of ranks
+
+
+def _serve(conn):
+    """A pool process: run fn(rank, *args) for each request, answer None or the traceback; stop when asked or when
+    the test process is gone. Between runs, what a run leaves behind in the process is reset: torch.compile's
+    caches and counters (the tests count graphs), the process group of a run that failed."""
+    import torch._functorch.config
+    torch.set_num_threads(1)
+    donated = torch._functorch.config.donated_buffer  # compile_for_training turns it off for zb
+    while True:
+        try:
+            request = conn.recv()
+        except EOFError:
+            return
+        if request is None:
+            return
+        fn, rank, args = request
+        torch._functorch.config.donated_buffer = donated
+        if "torch._dynamo" in sys.modules:
+            import torch._dynamo
+            torch._dynamo.reset()
+            torch._dynamo.utils.counters.clear()
+        try:
+            fn(rank, *args)
+            answer = None
+        except BaseException:
+            answer = traceback.format_exc()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        conn.send(answer)
+
+
+class RankPool:
+    """Processes that run functions as the ranks of a world: spawn(fn, args, nprocs) is torch.multiprocessing.spawn's
+    call, on processes that are already up. A failing run takes the pool down (its other ranks may wait in a
+    collective); the next run starts a new one."""
+
+    def __init__(self):
+        self.procs, self.conns = [], []
+
+    def grow(self, n):
+        ctx = multiprocessing.get_context("spawn")
+        while len(self.procs) < n:
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_serve, args=(child,))
+            proc.start()
+            self.procs.append(proc)
+            self.conns.append(parent)
+
+    def spawn(self, fn, args=(), nprocs=1, timeout=600):
+        self.grow(nprocs)
+        for rank in range(nprocs):
+            self.conns[rank].send((fn, rank, args))
+        failures = []
+        for rank in range(nprocs):
+            if not self.conns[rank].poll(timeout):
+                failures.append(f"rank {rank}: no answer within {timeout} s")
+                break
+            try:
+                answer = self.conns[rank].recv()
+            except EOFError:
+                answer = f"rank {rank}: its process died (exit code {self.procs[rank].exitcode})"
+            if answer is not None:
+                failures.append(f"rank {rank}:\n{answer}")
+                break
+        if failures:
+            self.close(kill=True)
+            raise RuntimeError("a pooled run failed:\n" + "\n".join(failures))
+
+    def close(self, kill=False):
+        for proc, conn in zip(self.procs, self.conns):
+            if kill:
+                proc.kill()
+            else:
+                try:
+                    conn.send(None)
+                except OSError:
+                    pass
+        for proc in self.procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+        self.procs, self.conns = [], []
+
+
+POOL = RankPool()
+atexit.register(POOL.close)
+
+
+def spawn(fn, args=(), nprocs=1):
+    """fn(rank, *args) on nprocs ranks of the pool (torch.multiprocessing.spawn's call)."""
+    POOL.spawn(fn, args, nprocs)
 
 
 _runs_root = None
@@ -177,7 +281,7 @@ def run_layout(dp=1, tp=1, pp=1, sequence_parallel=False, schedule="1f1b", steps
     if world == 1:
         _worker(0, *args)
     else:
-        mp.spawn(_worker, args=args, nprocs=world, join=True)
+        spawn(_worker, args, world)
     params, losses, eval_losses, overlapped, graphs, grad_norms = {}, None, [], [], [], None
     for s in range(pp):
         part = torch.load(os.path.join(out_dir, f"stage{s}.pt"), weights_only=True)

@@ -4,12 +4,10 @@ line, the CSV, the report section, bpb, data parallel under torchrun, and clear 
 import os
 import re
 import csv
-import sys
-import subprocess
 
 import pytest
 
-from conftest import run_script, script_env, TINY_MODEL, REPO, CORE_BUNDLE as BUNDLE, CORE_TASKS
+from conftest import run_script, script_env, TINY_MODEL, CORE_BUNDLE as BUNDLE, CORE_TASKS
 TAG = "evaltest"
 EVAL = ["--model-tag", TAG, "--eval-bundle", BUNDLE, "--max-per-task", "4", "--eval-tokens", "512",
         "--device-batch-size", "4"]
@@ -89,8 +87,8 @@ def test_sample_prompts_and_report(base_dir, checkpoint):
 
 
 def test_sample_reads_prompts_from_stdin(base_dir, checkpoint):
-    p = subprocess.run([sys.executable, "-m", "scripts.sample", "--model-tag", TAG, "--max-tokens", "4", "--temperature", "0"],
-                       cwd=REPO, env=script_env(base_dir), input="Hello\n\nWorld\n", capture_output=True, text=True, timeout=120)
+    p = run_script("scripts.sample", ["--model-tag", TAG, "--max-tokens", "4", "--temperature", "0"], script_env(base_dir),
+                   check=False, input="Hello\n\nWorld\n")
     assert p.returncode == 0, p.stderr
     lines = [l for l in p.stdout.splitlines() if l.startswith("--- [")]
     assert len(lines) == 2 and lines[0].startswith("--- [1/1] Hello") and lines[1].startswith("--- [1/1] World")

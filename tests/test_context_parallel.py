@@ -170,11 +170,14 @@ def test_window_layers_skip_the_steps_they_do_not_need():
 
 
 def test_bad_layouts_are_clear_errors():
+    from nanochat.gpt import GPTConfig
+    from nanochat.recipe import Setting
     with pytest.raises(ConfigError, match=r"--cp 3 cuts each sequence into 2 x 3 = 6 chunks: --max-seq-len \(64\) "
                                           r"must divide by 6"):
-        cpm.check_context_parallel(3, 64)
-    with pytest.raises(ConfigError, match=r"--sequence-parallel with --cp 2: each rank's 48 tokens must divide by --tp 5"):
-        cpm.check_context_parallel(2, 96, tp=5, sequence_parallel=True)
+        Setting(cp=3, device_batch=1, total_batch=64).check(GPTConfig(sequence_len=64))
+    with pytest.raises(ConfigError, match=r"--sequence-parallel with --cp 2: each rank's 6 tokens must divide by --tp 4"):
+        Setting(cp=2, tp=4, sequence_parallel=True, device_batch=1, total_batch=12).check(
+            GPTConfig(sequence_len=12, n_head=4, n_kv_head=4, n_embd=64, vocab_size=64))
     from nanochat.distributed import build_layout
     from nanochat.common import UserError
     with pytest.raises(UserError, match="world size 6 is not divisible by tp=1 x pp=1 x cp=4"):
@@ -188,9 +191,9 @@ def test_layout_numbers_tp_fastest_then_cp_then_dp_then_pp():
     assert ranks == list(range(16))
 
 
-def test_base_train_cp2_under_torchrun_resumes_at_cp1(env):
-    """base_train itself: --cp 2 through the torchrun command line trains (the log names the ring), saves, and
-    resumes at CP 1 with the losses it would have had."""
+def test_base_train_cp2_resumes_at_cp1(env):
+    """base_train itself: --cp 2 over two ranks trains (the log names the ring), saves, and resumes at CP 1 with the
+    losses it would have had."""
     from conftest import run_script, run_losses, TINY_MODEL
     args = TINY_MODEL + ["--device-batch-size", "4", "--total-batch-size", "512", "--warmup-steps", "2",
                          "--num-iterations", "4", "--save-every", "2", "--model-tag", "cp2", "--eval-every", "4"]

@@ -5,14 +5,12 @@ ratios (to bf16, to one GPU, to the ideal pipeline step) and the loss agreement 
 results."""
 
 import os
-import sys
 import json
 import importlib
-import subprocess
 
 import pytest
 
-from conftest import REPO, TINY_MODEL
+from conftest import REPO, TINY_MODEL, run_script
 
 TOOLS = sorted(f[:-3] for f in os.listdir(os.path.join(REPO, "dev"))
                if f.endswith(".py") and f not in ("__init__.py", "runs.py"))
@@ -75,9 +73,8 @@ def test_old_tree_printout_reads_as_records(tmp_path):
 
 
 def test_bench_recompute_cpu_smoke(env):
-    p = subprocess.run([sys.executable, "-m", "dev.bench_recompute", "--depths", "2", "--seq-len", "64",
-                        "--device-batch-size", "2", "--batches", "1,2", "--steps", "2", "--warmup", "1"],
-                       cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    p = run_script("dev.bench_recompute", ["--depths", "2", "--seq-len", "64", "--device-batch-size", "2", "--batches",
+                                           "1,2", "--steps", "2", "--warmup", "1"], env, check=False)
     assert p.returncode == 0, p.stderr[-3000:]
     table = p.stdout.split("\n\n")[-1].splitlines()
     assert table[0].split(" | ")[0].strip() == "depth" and [r.split("|")[1].strip() for r in table[2:]] == \
@@ -108,8 +105,7 @@ def test_pipeline_sim_measures_blocks_and_prices_every_schedule(env, tmp_path):
     """pipeline_sim on the CPU: every block's F, backward, B, W and kept bytes of a small model, then the table of
     layouts priced with them (each schedule at p=4 where its chunks fit), then one layout."""
     times = tmp_path / "d4.json"
-    run = lambda *args: subprocess.run([sys.executable, "-m", "dev.pipeline_sim", *args], env=env, capture_output=True,
-                                       text=True, check=True).stdout
+    run = lambda *args: run_script("dev.pipeline_sim", args, env).stdout  # in this process
     run("--measure", "4", "--batch", "1", "--seq", "32", "--reps", "1", "--out", str(times))
     measured = json.loads(times.read_text())
     assert len(measured["blocks"]) == 4 and all(b["F"] > 0 and b["W"] > 0 and b["bytes"] > 0 for b in measured["blocks"])

@@ -12,11 +12,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
 
 pytest.importorskip("torchao.float8", reason="torchao is a declared dependency; it is missing from this environment")
 
-from parallel_harness import CONFIG, run_layout, fixed_batches, _free_port
+from parallel_harness import CONFIG, run_layout, fixed_batches, _free_port, spawn
 
 FP8 = dict(n_embd=128, n_head=4, n_kv_head=4, n_layer=2)  # linears of >= 128 (the fp8 filter), 2 layers for speed
 
@@ -83,7 +83,7 @@ def _sharded_products(rank, world, port):
 
 
 def test_sharded_fp8_products_equal_the_whole_ones():
-    mp.spawn(_sharded_products, args=(2, _free_port()), nprocs=2, join=True)
+    spawn(_sharded_products, (2, _free_port()), 2)
 
 
 # -----------------------------------------------------------------------------

@@ -3,20 +3,18 @@ script, so a script flag that is a prefix of two of its options (`--run` of --ru
 `torchrun ... -m scripts.base_train --run=NAME` before it started."""
 
 import re
-import sys
-import subprocess
 
 import pytest
 from torch.distributed.run import get_args_parser
 
-from conftest import REPO
+from conftest import run_script, script_env
 
 SCRIPTS = ["scripts.base_train", "scripts.base_eval", "scripts.sample", "scripts.tok_train", "scripts.tok_eval"]
 
 
 def script_flags(module):
-    """The --flags of a script, from its --help."""
-    p = subprocess.run([sys.executable, "-m", module, "--help"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    """The --flags of a script, from its --help (in this process)."""
+    p = run_script(module, ["--help"], script_env("/nonexistent"), check=False)
     assert p.returncode == 0, p.stderr
     assert "(default: " in p.stdout, f"{module} --help shows no defaults"
     return sorted(set(re.findall(r"(--[a-z0-9][a-z0-9-]*)", p.stdout)) - {"--help"})

@@ -6,7 +6,8 @@ import torch.nn.functional as F
 
 from nanochat import kernels
 from nanochat.kernels import splitk, attention
-from nanochat.gpt import GPT, GPTConfig, config_for_depth, build_model, window_sizes, has_value_embed
+from nanochat.gpt import GPT, GPTConfig, build_model, window_sizes, has_value_embed
+from nanochat.recipe import config_for_depth
 
 
 @pytest.mark.parametrize("depth,expected", [(12, 286e6), (20, 897e6), (24, 1.38e9), (26, 1.68e9)])

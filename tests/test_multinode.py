@@ -1,6 +1,7 @@
-"""Two torchrun agents on localhost standing for two nodes (c10d rendezvous, gloo, CPU): the same
-losses as one node with as many processes, per-node data copies and base dirs, and a rank that stops
-making progress produces hang reports instead of a silent hang."""
+"""Two nodes on localhost (gloo, CPU): two torchrun agents (c10d rendezvous) give the same losses as one node with as
+many processes, with per-node data copies and base dirs; the ranks of a pooled run with a node size of its own stand
+for the nodes where no launcher is under test (a node whose data differs, DP2 x TP2 over two nodes); and a rank that
+stops making progress produces hang reports instead of a silent hang."""
 
 import os
 import sys
@@ -9,7 +10,7 @@ import shutil
 import signal
 import subprocess
 
-from conftest import run_script, run_losses, TINY_MODEL, REPO
+from conftest import run_script, run_on_pool, run_losses, TINY_MODEL, REPO
 from parallel_harness import _free_port
 
 TRAIN = ["--device-batch-size", "2", "--total-batch-size", "512", "--warmup-steps", "2", "--num-iterations", "3",
@@ -73,22 +74,19 @@ def test_two_nodes_dp2_with_node_local_data_match_one_node(env, tmp_path):
     # a node whose copy of the data differs (one more shard) is refused at the start, naming the ranks
     first = sorted(f for f in os.listdir(SAMPLE) if f.endswith(".parquet"))[0]
     shutil.copy(os.path.join(SAMPLE, first), os.path.join(envs[1]["NANOCHAT_DATA_DIR"], "0_extra.parquet"))
-    port = _free_port()
-    nodes = [start_node(n, 1, port, TRAIN, envs[n], str(tmp_path)) for n in range(2)]
-    for p in nodes:
-        p.wait(timeout=300)
-    out = read(str(tmp_path), 0, "out") + read(str(tmp_path), 1, "out")
-    assert any(p.returncode != 0 for p in nodes)
-    assert "the data differs between ranks" in out and "give every node the same shards" in out
+    p = run_on_pool("scripts.base_train", TRAIN, envs, nproc=2, per_node=1)
+    assert p.returncode != 0
+    assert "the data differs between ranks" in p.stdout and "give every node the same shards" in p.stdout
 
 
 def test_two_nodes_dp2_tp2_shared_folder_match_one_node(env, tmp_path):
     args = TRAIN + ["--tp", "2"]
     run_script("scripts.base_train", args + ["--model-tag", "one_node_tp2"], env, nproc=4)
     one = run_losses(env, "one_node_tp2")
-    out, _ = run_two_nodes(2, args + ["--model-tag", "two_nodes_tp2"], [env, env], str(tmp_path))
+    p = run_on_pool("scripts.base_train", args + ["--model-tag", "two_nodes_tp2"], env, nproc=4, per_node=2)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert len(one) == 3 and run_losses(env, "two_nodes_tp2") == one
-    assert "world 4 = dp 2 x tp 2 x pp 1" in out
+    assert "world 4 = dp 2 x tp 2 x pp 1" in p.stdout
 
 
 def _children(pid):

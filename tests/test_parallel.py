@@ -130,31 +130,38 @@ def test_checkpoint_dp2_resumes_at_dp1():
 
 def test_tp_that_does_not_divide_heads_is_a_clear_error():
     from nanochat.gpt import GPTConfig
-    from nanochat.tensor_parallel import check_tp_size
+    from nanochat.recipe import Setting
+
+    def check(tp, **config):
+        Setting(tp=tp, device_batch=1, total_batch=32).check(GPTConfig(sequence_len=32, n_embd=64, **config))
     with pytest.raises(ValueError, match=r"--tp 3 does not divide the query heads \(n_head\) = 4; valid --tp values for this model: \[1, 2\]"):
-        check_tp_size(GPTConfig(n_head=4, n_kv_head=2, n_embd=64, vocab_size=64), 3)
+        check(3, n_head=4, n_kv_head=2, vocab_size=64)
     with pytest.raises(ValueError, match=r"key/value heads \(n_kv_head\) = 2"):
-        check_tp_size(GPTConfig(n_head=4, n_kv_head=2, n_embd=64, vocab_size=64), 4)
+        check(4, n_head=4, n_kv_head=2, vocab_size=64)
     with pytest.raises(ValueError, match=r"vocabulary \(vocab_size\) = 65"):
-        check_tp_size(GPTConfig(n_head=4, n_kv_head=4, n_embd=64, vocab_size=65), 2)
+        check(2, n_head=4, n_kv_head=4, vocab_size=65)
 
 
 def test_pipeline_stage_split_and_schedule():
     import torch
-    from nanochat.gpt import GPT, config_for_depth
+    from nanochat.gpt import GPT
+    from nanochat.recipe import config_for_depth
     from nanochat.pipeline_parallel import split_stages, block_costs, Pipeline
+    from nanochat.recipe import Setting
     assert split_stages([1, 1, 1, 1], 0, 2) == [(0, 2), (2, 4)]
     assert split_stages([1, 1, 1, 1], 2, 2) == [(0, 3), (3, 4)]  # the head weighs on the last stage
     assert split_stages([5, 1, 1, 1, 1, 1], 0, 2) == [(0, 1), (1, 6)]
-    with pytest.raises(ValueError, match="3 chunks is more than the 2 blocks"):
-        split_stages([1, 1], 0, 3)
     from nanochat.distributed import Layout
 
     def pipeline(m=8, schedule="1f1b", virtual=1, rank=0):
+        """Pipeline rank `rank` of 4 at d12 with m micro-batches of one sequence, as setup builds it."""
+        config = config_for_depth(12)
+        setting = Setting(pp=4, pp_schedule=schedule, pp_virtual=virtual, device_batch=1,
+                          total_batch=m * config.sequence_len)
+        m = setting.check(config)
         with torch.device("meta"):
-            model = GPT(config_for_depth(12))
-        return Pipeline(model, Layout(pp_size=4, pp_rank=rank), num_microbatches=m, micro_batch_size=1,
-                        schedule=schedule, virtual=virtual)
+            model = GPT(config)
+        return Pipeline(model, Layout(pp_size=4, pp_rank=rank), setting, m)
     with torch.device("meta"):
         costs, head = block_costs(GPT(config_for_depth(12)))
     assert len(costs) == 12 and head > costs[0]  # d12's lm_head costs more than a block
@@ -180,7 +187,7 @@ def test_pipeline_stage_split_and_schedule():
 def test_schedules_in_time_and_their_messages(schedule, virtual):
     """Replayed at equal times, each schedule idles each rank the fraction its formula gives (ZB-H1: a third of
     1F1B's bubble); the messages between two ranks are posted in one order on both (none waits on the other)."""
-    from nanochat.pipeline_parallel import idle_formula, message_order, peak_in_flight, simulate, stage_actions
+    from nanochat.pipeline_schedules import idle_formula, message_order, peak_in_flight, simulate, stage_actions
     p, m = 4, 8
     actions = [stage_actions(schedule, p, m, r, virtual) for r in range(p)]
     timeline = simulate(actions, lambda a: 1.0 / virtual)

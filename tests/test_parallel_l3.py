@@ -66,13 +66,14 @@ def test_l3_layers_follow_their_blocks_onto_the_stages():
     from nanochat.distributed import Layout
     from nanochat.gpt import GPT, GPTConfig
     from nanochat.pipeline_parallel import Pipeline
+    from nanochat.recipe import Setting
     owned = []
     for schedule, virtual in (("1f1b", 1), ("interleaved", 2)):
         for stage in range(2):
             with torch.device("meta"):
                 model = GPT(GPTConfig(**{**CONFIG, **L3}))
-            pipe = Pipeline(model, Layout(pp_size=2, pp_rank=stage), num_microbatches=2, micro_batch_size=1,
-                            schedule=schedule, virtual=virtual)
+            setting = Setting(pp=2, pp_schedule=schedule, pp_virtual=virtual, device_batch=1)
+            pipe = Pipeline(model, Layout(pp_size=2, pp_rank=stage), setting, 2)
             owned.append((pipe.blocks, sorted(model.l3.keys())))
     assert owned == [([0, 1], ["1"]), ([2, 3], ["2"]),  # contiguous stages
                      ([0, 2], ["2"]), ([1, 3], ["1"])]  # interleaved: chunks 0, 2 on rank 0, chunks 1, 3 on rank 1

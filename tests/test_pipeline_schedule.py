@@ -10,9 +10,8 @@ import tempfile
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from parallel_harness import _free_port
+from parallel_harness import _free_port, spawn
 
 STAGES, MICROBATCHES = 2, 4
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb", 1)]
@@ -24,13 +23,16 @@ def _worker(rank, port, out_dir):
     dist.init_process_group("gloo", rank=rank, world_size=STAGES)
     from nanochat.distributed import build_layout
     from nanochat.gpt import GPTConfig, build_model
-    from nanochat.pipeline_parallel import Pipeline, action_name, peak_in_flight
+    from nanochat.pipeline_parallel import Pipeline
+    from nanochat.pipeline_schedules import action_name, peak_in_flight
+    from nanochat.recipe import Setting
     layout = build_layout(rank, STAGES, rank, pp=STAGES)
     results = {}
     for schedule, virtual in SCHEDULES:
         torch.manual_seed(0)
         model = build_model(GPTConfig(sequence_len=16, vocab_size=32, n_layer=4, n_head=2, n_kv_head=2, n_embd=32), "cpu")
-        pipe = Pipeline(model, layout, MICROBATCHES, micro_batch_size=1, schedule=schedule, virtual=virtual)
+        setting = Setting(pp=STAGES, pp_schedule=schedule, pp_virtual=virtual, device_batch=1)
+        pipe = Pipeline(model, layout, setting, MICROBATCHES)
         linear = next(m.c_q for m in model.modules() if hasattr(m, "c_q"))
         executed, weight_grad_at_w = [], []
         for kind, name in (("F", "forward"), ("B", "backward"), ("W", "weight_gradients")):
@@ -55,7 +57,7 @@ def _worker(rank, port, out_dir):
 
 def test_train_step_runs_the_printed_schedule():
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_worker, args=(_free_port(), out_dir), nprocs=STAGES, join=True)
+        spawn(_worker, (_free_port(), out_dir), STAGES)
         for stage in range(STAGES):
             results = torch.load(os.path.join(out_dir, f"stage{stage}.pt"))
             for (schedule, virtual), (executed, actions, row, printed, peak, predicted, at_w, has_grad) in zip(

@@ -3,14 +3,13 @@ CPU runs (the bytes of weights, gradients and optimizer state each rank held, me
 plan; tests/test_shard_params.py); the planner's own rules (activations grow with the tokens, fall with recompute,
 split with TP and CP; a stage holds its schedule's micro-batches; sharding fits larger batches) and the script."""
 
-import subprocess
-import sys
 
 import pytest
 
 from parallel_harness import CONFIG, GLOBAL_BATCH
-from nanochat.gpt import GPTConfig, config_for_depth
-from nanochat.memory import Setting, rank_memory, largest_batch, usable_bytes, GIB
+from nanochat.gpt import GPTConfig
+from nanochat.memory import rank_memory, largest_batch, usable_bytes, GIB
+from nanochat.recipe import Setting, config_for_depth
 
 CPU = dict(compute_bytes=4, total_batch=GLOBAL_BATCH * CONFIG["sequence_len"])  # the harness: fp32, 8 sequences a step
 
@@ -67,9 +66,8 @@ def test_sharding_fits_larger_batches():
 
 
 def test_plan_script(env):
-    from conftest import REPO
-    run = lambda *a: subprocess.run([sys.executable, "-m", "scripts.plan", *a], cwd=REPO, env=env, capture_output=True,
-                                    text=True, timeout=300)
+    from conftest import run_script
+    run = lambda *a: run_script("scripts.plan", a, env, check=False)
     p = run("--depth", "12", "--gpus", "2", "--gpu", "h100", "--top", "3")
     assert p.returncode == 0, p.stderr[-2000:]
     assert "| pipeline rank | weights | working copies | gradients | optimizer state | activations | total | fits |" in p.stdout

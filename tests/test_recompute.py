@@ -12,6 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from nanochat import kernels, training
 from nanochat.gpt import GPTConfig
 from nanochat.distributed import build_layout
+from nanochat.recipe import Setting, LearningRates
 from parallel_harness import CONFIG, leave_identity_init, fixed_batches, run_layout
 
 MODES = ("selective", "block")
@@ -20,8 +21,10 @@ MODES = ("selective", "block")
 def tiny_model(mode):
     """The model as training.setup leaves it with --recompute `mode` (eager, one process)."""
     torch.manual_seed(0)
-    return training.setup(GPTConfig(**CONFIG), build_layout(0, 1, 0, 1, 1), torch.device("cpu"), torch.float32,
-                          training.LearningRates(), after_init=leave_identity_init, recompute=mode).model
+    config = GPTConfig(**CONFIG)
+    setting = Setting(device_batch=1, total_batch=config.sequence_len, recompute=mode)
+    return training.setup(config, setting, build_layout(0, 1, 0), torch.device("cpu"), torch.float32, LearningRates(),
+                          after_init=leave_identity_init).model
 
 
 def loss_and_grads(model, call=None):
@@ -213,9 +216,5 @@ def test_zero_bubble_weight_pass_recomputes_each_block_once():
 
 def test_selective_recompute_with_the_zero_bubble_schedule_is_a_clear_error():
     """B's recomputation uses up what selective recompute keeps; W's would need it again."""
-    from parallel_harness import LRS
-    from nanochat.distributed import Layout
     with pytest.raises(ValueError, match="--recompute selective with --pp-schedule zb"):
-        training.setup(GPTConfig(**CONFIG), Layout(pp_size=2, pp_rank=0), torch.device("cpu"), torch.float32,
-                       training.LearningRates(**LRS), pp_schedule="zb", num_microbatches=2, micro_batch_size=1,
-                       recompute="selective")
+        Setting(pp=2, pp_schedule="zb", recompute="selective").check(GPTConfig(**CONFIG))

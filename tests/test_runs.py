@@ -55,16 +55,16 @@ def test_speedrun_cpu_scale_report(tmp_path, env):
 
 
 def test_scaling_laws_and_miniseries_small(tmp_path, env, base_dir):
-    e = dict(env, PYTHON=sys.executable, NANOCHAT_DATA_DIR=SAMPLE_DATA, DEPTHS="2 3", FLOPS="3e10 1e11", TRAIN_ARGS=TINY)
+    e = dict(env, PYTHON=sys.executable, NANOCHAT_DATA_DIR=SAMPLE_DATA, DEPTHS="2", FLOPS="3e10 1e11", TRAIN_ARGS=TINY)
     bash("runs/scaling_laws.sh", e)
     rows = list(csv.DictReader(open(os.path.join(base_dir, "scaling_laws.csv"))))
-    assert [(r["budget"], r["depth"]) for r in rows] == [("3e10", "2"), ("3e10", "3"), ("1e11", "2"), ("1e11", "3")]
+    assert [(r["budget"], r["depth"]) for r in rows] == [("3e10", "2"), ("1e11", "2")]
     for r in rows:  # what was done is within a step of the budget
         assert abs(float(r["flops"]) - float(r["budget"])) / float(r["budget"]) < 0.1
     for r in rows:
         assert float(r["val_bpb"]) > 0 and int(r["params"]) > int(r["scaling_params"]) > 0
     # more FLOPs, more tokens for the same depth
-    assert int(rows[2]["tokens"]) > int(rows[0]["tokens"])
+    assert int(rows[1]["tokens"]) > int(rows[0]["tokens"])
     p = subprocess.run([sys.executable, "-m", "dev.plot_scaling", os.path.join(base_dir, "scaling_laws.csv"),
                         "--out", str(tmp_path / "s.png")], cwd=REPO, env=e, capture_output=True, text=True)
     assert p.returncode == 0 and "best val bpb per FLOP budget" in p.stdout

@@ -2,7 +2,7 @@
 at DP 2 and 4, with the gathered weights freed after each module (gathered again for the backward) or kept; bitwise
 the unsharded DP 2 run where the sums run in the same order; the bytes of weights, gradients and optimizer state
 each rank holds, measured off its tensors, about 1/DP of one process's; composed with TP (+SP), PP, CP, recompute,
-compile, fp8 and L3; checkpoints that move between sharded and unsharded layouts; and base_train under torchrun."""
+compile, fp8 and L3; checkpoints that move between sharded and unsharded layouts; and base_train over two ranks."""
 
 import pytest
 import torch
@@ -91,19 +91,15 @@ def test_sharded_dp4_resumes_at_dp1_and_at_unsharded_dp2():
 
 def test_zb_with_sharding_is_refused():
     from nanochat.common import ConfigError
-    from nanochat.distributed import build_layout
-    from nanochat import training
-    from parallel_harness import CONFIG, LRS
+    from nanochat.recipe import Setting
+    from parallel_harness import CONFIG
     from nanochat.gpt import GPTConfig
-    layout = build_layout(0, 1, 0)
-    layout.pp_size = 2  # setup refuses before it builds anything
     with pytest.raises(ConfigError, match="--shard-params with --pp-schedule zb"):
-        training.setup(GPTConfig(**CONFIG), layout, torch.device("cpu"), torch.float32, training.LearningRates(**LRS),
-                       pp_schedule="zb", shard_params=True)
+        Setting(dp=2, pp=2, pp_schedule="zb", shard_params=True).check(GPTConfig(**CONFIG))
 
 
-def test_base_train_shard_params_under_torchrun(env):
-    """base_train itself: --shard-params over two processes through the torchrun command line trains, saves, and
+def test_base_train_shard_params_over_two_ranks(env):
+    """base_train itself: --shard-params over two ranks trains, saves, and
     resumes unsharded (the same two ranks, so the same batches) with the losses it would have had."""
     from conftest import run_script, run_losses, TINY_MODEL
     args = TINY_MODEL + ["--device-batch-size", "2", "--total-batch-size", "256", "--warmup-steps", "2",

@@ -35,7 +35,8 @@ def test_exact_resume_is_bitwise(env):
 
 
 def test_log_line_format(env):
-    p = run_script("scripts.base_train", TRAIN + ["--num-iterations", "3", "--model-tag", "fmt", "--warmup-steps", "5"], env)
+    p = run_script("scripts.base_train", TRAIN + ["--num-iterations", "3", "--model-tag", "fmt", "--warmup-steps", "5"], env,
+                   process=True)  # what a process prints, once, and at its exit
     assert "note: --warmup-steps 5 is longer than the run (3 steps)" in p.stdout
     assert "nanobind" not in p.stderr  # no leak report at exit (the collector was frozen with triton imported)
     assert p.stdout.count("NOTICE: no parquet shards") == 1
@@ -138,7 +139,7 @@ def test_dp2_torchrun_then_resume_at_dp1(env):
     """The README's torchrun line (torchrun reads the script's flags too: `--run=NAME` once matched its --run-path)."""
     args = TRAIN + ["--num-iterations", "4", "--save-every", "2", "--model-tag=dp2", "--wandb-run=dummy", "--eval-every", "-1",
                     "--device-batch-size", "2"]
-    p = run_script("scripts.base_train", args, env, nproc=2)
+    p = run_script("scripts.base_train", args, env, nproc=2, process=True)  # the real torchrun command line
     assert p.stdout.count("local parameters: ") == 2
     assert "[dp=0]" in p.stdout and "[dp=1]" in p.stdout
     assert p.stdout.count("NOTICE: no parquet shards") == 1  # the sample-data notice once per run, not per process
@@ -199,13 +200,10 @@ def test_bad_flags_are_clear_errors(env):
              (["--head-dim", "0"], "--head-dim (0) positive"),
              (["--stop-at-step", "0"], "--stop-at-step 0 is not after the step this run starts at (0)"),
              (["--stop-at-step", "1", "--save-every", "0"], "--stop-at-step saves the step it stops at")]
-    procs = [subprocess.Popen([sys.executable, "-m", "scripts.base_train"] + TRAIN + ["--num-iterations", "1"] + flags,
-                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for flags, _ in cases]  # at once: each is mostly the interpreter starting
-    for p, (flags, message) in zip(procs, cases):
-        out, err = p.communicate(timeout=300)
-        assert p.returncode != 0 and message in out, (flags, out[-500:], err[-500:])
-        assert "Traceback" not in err, flags
+    for flags, message in cases:  # each refused before step 0: in this process
+        p = run_script("scripts.base_train", TRAIN + ["--num-iterations", "1"] + flags, env, check=False)
+        assert p.returncode != 0 and message in p.stdout, (flags, p.stdout[-500:], p.stderr[-500:])
+        assert "Traceback" not in p.stderr, flags
 
 
 def test_resume_at_the_final_step_wraps_up(env):
@@ -260,7 +258,7 @@ def test_corrupt_page_mid_training_saves_then_names_the_file(env, tmp_path):
     assert "saved checkpoint for step" in p.stdout
 
 
-def test_data_error_on_one_rank_under_torchrun_saves_and_names_the_file(env, tmp_path):
+def test_data_error_on_one_rank_of_two_saves_and_names_the_file(env, tmp_path):
     """Two data-parallel ranks read different row groups: when one of them hits the damaged one, both stop at
     the same step (they agree on the error), save that step, and the run ends with the failing rank's line."""
     p = run_script("scripts.base_train", TRAIN + ["--num-iterations", "200", "--data-dir", corrupt_last_row_group(tmp_path),

@@ -101,7 +101,7 @@ def test_new_data_is_refused_then_continued_with_the_flag_and_its_loss_spike_is_
 
 
 def test_an_unknown_flag_names_the_nearest(capsys):
-    from scripts.base_train import parse_args
+    from nanochat.recipe import parse_args
     with pytest.raises(SystemExit) as e:
         parse_args(["--run=d12"])
     assert e.value.code == 2 and capsys.readouterr().err == (

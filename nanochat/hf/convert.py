@@ -1,12 +1,11 @@
 """
-Between nanochat checkpoints and Hugging Face folders (scripts/export_hf.py, scripts/import_hf.py). An export
-folder holds config.json with configuration_nanochat.py and modeling_nanochat.py (trust_remote_code),
-model.safetensors (sharded above MAX_SHARD_SIZE) under nanochat's tensor names, generation_config.json,
-tokenizer.json, tokenizer_config.json, README.md (the model card), and nanochat_meta.json: the checkpoint's
-meta, so that an imported checkpoint resumes where it stopped.
+Between nanochat checkpoints and Hugging Face folders (scripts/export_hf.py, import_hf.py). An export folder holds
+config.json with configuration_nanochat.py and modeling_nanochat.py (trust_remote_code), model.safetensors (sharded
+above MAX_SHARD_SIZE) in nanochat's tensor names, generation_config.json, tokenizer.json, tokenizer_config.json,
+README.md (model card) and nanochat_meta.json (the checkpoint's meta: an import resumes there).
 
-The tokenizer: every split of every token into two tokens, ordered by the token's rank, is a merge list that
-merges as tiktoken's ranks do; ignore_merges keeps a pre-token that is a token whole, as tiktoken does.
+The tokenizer: every split of every token into two tokens, ordered by the token's rank, is a merge list that merges as
+tiktoken's ranks do; ignore_merges keeps a pre-token that is a token whole, as tiktoken does.
 """
 
 import os
@@ -173,25 +172,24 @@ def export(model_state, meta, tok: Tokenizer, out_dir, dtype=torch.float32, core
     tok_config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|bos|>", "eos_token": "<|bos|>",
                   "pad_token": "<|bos|>", "add_bos_token": True, "split_special_tokens": True,
                   "clean_up_tokenization_spaces": False, "model_max_length": config.sequence_len}
-    for name, text in [("tokenizer_config.json", json.dumps(tok_config, indent=2)),
-                       ("nanochat_meta.json", json.dumps(meta, indent=2)),
-                       ("README.md", model_card(meta, repo_id, core))]:
-        with open(os.path.join(out_dir, name), "w") as f:
-            f.write(text)
     # safetensors, sharded above max_shard_size; floating tensors in `dtype`, integer ones (L3's allocation) as is
     state = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in model_state.items()}
     split = split_torch_state_dict_into_shards(state, filename_pattern="model{suffix}.safetensors",
                                                max_shard_size=max_shard_size)
+    texts = [("tokenizer_config.json", json.dumps(tok_config, indent=2)),
+             ("nanochat_meta.json", json.dumps(meta, indent=2)), ("README.md", model_card(meta, repo_id, core))]
+    if split.is_sharded:
+        index = {"metadata": {"total_size": sum(v.numel() * v.element_size() for v in state.values())},
+                 "weight_map": split.tensor_to_filename}
+        texts.append(("model.safetensors.index.json", json.dumps(index, indent=2, sort_keys=True)))
+    for name, text in texts:
+        with open(os.path.join(out_dir, name), "w") as f:
+            f.write(text)
     umask = os.umask(0)
     os.umask(umask)
     for filename, names in split.filename_to_tensors.items():
         save_file({n: state[n] for n in names}, os.path.join(out_dir, filename), metadata={"format": "pt"})
         os.chmod(os.path.join(out_dir, filename), 0o666 & ~umask)  # safetensors writes 0600; readable as the rest
-    if split.is_sharded:
-        index = {"metadata": {"total_size": sum(v.numel() * v.element_size() for v in state.values())},
-                 "weight_map": split.tensor_to_filename}
-        with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
-            json.dump(index, f, indent=2, sort_keys=True)
     return sorted(split.filename_to_tensors)
 
 

@@ -140,8 +140,7 @@ class L3Layer(nn.Module):
         count = self.bounds[ids + 1] - start
         slot = torch.arange(int(count.max()), device=x.device)
         valid = slot < count[:, None]
-        rows = torch.where(valid, start[:, None] + slot, 0)
-        e = self.key_table.to(x.dtype)[rows]
+        e = self.key_table.to(x.dtype)[torch.where(valid, start[:, None] + slot, 0)]
         scores = (e @ x.unsqueeze(-1)).squeeze(-1).to(torch.promote_types(x.dtype, torch.float32))
         a = torch.softmax(scores.masked_fill(~valid, float("-inf")), dim=-1)
         return (a.to(x.dtype).unsqueeze(1) @ e).squeeze(1)
@@ -197,7 +196,6 @@ class NanochatForCausalLM(PreTrainedModel, GenerationMixin):
 
     def embed(self, idx, smear_prev_ids, prev_valid):
         x = norm(self.wte(idx))
-        # decoding with a cache: smear_prev_ids is the token before the first new one
         first = norm(self.wte(smear_prev_ids)) if smear_prev_ids is not None else torch.zeros_like(x[:, :1])
         prev = torch.cat([first, x[:, :-1]], dim=1)
         if prev_valid is not None:
@@ -209,7 +207,7 @@ class NanochatForCausalLM(PreTrainedModel, GenerationMixin):
                 smear_prev_ids=None, logits_to_keep=0, past_key_values=None, **kwargs):
         cfg = self.config
         cache = cache if cache is not None else past_key_values  # either name (see CACHE_FIELD)
-        B, T = input_ids.shape
+        T = input_ids.size(1)
         use_cache = cfg.use_cache if use_cache is None else use_cache
         if use_cache and cache is None:
             cache = DynamicCache()

@@ -2,25 +2,23 @@
 The fast kernels behind one facade, and the one switch that turns them all off.
 
 gpt.py (and fp8.py for its MLP) write every op as its reference PyTorch math and ask here first, as nanoGPT asks
-`self.flash`: where a kernel takes the op's inputs, it runs; elsewhere the math written below the question runs.
+`self.flash`: where a kernel takes the op's inputs it runs, elsewhere the math written below the question.
 
     op                 the reference math                        the kernel (mode "auto", where it applies)
-    Linear             F.linear (Linear below)                   split-K weight gradient (splitk.py), per weight
-                                                                 shape where tune_wgrad_splits found it faster
+    Linear             F.linear (Linear below)                   split-K weight gradient, per tuned shape (splitk.py)
     attention          SDPA: is_causal for the full context,     FlashAttention-4 (flash_attention.py); else
                        a dense boolean mask for a window (sdpa)  cuDNN (full) and FlexAttention (window) (sdpa.py)
-    a ring's block     context_parallel.block_attention: the     cuDNN through PyTorch where the mask is causal,
-    (with its LSE)     softmax written out, with log-sum-exp     none, or the upper triangle (sdpa.py)
+    ring block + LSE   context_parallel.block_attention          cuDNN where the mask is causal, none or upper (sdpa.py)
     rotary + QK-norm   gpt.rotary_norm                           Triton forward and backward (rotary.py)
     MLP                gpt.MLP: c_proj(relu(c_fc(x))^2)          ReLU^2 inside both matmuls (relu_square_mm.py);
                                                                  elsewhere ReLU^2 keeping only its output
     fp8 MLP            fp8.fc_relu_square, relu_square_input_grad  the same kernels on fp8 operands
     soft-capped loss   gpt.SoftcapCrossEntropy                   lm_head matmul + Triton loss (softcap_ce.py)
 
-The switch is KERNELS.mode, "auto" (the default) or "reference", from NANOCHAT_KERNELS and the scripts' --kernels
-(which wins); "reference" answers every question with no, so the math runs as written on every device. It is read
-at each call: set it before building and compiling the model. The reference attention is SDPA as PyTorch
-dispatches it (a hand-written softmax's (T, T) scores would not fit a training batch).
+The switch is KERNELS.mode, "auto" (default) or "reference", from NANOCHAT_KERNELS and the scripts' --kernels (which
+wins); "reference" answers every question with no, so the math runs as written on every device. It is read at each
+call: set it before building and compiling the model. The reference attention is SDPA as PyTorch dispatches it (a
+hand-written softmax's (T, T) scores would not fit a training batch).
 """
 
 import os
@@ -65,12 +63,10 @@ def set_mode(name):
     return KERNELS.mode
 
 
-# --- Linear (split-K weight gradient) ---------------------------------------------
-
+# ---- Linear (split-K weight gradient) ----
 
 class Linear(nn.Linear):
-    """A bias-free linear whose fp32 weight is cast to the activations' dtype for the matmul. wgrad_split
-    s > 1 (set by set_wgrad_splits) computes its weight gradient as s products over slices of the tokens."""
+    """Bias-free; the fp32 weight is cast to the activations' dtype. wgrad_split > 1: split-K weight gradient."""
 
     wgrad_split = 1
     records_output = False  # set by pipeline_parallel.record_linears (zb)
@@ -94,8 +90,7 @@ def tunable_linears(model):
 
 
 def tune_wgrad_splits(model, tokens, dtype):
-    """Per weight shape of the model's Linears (both dims >= 128), the split-K fastest for its weight gradient here:
-    {(out, in): (split, ms plain, ms split)} for set_wgrad_splits; {} off CUDA and in reference mode."""
+    """splitk.tune over the model's tunable Linears, for set_wgrad_splits; {} off CUDA and in reference mode."""
     return splitk.tune(tunable_linears(model), tokens, dtype) if KERNELS.on else {}
 
 
@@ -104,11 +99,10 @@ def set_wgrad_splits(model, chosen):
         m.wgrad_split = chosen.get(tuple(m.weight.shape), (1,))[0]
 
 
-# --- attention --------------------------------------------------------------------
-
+# ---- attention ----
 
 def fa4_runs(device, dtype, head_dim):
-    """Whether FlashAttention-4 runs here (flash_attention.supports, asked once per device)."""
+    """Whether FlashAttention-4 runs here (flash_attention.device_supported, asked once per device)."""
     device = torch.device(device)
     if device not in KERNELS.fa4_devices:
         KERNELS.fa4_devices[device] = flash_attention.device_supported(device)
@@ -116,8 +110,7 @@ def fa4_runs(device, dtype, head_dim):
 
 
 def prepare_attention(config, window_sizes, device, dtype):
-    """Settle which kernel trains here and, for FlexAttention, build the block masks of this model's sliding
-    windows at the training length. Returns the kernel's name, for the log."""
+    """Settle which kernel trains here (FlexAttention: build its block masks at the training length); its name."""
     device = torch.device(device)
     if not KERNELS.on:
         return "SDPA (reference)"
@@ -141,8 +134,7 @@ def attention_block_name(device, dtype):
 
 
 def takes_attention_block(q, k, offset, window):
-    """A ring block's attention with its log-sum-exp (context_parallel.py) in cuDNN: CUDA, 16-bit, a block whose mask
-    is the causal triangle, none, or the strict upper triangle (sdpa.block_kind)."""
+    """Whether cuDNN takes a ring block (context_parallel.py): CUDA, 16-bit, and not a "band" (sdpa.block_kind)."""
     return (KERNELS.on and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
             and sdpa.block_kind(q.size(2), k.size(2), offset, window) != "band")
 
@@ -184,7 +176,6 @@ SELECTIVE_KEEPS = (
 
 
 def takes_fa4(q):
-    """FlashAttention-4 takes q (B, H, T, D): CUDA, an sm90/sm100 GPU with the package, half precision."""
     return q.is_cuda and fa4_runs(q.device, q.dtype, q.size(-1))
 
 
@@ -199,8 +190,7 @@ def flex_block_mask(q, window):
 
 
 def attention(q, k, v, window):
-    """Causal attention, each query seeing at most `window` keys (itself included), q (B, Hq, T, D) and k/v
-    (B, Hkv, S, D); S > T when decoding with a KV cache, which takes the reference."""
+    """Causal windowed attention (shapes and window: sdpa.py); decoding with a KV cache (S > T) takes the reference."""
     if KERNELS.on and q.size(2) == k.size(2):
         if takes_fa4(q):  # FA4 takes the (B, T, H, D) layout: the transposes are views
             out, _ = flash_attention.flash_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), window)
@@ -213,8 +203,7 @@ def attention(q, k, v, window):
     return sdpa.reference_attention(q, k, v, window)
 
 
-# --- the MLP, rotary + QK-norm, the head's loss: a question, then the kernel ------------------
-
+# ---- the MLP, rotary + QK-norm, the head's loss: a question, then the kernel ----
 
 def takes_fused_mlp(x, c_fc, c_proj):
     """The plain Linears only: tensor parallelism's take the module path; fp8 replaces the whole MLP (Fp8MLP); the
@@ -224,7 +213,6 @@ def takes_fused_mlp(x, c_fc, c_proj):
 
 
 def fused_mlp(x, c_fc, c_proj):
-    """ReLU^2 inside both products, the weight gradients split as the Linears'."""
     rows = x.reshape(-1, x.size(-1))
     out = relu_square_mm.FusedMLP.apply(rows, c_fc.weight.to(x.dtype), c_proj.weight.to(x.dtype),
                                         splitk.split_for(rows, c_fc.wgrad_split), splitk.split_for(rows, c_proj.wgrad_split))
@@ -236,7 +224,6 @@ def relu_square(h):
 
 
 def takes_fp8_mlp(x):
-    """fp8.Fp8MLP's products on the kernels: CUDA, Triton, 16-bit activations x."""
     return KERNELS.on and relu_square_mm.supported(x)
 
 

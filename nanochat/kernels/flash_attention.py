@@ -1,14 +1,12 @@
 """
-FlashAttention-4 for training on Hopper and Blackwell: the kernels of the optional `flash-attn-4` package (CuTe
-DSL, compiled on first use) behind one custom op, which torch.compile keeps as one node in its graph.
+FlashAttention-4 for training on Hopper and Blackwell: the optional `flash-attn-4` package's kernels (CuTe DSL,
+compiled on first use) behind one custom op, one node in torch.compile's graph. Sliding windows run natively (tiles
+outside the band are skipped), in the (B, T, H, D) layout the projections produce. CUDA only; the tests register the
+math as its CPU kernel (tests/test_flash_attention.py: plumbing checks).
 
     out, lse = flash_attention(q, k, v, window)     q: (B, T, Hq, D), k/v: (B, T, Hkv, D), bf16
     out: causal attention, each query seeing at most `window` keys (itself included); lse (B, Hq, T), fp32: each
     query's log-sum-exp of scaled scores, which the backward needs.
-
-Sliding windows run natively (the kernels skip the tiles outside the band), in the (B, T, H, D) layout the
-projections produce. The op runs on CUDA only; the CPU tests register its math in PyTorch as the op's CPU kernel
-to check its plumbing (tests/test_flash_attention.py).
 """
 
 import functools
@@ -32,8 +30,7 @@ def _fa4():
 
 
 def device_supported(device):
-    """Whether FlashAttention-4 runs on this device: the package imports and the GPU is sm90 (Hopper) or sm100
-    (Blackwell). The facade asks once per device, before torch.compile traces the model."""
+    """Whether FlashAttention-4 runs on this device: the package imports and the GPU is sm90 (Hopper) or sm100."""
     device = torch.device(device)
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] in (9, 10) and _fa4() is not None
 
@@ -67,15 +64,13 @@ flash_attention_backward.register_fake(
 
 
 def _setup_context(ctx, inputs, output):
-    (q, k, v, window), (out, lse) = inputs, output
-    ctx.save_for_backward(q, k, v, out, lse)
-    ctx.window = window
+    ctx.save_for_backward(*inputs[:3], *output)  # q, k, v, out, lse
+    ctx.window = inputs[3]
 
 
 def _backward(ctx, dout, dlse):
     # lse is an output only for the backward's sake: nothing downstream differentiates it (dlse is None)
-    q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = flash_attention_backward(dout.contiguous(), q, k, v, out, lse, ctx.window)
+    dq, dk, dv = flash_attention_backward(dout.contiguous(), *ctx.saved_tensors, ctx.window)
     return dq, dk, dv, None
 
 

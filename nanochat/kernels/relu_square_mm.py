@@ -4,16 +4,15 @@ The MLP's ReLU^2 inside its matmuls (CUDA: Triton, with Hopper's TMA loads and s
     forward:   y  = relu(x @ W_fc^T)^2              c_fc's product, ReLU^2 in its epilogue
     backward:  dh = (dy @ W_proj) * 2 sqrt(y)        c_proj's input gradient, ReLU^2's backward in its epilogue
 
-As separate kernels, ReLU^2 costs one more pass over the (tokens, 4C) activation each way, bytes that cost time
-and power at the GPUs' power limit (dev/LOG.md, 2026-11-22). Each tile is finished in registers from the fp32
-accumulator; relu(h) = sqrt(y) is why the backward needs only y, which c_proj keeps anyway. With fp8 operands
-(fp8.Fp8MLP) the kernel scales the accumulator by the operands' inverse scales, stores 16-bit values and returns
-their amax, which the next fp8 cast needs. The kernel is persistent: one program per SM walks the output tiles,
-grouped along M so that the tiles running at once share their rows of A in L2.
+As separate kernels, ReLU^2 costs one more pass over the (tokens, 4C) activation each way: time, and power at the
+GPUs' power limit (dev/LOG.md, 2026-11-22). The epilogue works on the fp32 accumulator in registers; the backward
+needs only y (relu(h) = sqrt(y)), which c_proj keeps anyway. With fp8 operands (fp8.Fp8MLP) the kernel scales the
+accumulator by the operands' inverse scales, stores 16-bit values and returns their amax for the next fp8 cast.
+Persistent: one program per SM walks the output tiles, grouped along M so that concurrent tiles share A's rows in L2.
 
-Where the kernels do not apply (CPU, no Triton, shapes TMA cannot describe, tensor parallelism's Linears) the MLP
-runs ReluSquare between its Linears: relu(h)^2 keeping only its output for the backward. The reference (the
-kernels off) is gpt.py's F.relu(h).square(). Tests check the kernels through Triton's interpreter.
+Where the kernels do not apply (CPU, no Triton, shapes TMA cannot describe, tensor parallelism's Linears) the MLP runs
+ReluSquare between its Linears: relu(h)^2 keeping only its output for the backward. The reference (kernels off) is
+gpt.py's F.relu(h).square(). Tests run the kernels in Triton's interpreter.
 """
 
 import torch
@@ -38,8 +37,8 @@ CONFIGS = {(RELU_SQUARE, False): (128, 256, 64, 8, 3, 8), (RELU_SQUARE_GRAD, Fal
 if triton is not None:
     @triton.jit
     def _finish(acc, c_desc, y_desc, scale, amax_ptr, off_m, off_n, EPILOGUE: tl.constexpr, FP8: tl.constexpr):
-        """The epilogue on an fp32 tile of A @ B, stored at (off_m, off_n). FP8: A and B were scaled to fp8,
-        `scale` undoes both; the largest |value| stored goes to amax_ptr, for the scale of the next fp8 cast."""
+        """The epilogue on an fp32 tile of A @ B, stored at (off_m, off_n). FP8: `scale` undoes both operands'
+        scales; the largest |value| stored goes to amax_ptr."""
         if FP8:
             acc = acc * scale
         if EPILOGUE == 0:  # RELU_SQUARE
@@ -72,21 +71,18 @@ if triton is not None:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for k in range(0, K, BLOCK_K):
                 acc = tl.dot(a_desc.load([off_m, k]), b_desc.load([off_n, k]).T, acc)
-            # stored as two half-width tiles: half the shared memory for the store (and for y's load), which
-            # is what lets a 128 x 256 tile keep 3 pipeline stages
+            # two half-width stores (and y loads): half the shared memory, so 128 x 256 tiles keep 3 pipeline stages
             left, right = tl.split(acc.reshape(BLOCK_M, 2, BLOCK_N // 2).permute(0, 2, 1))
             _finish(left, c_desc, y_desc, scale, amax_ptr, off_m, off_n, EPILOGUE, FP8)
             _finish(right, c_desc, y_desc, scale, amax_ptr, off_m, off_n + BLOCK_N // 2, EPILOGUE, FP8)
 
 
 def _launch(a, b, epilogue, y=None, config=None, scale=None, out_dtype=None):
-    """(M, N) output of epilogue(a @ b^T) for a (M, K), b (N, K), y (M, N), contiguous and aligned: 16-bit
-    floats, or fp8 with `scale` (a one-element fp32 tensor that undoes both operands' scales) and a 16-bit
-    out_dtype, which also returns the output's amax (0-d fp32, as torch's amax of a tensor)."""
+    """epilogue(a @ b^T) (M, N) for a (M, K), b (N, K), y (M, N), contiguous and aligned: 16-bit, or fp8 with `scale`
+    (one fp32 element undoing both operands' scales) and a 16-bit out_dtype, then also the output's amax (0-d fp32)."""
     fp8 = scale is not None
     block_m, block_n, block_k, group_m, stages, warps = config or CONFIGS[epilogue, fp8]
-    M, K = a.shape
-    N = b.size(0)
+    (M, K), N = a.shape, b.size(0)
     c = torch.empty((M, N), dtype=out_dtype or a.dtype, device=a.device)
     amax = torch.zeros((), dtype=torch.float32, device=a.device) if fp8 else None
     a_desc = TensorDescriptor.from_tensor(a, [block_m, block_k])
@@ -103,8 +99,8 @@ def _launch(a, b, epilogue, y=None, config=None, scale=None, out_dtype=None):
 
 
 def supported(x):
-    """Whether the kernels take the activations x (..., C): on CUDA with Triton installed, 16-bit floats, and
-    rows of a multiple of 16 bytes, as TMA needs (the weights, (4C, C) and (C, 4C), follow)."""
+    """Whether the kernels take the activations x (..., C): CUDA with Triton, 16-bit, rows a multiple of 16 bytes
+    as TMA needs (the weights, (4C, C) and (C, 4C), follow)."""
     return triton is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.size(-1) % 8 == 0
 
 
@@ -122,8 +118,7 @@ def fc_relu_square(x: torch.Tensor, w_fc: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("nanochat::relu_square_input_grad", mutates_args=())
 def relu_square_input_grad(dy: torch.Tensor, w_proj: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """(dy @ w_proj) * 2 sqrt(y): the gradient at ReLU^2's input, for dy (M, C) at c_proj's output,
-    w_proj (C, 4C) and y (M, 4C) = ReLU^2's output."""
+    """(dy @ w_proj) * 2 sqrt(y), ReLU^2's input gradient, for dy (M, C), w_proj (C, 4C) and y (M, 4C) = its output."""
     # from a transposed copy of w_proj: B read as the forward reads it, (N, K), beats (K, N) at d20 (dev/LOG.md)
     return _launch(_tma_ready(dy), w_proj.t().contiguous(), RELU_SQUARE_GRAD, y=_tma_ready(y))
 
@@ -138,8 +133,7 @@ def fc_relu_square_fp8(x8: torch.Tensor, w_fc8: torch.Tensor, scale: torch.Tenso
 @torch.library.custom_op("nanochat::relu_square_input_grad_fp8", mutates_args=())
 def relu_square_input_grad_fp8(dy8: torch.Tensor, w_proj8_t: torch.Tensor, y: torch.Tensor,
                                scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dy8 @ w_proj8_t^T * scale) * 2 sqrt(y) in y's dtype and its amax, for dy8 (M, C) and w_proj8_t (4C, C),
-    c_proj's weight transposed, in fp8."""
+    """(dy8 @ w_proj8_t^T * scale) * 2 sqrt(y) in y's dtype and its amax, for fp8 dy8 (M, C) and w_proj8_t (4C, C)."""
     return _launch(_tma_ready(dy8), _tma_ready(w_proj8_t), RELU_SQUARE_GRAD, y=_tma_ready(y), scale=scale,
                    out_dtype=y.dtype)
 
@@ -156,8 +150,8 @@ relu_square_input_grad_fp8.register_fake(lambda dy8, w_proj8_t, y, scale: (
 # ---- the MLP around the kernels, and without them ----
 
 class FusedMLP(torch.autograd.Function):
-    """c_proj(relu(c_fc(x))^2) for x (tokens, C), ReLU^2 inside c_fc's product and c_proj's input gradient. It keeps
-    what the unfused path keeps, x and y = relu(h)^2, and splits the weight gradients as the Linears would."""
+    """c_proj(relu(c_fc(x))^2) for x (tokens, C); keeps what the unfused path keeps, x and y = relu(h)^2, and splits
+    the weight gradients as the Linears would."""
 
     @staticmethod
     def forward(ctx, x, w_fc, w_proj, fc_split, proj_split):

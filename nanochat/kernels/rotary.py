@@ -4,10 +4,9 @@ Rotary positions, then QK-norm, as one custom op on CUDA (gpt.py's rotary_norm i
     r = rotate(x, cos, sin)            pairs (x_i, x_{i+D/2}) -> (x_i c + x_{i+D/2} s, x_{i+D/2} c - x_i s)
     y = scale * r / sqrt(mean(r^2) + eps)      per head vector of D values; eps = float32's epsilon
 
-Two Triton kernels: the forward reads x and writes y; the backward reads x and dy and writes dx, recomputing r
-and the norm in registers, with n = r * rstd and g = scale * dy:
+Two Triton kernels, fewer passes over memory than Inductor's (dev/LOG.md, 2026-11-21): the forward reads x, writes
+y; the backward reads x and dy, writes dx, recomputing r and the norm in registers (n = r * rstd, g = scale * dy):
     dr = rstd * (g - n * mean(g * n)),   dx = rotate^T(dr): (dr_i c - dr_{i+D/2} s, dr_i s + dr_{i+D/2} c)
-Fewer passes over memory than what Inductor makes of the math (dev/LOG.md, 2026-11-21).
 """
 
 import torch
@@ -25,8 +24,7 @@ if triton is not None:
     @triton.jit
     def _rotate_rows(x_ptr, cos_ptr, sin_ptr, n_rows, T, H, cs_stride, eps,
                      HALF: tl.constexpr, ROWS: tl.constexpr, BLOCK_HALF: tl.constexpr):
-        # this program's rows of x rotated, as two halves (fp32), their 1/rms (ROWS, 1), the rows' cos/sin,
-        # offsets and mask: what both kernels start from
+        # both kernels' start: the rows rotated, as two fp32 halves, their 1/rms (ROWS, 1), cos/sin, offsets and mask
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, BLOCK_HALF)
         mask = (rows < n_rows)[:, None] & (cols < HALF)[None, :]
@@ -71,8 +69,7 @@ def supported(x):
 
 
 def _launch(kernel, x, cos, sin, scale, *inputs):
-    """Launch over all head vectors of x (B, T, H, D), cos/sin (1, T, 1, D/2), and the backward's dy (`inputs`).
-    Returns the output, y or dx, a fresh contiguous tensor like x."""
+    """Run `kernel` over x (B, T, H, D)'s head vectors, cos/sin (1, T, 1, D/2) [+ dy]: y or dx, contiguous like x."""
     B, T, H, D = x.shape
     half = D // 2
     x, cos, sin = x.contiguous(), cos.contiguous().reshape(T, half), sin.contiguous().reshape(T, half)
@@ -104,9 +101,8 @@ rotary_norm_backward_op.register_fake(
 
 
 def _setup_context(ctx, inputs, output):
-    x, cos, sin, scale = inputs
-    ctx.save_for_backward(x, cos, sin)
-    ctx.scale = scale
+    ctx.save_for_backward(*inputs[:3])  # x, cos, sin
+    ctx.scale = inputs[3]
 
 
 def _backward(ctx, dy):

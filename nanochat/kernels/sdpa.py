@@ -1,13 +1,11 @@
 """
 Attention in PyTorch's own kernels, for q (B, Hq, T, D) and k/v (B, Hkv, S, D): causal, each query seeing at
 most `window` keys (itself included); S > T when decoding with a KV cache (the queries sit at S-T .. S-1).
-- reference_attention: SDPA as PyTorch dispatches it, is_causal for the full context and a boolean mask for a
-  window (any device, any length, KV caches)
+- reference_attention: SDPA as PyTorch dispatches it, is_causal or a boolean window mask (any device, length, cache)
 - cudnn_attention: the full context on CUDA, SDPA pinned to cuDNN first (faster than its flash backend on Hopper)
 - flex_attention: a sliding window on CUDA at the training length, with a block mask that skips the masked blocks
-- block_attention(_backward): one block of context parallelism's ring (queries and keys at any distance `offset`
-  apart), returning the log-sum-exp, and its backward from the merged output and log-sum-exp: PyTorch's flash
-  kernel where the block needs no mask or the plain causal one, its memory-efficient kernel with a bias otherwise
+- block_attention(_backward): one block of context parallelism's ring (queries and keys `offset` apart) with its
+  log-sum-exp, and its backward from the merged output and log-sum-exp (the section below says which blocks)
 """
 
 import functools
@@ -18,8 +16,7 @@ from torch.nn.attention import sdpa_kernel, SDPBackend
 
 
 def band_mask(T, S, offset, window, device):
-    """Boolean (T, S) mask of T queries and S keys whose first positions are `offset` apart (the first query at
-    position offset, the first key at 0): causal and at most `window` tokens back (the token itself included)."""
+    """Boolean (T, S): 0 <= query - key position < window, for T queries from position `offset` and S keys from 0."""
     distance = offset + torch.arange(T, device=device)[:, None] - torch.arange(S, device=device)[None, :]
     return (distance >= 0) & (distance < window)
 
@@ -38,7 +35,6 @@ def reference_attention(q, k, v, window):
 
 
 def cudnn_attention(q, k, v):
-    """Full causal context on CUDA, S == T."""
     if q.size(1) != k.size(1):  # cuDNN/flash in SDPA want equal head counts: expand k/v
         k, v = (t.repeat_interleave(q.size(1) // k.size(1), dim=1) for t in (k, v))
     backends = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
@@ -64,22 +60,19 @@ def _flex_compiled():
 
 
 def flex_attention(q, k, v, mask):
-    """A sliding window at the length its block mask was built for (S == T)."""
     return _flex_compiled()(q, k, v, block_mask=mask, enable_gqa=q.size(1) != k.size(1))
 
 
 # --- one block of the ring (context_parallel.py): q (B, H, T, D), k/v (B, H, S, D) with equal head counts ----------
-# cuDNN through PyTorch (or its flash kernel, for comparison), which return the log-sum-exp and take it back in the
-# backward, for the three shapes a block's mask takes when the window is a whole number of chunks (the recipe's
-# windows, a quarter of the context, are N/2 chunks at CP N): the causal triangle, no mask, and the strict upper
-# triangle (keys exactly one window back: key j visible to query i when j > i), which is the causal triangle of the
-# blocks reversed, less a row and a column. Other bands take the reference math (context_parallel.block_attention):
+# cuDNN through PyTorch (or its flash kernel, for comparison) returns the log-sum-exp and takes it back in the
+# backward, for the three masks of a block when the window is whole chunks (the recipe's, a quarter of the context, is
+# N/2 chunks at CP N): the causal triangle, none, and the strict upper triangle (key j seen by query i iff j > i: keys
+# one window back), the reversed causal triangle less a row and a column. Other bands take the reference math:
 # PyTorch's memory-efficient kernel takes a bias mask but gave NaNs and wrong gradients on rows that see no key.
 
 
 def block_kind(T, S, offset, window):
-    """How a block's mask looks: "causal" (the diagonal, full window), "none" (every key visible), "upper" (keys j >
-    query i only) or "band" (anything else)."""
+    """A block's mask: "causal" (the diagonal, full window), "none" (all keys), "upper" (keys j > query i) or "band"."""
     if offset == 0 and T == S and window >= T:
         return "causal"
     if offset >= S - 1 and offset + T - 1 < window:
@@ -101,8 +94,7 @@ def _forward(q, k, v, causal, backend):
 
 
 def _backward(dout, q, k, v, out, lse, causal, backend):
-    no_rng = torch.empty((), dtype=torch.long, device=q.device)
-    T, S = q.size(2), k.size(2)
+    no_rng, T, S = torch.empty((), dtype=torch.long, device=q.device), q.size(2), k.size(2)
     # None below: no bias, no cumulative sequence lengths (not the variable-length kernels)
     if backend == "cudnn":
         return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
@@ -112,8 +104,7 @@ def _backward(dout, q, k, v, out, lse, causal, backend):
 
 
 def _upper(t):
-    """A strict upper triangle block's queries (all but the last) or keys (all but the first) reversed: the
-    causal triangle."""
+    """An upper triangle block's queries (all but the last) or keys (all but the first) reversed: the causal one."""
     return t.flip(2).contiguous()
 
 

@@ -5,14 +5,15 @@ SoftcapCrossEntropy is the math), around one Triton kernel.
     raw = x @ W^T                      z = cap * tanh(raw / cap)          loss_i = logsumexp(z_i) - z_i[t_i]
     d loss_i / d raw_ij = (softmax(z_i)_j - [j == t_i]) * (1 - (z_ij / cap)^2)
 
-Each program takes one row of the (N, V) logits: it reads the row once for the logsumexp (|z| <= cap, so
-exp(z - cap) never overflows: one sum, no running maximum) and writes the loss; when a gradient is wanted, it
-reads the row again and writes d loss_i / d raw_i over it, in the forward already. The backward only scales the
-two small products by the incoming gradient (almost always one scalar over the rows); no fp32 copy of the logits
-is stored (dev/LOG.md, 2026-11-21). Tests check it against gpt.py's math through Triton's interpreter.
+Each program takes one row of the (N, V) logits: one read for the logsumexp (|z| <= cap, so exp(z - cap) never
+overflows: one sum, no running maximum) and the loss; when a gradient is wanted, a second read writes d loss_i / d raw_i
+over the row, in the forward. The backward only scales the two small products by the incoming gradient; no fp32 copy
+of the logits is stored (dev/LOG.md, 2026-11-21). Tests: against gpt.py's math, in Triton's interpreter.
 """
 
 import torch
+
+from nanochat.common import eager
 
 try:
     import triton
@@ -23,8 +24,8 @@ except ImportError:  # CPU-only installs: the PyTorch path below is used
 if triton is not None:
     # With y = raw / CAP, u = exp(2y) and r = 1 / (u + 1):
     #   tanh(y) = 1 - 2r,   z - CAP = -2 CAP r,   1 - tanh(y)^2 = 4 r (1 - r)
-    # so each logit costs two exponentials and one reciprocal (base 2: exp(a) = exp2(a log2(e))). The
-    # kernel is bound by these instructions, not by HBM: fewer of them is what makes it faster.
+    # so each logit costs two exponentials and one reciprocal (base 2: exp(a) = exp2(a log2(e))); the kernel is
+    # bound by these instructions, not by HBM
     LOG2E = tl.constexpr(1.4426950408889634)
 
     @triton.jit
@@ -64,8 +65,7 @@ if triton is not None:
 
 
 def _row_losses(raw, targets, write_grad, cap):
-    """Per-row losses (N,) fp32 of (N, V) logits (last dim contiguous); with write_grad, raw is
-    overwritten with d loss_i / d raw_i."""
+    """Per-row losses (N,) fp32 of (N, V) logits (last dim contiguous); write_grad: raw becomes d loss / d raw."""
     N, V = raw.shape
     loss = torch.empty(N, dtype=torch.float32, device=raw.device)
     block = min(triton.next_power_of_2(V), 4096)
@@ -75,8 +75,7 @@ def _row_losses(raw, targets, write_grad, cap):
 
 
 class _HeadLoss(torch.autograd.Function):
-    """x: (N, d), weight: (V, d), both in the compute dtype; targets: (N,) int64, -1 = ignore.
-    Returns the per-row losses (N,) in fp32 (0 where ignored)."""
+    """x (N, d), weight (V, d) in the compute dtype, targets (N,) int64 (-1: ignored, loss 0) -> fp32 losses (N,)."""
 
     @staticmethod
     def forward(ctx, x, weight, targets, cap):
@@ -100,17 +99,15 @@ class _HeadLoss(torch.autograd.Function):
         return grad_x, grad_w, None, None
 
 
-def supported(x):
-    """Whether the kernel takes the activations x: a CUDA tensor, with Triton installed."""
+def supported(x):  # whether the kernel takes the activations x
     return triton is not None and x.is_cuda
 
 
-@torch.compiler.disable  # run eagerly: traced into a compiled graph, the in-place gradient would make
+@eager  # run eagerly: traced into a compiled graph, the in-place gradient would make
 def kernel_head_losses(x, weight, targets, cap):  # AOTAutograd copy the logits first
-    """Per-token losses (N,) of x (..., d) and weight (V, d) in the compute dtype, targets (...) (ignored: -1),
-    through the Triton kernel (CUDA; tests also run it on CPU tensors under TRITON_INTERPRET=1)."""
-    flat_x = x.reshape(-1, x.size(-1))
-    flat_targets = targets.reshape(-1).contiguous()
+    """Per-token losses (N,) of x (..., d) and weight (V, d) in the compute dtype, targets (...) (-1: ignored); on
+    CUDA, and in tests on CPU tensors under TRITON_INTERPRET=1."""
+    flat_x, flat_targets = x.reshape(-1, x.size(-1)), targets.reshape(-1).contiguous()
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return _HeadLoss.apply(flat_x, weight, flat_targets, cap)
     return _row_losses(flat_x @ weight.t(), flat_targets, False, cap)  # evaluation: the loss only

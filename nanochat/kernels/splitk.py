@@ -16,8 +16,7 @@ def split_for(x, split):
 
 
 def weight_grad(dy, x, split):
-    """dy^T @ x for dy (..., out), x (..., in) over their N leading rows: the sum of `split` products over
-    slices of the N rows."""
+    """dy^T @ x for dy (..., out), x (..., in) over their N leading rows: `split` products over row slices, summed."""
     dy, x = dy.reshape(-1, dy.size(-1)), x.reshape(-1, x.size(-1))
     if split == 1:
         return dy.t() @ x
@@ -43,9 +42,8 @@ class SplitWeightGradLinear(torch.autograd.Function):
 
 @torch.no_grad()
 def tune(linears, tokens, dtype, splits=(1, 2, 4), repeats=10, margin=0.03):
-    """For each weight shape among `linears`, time the weight gradient of a micro-batch of `tokens` in
-    `dtype` at each split (median of `repeats` calls); a split is chosen only when it beats the plain
-    product by `margin`. Returns {(out, in): (split, ms plain, ms with the split)}. CUDA only: elsewhere {}."""
+    """Per weight shape: the weight gradient of `tokens` rows in `dtype` timed at each split (median of `repeats`); a
+    split wins only if it beats the plain product by `margin`. {(out, in): (split, ms plain, ms split)}, {} off CUDA."""
     if not linears or linears[0].weight.device.type != "cuda":
         return {}
     chosen = {}

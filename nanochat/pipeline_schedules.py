@@ -1,0 +1,140 @@
+"""
+Pipeline schedules as data: per rank, the list of actions (kind, micro-batch, chunk) one step runs, F a forward, B a
+backward, W a deferred weight gradient (stage_actions: what pipeline_parallel's train_step runs, --pp-print-schedule
+prints and dev/pipeline_sim.py prices), a replay of all ranks' lists in time (simulate), and from it one order of
+the messages for every rank (message_order). No tensors and no collectives here.
+
+With p ranks and m >= p micro-batches, the idle fraction of each rank at equal F, B (and W) times:
+  gpipe        all m forwards, then all m backwards; m micro-batches of activations alive.     (p-1)/(m+p-1)
+  1f1b         warm-up (p-s-1 forwards on rank s), one F one B, cool-down; at most p-s alive.  (p-1)/(m+p-1)
+  interleaved  1F1B over V chunks per rank, the micro-batches in groups of p, each group through
+               chunk 0, then chunk 1, ...; a V-th of the bubble, V times the messages, m % p == 0. (p-1)/(Vm+p-1)
+  zb           ZB-H1: each backward split in two: B, the input gradient, sent on at once, and W, the weight
+               gradients, run later where 1F1B idles (rank s defers s of them); at most p micro-batches alive
+               on every rank (1F1B's peak, on rank 0).                                          (p-1)/(3m+p-1)
+
+Messages: each rank runs its actions in order, each once its input has come; sends are posted after the action
+producing them, receives in one global order (message_order), so that two ranks post their shared messages in the same
+order (NCCL runs them in order on one stream per pair of ranks: two ranks each first waiting on the other would hang).
+"""
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
+
+
+def stage_actions(schedule, p, m, rank, virtual=1):
+    """What `rank` of p runs in one step of m micro-batches (module docstring)."""
+    if schedule == "gpipe":
+        return [("F", i, rank) for i in range(m)] + [("B", i, rank) for i in range(m)]
+    if schedule == "interleaved":
+        return _interleaved(p, m, virtual, rank)
+    warmup = min(p - rank - 1, m)
+    acts = [("F", i, rank) for i in range(warmup)]  # warm-up: fill the pipeline
+    deferred = 0
+    for b in range(m):  # steady state: one forward, one backward (zb: and the oldest W, once `rank` are waiting)
+        if warmup + b < m:
+            acts.append(("F", warmup + b, rank))
+        acts.append(("B", b, rank))
+        if schedule == "zb" and b >= rank:
+            acts.append(("W", deferred, rank))
+            deferred += 1
+    return acts + ([("W", i, rank) for i in range(deferred, m)] if schedule == "zb" else [])
+
+
+def _interleaved(p, m, V, rank):
+    """Megatron-LM's interleaved 1F1B: a rank's k-th forward is micro-batch group*p + k mod p of chunk (k // p) mod V;
+    backwards walk the chunks in reverse; a deeper warm-up (2 per later rank, p per extra chunk) feeds later chunks."""
+    total = m * V
+
+    def nth(k, backward):
+        group, within = divmod(k, p * V)
+        v = within // p
+        return group * p + within % p, ((V - 1 - v) if backward else v) * p + rank
+
+    warmup = min((p - rank - 1) * 2 + (V - 1) * p, total)
+    acts = [("F", *nth(k, False)) for k in range(warmup)]
+    for k in range(warmup, total):
+        acts += [("F", *nth(k, False)), ("B", *nth(k - warmup, True))]
+    return acts + [("B", *nth(k, True)) for k in range(total - warmup, total)]
+
+
+def idle_formula(schedule, p, m, virtual=1):
+    """Each rank's idle fraction of the step at equal F, B and W times (module docstring)."""
+    work = {"gpipe": m, "1f1b": m, "interleaved": virtual * m, "zb": 3 * m}[schedule]
+    return (p - 1) / (work + p - 1)
+
+
+def input_of(action, num_chunks):
+    """The action whose output `action` waits for (None: the first chunk's forward)."""
+    kind, i, c = action
+    if kind == "F":
+        return None if c == 0 else ("F", i, c - 1)
+    if kind == "W":
+        return ("B", i, c)
+    return ("F", i, c) if c == num_chunks - 1 else ("B", i, c + 1)
+
+
+def simulate(actions, duration, p2p=0.0):
+    """Replay the ranks' action lists in time (duration(action) -> time; a message between ranks takes p2p): per
+    rank, [(action, start, end)] in the order run; ValueError if the lists wait on each other."""
+    p = len(actions)
+    num_chunks = 1 + max(c for acts in actions for _, _, c in acts)
+    done, timeline, position, free = {}, [[] for _ in range(p)], [0] * p, [0.0] * p
+    while any(position[r] < len(actions[r]) for r in range(p)):
+        progressed = False
+        for r in range(p):
+            while position[r] < len(actions[r]):
+                action = actions[r][position[r]]
+                dep = input_of(action, num_chunks)
+                if dep is not None and dep not in done:
+                    break
+                ready = 0.0 if dep is None else done[dep] + (p2p if dep[2] % p != r else 0.0)
+                start = max(free[r], ready)
+                free[r] = done[action] = start + duration(action)
+                timeline[r].append((action, start, free[r]))
+                position[r] += 1
+                progressed = True
+        if not progressed:
+            raise ValueError("the action lists wait on each other: no rank can run its next action")
+    return timeline
+
+
+def peak_in_flight(actions, kept=None):
+    """Per rank, the most micro-batch chunks alive at once, from a forward until its backward (zb: its W), as
+    train_step measures (Pipeline.peak_in_flight). kept: per chunk, the bytes its forward keeps (None: 1 each)."""
+    peaks = []
+    for acts in actions:
+        freeing = "W" if any(kind == "W" for kind, _, _ in acts) else "B"
+        alive = peak = 0
+        for kind, _, c in acts:
+            weight = 1 if kept is None else kept[c]
+            alive += weight if kind == "F" else -weight if kind == freeing else 0
+            peak = max(peak, alive)
+        peaks.append(peak)
+    return peaks
+
+
+def message_order(actions, rank):
+    """This rank's program: ("run", action), ("send", action) for its output right after it, ("recv", action) for
+    another rank's output, ordered alike on all ranks by the replay's time, then the sending rank."""
+    p = len(actions)
+    num_chunks = 1 + max(c for acts in actions for _, _, c in acts)
+    timeline = simulate(actions, lambda a: {"F": 1, "B": 2, "W": 1}[a[0]])  # any times are valid; these keep it close
+    keyed = []
+    for r, events in enumerate(timeline):
+        for n, (action, start, end) in enumerate(events):
+            kind, i, c = action
+            if r == rank:  # after every receive that arrives by its start
+                keyed.append(((start, p, n), ("run", action)))
+            to = {"F": c + 1, "B": c - 1}.get(kind)
+            if to is None or not 0 <= to < num_chunks or to % p == r:
+                continue
+            if r == rank:
+                keyed.append(((end, r, n), ("send", action)))
+            if to % p == rank:
+                keyed.append(((end, r, n), ("recv", action)))
+    return [step for _, step in sorted(keyed)]
+
+
+def action_name(action, virtual=1):
+    kind, i, c = action
+    return f"{kind}{i}" + (f"c{c}" if virtual > 1 else "")

@@ -1,0 +1,390 @@
+"""
+A run's settings: base_train's flags, the model and the scaling-law recipe they give, and the one check of which
+settings can run together (Setting.check, called by base_train, training.setup and the memory planner).
+
+The recipe (derive_recipe; base_train prints it at start):
+  horizon  D = --num-iterations * B, else --target-flops / FLOPs-per-token, else ratio * scaling params
+  batch    B = 2^19 * (D / D_ref)^0.383 rounded to a power of 2 (Power Lines, arXiv 2505.13738), D_ref = ratio * N(d12)
+  LRs      every LR * sqrt(B / 2^19)
+  decay    wd = wd_ref * sqrt(B / 2^19) * D_ref / D (constant T_epoch, arXiv 2405.13698)
+  schedule LR: 40-step warmup, flat, linear warmdown over the last 65% to 5%; Muon momentum 0.85 -> 0.97 over 400
+           steps, then -> 0.90 during warmdown; Muon wd cosine-decayed to 0 (training.Schedule)
+A context extension (a resume with a longer --max-seq-len) keeps the horizon and batch of the context the run
+started at (context_lengths).
+"""
+
+import math
+import difflib
+import argparse
+from dataclasses import dataclass, replace
+
+import torch
+
+from nanochat.common import HelpWithDefaults, ConfigError, print0
+from nanochat.gpt import GPT, GPTConfig, window_sizes, RECOMPUTE_MODES
+from nanochat.pipeline_schedules import SCHEDULES
+from nanochat import kernels
+
+DEFAULT_SEQ_LEN = 2048
+B_REF = 2 ** 19  # the reference batch (tokens) at which LRs and weight decay were tuned (d12)
+# flags that shape the schedule, the batch and the data: a resumed run must give the ones of the saved run
+# (a longer --max-seq-len is a context extension: context_lengths)
+RECIPE_FLAGS = ["num_iterations", "target_flops", "target_param_data_ratio", "total_batch_size",
+                "embedding_lr", "unembedding_lr", "matrix_lr", "scalar_lr", "weight_decay", "warmup_steps",
+                "warmdown_ratio", "final_lr_frac", "keep_remainder"]
+
+
+@dataclass
+class LearningRates:
+    """Base learning rates and Muon's weight decay, tuned at d12 and B_REF (base_train scales them by the recipe)."""
+    embedding_lr: float = 0.3
+    unembedding_lr: float = 0.008
+    matrix_lr: float = 0.02
+    scalar_lr: float = 0.5
+    weight_decay: float = 0.28
+
+
+def parse_args(argv=None):
+    """base_train's flags (scripts.plan and the dev tools read them too)."""
+    parser = argparse.ArgumentParser(description="Pretrain a base model", formatter_class=HelpWithDefaults)
+    add, lrs = parser.add_argument, LearningRates()
+    # runtime
+    add("--wandb-run", type=str, default="dummy", help="wandb run name ('dummy' = no wandb)")
+    add("--tensorboard", type=str, default=None, help="also write the step numbers as TensorBoard events into this "
+                                                      "folder (pip install 'nanochat[tensorboard]')")
+    add("--device-type", type=str, default="", help="cuda|cpu|mps (empty: autodetect)")
+    add("--data-dir", type=str, default=None, help="folder of parquet shards (default: NANOCHAT_DATA_DIR or base_data)")
+    # model
+    add("--depth", type=int, default=20, help="number of blocks: the one dial")
+    add("--aspect-ratio", type=int, default=64, help="model_dim = depth * aspect_ratio (rounded up to head_dim)")
+    add("--head-dim", type=int, default=128, help="attention head dimension")
+    add("--n-kv-head", type=int, default=0, help="key/value heads for GQA (0 = as many as query heads)")
+    add("--max-seq-len", type=int, default=None, help=f"context length (default {DEFAULT_SEQ_LEN}; a resume: the "
+                                                      f"checkpoint's, and a longer one extends it)")
+    add("--window-pattern", type=str, default="SSSL", help="sliding windows tiled over layers: S=quarter context, L=full")
+    # horizon
+    add("--num-iterations", type=int, default=-1, help="optimizer steps (-1 = from flops or ratio)")
+    add("--target-flops", type=float, default=-1.0, help="training FLOPs budget (-1 = use the ratio)")
+    add("--target-param-data-ratio", type=float, default=12.0, help="tokens per scaling parameter")
+    # batch
+    add("--device-batch-size", type=int, default=32, help="sequences per micro-batch per process")
+    add("--total-batch-size", type=int, default=-1, help="tokens per optimizer step (-1 = Power Lines formula)")
+    add("--keep-remainder", action="store_true", help="data: put cropped document tails back as new BOS pieces instead of dropping them")
+    # optimizer
+    add("--embedding-lr", type=float, default=lrs.embedding_lr, help="AdamW LR of the embeddings")
+    add("--unembedding-lr", type=float, default=lrs.unembedding_lr, help="AdamW LR of the lm_head")
+    add("--matrix-lr", type=float, default=lrs.matrix_lr, help="Muon LR of the block matrices")
+    add("--scalar-lr", type=float, default=lrs.scalar_lr, help="AdamW LR of the scalars")
+    add("--weight-decay", type=float, default=lrs.weight_decay, help="Muon weight decay at the reference batch and horizon")
+    add("--warmup-steps", type=int, default=40, help="LR warmup steps")
+    add("--warmdown-ratio", type=float, default=0.65, help="fraction of steps in the final linear LR decay")
+    add("--final-lr-frac", type=float, default=0.05, help="LR multiplier at the end of warmdown")
+    # evaluation, sampling, checkpoints
+    add("--eval-every", type=int, default=250, help="val bpb every N steps (-1 = only at the end)")
+    add("--eval-tokens", type=int, default=-1, help="tokens of validation data per evaluation (0 = no evaluation; "
+                                                     "-1 = 20 x 2^19 on a GPU, 2^18 elsewhere)")
+    add("--core-metric-every", type=int, default=2000, help="CORE every N steps (-1 = never)")
+    add("--core-metric-max-per-task", type=int, default=500, help="items per CORE task during training")
+    add("--eval-bundle", type=str, default=None, help="CORE bundle folder (default: download)")
+    add("--sample-every", type=int, default=2000, help="print completions every N steps (-1 = never)")
+    add("--save-every", type=int, default=-1, help="checkpoint every N steps (-1 = only at the end, 0 = never)")
+    add("--keep-last", type=int, default=-1, help="keep only the newest N checkpoints of the model tag (-1 = all)")
+    add("--resume-from-step", type=int, default=-1, help="resume from this checkpoint step (-1 = start fresh)")
+    add("--stop-at-step", type=int, default=-1, help="save at this step and stop, the schedule unchanged (-1 = run to "
+                                                     "the end); e.g. to resume from it with a longer --max-seq-len")
+    add("--resume-on-new-data", action="store_true", help="resume although the data folder's shards differ from "
+                                                          "those the checkpoint was trained on, reading them from the start")
+    add("--model-tag", type=str, default=None, help="checkpoint folder name (default: d<depth>)")
+    add("--compile", type=int, default=-1, help="torch.compile the model and optimizer (-1 = on CUDA only)")
+    add("--recompute", type=str, default="none", choices=RECOMPUTE_MODES,
+        help="activation recompute in training: none; selective: each block but its attention and MLP first product; "
+             "block: each whole block (less activation memory for a second forward of the region)")
+    # parallelism
+    add("--tp", type=int, default=1, help="tensor-parallel degree")
+    add("--sequence-parallel", action="store_true", help="with --tp: shard norms/residual along the sequence")
+    add("--pp", type=int, default=1, help="pipeline-parallel degree")
+    add("--cp", type=int, default=1, help="context-parallel degree: each sequence split over this many ranks "
+                                          "(head-tail chunks, ring attention; nanochat/context_parallel.py)")
+    add("--pp-schedule", type=str, default="1f1b", choices=SCHEDULES,
+        help="pipeline schedule (nanochat/pipeline_schedules.py: zb = ZB-H1, backward split into B and W)")
+    add("--pp-virtual", type=int, default=1, help="chunks of blocks per pipeline rank (interleaved: 2 or more)")
+    add("--pp-print-schedule", action="store_true", help="print every stage's action list at start")
+    add("--shard-params", action="store_true", help="ZeRO-3: each data-parallel rank keeps the weights, gradients and "
+                                                    "optimizer state of what it updates only, and gathers each block's "
+                                                    "weights around its call (nanochat/sharding.py)")
+    add("--keep-gathered", action="store_true", help="with --shard-params: keep each module's gathered weights from its "
+                                                     "forward to its backward (one gather fewer, a whole copy more)")
+    add("--overlap-grad-reduce", type=int, default=-1, choices=(-1, 0, 1),
+        help="1: start each DP gradient reduction during the last micro-batch's backward (blocks are then compiled "
+             "one by one); 0: after the backward; -1: 1 when the run spans several nodes")
+    add("--dist-timeout", type=float, default=1800, help="seconds a collective or barrier may wait before the run "
+                                                         "fails with a hang report (the first step compiles; CORE and saves are uneven)")
+    # kernels, fp8, L3
+    add("--kernels", type=str, default=None, choices=kernels.MODES, help="auto: fast kernels where they apply; reference: "
+                                                                         "the plain PyTorch math everywhere (default: NANOCHAT_KERNELS, else auto)")
+    add("--fp8", action="store_true", help="fp8 training linears, torchao's tensorwise recipe (CUDA, SM89+, torchao); any --tp/--pp")
+    add("--l3-after-layers", type=str, default="", help="blocks followed by an L3 layer, e.g. 4,8")
+    add("--l3-n-emb", type=int, default=0, help="rows of the L3 table (0 = 16 per vocabulary entry)")
+    add("--l3-d-up", type=int, default=0, help="L3 up-projection width (0 = 4 * model_dim)")
+    add("--l3-k-max", type=int, default=512, help="most table rows one token may own")
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # one line, with the nearest flag (argparse prints its whole usage and no suggestion)
+        flags = [f for action in parser._actions for f in action.option_strings]
+        hints = [f"{u} (did you mean {' or '.join(near)}?)" if (near := difflib.get_close_matches(u.split("=")[0], flags, 2))
+                 else u for u in unknown]
+        parser.exit(2, f"base_train: error: unrecognized arguments: {', '.join(hints)}; see --help\n")
+    if args.max_seq_len is None and args.resume_from_step < 0:
+        args.max_seq_len = DEFAULT_SEQ_LEN  # a resume takes the checkpoint's (base_train)
+    return args
+
+
+
+def check_loop_flags(args, resume_meta):
+    """base_train's loop flags (the model's and the layout's: model_config, Setting.check); a resume's recipe flags,
+    which must be the saved run's."""
+    if args.core_metric_max_per_task == 0 or args.core_metric_max_per_task < -1:
+        raise ConfigError("--core-metric-max-per-task must be a positive number of items, or -1 for all")
+    start_step = max(args.resume_from_step, 0)
+    if args.stop_at_step != -1 and args.stop_at_step <= start_step:
+        raise ConfigError(f"--stop-at-step {args.stop_at_step} is not after the step this run starts at ({start_step}): "
+                          f"give a later step, or -1 to run to the end")
+    if args.stop_at_step != -1 and args.save_every == 0:
+        raise ConfigError("--stop-at-step saves the step it stops at: it cannot go with --save-every 0")
+    if args.keep_last == 0 or args.keep_last < -1:
+        raise ConfigError("--keep-last must be a positive number of checkpoints, or -1 to keep all")
+    if resume_meta is not None:  # the schedule, batch and data shape come from the flags: the saved run's
+        saved, now = resume_meta.get("user_config", {}), vars(args)
+        if changed := {k: (saved[k], now[k]) for k in RECIPE_FLAGS if k in saved and saved[k] != now[k]}:
+            raise ConfigError("resuming with other settings than the saved run: " +
+                              ", ".join(f"--{k.replace('_', '-')} was {a}, now {b}" for k, (a, b) in changed.items()) +
+                              ". Pass the same flags as the original run (its command is in meta_*.json, user_config).")
+
+# -----------------------------------------------------------------------------
+# The model config and the recipe
+
+
+def config_for_depth(depth, aspect_ratio=64, head_dim=128, vocab_size=32768, sequence_len=2048,
+                     window_pattern="SSSL", n_kv_head=0, **kwargs):
+    """The one dial: model_dim = depth * aspect_ratio rounded up to a multiple of head_dim."""
+    if depth < 1 or aspect_ratio < 1 or head_dim < 2 or head_dim % 2 or sequence_len < 1 or n_kv_head < 0:
+        raise ConfigError(f"--depth ({depth}), --aspect-ratio ({aspect_ratio}), --max-seq-len ({sequence_len}) must be "
+                         f"positive, --head-dim ({head_dim}) positive and even, --n-kv-head ({n_kv_head}) >= 0")
+    model_dim = ((depth * aspect_ratio + head_dim - 1) // head_dim) * head_dim
+    n_head = model_dim // head_dim
+    n_kv_head = n_kv_head or n_head
+    if n_head % n_kv_head != 0:
+        raise ConfigError(f"--n-kv-head {n_kv_head} must divide the number of heads, {n_head}")
+    return GPTConfig(sequence_len=sequence_len, vocab_size=vocab_size, n_layer=depth, n_head=n_head,
+                     n_kv_head=n_kv_head, n_embd=model_dim, window_pattern=window_pattern, **kwargs)
+
+
+def model_config(args, vocab_size, resume_meta=None):
+    """The GPTConfig of the run: the checkpoint's when resuming (with --max-seq-len's context: the weights hold
+    no length, the windows and rotary tables follow it), else from --depth and the model flags."""
+    if resume_meta is not None:
+        return replace(GPTConfig.from_dict(resume_meta["model_config"]), sequence_len=args.max_seq_len)
+    try:
+        l3_layers = tuple(sorted({int(s) for s in args.l3_after_layers.split(",") if s.strip()}))
+    except ValueError:
+        raise ConfigError(f"--l3-after-layers {args.l3_after_layers!r} must be comma-separated block indices, e.g. 4,8") from None
+    if any(not 0 <= i < args.depth for i in l3_layers):
+        raise ConfigError(f"--l3-after-layers {args.l3_after_layers!r}: block indices must be in 0..{args.depth - 1}")
+    config = config_for_depth(args.depth, args.aspect_ratio, args.head_dim, vocab_size, args.max_seq_len,
+                              args.window_pattern, n_kv_head=args.n_kv_head, l3_after_layers=l3_layers,
+                              l3_n_emb=args.l3_n_emb, l3_d_up=args.l3_d_up, l3_k_max=args.l3_k_max)
+    window_sizes(config)  # a pattern of other letters than S and L is refused here
+    return config
+
+
+@dataclass
+class Recipe:
+    num_iterations: int
+    total_batch_size: int
+    tokens: int                 # D, the horizon trained
+    d_ref: float                # D_ref = ratio x scaling params of d12
+    horizon_source: str
+    lr_scale: float
+    weight_decay: float         # Muon's, after scaling
+    flops_per_token: float      # of the config on the meta device (L3 assumed at k_max rows per token)
+    num_scaling_params: int
+    param_counts: dict
+
+    def learning_rates(self, args):
+        """The flags' learning rates times the recipe's scale, and Muon's decay."""
+        s = self.lr_scale
+        return LearningRates(args.embedding_lr * s, args.unembedding_lr * s, args.matrix_lr * s, args.scalar_lr * s,
+                             self.weight_decay)
+
+    def describe(self, args, config, setting, micro_batches):
+        """The lines base_train prints at start: the model, the horizon, the batch, the LRs and decay."""
+        counts = self.param_counts
+        return [f"parameters: {counts['total']:,} total | {counts['scaling']:,} scaling | {counts['embeddings']:,} "
+                f"embeddings" + (f" | {counts['l3 tables (sparse)']:,} L3 sparse, {counts['active']:,} active"
+                                 if config.l3_after_layers else ""),
+                f"FLOPs per token: {self.flops_per_token:.4e}",
+                f"horizon: {self.tokens:,} tokens = {self.num_iterations:,} steps x {self.total_batch_size:,} tokens "
+                f"(from {self.horizon_source}); tokens/scaling param = {self.tokens / self.num_scaling_params:.2f}; "
+                f"D_ref = {self.d_ref:,.0f}",
+                f"batch: {self.total_batch_size:,} tokens = {setting.device_batch} x {config.sequence_len} x dp "
+                f"{setting.dp} x grad accum {micro_batches}" +
+                ("" if args.total_batch_size > 0 else " (Power Lines: 2^19 * (D_opt/D_ref)^0.383)")] + \
+            ([f"note: --warmup-steps {args.warmup_steps} is longer than the run ({self.num_iterations} steps): the LR "
+              f"never reaches its peak (lower --warmup-steps)"] if args.warmup_steps > self.num_iterations else []) + \
+            [f"LR scale sqrt(B/2^19) = {self.lr_scale:.4f}; Muon weight decay = {args.weight_decay} x "
+             f"{self.lr_scale:.4f} x D_ref/D {self.d_ref / self.tokens:.4f} = {self.weight_decay:.5f}; total FLOPs "
+             f"{self.flops_per_token * self.tokens:.4e}"]
+
+
+def derive_recipe(args, config, start_len=None):
+    """The scaling-law formulas of the module docstring. The horizon and batch are those of the context the run
+    started with (start_len, if not config's), so that a context extension leaves the schedule as it was."""
+    with torch.device("meta"):
+        model = GPT(config)
+        started = model if start_len in (None, config.sequence_len) else GPT(replace(config, sequence_len=start_len))
+        reference = GPT(config_for_depth(12, args.aspect_ratio, args.head_dim, config.vocab_size, args.max_seq_len,
+                                         args.window_pattern))
+    num_scaling_params, flops_per_token = model.num_scaling_params(), model.estimate_flops()
+    d_ref = args.target_param_data_ratio * reference.num_scaling_params()
+    if args.target_flops > 0:
+        d_opt, source = args.target_flops / started.estimate_flops(), f"--target-flops {args.target_flops:.3g}"
+    else:
+        d_opt = args.target_param_data_ratio * num_scaling_params
+        source = f"ratio {args.target_param_data_ratio} x {num_scaling_params:,} scaling params"
+    batch = args.total_batch_size if args.total_batch_size > 0 else 2 ** round(math.log2(B_REF * (d_opt / d_ref) ** 0.383))
+    if args.num_iterations > 0:
+        num_iterations, source = args.num_iterations, "--num-iterations"
+    else:
+        num_iterations = max(1, round(d_opt / batch))
+    tokens = num_iterations * batch
+    lr_scale = math.sqrt(batch / B_REF)
+    return Recipe(num_iterations, batch, tokens, d_ref, source, lr_scale, args.weight_decay * lr_scale * (d_ref / tokens),
+                  flops_per_token, num_scaling_params, model.parameter_counts())
+
+
+def context_lengths(config, resume_meta):
+    """[[step, context length from that step on], ...]: the run's context history, one entry more where this resume
+    changes --max-seq-len (a context extension; the line printed says what changes with it)."""
+    if resume_meta is None:
+        return [[0, config.sequence_len]]
+    saved, loop = resume_meta["model_config"]["sequence_len"], resume_meta.get("loop_state", {})
+    step, history = loop.get("step", 0), loop.get("context_lengths", [[0, saved]])
+    if config.sequence_len == saved:
+        return history
+    if config.sequence_len < saved:
+        raise ConfigError(f"--max-seq-len {config.sequence_len} is shorter than step {step}'s context ({saved}): a "
+                          f"resume may lengthen the context, not shorten it (leave --max-seq-len out to keep {saved})")
+    windows = lambda c: "/".join(f"{w:,}" for w in sorted(set(window_sizes(c))))
+    print0(f"context extension at step {step}: {saved:,} -> {config.sequence_len:,} tokens a sequence (windows "
+           f"{windows(replace(config, sequence_len=saved))} -> {windows(config)}); the schedule, batch, optimizer "
+           f"state and data position go on")
+    return [h for h in history if h[0] < step] + [[step, config.sequence_len]]
+
+
+# -----------------------------------------------------------------------------
+# The layout and what can run together
+
+
+@dataclass
+class Setting:
+    """One way to train a model: the layout, the micro-batch and the memory savers (base_train's flags of the same
+    names). check() is the one place that decides which of them can run together."""
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    pp_schedule: str = "1f1b"
+    pp_virtual: int = 1
+    sequence_parallel: bool = False
+    shard_params: bool = False
+    keep_gathered: bool = False
+    overlap_grad_reduce: bool = False
+    device_batch: int = 32
+    total_batch: int = 524288
+    recompute: str = "none"
+    fp8: bool = False
+    compute_bytes: int = 2  # of the compute dtype: bf16 on GPUs (4: fp32, as on a CPU); for the planner
+
+    @classmethod
+    def from_args(cls, args, dp, total_batch, overlap_grad_reduce=False):
+        return cls(dp=dp, tp=args.tp, pp=args.pp, cp=args.cp, pp_schedule=args.pp_schedule, pp_virtual=args.pp_virtual,
+                   sequence_parallel=args.sequence_parallel, shard_params=args.shard_params,
+                   keep_gathered=args.keep_gathered, overlap_grad_reduce=overlap_grad_reduce,
+                   device_batch=args.device_batch_size, total_batch=total_batch, recompute=args.recompute, fp8=args.fp8)
+
+    def describe(self):
+        parts = [f"dp {self.dp}"] + [f"{k} {v}" for k, v in (("cp", self.cp), ("tp", self.tp), ("pp", self.pp)) if v > 1]
+        if self.pp > 1:
+            parts.append(self.pp_schedule + (f" V={self.pp_virtual}" if self.pp_virtual > 1 else ""))
+        parts += [f for f, on in (("sp", self.sequence_parallel), ("sharded", self.shard_params),
+                                  ("kept", self.keep_gathered), ("fp8", self.fp8)) if on]
+        return ", ".join(parts) + f"; batch {self.device_batch}; recompute {self.recompute}"
+
+    def check(self, config):
+        """Every setting (and combination) that cannot run with this model, refused with one line naming the flags.
+        Returns the micro-batches per step (gradient accumulation)."""
+        T, tp, pp, cp = config.sequence_len, self.tp, self.pp, self.cp
+        if self.device_batch < 1:
+            raise ConfigError(f"--device-batch-size must be at least 1 (got {self.device_batch})")
+        if min(tp, pp, cp, self.dp, self.pp_virtual) < 1:
+            raise ConfigError(f"--tp {tp}, --pp {pp}, --cp {cp}, --pp-virtual {self.pp_virtual} must be at least 1")
+        tokens_per_micro = self.device_batch * T * self.dp
+        if self.total_batch % tokens_per_micro != 0:
+            raise ConfigError(f"--total-batch-size {self.total_batch:,} is not a multiple of device_batch_size x "
+                              f"seq_len x dp = {self.device_batch} x {T} x {self.dp} = {tokens_per_micro:,}; change "
+                              f"--device-batch-size or --total-batch-size (a power of 2 works with powers of 2)")
+        m = self.total_batch // tokens_per_micro
+        if self.sequence_parallel and tp == 1:
+            raise ConfigError("--sequence-parallel needs --tp > 1")
+        if self.keep_gathered and not self.shard_params:
+            raise ConfigError("--keep-gathered keeps sharded weights gathered: it needs --shard-params")
+        divides = [("query heads (n_head)", config.n_head), ("key/value heads (n_kv_head)", config.n_kv_head),
+                   ("MLP width (4 x n_embd)", 4 * config.n_embd), ("vocabulary (vocab_size)", config.vocab_size)]
+        for what, n in divides:
+            if n % tp != 0:
+                valid = [d for d in range(1, min(config.n_head, 64) + 1) if all(k % d == 0 for _, k in divides)]
+                raise ConfigError(f"--tp {tp} does not divide the {what} = {n}; valid --tp values for this model: "
+                                  f"{valid}. (head count = model_dim / head_dim: pick --depth/--aspect-ratio/--head-dim "
+                                  f"so it divides)")
+        if self.sequence_parallel and T % tp != 0:
+            raise ConfigError(f"--sequence-parallel needs --max-seq-len ({T}) divisible by --tp {tp}")
+        if T % (2 * cp):
+            raise ConfigError(f"--cp {cp} cuts each sequence into 2 x {cp} = {2 * cp} chunks: --max-seq-len ({T}) "
+                              f"must divide by {2 * cp}")
+        if self.sequence_parallel and (T // cp) % tp:
+            raise ConfigError(f"--sequence-parallel with --cp {cp}: each rank's {T // cp} tokens must divide by --tp {tp}")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ConfigError(f"--recompute {self.recompute!r}: use one of {', '.join(RECOMPUTE_MODES)}")
+        if pp > 1:
+            self.check_pipeline(config, m, tokens_per_micro)
+        return m
+
+    def check_pipeline(self, config, m, tokens_per_micro):
+        p, schedule, virtual = self.pp, self.pp_schedule, self.pp_virtual
+        if schedule not in SCHEDULES:
+            raise ConfigError(f"unknown --pp-schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
+        if p > config.n_layer:
+            raise ConfigError(f"--pp {p} is more stages than blocks ({config.n_layer}); each stage needs at least one "
+                              f"block")
+        if p * virtual > config.n_layer:
+            raise ConfigError(f"--pp x --pp-virtual = {p * virtual} chunks is more than the {config.n_layer} blocks; "
+                              f"each chunk needs one")
+        if m < p:
+            raise ConfigError(f"pipeline parallelism needs at least pp={p} micro-batches per step, got {m} "
+                              f"(= {self.total_batch:,} / {tokens_per_micro:,}); lower --device-batch-size or "
+                              f"raise --total-batch-size")
+        if (schedule == "interleaved") != (virtual > 1):
+            raise ConfigError(f"--pp-virtual {virtual} with --pp-schedule {schedule}: interleaved needs --pp-virtual "
+                              f">= 2 chunks per rank, the other schedules one")
+        if schedule == "interleaved" and m % p:
+            raise ConfigError(f"--pp-schedule interleaved runs the micro-batches in groups of pp={p}: {m} micro-batches "
+                              f"per step is no multiple (set --total-batch-size)")
+        if schedule == "zb" and not hasattr(torch.utils.checkpoint, "GraphExecGroup"):
+            raise ConfigError(f"--pp-schedule zb needs torch.utils.checkpoint.GraphExecGroup, which torch "
+                              f"{torch.__version__} lacks: upgrade torch, or use 1f1b or interleaved")
+        if schedule == "zb" and self.shard_params:
+            raise ConfigError("--shard-params with --pp-schedule zb: zb's deferred weight gradients would need each "
+                              "module's gathered weights again after its backward; use --pp-schedule 1f1b or interleaved")
+        if schedule == "zb" and self.recompute == "selective":
+            raise ConfigError("--recompute selective with --pp-schedule zb: the input-gradient pass uses up the outputs "
+                              "selective recompute keeps, which the weight-gradient pass needs again; use --recompute "
+                              "block")

@@ -1,0 +1,285 @@
+"""
+Parameter sharding (--shard-params, ZeRO-3) on data parallelism's ownership (data_parallel.py): a rank keeps fp32
+weights, gradients and optimizer state only for what it updates, and gathers each module's weights in the compute
+dtype around its call.
+
+Collectives, all over the DP group:
+  broadcast               per module call (and again before its backward, unless --keep-gathered): each Muon
+                          matrix from its owner, in the compute dtype
+  all_gather_into_tensor  the same, per large AdamW tensor: its rows from every rank
+  reduce                  per module call's backward: each Muon matrix's gradient (fp32) to its owner
+  reduce_scatter_tensor   the same, per large AdamW tensor: its gradient -> this rank's rows
+  broadcast, all_gather   for a checkpoint or a whole copy of the model: the fp32 weights, into whole tensors
+
+A Muon matrix is held whole by its owner only; an AdamW tensor owned by rows, by rows; the small AdamW tensors stay
+whole everywhere. The model calls each module holding sharded weights through `ShardedWeights.run` (gpt.py's
+`weights` seam: the embedding, each block, each L3 layer, the lm_head): its weights are gathered whole (posted one
+call ahead, so that the gather runs behind the previous module's compute), swapped in for the call and freed after
+it; before its backward they are gathered again (not embedding tables: a lookup's backward needs only the ids), or
+with --keep-gathered kept from the forward (one copy more alive, one gather fewer); under recompute they are swapped
+in again there. When a module's backward ends each gradient goes to its owner at once (fp32, summed), landing while
+the next module's backward runs; every micro-batch sends its own.
+
+A sharded parameter carries `dp_shape` (its whole shape on this TP rank), `dp_group` and `dp_owner` (the DP rank
+holding a Muon matrix; None for a tensor held by rows); its .data is what this rank holds. Composes with tensor
+parallelism: a gathered weight carries its TP shard's attributes, and TP's embedding tables count as lookups.
+"""
+
+import torch
+import torch.nn as nn
+import torch.distributed as dist
+
+
+def is_dp_sharded(p):
+    return getattr(p, "dp_group", None) is not None
+
+
+def gather_whole(whole, p, async_op=False):
+    """Fill `whole` with sharded p's whole tensor (this TP rank's) in whole's dtype, by a collective over DP."""
+    if p.dp_owner is None:
+        return dist.all_gather_into_tensor(whole, p.data.to(whole.dtype), group=p.dp_group, async_op=async_op)
+    if dist.get_rank(p.dp_group) == p.dp_owner:
+        whole.copy_(p.data)
+    return dist.broadcast(whole, src=dist.get_global_rank(p.dp_group, p.dp_owner), group=p.dp_group, async_op=async_op)
+
+
+def whole_over_dp(t, p):
+    """p's whole fp32 tensor (this TP rank's) where p is DP-sharded, else `t` (checkpoints, whole model copies)."""
+    if not is_dp_sharded(p):
+        return t
+    whole = torch.empty(p.dp_shape, dtype=t.dtype, device=t.device)
+    gather_whole(whole, p)
+    return whole
+
+
+def embedding_types():
+    """The modules whose weight is a lookup table."""
+    from nanochat.tensor_parallel import ColumnParallelEmbedding, VocabParallelEmbedding
+    return (nn.Embedding, ColumnParallelEmbedding, VocabParallelEmbedding)
+
+
+class Unit:
+    """A module called through ShardedWeights.run: its sharded parameters, where each sits (module, attribute), and
+    whether its backward reads each (not an embedding table, unless the forward runs again: gpt.Block --recompute)."""
+
+    def __init__(self, module):
+        self.recomputes = getattr(module, "recompute", "none") != "none"
+        self.params, self.slots, self.backward_reads = [], [], []
+        for name, p in module.named_parameters():
+            if is_dp_sharded(p):
+                owner_name, _, attr = name.rpartition(".")
+                owner = module.get_submodule(owner_name)
+                self.params.append(p)
+                self.slots.append((owner, attr))
+                self.backward_reads.append(self.recomputes or not isinstance(owner, embedding_types()))
+        self.prefetched = None  # a Gathered posted ahead of this unit's next call
+
+    def swap(self, tensors):
+        """Put `tensors` where the parameters sit: the whole weights for a call, the shards after it."""
+        for (owner, attr), t in zip(self.slots, tensors):
+            owner._parameters[attr] = t
+
+
+class Gathered:
+    """One gathering of a unit's weights: whole tensors in the compute dtype, filled by collectives posted here."""
+
+    def __init__(self, weights, unit):
+        self.weights, self.unit = weights, unit
+        self.wholes = [torch.empty(p.dp_shape, dtype=weights.dtype, device=p.device) for p in unit.params]
+        for p, t in zip(unit.params, self.wholes):  # what the model's kernels read off a weight (fp8 under TP)
+            for attr in ("tp_dim", "tp_size", "tp_group"):
+                if hasattr(p, attr):
+                    setattr(t, attr, getattr(p, attr))
+        self.works, self.previous, self.output, self.done = [], None, None, False
+        weights.count(sum(t.numel() * t.element_size() for t in self.wholes))
+        self.fill(range(len(self.wholes)))
+
+    def fill(self, which):
+        """Post the gathers of wholes[i], i in `which`. Refilling a tensor autograd saved is no change (the same values
+        again), so its version counter is kept from here until wait() (gloo writes the results when they arrive)."""
+        which = list(which)
+        if not which:
+            return
+        self.versions = torch.autograd._unsafe_preserve_version_counter(tuple(self.wholes[i] for i in which))
+        self.versions.__enter__()
+        self.works += [gather_whole(self.wholes[i], self.unit.params[i], async_op=True) for i in which]
+
+    def wait(self):
+        for work in self.works:
+            work.wait()
+        if self.works:
+            self.versions.__exit__(None, None, None)
+        self.works = []
+        return self.wholes
+
+    def release(self, which=None):
+        """Free the whole tensors' storage (all, or `which`); the tensors stay, empty, for autograd."""
+        self.wait()
+        for i in range(len(self.wholes)) if which is None else which:
+            t = self.wholes[i]
+            self.weights.count(-t.untyped_storage().nbytes())
+            with torch.autograd._unsafe_preserve_version_counter(t):
+                t.untyped_storage().resize_(0)
+
+    def unread(self):
+        """The whole tensors the module's backward does not read."""
+        return [i for i, reads in enumerate(self.unit.backward_reads) if not reads]
+
+    def emptied(self):
+        """The whole tensors the backward reads that are empty (to be gathered again)."""
+        return [i for i, reads in enumerate(self.unit.backward_reads)
+                if reads and self.wholes[i].untyped_storage().nbytes() == 0]
+
+    def refill(self):
+        """Before the backward: the whole tensors it reads, gathered again into the same tensors."""
+        which = self.emptied()
+        for i in which:
+            t = self.wholes[i]
+            with torch.autograd._unsafe_preserve_version_counter(t):
+                t.untyped_storage().resize_(t.numel() * t.element_size())
+            self.weights.count(t.numel() * t.element_size())
+        self.fill(which)
+
+
+def feeds(grad_fn, x, depth=4):
+    """Whether the op `grad_fn` (a module's output) is among the last `depth` ops that made tensor x."""
+    frontier = [getattr(x, "grad_fn", None)]
+    for _ in range(depth):
+        if any(f is grad_fn for f in frontier):
+            return True
+        frontier = [g for f in frontier if f is not None for g, _ in f.next_functions]
+    return False
+
+
+class _Gather(torch.autograd.Function):
+    """A gathering's whole weights as autograd outputs of the shards, so that their gradients come back here to be
+    sent home (send_gradients); the shards get none directly (it lands in .grad when its send completes)."""
+
+    @staticmethod
+    def forward(ctx, gathered, *shards):
+        ctx.gathered = gathered
+        return tuple(gathered.wholes)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        gathered, ctx.gathered = ctx.gathered, None  # it holds this node's outputs: a cycle the collector cannot see
+        gathered.weights.send_gradients(gathered, grads)
+        return (None,) * (len(grads) + 1)
+
+
+class ShardedWeights:
+    """A model's weights sharded over the DP group: cut at construction, whole in `run`, gradients sent home."""
+
+    def __init__(self, model, dp, keep_gathered=False):
+        self.group, self.rank, self.keep = dp.group, dp.rank, keep_gathered
+        self.dtype = model.compute_dtype
+        owner = {p: stack_owner.owner(i) for params, stack_owner in zip(dp.muon_stacks, dp.owners)
+                 for i, p in enumerate(params)}
+        with torch.no_grad():
+            for p in model.parameters():
+                if not (p in owner or dp.owns_rows(p)):
+                    continue  # the small AdamW tensors stay whole on every rank
+                p.dp_shape, p.dp_group, p.dp_owner = tuple(p.shape), self.group, owner.get(p)
+                if p.dp_owner is None:
+                    p.data = dp.my_rows(p.data).clone()
+                elif p.dp_owner != self.rank:
+                    p.data = p.data.new_empty(0)
+        self.units = {}     # module -> Unit
+        self.next = {}      # unit -> the unit called after it last time (whose gathering a call posts ahead)
+        self.last = None
+        self.chain = None   # the latest gathering of the forward running (the backward posts the one before ahead)
+        self.sent = []      # (parameter, its gradient landing here or None, the send's work, the buffer it reads)
+        self.gathered_bytes = self.gathered_peak = 0  # whole weights alive now, and the most at once
+
+    def count(self, nbytes):
+        self.gathered_bytes += nbytes
+        self.gathered_peak = max(self.gathered_peak, self.gathered_bytes)
+
+    def run(self, module, fn, *args):
+        """fn(*args) with `module`'s whole weights in place (module docstring), arranging the backward's part."""
+        if module not in self.units:
+            self.units[module] = Unit(module)
+        unit = self.units[module]
+        if self.last is not None:
+            self.next[self.last] = unit
+        self.last = unit
+        if not unit.params:
+            return fn(*args)
+        gathered, unit.prefetched = unit.prefetched or Gathered(self, unit), None
+        gathered.wait()
+        after = self.next.get(unit)
+        # posted ahead: the next module's gathering, but not the token embedding's, which starts a forward (nothing
+        # runs before it to hide it behind, and it would reach across the optimizer step)
+        if after is not None and any(after.backward_reads) and after.prefetched is None:
+            after.prefetched = Gathered(self, after)
+        training = torch.is_grad_enabled()
+        if training:
+            gathered.wholes = list(_Gather.apply(gathered, *unit.params))
+        unit.swap(gathered.wholes)
+        try:
+            out = fn(*args)
+        finally:
+            unit.swap(unit.params)
+        x = out if torch.is_tensor(out) else getattr(out, "x", None)  # a tensor, or gpt.Residual
+        if not (training and x is not None and x.requires_grad):
+            gathered.release()
+            return out
+        gathered.release(None if not self.keep else gathered.unread())
+        # the module called before this one, if its output is this one's input (a few ops away: an L3 layer's sum,
+        # the head's norm); not a module of another micro-batch that a pipeline ran in between
+        chain = self.chain
+        gathered.previous = chain if chain is not None and args and feeds(chain.output, args[0]) else None
+        gathered.output, self.chain = x.grad_fn, gathered
+        if gathered.emptied() or unit.recomputes:
+            x.register_hook(lambda grad: self.before_backward(gathered))
+        return out
+
+    def before_backward(self, gathered):
+        """Its whole weights gathered again (the previous module's posted ahead), and swapped in under recompute."""
+        self.chain = None  # a backward has begun: the next forward starts a new chain
+        gathered.refill()
+        gathered.wait()
+        previous = gathered.previous
+        if previous is not None and not previous.done:
+            previous.refill()
+        if gathered.unit.recomputes:
+            gathered.unit.swap(gathered.wholes)
+
+    def send_gradients(self, gathered, grads):
+        """After a module's backward: its gradients sent home, its whole weights freed. The previous module's sends
+        land now, so that at most two modules' whole gradients are alive."""
+        unit = gathered.unit
+        if unit.recomputes:
+            unit.swap(unit.params)
+        earlier = len(self.sent)
+        for p, grad in zip(unit.params, grads):  # g: a fresh fp32 buffer, the collective sums into it
+            g = (torch.zeros(p.dp_shape, device=p.device) if grad is None
+                 else grad.to(torch.float32, copy=True).contiguous())
+            if p.dp_owner is None:
+                landing = torch.empty_like(p.data, dtype=torch.float32)
+                work = dist.reduce_scatter_tensor(landing, g, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            else:
+                landing = g if self.rank == p.dp_owner else None
+                work = dist.reduce(g, dst=dist.get_global_rank(self.group, p.dp_owner), op=dist.ReduceOp.SUM,
+                                   group=self.group, async_op=True)
+            self.sent.append((p, landing, work, g))
+        gathered.release()
+        gathered.done, gathered.wholes, gathered.previous, gathered.output, self.chain = True, [], None, None, None
+        self.land(self.sent[:earlier])
+        self.sent = self.sent[earlier:]
+
+    @staticmethod
+    def land(sent):
+        for p, landing, work, _ in sent:
+            work.wait()
+            if landing is not None:
+                p.grad = landing if p.grad is None else p.grad.add_(landing)
+
+    def finish(self):
+        """Before the step: every gradient landed, gatherings posted ahead dropped (the step changes their weights)."""
+        self.land(self.sent)
+        self.sent, self.chain = [], None
+        for unit in self.units.values():
+            if unit.prefetched is not None:
+                unit.prefetched.release()
+                unit.prefetched = None
