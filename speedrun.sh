@@ -29,6 +29,7 @@ cd "$(dirname "$0")"
 export NANOCHAT_BASE_DIR="${NANOCHAT_BASE_DIR:-$HOME/.cache/nanochat}"
 export NCCL_NVLS_ENABLE="${NCCL_NVLS_ENABLE:-0}"
 export PYTHONUNBUFFERED=1
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"  # torchrun's choice for its workers, said here so it need not warn
 DEPTH="${DEPTH:-20}"
 RATIO="${RATIO:-12}"
 RUN="${RUN:-dummy}"
@@ -109,6 +110,8 @@ train() {
         last=$(ls "$ckpt"/meta_*.json | sed -E 's/.*meta_0*([0-9]+)\.json/\1/' | sort -n | tail -1)
         echo "resuming $MODEL_TAG from step $last"
         resume=(--resume-from-step "$last")
+    elif [ -e "$ckpt/metrics.jsonl" ]; then  # a run that ended before its first checkpoint: start again
+        resume=(--start-over)
     fi
     local fp8=()
     [ "$FP8" = "1" ] && fp8=(--fp8)

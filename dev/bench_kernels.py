@@ -115,6 +115,7 @@ def attention(args):
           f"flash-attn-4 {'available' if has_fa4 else 'NOT available: timing only the PyTorch kernels'}")
     windows = sorted(set(window_sizes(cfg)), reverse=True)
     masks = {w: sdpa.block_mask(T, w, device) for w in windows if w < T}  # FlexAttention's, for the window
+    sdpa.prepare_flex()
     torch.manual_seed(0)
     q, k, v, dout = (torch.randn(B, T, H, D, device=device).bfloat16() for _ in range(4))
 
@@ -167,6 +168,7 @@ def ring(args):
     q, dout = (torch.randn(B, H, T, D, device=device).bfloat16() for _ in range(2))
     k, v = (torch.randn(B, Hkv, T, D, device=device).bfloat16() for _ in range(2))
     masks = {w: sdpa.block_mask(T, w, device) for w in windows if w < T}
+    sdpa.prepare_flex()
 
     def whole(window):  # one GPU: cuDNN for the full context, FlexAttention for a window
         return (lambda q, k, v: sdpa.cudnn_attention(q, k, v)) if window >= T else \

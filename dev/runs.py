@@ -19,6 +19,7 @@ Two things are read from a run's printout, each by one function here:
 
 import os
 import re
+import shutil
 import sys
 import json
 import time
@@ -158,18 +159,19 @@ class Job:
 def start(flags, model_tag, tree=REPO, env=None, nproc=1, gpus=None, log=None, timeout=None):
     """Launch `python -m scripts.base_train FLAGS --model-tag=TAG` in `tree`: under torchrun with nproc > 1,
     on the GPUs `gpus` (a list of indices for CUDA_VISIBLE_DEVICES; None: as this process has it), with this
-    process's environment plus `env`, its output in the file `log` (default: TAG.log here). Returns the Job."""
+    process's environment plus `env`, its output in the file `log` (default: TAG.log here). A fresh run (no
+    --resume-from-step in FLAGS) starts in an empty folder: the tag is the tool's, and what an earlier run left under
+    it (its record, checkpoints) is removed first, so that it is neither read as this run's nor refused by base_train.
+    Returns the Job."""
     tree = check_tree(tree, "tree")
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     if gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
     module = ["-m", "scripts.base_train"] + list(flags) + [f"--model-tag={model_tag}"]
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
-    metrics = None
-    if os.path.exists(os.path.join(tree, "nanochat", "run_log.py")):
-        metrics = metrics_file(env, model_tag)
-        if os.path.exists(metrics):  # a previous run's record under this tag must not be read as this one's
-            os.remove(metrics)
+    if not any(f.startswith("--resume-from-step") for f in flags):
+        shutil.rmtree(checkpoint_folder(env, model_tag), ignore_errors=True)
+    metrics = metrics_file(env, model_tag) if os.path.exists(os.path.join(tree, "nanochat", "run_log.py")) else None
     log = os.path.abspath(log or f"{model_tag}.log")
     return Job([sys.executable] + launcher + module, tree, env, list(flags), model_tag, log, timeout, metrics)
 

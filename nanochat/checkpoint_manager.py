@@ -1,10 +1,12 @@
 """
 Checkpoints under $NANOCHAT_BASE_DIR/base_checkpoints/<model_tag>/, per step: model_<step>.pt (full fp32 tensors by
 name), optim_<step>.pt (the optimizer's layout-free state), meta_<step>.json (config, loop state, every DP rank's
-dataloader state, flags); under PP one model/optim file per stage (_stage<k>), merged on load. Whole tensors: a
-checkpoint saved at one (DP, TP, PP) layout loads at any. Files are written to a temporary name and renamed, meta
-last: a step counts as saved once its meta exists, so a killed save never damages an earlier one. Loading unpickles
-nothing (weights_only, JSON) and refuses non-finite weights and another tokenizer.
+dataloader state, flags, and a checksum of each tensor file); under PP one model/optim file per stage (_stage<k>),
+merged on load. Whole tensors: a checkpoint saved at one (DP, TP, PP) layout loads at any. Files are written to a
+temporary name and renamed, meta last: a step counts as saved once its meta exists, so a killed save never damages an
+earlier one, and a failed one leaves none of its files. Loading unpickles nothing (weights_only, JSON) and refuses a
+file that no longer matches its checksum, non-finite weights and another tokenizer, naming the newest intact step.
+A run takes its folder for itself (run.lock), and a new run refuses a folder that holds another run's files.
 """
 
 import os
@@ -20,7 +22,8 @@ import socket
 
 import torch
 
-from nanochat.common import UserError, get_base_dir, atomic_write_bytes, atomic_torch_save, base_dir_hint, print0
+from nanochat.common import (UserError, get_base_dir, atomic_write_bytes, atomic_torch_save, base_dir_hint, print0,
+                             file_checksum)
 
 
 class CheckpointError(UserError):
@@ -42,19 +45,23 @@ def nonfinite_tensors(state):  # names of the floating-point tensors holding a N
 
 def save_stage_files(ckpt_dir, step, model_state, optim_state, stage=0, num_stages=1):
     """Write one pipeline stage's model and optimizer files (full CPU tensors), first deleting the .tmp.<pid> files
-    of interrupted saves. A disk without room is named before writing (or as it fills), with the step left intact."""
-    os.makedirs(ckpt_dir, exist_ok=True)
-    for path in glob.glob(os.path.join(ckpt_dir, "*.tmp.*")):
-        if (m := re.search(r"\.tmp\.(\d+)$", path)) and not process_alive(int(m.group(1))):
-            os.remove(path)
+    of interrupted saves; returns {file name: checksum}. A disk without room is named before writing (or as it
+    fills), any other write failure too, with the step left intact; a failed save leaves none of its files."""
     need = sum(t.numel() * t.element_size() for t in _tensors([model_state, optim_state]))
-    free = shutil.disk_usage(ckpt_dir).free
-    if free < need * 1.05 + 2**20:
-        raise _no_space(ckpt_dir, step, need, free)
-    with _full_disk_named(ckpt_dir, step, need):
-        atomic_torch_save(model_state, _tensor_file(ckpt_dir, "model", step, stage, num_stages))
-        if optim_state is not None:
-            atomic_torch_save(optim_state, _tensor_file(ckpt_dir, "optim", step, stage, num_stages))
+    written = {}
+    with _write_failure_named(ckpt_dir, step, need, written):
+        os.makedirs(ckpt_dir, exist_ok=True)
+        for path in glob.glob(os.path.join(ckpt_dir, "*.tmp.*")):
+            if (m := re.search(r"\.tmp\.(\d+)$", path)) and not process_alive(int(m.group(1))):
+                os.remove(path)
+        if (free := shutil.disk_usage(ckpt_dir).free) < need * 1.05 + 2**20:
+            raise _no_space(ckpt_dir, step, need, free)
+        for kind, state in (("model", model_state), ("optim", optim_state)):
+            if state is not None:
+                path = _tensor_file(ckpt_dir, kind, step, stage, num_stages)
+                atomic_torch_save(state, path)
+                written[os.path.basename(path)] = file_checksum(path)
+    return written
 
 
 def _tensors(obj):
@@ -66,23 +73,44 @@ def _tensors(obj):
 
 
 @contextlib.contextmanager
-def _full_disk_named(ckpt_dir, step, need):
+def _write_failure_named(ckpt_dir, step, need, written=()):
+    """A write that fails (a full disk, a read-only or refused folder) stops with one line naming the file, the error
+    and the step that stays intact; the files of this step already written go (a step is whole or absent)."""
     try:
         yield
-    except (OSError, RuntimeError) as e:  # the disk filled up while writing (the earlier files stay as they were)
+    except (OSError, RuntimeError) as e:
         cause = e if isinstance(e, OSError) else e.__context__  # torch.save's zip writer raises over the OSError
-        if not (isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT)):
+        if not isinstance(cause, OSError):
             raise
-        raise _no_space(ckpt_dir, step, need, shutil.disk_usage(ckpt_dir).free) from None
+        for name in written:
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(ckpt_dir, name))
+        if cause.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise _no_space(ckpt_dir, step, need, shutil.disk_usage(ckpt_dir).free) from None
+        raise CheckpointError(f"cannot write {cause.filename or ckpt_dir} ({cause.strerror}) saving step {step}; " +
+                              intact_hint(ckpt_dir) + ". Make the folder writable, or set NANOCHAT_BASE_DIR to one "
+                              "that is") from None
+
+
+def _size(n):
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def _no_space(ckpt_dir, step, need, free):
-    intact = saved_steps(ckpt_dir)
-    size = lambda n: f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-    return CheckpointError(f"the disk is full: saving step {step} in {ckpt_dir} needs about {size(need)} and "
-                           f"{size(free)} is free; " + (f"step {intact[-1]} is intact there (resume with "
-                           f"--resume-from-step {intact[-1]}). " if intact else "no earlier step was saved there. ") +
-                           "Free some space, or set NANOCHAT_BASE_DIR to a disk with room")
+    return CheckpointError(f"the disk is full: saving step {step} in {ckpt_dir} needs about {_size(need)} and "
+                           f"{_size(free)} is free; {intact_hint(ckpt_dir)}. Free some space, or set NANOCHAT_BASE_DIR "
+                           f"to a disk with room")
+
+
+def intact_hint(ckpt_dir, before=None):
+    """Where a run can go on from: the newest saved step (before `before`) whose files are all there and match their
+    checksums, as a phrase for error lines."""
+    for step in reversed(saved_steps(ckpt_dir)):
+        if before is None or step < before:
+            with contextlib.suppress(CheckpointError):
+                verify(ckpt_dir, step)
+                return f"step {step} is intact there (resume with --resume-from-step {step})"
+    return "no earlier step was saved there" if before is None else "no earlier step there is intact"
 
 
 def process_alive(pid):
@@ -98,11 +126,11 @@ def process_alive(pid):
 def take_lock(ckpt_dir):
     """One run per checkpoint folder: create <ckpt_dir>/run.lock (host, PID, start time) or refuse, naming its holder;
     a lock whose process is gone (on this host) is taken over, with a note. Returns its path, for release_lock."""
-    os.makedirs(ckpt_dir, exist_ok=True)
     path = os.path.join(ckpt_dir, "run.lock")
     me = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     while True:
         try:
+            os.makedirs(ckpt_dir, exist_ok=True)
             with open(path, "x") as f:
                 json.dump(me, f)
             return path
@@ -122,25 +150,58 @@ def take_lock(ckpt_dir):
 
 
 def release_lock(path):
-    if path and os.path.exists(path):
-        with open(path) as f:
-            mine = json.load(f).get("pid") == os.getpid()
-        if mine:
-            os.remove(path)
+    with contextlib.suppress(OSError, ValueError):
+        if path and os.path.exists(path):
+            with open(path) as f:
+                mine = json.load(f).get("pid") == os.getpid()
+            if mine:
+                os.remove(path)
 
 
-def lock_run(layout, device, ckpt_dir):
-    """Rank 0 takes the lock; a folder in use stops every rank. Returns the lock's path (None on other ranks)."""
+def lock_run(layout, device, ckpt_dir, fresh=False, start_over=False, checkpoint_bytes=0):
+    """Rank 0 takes the folder before anything is written there: the lock; for a fresh run, a folder that holds
+    another run's files refused (or with start_over those moved into replaced_<time>/); room for one checkpoint of
+    checkpoint_bytes. A refusal stops every rank with one line. Returns the lock's path (None on other ranks)."""
     from nanochat.distributed import agree_on_error
     lock, error = None, None
     if layout.rank == 0:
         try:
-            lock = take_lock(ckpt_dir)
+            try:
+                lock = take_lock(ckpt_dir)
+            except OSError as e:  # a read-only base dir, a file where the folder should be, a full disk
+                raise CheckpointError(f"cannot write {e.filename or ckpt_dir} ({e.strerror}): set NANOCHAT_BASE_DIR to a "
+                                      f"folder you can write, or fix this one") from None
+            if fresh:
+                start_fresh(ckpt_dir, start_over)
+            if checkpoint_bytes and (free := shutil.disk_usage(ckpt_dir).free) < checkpoint_bytes * 1.05:
+                raise CheckpointError(f"the disk of {ckpt_dir} has {_size(free)} free and one checkpoint of this run "
+                                      f"needs about {_size(checkpoint_bytes)}: free some space, set NANOCHAT_BASE_DIR to "
+                                      f"a disk with room, or save nothing (--save-every 0)")
         except CheckpointError as e:
             error = str(e)
     if (error := agree_on_error(error, device)) is not None:
+        release_lock(lock)
         raise CheckpointError(error)
     return lock
+
+
+def start_fresh(ckpt_dir, start_over):
+    """A fresh run in a folder that holds another run's checkpoints or records: refused, naming the ways on; with
+    start_over its files are moved into replaced_<date>-<time>/ beside them (nothing is deleted)."""
+    held = [f for f in os.listdir(ckpt_dir) if f == "metrics.jsonl" or re.match(r"(model|optim|meta)_\d+", f)]
+    if not held:
+        return
+    if not start_over:
+        steps = saved_steps(ckpt_dir)
+        what = f"checkpoints up to step {steps[-1]}" if steps else "the records of a run (metrics.jsonl)"
+        raise CheckpointError(f"{ckpt_dir} holds {what}: resume it with --resume-from-step latest, train under another "
+                              f"--model-tag, or pass --start-over to move its files into replaced_<date>-<time>/ there "
+                              f"and start again")
+    aside = os.path.join(ckpt_dir, "replaced_" + time.strftime("%Y%m%d-%H%M%S"))
+    os.makedirs(aside)
+    for f in held:
+        os.replace(os.path.join(ckpt_dir, f), os.path.join(aside, f))
+    print(f"--start-over: moved the earlier run's {len(held)} files into {aside}", flush=True)
 
 
 def check_data_unchanged(resume_meta, data_dir, data_listing, resume_on_new_data=False):
@@ -163,8 +224,9 @@ def check_data_unchanged(resume_meta, data_dir, data_listing, resume_on_new_data
 
 
 def save_meta(ckpt_dir, step, meta, num_stages=1):
+    """The meta file, last: it makes the step count as saved (with the checksums of its tensor files in it)."""
     data = json.dumps(dict(meta, step=step, num_stages=num_stages), indent=2).encode()
-    with _full_disk_named(ckpt_dir, step, len(data)):
+    with _write_failure_named(ckpt_dir, step, len(data), written=meta.get("checksums", {})):
         atomic_write_bytes(os.path.join(ckpt_dir, f"meta_{step:06d}.json"), data)
 
 
@@ -193,8 +255,7 @@ def prune_checkpoints(ckpt_dir, keep_last):  # all but the newest keep_last
 
 
 def _damaged(path, step, why):
-    return CheckpointError(f"{path} is damaged ({why}): delete step {step}'s files (model_{step:06d}*, "
-                           f"optim_{step:06d}*, meta_{step:06d}.json) and use an earlier step")
+    return CheckpointError(f"{path} is damaged ({why}); {intact_hint(os.path.dirname(path), before=step)}")
 
 
 def load_meta(ckpt_dir, step):
@@ -209,12 +270,28 @@ def load_meta(ckpt_dir, step):
         raise _damaged(path, step, f"not a checkpoint's JSON: {type(e).__name__}: {e}") from None
 
 
-def _load_merged(ckpt_dir, step, kind, num_stages, device):
+def _check_file(path, step, checksums):
+    """The file is there and matches the checksum its step recorded (checkpoints from before checksums: no check)."""
+    if not os.path.exists(path):
+        raise CheckpointError(f"checkpoint step {step} is incomplete: {path} is missing")
+    if (saved := checksums.get(os.path.basename(path))) and file_checksum(path) != saved:
+        raise _damaged(path, step, "it no longer matches the checksum saved with it")
+
+
+def verify(ckpt_dir, step):
+    """Raise CheckpointError unless every file the step's meta lists is there and matches its checksum (a checkpoint
+    from before checksums: its model files are there)."""
+    meta = load_meta(ckpt_dir, step)
+    n, sums = meta.get("num_stages", 1), meta.get("checksums", {})
+    for name in sums or [os.path.basename(_tensor_file(ckpt_dir, "model", step, s, n)) for s in range(n)]:
+        _check_file(os.path.join(ckpt_dir, name), step, sums)
+
+
+def _load_merged(ckpt_dir, step, kind, num_stages, device, checksums):
     merged = {}
     for stage in range(num_stages):
         path = _tensor_file(ckpt_dir, kind, step, stage, num_stages)
-        if not os.path.exists(path):
-            raise CheckpointError(f"checkpoint step {step} is incomplete: {path} is missing")
+        _check_file(path, step, checksums)
         try:
             part = torch.load(path, map_location=device, weights_only=True)
         except pickle.UnpicklingError:  # an object other than tensors, dicts and numbers: never unpickled
@@ -235,14 +312,13 @@ def load_checkpoint(ckpt_dir, step=None, device="cpu", load_optimizer=True):
     """(model_state, optim_state or None, meta) for a step (default: the latest); non-finite weights refused."""
     step = find_last_step(ckpt_dir) if step is None else step
     meta = load_meta(ckpt_dir, step)
-    n = meta.get("num_stages", 1)
-    model_state = _load_merged(ckpt_dir, step, "model", n, device)
+    n, sums = meta.get("num_stages", 1), meta.get("checksums", {})
+    model_state = _load_merged(ckpt_dir, step, "model", n, device, sums)
     if bad := nonfinite_tensors(model_state):
-        earlier = [s for s in saved_steps(ckpt_dir) if s < step]
         raise CheckpointError(f"checkpoint step {step} in {ckpt_dir} has weights that are not finite "
-                              f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}): the run had diverged; use an "
-                              f"earlier step (saved: {earlier or 'none'}) with --step / --resume-from-step")
-    optim_state = _load_merged(ckpt_dir, step, "optim", n, device) if load_optimizer else None
+                              f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}): the run had diverged; "
+                              f"{intact_hint(ckpt_dir, before=step)} (--step for sample and base_eval)")
+    optim_state = _load_merged(ckpt_dir, step, "optim", n, device, sums) if load_optimizer else None
     return model_state, optim_state, meta
 
 

@@ -30,6 +30,8 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from nanochat.distributed import all_gather_single, reduce_scatter_single
+
 
 class RoundRobin:
     """K same-shape matrices over W ranks; `rounds` is also how many each rank owns (the stack padded to rounds x W)."""
@@ -140,13 +142,13 @@ class DataParallel:
             self.muon_grads[s][g].copy_(grads[0])
             return None
         stacked = torch.stack(grads + [torch.zeros_like(grads[0])] * (self.size - len(grads)))
-        return dist.reduce_scatter_tensor(self.muon_grads[s][g:g + 1], stacked, op=dist.ReduceOp.SUM,
+        return reduce_scatter_single(self.muon_grads[s][g:g + 1], stacked, op=dist.ReduceOp.SUM,
                                           group=self.group, async_op=True)
 
     def _reduce_rows(self, bucket):
         p, = bucket.params
         bucket.result = torch.empty_like(self.my_rows(p.grad))
-        return dist.reduce_scatter_tensor(bucket.result, p.grad, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        return reduce_scatter_single(bucket.result, p.grad, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
 
     def _reduce_flat(self, bucket):
         if self.size == 1:  # nothing to reduce: the step reads the gradients in place
@@ -231,12 +233,12 @@ class DataParallel:
         if self.size == 1:
             return updates, None
         full = updates.new_empty((self.owners[s].rounds * self.size, *updates.shape[1:]))
-        return full, dist.all_gather_into_tensor(full, updates, group=self.group, async_op=True)
+        return full, all_gather_single(full, updates, group=self.group, async_op=True)
 
     def gather_rows(self, rows):
         """Every owner's rows of an AdamW tensor, all-gathered: (whole tensor, work)."""
         full = rows.new_empty((rows.size(0) * self.size, *rows.shape[1:]))
-        return full, dist.all_gather_into_tensor(full, rows.contiguous(), group=self.group, async_op=True)
+        return full, all_gather_single(full, rows.contiguous(), group=self.group, async_op=True)
 
     def finish_step(self):
         for b in self.buckets:

@@ -22,6 +22,11 @@ import torch.distributed as dist
 from nanochat.common import UserError, get_base_dir
 
 
+# torch 2.13 renamed two collectives (the old names warn at every use); 2.11 has only the old ones
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 class RankFailure(UserError):
     """A collective this rank waited on in vain: its own failure, which the others may not share."""
     every_rank = True

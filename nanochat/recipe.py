@@ -13,6 +13,7 @@ A context extension (a resume with a longer --max-seq-len) keeps the horizon and
 started at (context_lengths).
 """
 
+import json
 import math
 import difflib
 import argparse
@@ -32,6 +33,9 @@ B_REF = 2 ** 19  # the reference batch (tokens) at which LRs and weight decay we
 RECIPE_FLAGS = ["num_iterations", "target_flops", "target_param_data_ratio", "total_batch_size",
                 "embedding_lr", "unembedding_lr", "matrix_lr", "scalar_lr", "weight_decay", "warmup_steps",
                 "warmdown_ratio", "final_lr_frac", "keep_remainder"]
+# flags that shape the model: a resume refuses other values, and takes the checkpoint's where they are left out
+MODEL_FLAGS = ["depth", "aspect_ratio", "head_dim", "n_kv_head", "window_pattern", "l3_after_layers", "l3_n_emb",
+               "l3_d_up", "l3_k_max"]
 
 
 @dataclass
@@ -89,7 +93,10 @@ def parse_args(argv=None):
     add("--sample-every", type=int, default=2000, help="print completions every N steps (-1 = never)")
     add("--save-every", type=int, default=-1, help="checkpoint every N steps (-1 = only at the end, 0 = never)")
     add("--keep-last", type=int, default=-1, help="keep only the newest N checkpoints of the model tag (-1 = all)")
-    add("--resume-from-step", type=int, default=-1, help="resume from this checkpoint step (-1 = start fresh)")
+    add("--resume-from-step", type=lambda v: v if v == "latest" else int(v), default=-1,
+        help="resume from this checkpoint step, or `latest` (-1 = start fresh)")
+    add("--start-over", action="store_true", help="start fresh although the model tag's folder holds a run: its files "
+                                                  "are moved into replaced_<date>-<time>/ there")
     add("--stop-at-step", type=int, default=-1, help="save at this step and stop, the schedule unchanged (-1 = run to "
                                                      "the end); e.g. to resume from it with a longer --max-seq-len")
     add("--resume-on-new-data", action="store_true", help="resume although the data folder's shards differ from "
@@ -133,15 +140,15 @@ def parse_args(argv=None):
         hints = [f"{u} (did you mean {' or '.join(near)}?)" if (near := difflib.get_close_matches(u.split("=")[0], flags, 2))
                  else u for u in unknown]
         parser.exit(2, f"base_train: error: unrecognized arguments: {', '.join(hints)}; see --help\n")
-    if args.max_seq_len is None and args.resume_from_step < 0:
+    if args.max_seq_len is None and args.resume_from_step == -1:
         args.max_seq_len = DEFAULT_SEQ_LEN  # a resume takes the checkpoint's (base_train)
     return args
 
 
 
 def check_loop_flags(args, resume_meta):
-    """base_train's loop flags (the model's and the layout's: model_config, Setting.check); a resume's recipe flags,
-    which must be the saved run's."""
+    """base_train's loop flags (the layout's: Setting.check); on a resume the recipe flags must be the saved run's,
+    and the model flags too, where given: those left out take the checkpoint's values (what was trained)."""
     if args.core_metric_max_per_task == 0 or args.core_metric_max_per_task < -1:
         raise ConfigError("--core-metric-max-per-task must be a positive number of items, or -1 for all")
     start_step = max(args.resume_from_step, 0)
@@ -158,6 +165,16 @@ def check_loop_flags(args, resume_meta):
             raise ConfigError("resuming with other settings than the saved run: " +
                               ", ".join(f"--{k.replace('_', '-')} was {a}, now {b}" for k, (a, b) in changed.items()) +
                               ". Pass the same flags as the original run (its command is in meta_*.json, user_config).")
+        config = resume_meta["model_config"]
+        saved = saved or {"depth": config["n_layer"], "window_pattern": config["window_pattern"]}  # imported weights
+        default = vars(parse_args([]))
+        differ = {k: (saved[k], now[k]) for k in MODEL_FLAGS if k in saved and saved[k] != now[k]}
+        if given := {k: ab for k, ab in differ.items() if now[k] != default[k]}:
+            raise ConfigError("resuming with another model than the checkpoint's: " +
+                              ", ".join(f"--{k.replace('_', '-')} {b} (the checkpoint's: {a})" for k, (a, b) in given.items()) +
+                              "; leave these flags out or give the checkpoint's values")
+        for k, (a, _) in differ.items():
+            setattr(args, k, a)
 
 # -----------------------------------------------------------------------------
 # The model config and the recipe
@@ -218,7 +235,8 @@ class Recipe:
     def describe(self, args, config, setting, micro_batches):
         """The lines base_train prints at start: the model, the horizon, the batch, the LRs and decay."""
         counts = self.param_counts
-        return [f"parameters: {counts['total']:,} total | {counts['scaling']:,} scaling | {counts['embeddings']:,} "
+        return [f"model config: {json.dumps(config.to_dict())}",
+                f"parameters: {counts['total']:,} total | {counts['scaling']:,} scaling | {counts['embeddings']:,} "
                 f"embeddings" + (f" | {counts['l3 tables (sparse)']:,} L3 sparse, {counts['active']:,} active"
                                  if config.l3_after_layers else ""),
                 f"FLOPs per token: {self.flops_per_token:.4e}",

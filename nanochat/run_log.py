@@ -27,12 +27,13 @@ class RunLog:
         self.path, self.wandb, self.tensorboard = (path if enabled else None), None, None
         if self.path is None:
             return
-        os.makedirs(os.path.dirname(path), exist_ok=True)
         # resumed: the earlier launches' headers and steps before this one's first (not their end records)
         kept = [r for r in read_records(path) if start_step > 0 and (
             r.get("kind") == "header" or ("kind" not in r and r["step"] < start_step))]
-        with open(path, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in kept)
+        with self.named_write_error():
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in kept)
         self.write({"kind": "header", "time": time.time(), "start_step": start_step, **header})
         if wandb_run:
             import wandb
@@ -48,8 +49,18 @@ class RunLog:
     def write(self, record):
         if self.path is None:
             return
-        with open(self.path, "a") as f:
+        with self.named_write_error(), open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
+
+    @contextlib.contextmanager
+    def named_write_error(self):
+        """A record that cannot be written (a read-only or full disk) stops the run with one line naming the file."""
+        try:
+            yield
+        except OSError as e:
+            from nanochat.checkpoint_manager import intact_hint
+            raise UserError(f"cannot write {e.filename or self.path} ({e.strerror}); "
+                            f"{intact_hint(os.path.dirname(self.path))}") from None
 
     def log(self, step, **fields):
         """One step's record (fields that are None are left out)."""

@@ -29,6 +29,8 @@ import torch
 import torch.nn as nn
 import torch.distributed as dist
 
+from nanochat.distributed import all_gather_single, reduce_scatter_single
+
 
 def is_dp_sharded(p):
     return getattr(p, "dp_group", None) is not None
@@ -37,7 +39,7 @@ def is_dp_sharded(p):
 def gather_whole(whole, p, async_op=False):
     """Fill `whole` with sharded p's whole tensor (this TP rank's) in whole's dtype, by a collective over DP."""
     if p.dp_owner is None:
-        return dist.all_gather_into_tensor(whole, p.data.to(whole.dtype), group=p.dp_group, async_op=async_op)
+        return all_gather_single(whole, p.data.to(whole.dtype), group=p.dp_group, async_op=async_op)
     if dist.get_rank(p.dp_group) == p.dp_owner:
         whole.copy_(p.data)
     return dist.broadcast(whole, src=dist.get_global_rank(p.dp_group, p.dp_owner), group=p.dp_group, async_op=async_op)
@@ -257,7 +259,7 @@ class ShardedWeights:
                  else grad.to(torch.float32, copy=True).contiguous())
             if p.dp_owner is None:
                 landing = torch.empty_like(p.data, dtype=torch.float32)
-                work = dist.reduce_scatter_tensor(landing, g, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+                work = reduce_scatter_single(landing, g, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
             else:
                 landing = g if self.rank == p.dp_owner else None
                 work = dist.reduce(g, dst=dist.get_global_rank(self.group, p.dp_owner), op=dist.ReduceOp.SUM,

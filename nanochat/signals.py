@@ -15,29 +15,30 @@ class Interrupted(Exception):
     """A stop was requested (Ctrl-C, SIGTERM or the STOP file) while a long operation polled stop_point()."""
 
 
-_stop_signal, _stop_file = None, None
+_stop_signal, _stop_file, _announced = None, None, False
 
 
 def install_stop_handlers(stop_file=None):
     """Ctrl-C and SIGTERM request a stop; so does creating stop_file, which the first poll that finds it removes."""
     global _stop_file
-    def request_stop(signum, frame):
+    def request_stop(signum, frame):  # said when the run sees it (a rank killed in a collective says nothing)
         global _stop_signal
-        if _stop_signal is None:
-            print(f"received signal {signum}: stopping at the next step or evaluation batch", flush=True)
-        _stop_signal = signum
+        _stop_signal = _stop_signal or signum
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
     _stop_file = stop_file
 
 
 def stop_requested():
-    global _stop_signal
+    global _stop_signal, _announced
     if _stop_signal is None and _stop_file is not None and os.path.exists(_stop_file):
         with contextlib.suppress(FileNotFoundError):  # another rank may have removed it first
             os.remove(_stop_file)  # a resume must not stop at once
         print(f"found {_stop_file}: stopping at the next step or evaluation batch", flush=True)
-        _stop_signal = "STOP file"
+        _stop_signal = _announced = "STOP file"
+    if _stop_signal is not None and not _announced:
+        print(f"received signal {_stop_signal}: stopping at the next step or evaluation batch", flush=True)
+        _announced = True
     return _stop_signal is not None
 
 

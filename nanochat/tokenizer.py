@@ -2,8 +2,10 @@
 Byte-level BPE: trained with rustbpe (Rust, parallel), used through tiktoken (fast encode/decode). Saved under
 $NANOCHAT_BASE_DIR/tokenizer/ in plain, non-executable files:
   tokenizer.tiktoken   one line per mergeable token: base64(bytes) rank   (tiktoken's own format)
-  tokenizer.json       the split pattern and the special tokens with their ids
+  tokenizer.json       the split pattern, the special tokens with their ids, and the two other files' checksums
   token_bytes.pt       int32 tensor: the byte length of each token (0 for specials), for bits per byte
+A file that no longer matches its checksum (a copy cut short, a disk error) is refused at load: a tokenizer.tiktoken
+cut at a line end would otherwise load with part of its merges.
 """
 
 import os
@@ -14,7 +16,9 @@ import binascii
 
 import torch
 
-from nanochat.common import UserError, get_base_dir, atomic_write_bytes, atomic_torch_save, base_dir_hint
+from nanochat.common import UserError, get_base_dir, atomic_write_bytes, atomic_torch_save, base_dir_hint, file_checksum
+
+RETRAIN = "train it again with `python -m scripts.tok_train` (checkpoints of the old one will not match the new one)"
 
 # GPT-4's split, but numbers in groups of 1-2 digits (not 1-3): fewer number tokens leave a small vocab more words
 SPLIT_PATTERN = r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
@@ -70,13 +74,15 @@ class Tokenizer:
         return cls(ranks, pattern, specials)
 
     def save(self, directory):
+        """tokenizer.json last, with the other files' checksums: it makes the tokenizer whole."""
         os.makedirs(directory, exist_ok=True)
         lines = [f"{base64.b64encode(tok).decode('ascii')} {rank}" for tok, rank in
                  sorted(self.mergeable_ranks.items(), key=lambda kv: kv[1])]
         atomic_write_bytes(os.path.join(directory, "tokenizer.tiktoken"), ("\n".join(lines) + "\n").encode())
-        meta = {"pattern": self.pattern, "special_tokens": self.special_tokens}
-        atomic_write_bytes(os.path.join(directory, "tokenizer.json"), json.dumps(meta, indent=2).encode())
         atomic_torch_save(self.token_bytes(), os.path.join(directory, "token_bytes.pt"))
+        meta = {"pattern": self.pattern, "special_tokens": self.special_tokens,
+                "checksums": {f: file_checksum(os.path.join(directory, f)) for f in ("tokenizer.tiktoken", "token_bytes.pt")}}
+        atomic_write_bytes(os.path.join(directory, "tokenizer.json"), json.dumps(meta, indent=2).encode())
         self.directory = directory
 
     @classmethod
@@ -85,7 +91,7 @@ class Tokenizer:
         if not (os.path.exists(ranks_path) and os.path.exists(meta_path)):
             raise TokenizerError(f"no tokenizer in {directory}: train one with `python -m scripts.tok_train`, or set "
                                  f"NANOCHAT_BASE_DIR to where one was trained" + base_dir_hint())
-        retrain = "train it again with `python -m scripts.tok_train` (checkpoints of the old one will not match the new one)"
+        check_files(directory, ["tokenizer.tiktoken"])
         ranks = {}
         with open(ranks_path, "rb") as f:
             for line_no, line in enumerate(f, 1):
@@ -95,13 +101,13 @@ class Tokenizer:
                         ranks[base64.b64decode(tok, validate=True)] = int(rank)
                     except (ValueError, binascii.Error):
                         raise TokenizerError(f"{ranks_path} is damaged at line {line_no} (expected `base64 rank`): "
-                                             f"{retrain}") from None
+                                             f"{RETRAIN}") from None
         try:
             with open(meta_path) as f:
                 meta = json.load(f)
             tokenizer = cls(ranks, meta["pattern"], meta["special_tokens"])
         except (ValueError, KeyError, TypeError) as e:  # bad JSON, or merges that do not make a tokenizer
-            raise TokenizerError(f"the tokenizer in {directory} is damaged ({type(e).__name__}: {e}): {retrain}") from None
+            raise TokenizerError(f"the tokenizer in {directory} is damaged ({type(e).__name__}: {e}): {RETRAIN}") from None
         tokenizer.directory = directory
         return tokenizer
 
@@ -139,6 +145,20 @@ class Tokenizer:
                             dtype=torch.int32)
 
 
+def check_files(directory, names):
+    """The files match the checksums tokenizer.json recorded (a tokenizer from before checksums: no check)."""
+    try:
+        with open(os.path.join(directory, "tokenizer.json")) as f:
+            checksums = json.load(f).get("checksums", {})
+    except (OSError, ValueError, AttributeError):
+        return  # named by the load itself
+    for name in names:
+        path = os.path.join(directory, name)
+        if name in checksums and file_checksum(path) != checksums[name]:
+            raise TokenizerError(f"{path} no longer matches the checksum saved with it (damaged since it was "
+                                 f"written): {RETRAIN}")
+
+
 def get_tokenizer(directory=None):
     return Tokenizer.load(directory or default_tokenizer_dir())
 
@@ -148,6 +168,7 @@ def get_token_bytes(device="cpu", directory=None):
     path = os.path.join(directory, "token_bytes.pt")
     if not os.path.exists(path):
         raise TokenizerError(f"no token_bytes.pt in {directory}: train a tokenizer with `python -m scripts.tok_train`")
+    check_files(directory, ["token_bytes.pt"])
     try:
         return torch.load(path, map_location=device, weights_only=True)
     except Exception as e:  # truncated, or not tensors

@@ -264,6 +264,8 @@ class Trainer:
                 group["weight_decay"] = schedule.muon_weight_decay(it)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if os.environ.get("NANOCHAT_TEST_NAN_AT") == f"{it}:{self.layout.rank}":  # the tests' fault: one rank's NaN
+            loss = loss * float("nan")
         return self.dp.mean_loss(loss), lrm
 
     def describe(self, print_schedule=False):
@@ -349,20 +351,27 @@ class Trainer:
         writer = L.dp_rank == 0 and L.cp_rank == 0 and L.tp_rank == 0
         model_state = ckpt.full_model_state(self.model, keep=writer)
         optim_state = self.optimizer.full_state_dict(keep=writer)
-        # the stage files, then (once all are written) the meta file that marks the step complete; a CheckpointError
-        # on a writer (a full disk) stops every rank with its line, after the agreement that is also the barrier
+        # the stage files, then (once all are written) the meta file that marks the step complete, with every file's
+        # checksum; a CheckpointError on a writer (a full disk) stops every rank with its line
         meta = dict(meta, dataloader_states=data_states, layout={"dp": L.dp_size, "cp": L.cp_size, "tp": L.tp_size, "pp": L.pp_size})
-        for mine, write in ((writer, lambda: ckpt.save_stage_files(ckpt_dir, step, model_state, optim_state,
-                                                                    L.pp_rank, L.pp_size)),
-                            (L.rank == 0, lambda: ckpt.save_meta(ckpt_dir, step, meta, L.pp_size))):
-            error = None
-            try:
-                if mine:
-                    write()
-            except ckpt.CheckpointError as e:
-                error = str(e)
-            if (error := agree_on_error(error, device)) is not None:
-                raise ckpt.CheckpointError(error)
+        written = _agreed(writer, lambda: ckpt.save_stage_files(ckpt_dir, step, model_state, optim_state, L.pp_rank,
+                                                                L.pp_size), device)
+        meta["checksums"] = {name: crc for part in gather_objects(written or {}) for name, crc in part.items()}
+        _agreed(L.rank == 0, lambda: ckpt.save_meta(ckpt_dir, step, meta, L.pp_size), device)
         if L.rank == 0 and keep_last > 0:
             ckpt.prune_checkpoints(ckpt_dir, keep_last)
         print0(f"saved checkpoint for step {step} to {ckpt_dir} ({time.time() - t0:.1f}s)")
+
+
+def _agreed(mine, write, device):
+    """write() where `mine`; a CheckpointError on any rank stops every rank with its line (the agreement is also
+    the barrier). Returns what write returned (None where not mine)."""
+    result, error = None, None
+    try:
+        if mine:
+            result = write()
+    except ckpt.CheckpointError as e:
+        error = str(e)
+    if (error := agree_on_error(error, device)) is not None:
+        raise ckpt.CheckpointError(error)
+    return result

@@ -2,21 +2,24 @@
 Hang diagnostics: every rank keeps a record (step, phase, when it began, the last collective named). A daemon thread
 reports a phase that outlasts --dist-timeout (the record and every thread's stack, to stderr and
 <report_dir>/rank<R>.txt); at twice the timeout it exits 1 so that torchrun stops the others (a gloo collective may
-wait forever). An uncaught exception writes the same record. On NCCL, enable_flight_recorder() makes PyTorch dump
-each group's last collectives on a timeout; `torchfrtrace <report_dir> -j` names the one where the ranks diverged.
+wait forever). A failure that ends a rank (failure()) is one short line from the first rank to report it, with the
+traceback in the rank's file: a collective that timed out is a hang (the record and the stacks), one whose peer
+went away says so and no more. On NCCL, enable_flight_recorder() makes PyTorch dump each group's last collectives on
+a timeout; `torchfrtrace <report_dir> -j` names the one where the ranks diverged.
 """
 
 import os
 import sys
 import time
 import threading
+import traceback
 import faulthandler
 
 
 def enable_flight_recorder(report_dir):
     """Must run before the NCCL process group is created; variables the user set are kept."""
     os.makedirs(report_dir, exist_ok=True)
-    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
     os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
     os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", os.path.join(report_dir, "nccl_trace_rank_"))
 
@@ -33,12 +36,6 @@ class Watchdog:
         if timeout_s is not None:
             self._poll_s = poll_s or min(10.0, max(0.5, timeout_s / 10))
             threading.Thread(target=self._watch, name="nanochat-watchdog", daemon=True).start()
-            previous_hook = sys.excepthook
-
-            def report_then_raise(kind, value, tb):
-                self.report(f"FAILED with {kind.__name__} in")
-                previous_hook(kind, value, tb)
-            sys.excepthook = report_then_raise
 
     def phase(self, name, step=None):
         self.phase_name, self.since = name, time.time()
@@ -65,6 +62,34 @@ class Watchdog:
             elif waited > 2 * self.timeout_s and key == self._reported:
                 self.report(f"GIVING UP (exit 1) after twice --dist-timeout {self.timeout_s:g}s in")
                 os._exit(1)
+
+    def fail(self, error, hint=lambda: ""):
+        """Exit 1 on an exception that ends this rank (under torchrun), printing one line if this is the first rank
+        of the run to report (an O_EXCL file in report_dir; hint(): where to resume); the traceback goes to this
+        rank's file, and a collective that timed out gets the hang report (the record and every thread's stack)."""
+        line = self.failure(error, os.environ.get("TORCHELASTIC_RUN_ID", "run"), hint)
+        if line:
+            print(f"ERROR: {line}", flush=True)
+        sys.exit(1)
+
+    def failure(self, error, run_id, hint):
+        text, kind = str(error).strip(), type(error).__name__
+        if "timed out" in text.lower() or "timeout" in kind.lower():
+            self.report(f"FAILED with {kind} in")
+            why = "a collective timed out (hang report above)"
+        elif any(s in text for s in ("Connection closed", "Connection reset", "Broken pipe", "NCCL", "peer")):
+            why = "another rank failed or is gone (torchrun names it)"
+        else:
+            why = f"{kind}: {text.splitlines()[0][:300] if text else 'no message'}"
+        os.makedirs(self.report_dir, exist_ok=True)
+        with open(os.path.join(self.report_dir, f"rank{self.rank}.txt"), "a") as f:
+            f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} FAILED {self.describe()}\n{traceback.format_exc()}")
+        try:
+            os.close(os.open(os.path.join(self.report_dir, f"failed_{run_id}"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return None
+        return (f"rank {self.rank} stopped at step {self.step} in '{self.phase_name}': {why}; traceback in "
+                f"{self.report_dir}/rank{self.rank}.txt" + (f"; {h}" if (h := hint()) else ""))
 
     def report(self, reason):
         header = f"{reason} {self.describe()}. Every rank writes such a report; compare their steps and phases."

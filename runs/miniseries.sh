@@ -30,8 +30,9 @@ source runs/lib.sh
 for depth in $DEPTHS; do
     tag="mini_d${depth}"
     echo "--- depth $depth (ratio $RATIO)"
+    # --start-over: a run of the series again replaces its earlier one (moved into replaced_<time>/, not deleted)
     logged "$LOGS/$tag.train.log" scripts.base_train --depth="$depth" --target-param-data-ratio="$RATIO" --model-tag="$tag" \
-        --core-metric-every=-1 --sample-every=-1 $TRAIN_ARGS
+        --start-over --core-metric-every=-1 --sample-every=-1 $TRAIN_ARGS
     logged "$LOGS/$tag.eval.log" scripts.base_eval --model-tag="$tag" ${bundle[@]+"${bundle[@]}"} $EVAL_ARGS
     bpb=$(sed -nE 's/^val bpb: ([0-9.]+)$/\1/p' "$LOGS/$tag.eval.log")
     core=$(sed -nE 's/^CORE \([0-9]+\/[0-9]+ tasks\): (-?[0-9.]+)$/\1/p' "$LOGS/$tag.eval.log")

@@ -27,7 +27,8 @@ for flops in $FLOPS; do
         tag="scaling_f${flops}_d${depth}"
         log="$LOGS/$tag.log"
         echo "--- depth $depth at $flops FLOPs -> $log"
-        logged "$log" scripts.base_train --depth="$depth" --target-flops="$flops" --model-tag="$tag" --core-metric-every=-1 \
+        # --start-over: a run of the grid again replaces its earlier one (moved into replaced_<time>/, not deleted)
+        logged "$log" scripts.base_train --depth="$depth" --target-flops="$flops" --model-tag="$tag" --start-over --core-metric-every=-1 \
             --sample-every=-1 --eval-every=-1 --save-every=0 $TRAIN_ARGS
         bpb=$(sed -nE 's/^Validation bpb: ([0-9.]+)$/\1/p' "$log")
         # flops: what the run did (steps x batch rounds the budget)

@@ -10,24 +10,24 @@ recipe, and which settings can run together).
 Context extension: --stop-at-step N at a short --max-seq-len, then resume from step N with a longer one: the
 schedule, batch, optimizer state and data position go on; the windows follow the new context.
 
-main() reads top to bottom in named phases: the flags, the processes, the plan (tokenizer, data, checkpoint to
-resume, config, recipe, checks), the lock on the checkpoint folder, the run (setup in training.py, shared with the
-tests and dev tools), the loop (a row of "once in a while" blocks before each step), the summary. Errors the user
-can fix stop the run with one line; a stop request or a data error mid-run saves the step first.
+main() reads top to bottom in named phases: the flags, the processes, the plan (tokenizer, data, checkpoint to resume,
+config, recipe, checks), the checkpoint folder taken, the run (setup in training.py, shared with the tests and dev
+tools), the loop (a row of "once in a while" blocks before each step), the summary. Errors the user can fix stop the
+run with one line; a stop request or a data error mid-run saves the step first.
 """
 
 import os
 import gc
 import math
 import time
-import json
 import atexit
 import traceback
 from dataclasses import dataclass
 
 import torch
 
-from nanochat.common import UserError, ConfigError, print0, print_rank, get_compute_dtype, get_peak_flops, device_name, fail
+from nanochat.common import (UserError, ConfigError, print0, print_rank, get_compute_dtype, get_peak_flops, device_name,
+                             duration, fail)
 from nanochat.distributed import compute_init, compute_cleanup, barrier, hang_report_dir, agree_on_error, gather_objects
 from nanochat.signals import install_stop_handlers, stop_agreed, Interrupted
 from nanochat.memory import cpu_memory_error
@@ -81,16 +81,18 @@ def make_plan(args, layout, device):
         if warning := training.check_ranks_agree(layout, data_dir, data_listing, ckpt_dir, saves=args.save_every != 0):
             print0(warning)
     resume_meta, new_data = None, False
+    if args.resume_from_step == "latest":
+        args.resume_from_step = ckpt.find_last_step(ckpt_dir)
     if args.resume_from_step >= 0:
         resume_meta = ckpt.load_meta(ckpt_dir, args.resume_from_step)
         if args.max_seq_len is None:  # not given: the checkpoint's context
             args.max_seq_len = resume_meta["model_config"]["sequence_len"]
         ckpt.check_tokenizer(resume_meta, tokenizer, ckpt_dir)
         new_data = ckpt.check_data_unchanged(resume_meta, data_dir, data_listing, args.resume_on_new_data)
+    check_loop_flags(args, resume_meta)
     config = model_config(args, tokenizer.get_vocab_size(), resume_meta)
     contexts = context_lengths(config, resume_meta)
     recipe = derive_recipe(args, config, contexts[0][1])
-    check_loop_flags(args, resume_meta)
     multi_node = int(os.environ.get("LOCAL_WORLD_SIZE", layout.world_size)) < layout.world_size
     setting = Setting.from_args(args, layout.dp_size, recipe.total_batch_size,
                                 overlap_grad_reduce=args.overlap_grad_reduce == 1 or (args.overlap_grad_reduce == -1 and multi_node))
@@ -100,7 +102,6 @@ def make_plan(args, layout, device):
         raise ConfigError(error)
     if resume_meta is not None:
         print0(f"resuming from step {args.resume_from_step} of {ckpt_dir}")
-    print0(f"model config: {json.dumps(config.to_dict())}")
     for line in recipe.describe(args, config, setting, micro_batches):
         print0(line)
     return Plan(tokenizer, data_dir, data_listing, ckpt_dir, resume_meta, new_data, config, contexts, recipe, setting,
@@ -147,8 +148,7 @@ class Run:
             if len(saved_states) != layout.dp_size:
                 print0(f"data: resharded the data position from dp {len(saved_states)} to dp {layout.dp_size}")
         self.first_step, self.last_state, self.saved_step = self.step, loader_state, None
-        # this launch's steps, all of them (total_time leaves out each launch's first ones); its part of total_time
-        self.launch_time = self.launch_timed = 0.0
+        self.launch_time = self.launch_timed = 0.0  # this launch's steps (all; its part of total_time, for the ETA)
         self.grad_norm_slots = [(g, 1 + i) for i, g in enumerate(PARAM_GROUPS)  # in optimizer.grad_norms
                                 if g != "l3_tables" or self.config.l3_after_layers]
         self.val_bpb, self.evals = None, {}
@@ -197,6 +197,8 @@ class Run:
                 raise Interrupted()
             if args.save_every != 0 and (final or (self.due(args.save_every, final) and self.step != args.resume_from_step)):
                 self.save()
+                if not final and stop_agreed(self.device):  # a stop that came during the save ends after it
+                    raise Interrupted()
             if self.due(args.core_metric_every, final):
                 self.guarded("CORE", self.evaluate_core)
             if self.due(args.sample_every, final):
@@ -341,13 +343,11 @@ class Run:
             gc.collect()
 
     def diverged(self, loss):
-        """A loss that is not finite stops the run; a checkpoint saved moments ago holds the weights that gave it."""
-        withdrawn = self.saved_step == self.step
-        if withdrawn and self.layout.rank == 0:
-            ckpt.delete_checkpoint(self.ckpt_dir, self.step)
-        raise UserError(f"loss is {loss} at step {self.step}; stopping" +
-                        (f" (deleted the checkpoint of step {self.step}: its weights give this loss)" if withdrawn else "") +
-                        "; try a lower LR, or resume from an earlier checkpoint")
+        """A loss that is not finite stops the run; the checkpoints stay (a NaN of one step's data or arithmetic says
+        nothing against weights saved finite), the newest intact one named."""
+        saved = f"; {ckpt.intact_hint(self.ckpt_dir)}" if self.args.save_every and self.layout.rank == 0 else ""
+        raise UserError(f"loss is {loss} at step {self.step}; stopping{saved}; if it comes back there, resume from an "
+                        f"earlier step or lower the learning rates")
 
     # --- the end -------------------------------------------------------------------
 
@@ -411,20 +411,17 @@ class Run:
                 "crop fraction": round(crop, 4) if crop is not None else "n/a", "metrics": self.log.path or "n/a"}
 
 
-def duration(seconds):
-    seconds = round(seconds)
-    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
-
-
 def main(argv=None):
     args = parse_args(argv)
-    lock = watch = None
+    lock = watch = plan = None
     try:
         kernels.set_mode(args.kernels)
         layout, device = compute_init(args.device_type, tp=args.tp, pp=args.pp, cp=args.cp, timeout_s=args.dist_timeout)
         watch = Watchdog(layout.rank, args.dist_timeout if layout.world_size > 1 else None, hang_report_dir())
         plan = make_plan(args, layout, device)
-        lock = ckpt.lock_run(layout, device, plan.ckpt_dir)  # before anything is written there
+        # before anything is written there; a checkpoint: fp32 weights and at most two fp32 moments a parameter
+        lock = ckpt.lock_run(layout, device, plan.ckpt_dir, fresh=plan.resume_meta is None, start_over=args.start_over,
+                             checkpoint_bytes=12 * plan.recipe.param_counts["total"] if args.save_every else 0)
         run, stopped = Run(args, layout, device, plan, watch), None
         try:
             run.train()
@@ -438,6 +435,10 @@ def main(argv=None):
             print0(stopped)  # last: which step to resume from
     except UserError as e:
         fail(str(e), every_rank=e.every_rank)
+    except Exception as e:  # several ranks: one short line from the first to fail, the traceback in a file
+        if watch is None or watch.timeout_s is None:
+            raise
+        watch.fail(e, lambda: ckpt.intact_hint(plan.ckpt_dir) if plan and args.save_every else "")
     finally:
         ckpt.release_lock(lock)
         if watch is not None:

@@ -10,6 +10,7 @@ included), or bf16 with --dtype bfloat16. --push-to-hub checks the Hub login (`h
 import os
 import csv
 import time
+import shutil
 import argparse
 
 import torch
@@ -40,6 +41,8 @@ if args.push_to_hub:  # before any work: an export that then cannot be uploaded 
              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no details'}). Check the network, "
              f"log in with `hf auth login` (or set HF_TOKEN), or export without --push-to-hub")
     print(f"Hub: logged in as {user}")
+if os.path.exists(args.out) and not os.path.isdir(args.out):
+    fail(f"--out {args.out} is a file: give a folder (new or empty)")
 if os.path.isdir(args.out) and os.listdir(args.out):
     fail(f"--out {args.out} is not empty: remove it or choose another folder")
 
@@ -54,9 +57,17 @@ try:
     if os.path.exists(csv_path):  # base_eval's table, ending with the CORE row
         with open(csv_path, newline="") as f:
             core = next((float(row[2]) for row in csv.reader(f) if row and row[0] == "CORE"), None)
-    files = export(model_state, meta, tokenizer, args.out, getattr(torch, args.dtype), core, args.push_to_hub)
+    # written beside --out and renamed onto it when whole: a failure leaves no partial export behind
+    tmp = f"{os.path.abspath(args.out).rstrip(os.sep)}.tmp.{os.getpid()}"
+    try:
+        files = export(model_state, meta, tokenizer, tmp, getattr(torch, args.dtype), core, args.push_to_hub)
+        os.replace(tmp, args.out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 except UserError as e:  # a missing or damaged checkpoint or tokenizer, or one that cannot be converted
     fail(str(e))
+except OSError as e:  # a full disk, a folder that cannot be written
+    fail(f"cannot write {e.filename or args.out} ({e.strerror}): nothing was exported to {args.out}")
 size = sum(os.path.getsize(os.path.join(args.out, f)) for f in os.listdir(args.out))
 print(f"exported {model_tag} step {step} to {args.out}: {len(files)} weight file(s), {size / 2**20:,.1f} MiB, "
       f"{time.time() - t0:.1f}s")

@@ -10,7 +10,7 @@ optimizer fresh"). The tokenizer goes to NANOCHAT_BASE_DIR/tokenizer if none is 
 import os
 import argparse
 
-from nanochat.common import HelpWithDefaults, fail
+from nanochat.common import HelpWithDefaults, UserError, fail
 from nanochat import checkpoint_manager as ckpt
 from nanochat.tokenizer import default_tokenizer_dir, get_tokenizer
 from nanochat.hf.convert import load_export, tokenizer_from_hf, ConvertError
@@ -47,7 +47,10 @@ meta.pop("model_tag", None)
 meta.setdefault("loop_state", {"step": step, "smooth_loss": 0.0, "total_time": 0.0, "min_val_bpb": float("inf")})
 meta["loop_state"] = dict(meta["loop_state"], step=step)
 meta.setdefault("dataloader_states", [])  # none: a resumed run reads the data from the start
-ckpt.save_stage_files(ckpt_dir, step, state, None)
-ckpt.save_meta(ckpt_dir, step, meta)
+try:
+    meta["checksums"] = ckpt.save_stage_files(ckpt_dir, step, state, None)
+    ckpt.save_meta(ckpt_dir, step, meta)
+except UserError as e:  # a full disk, a folder that cannot be written
+    fail(str(e))
 print(f"imported {args.dir} as {ckpt_dir} step {step} ({sum(v.numel() for v in state.values()):,} values; "
       f"weights only: --resume-from-step {step} starts a fresh optimizer)")

@@ -4,10 +4,11 @@ Train the BPE tokenizer on the training shards and save it under $NANOCHAT_BASE_
     python -m scripts.tok_train --max-chars 2000000000 --vocab-size 32768
 """
 
+import os
 import time
 import argparse
 
-from nanochat.common import HelpWithDefaults
+from nanochat.common import HelpWithDefaults, atomic_write_bytes
 from nanochat.dataset import resolve_data_dir, split_files, iter_documents, DataError
 from nanochat.tokenizer import Tokenizer, TokenizerError, default_tokenizer_dir
 from nanochat import report
@@ -20,11 +21,18 @@ parser.add_argument("--vocab-size", type=int, default=32768, help="vocabulary si
 parser.add_argument("--data-dir", type=str, default=None, help="folder of parquet shards (default: NANOCHAT_DATA_DIR or base_data)")
 args = parser.parse_args()
 
+out_dir = default_tokenizer_dir()
 try:
     data_dir = resolve_data_dir(args.data_dir)
     train_files = split_files(data_dir, "train")
+    os.makedirs(out_dir, exist_ok=True)  # where the tokenizer goes must take files before anything is trained
+    atomic_write_bytes(os.path.join(out_dir, ".write_probe"), b"")
+    os.remove(os.path.join(out_dir, ".write_probe"))
 except DataError as e:
     raise SystemExit(f"ERROR: {e}")
+except OSError as e:
+    raise SystemExit(f"ERROR: cannot write {e.filename or out_dir} ({e.strerror}): set NANOCHAT_BASE_DIR to a folder "
+                     f"you can write")
 print(f"training a {args.vocab_size:,}-token BPE on up to {args.max_chars:,} chars of {len(train_files)} shards in {data_dir}")
 
 stats = {"chars": 0, "docs": 0}
@@ -50,8 +58,11 @@ try:
 except TokenizerError as e:
     raise SystemExit(f"ERROR: {e}")
 train_time = time.time() - t0
-out_dir = default_tokenizer_dir()
-tokenizer.save(out_dir)
+try:
+    tokenizer.save(out_dir)
+except OSError as e:  # a disk that filled up while training
+    raise SystemExit(f"ERROR: cannot write {e.filename or out_dir} ({e.strerror}): the tokenizer was trained but not "
+                     f"saved; free some space and run again")
 print(f"trained on {stats['chars']:,} chars ({stats['docs']:,} docs) in {train_time:.2f}s; saved to {out_dir}")
 
 # sanity check: the exact bytes come back, special tokens included

@@ -146,7 +146,7 @@ def run_in_process(module, args, env, input=None):
         os.chdir(saved_cwd)
         for s, h in handlers.items():
             signal.signal(s, h)
-        signals._stop_signal, signals._stop_file = None, None
+        signals._stop_signal, signals._stop_file, signals._announced = None, None, False
         kernels.KERNELS.mode = saved_kernels
         torch.set_rng_state(saved_rng)
         gc.unfreeze()

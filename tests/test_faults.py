@@ -3,6 +3,7 @@ used with another tokenizer, interrupted saves, pruning, and what the CPU can ho
 runs); the scripts' side is in test_train.py and test_base_eval.py."""
 
 import os
+import json
 import pickle
 
 import pytest
@@ -21,7 +22,7 @@ def test_damaged_checkpoint_files_are_named(tmp_path):
     save_step(tmp_path, 1, {"w": torch.ones(4)})
     model = tmp_path / "model_000001.pt"
     model.write_bytes(model.read_bytes()[:100])  # truncated
-    with pytest.raises(ckpt.CheckpointError, match=r"model_000001.pt is damaged .*delete step 1's files"):
+    with pytest.raises(ckpt.CheckpointError, match=r"model_000001.pt is damaged .*; no earlier step there is intact"):
         ckpt.load_checkpoint(str(tmp_path), 1)
     save_step(tmp_path, 2, {"w": torch.ones(4)})
     meta = tmp_path / "meta_000002.json"
@@ -48,7 +49,8 @@ def test_nonfinite_weights_are_refused_at_load(tmp_path):
     save_step(tmp_path, 4, {"w": torch.ones(4)})
     save_step(tmp_path, 5, {"w": torch.tensor([1.0, float("nan")])})
     assert ckpt.nonfinite_tensors({"w": torch.tensor([1.0, float("inf")]), "ok": torch.ones(2), "i": torch.ones(2, dtype=torch.int64)}) == ["w"]
-    with pytest.raises(ckpt.CheckpointError, match=r"step 5 .* not finite \(w\): the run had diverged; .*saved: \[4\]"):
+    with pytest.raises(ckpt.CheckpointError, match=r"step 5 .* not finite \(w\): the run had diverged; step 4 is intact "
+                                                   r"there \(resume with --resume-from-step 4\)"):
         ckpt.load_checkpoint(str(tmp_path))
 
 
@@ -90,11 +92,19 @@ def test_tokenizer_hash_identifies_it_and_a_mismatch_names_both(tmp_path):
 
 
 def test_damaged_tokenizer_is_named(tmp_path):
+    """A tokenizer file changed since it was saved is refused by its checksum: cut at a line end (it would load with
+    part of its merges) or damaged; a tokenizer from before checksums is parsed and named where it breaks."""
     d = tmp_path / "tok"
     small_tokenizer().save(str(d))
     path = d / "tokenizer.tiktoken"
     lines = path.read_text().splitlines()
+    path.write_text("\n".join(lines[:len(lines) // 2]) + "\n")
+    with pytest.raises(TokenizerError, match=r"tokenizer.tiktoken no longer matches the checksum saved with it .*tok_train"):
+        Tokenizer.load(str(d))
     path.write_text("\n".join(lines[:10] + ["@@notbase64 10"] + lines[11:]) + "\n")
+    meta = json.loads((d / "tokenizer.json").read_text())
+    del meta["checksums"]
+    (d / "tokenizer.json").write_text(json.dumps(meta))
     with pytest.raises(TokenizerError, match=r"tokenizer.tiktoken is damaged at line 11 .*tok_train"):
         Tokenizer.load(str(d))
     small_tokenizer().save(str(d))

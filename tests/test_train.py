@@ -86,13 +86,14 @@ def test_nan_loss_stops_with_step(env):
 
 
 def test_diverged_weights_are_never_saved(env):
-    """Saving every step, the step whose weights went non-finite (its loss was still finite) stops the run
-    before it is saved: the latest checkpoint is the last good one, and sample loads it."""
+    """Saving every step: weights that went non-finite are not saved (the run stops), and a non-finite loss stops it
+    keeping every checkpoint, each saved with finite weights, the newest named; every one of them loads."""
     p = run_script("scripts.base_train", TRAIN + ["--num-iterations", "6", "--scalar-lr", "1e30", "--model-tag", "diverge",
                                                   "--eval-every", "-1", "--save-every", "1"], env, check=False)
     assert p.returncode == 1 and "Traceback" not in p.stderr and "nanobind" not in p.stderr
     assert ("the weights are not finite at step" in p.stdout or
-            re.search(r"loss is nan at step (\d+); stopping \(deleted the checkpoint of step \1", p.stdout)), p.stdout[-1500:]
+            re.search(r"loss is nan at step (\d+); stopping; step \1 is intact there \(resume with --resume-from-step \1\)",
+                      p.stdout)), p.stdout[-1500:]
     from nanochat import checkpoint_manager as ckpt
     d = ckpt_dir(env, "diverge")
     for step in ckpt.saved_steps(d):
@@ -106,6 +107,11 @@ def test_sample_and_eval_refuse_nonfinite_weights(env):
     state = torch.load(path, weights_only=True)
     state["lm_head.weight"][0, 0] = float("nan")
     torch.save(state, path)
+    from nanochat.common import file_checksum  # as if saved so (by a version that did not check): its checksum holds
+    meta_path = os.path.join(ckpt_dir(env, "poisoned"), "meta_000001.json")
+    meta = json.load(open(meta_path))
+    meta["checksums"]["model_000001.pt"] = file_checksum(path)
+    json.dump(meta, open(meta_path, "w"))
     for module, extra in (("scripts.sample", ["--prompt", "The"]), ("scripts.base_eval", ["--skip-core"])):
         p = run_script(module, ["--model-tag", "poisoned"] + extra, env, check=False)
         assert p.returncode == 1 and "Traceback" not in p.stderr, (module, p.stderr[-500:])

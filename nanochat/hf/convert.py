@@ -2,7 +2,8 @@
 Between nanochat checkpoints and Hugging Face folders (scripts/export_hf.py, import_hf.py). An export folder holds
 config.json with configuration_nanochat.py and modeling_nanochat.py (trust_remote_code), model.safetensors (sharded
 above MAX_SHARD_SIZE) in nanochat's tensor names, generation_config.json, tokenizer.json, tokenizer_config.json,
-README.md (model card) and nanochat_meta.json (the checkpoint's meta: an import resumes there).
+README.md (model card), nanochat_meta.json (the checkpoint's meta: an import resumes there) and checksums.json (every
+other file's, written last: an import refuses a file damaged since).
 
 The tokenizer: every split of every token into two tokens, ordered by the token's rank, is a merge list that merges as
 tiktoken's ranks do; ignore_merges keeps a pre-token that is a token whole, as tiktoken does.
@@ -10,12 +11,13 @@ tiktoken's ranks do; ignore_merges keeps a pre-token that is a token whole, as t
 
 import os
 import json
+import errno
 import math
 import shutil
 
 import torch
 
-from nanochat.common import UserError
+from nanochat.common import UserError, file_checksum
 from nanochat.gpt import GPTConfig, GPT, window_sizes, ROTARY_BASE, SOFTCAP
 from nanochat.tokenizer import Tokenizer, SPECIAL_TOKENS
 
@@ -68,15 +70,30 @@ def tokenizer_from_hf(directory):
     path = os.path.join(directory, "tokenizer.json")
     if not os.path.exists(path):
         raise ConvertError(f"no tokenizer.json in {directory}")
-    with open(path, encoding="utf-8") as f:
-        spec = json.load(f)
-    char_byte = {c: b for b, c in bytes_to_unicode().items()}
-    ranks = {bytes(char_byte[c] for c in s): i for s, i in spec["model"]["vocab"].items()}
-    specials = {t["content"]: t["id"] for t in spec["added_tokens"]}
-    split = [p for p in spec["pre_tokenizer"]["pretokenizers"] if p["type"] == "Split"]
-    if not split or set(specials) != set(SPECIAL_TOKENS):
-        raise ConvertError(f"{path} is not a nanochat export's tokenizer (no Split pre-tokenizer or other special tokens)")
-    return Tokenizer(ranks, split[0]["pattern"]["Regex"], specials)
+    try:
+        with open(path, encoding="utf-8") as f:
+            spec = json.load(f)
+        char_byte = {c: b for b, c in bytes_to_unicode().items()}
+        ranks = {bytes(char_byte[c] for c in s): i for s, i in spec["model"]["vocab"].items()}
+        specials = {t["content"]: t["id"] for t in spec["added_tokens"]}
+        split = [p for p in spec["pre_tokenizer"]["pretokenizers"] if p["type"] == "Split"]
+        if not split or set(specials) != set(SPECIAL_TOKENS):
+            raise ValueError("no Split pre-tokenizer, or other special tokens")
+        return Tokenizer(ranks, split[0]["pattern"]["Regex"], specials)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConvertError(f"{path} is not a nanochat export's tokenizer, or is damaged ({type(e).__name__}: "
+                           f"{str(e)[:200]})") from None
+
+
+def verify_export(directory):
+    """Every file checksums.json lists matches it (an export from before checksums: nothing to check)."""
+    path = os.path.join(directory, "checksums.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            for name, saved in json.load(f).items():
+                if not os.path.exists(file := os.path.join(directory, name)) or file_checksum(file) != saved:
+                    raise ConvertError(f"{file} is missing or no longer matches the checksum the export saved: "
+                                       f"export the checkpoint again")
 
 
 def check_state(state, config, source):
@@ -188,17 +205,33 @@ def export(model_state, meta, tok: Tokenizer, out_dir, dtype=torch.float32, core
     umask = os.umask(0)
     os.umask(umask)
     for filename, names in split.filename_to_tensors.items():
-        save_file({n: state[n] for n in names}, os.path.join(out_dir, filename), metadata={"format": "pt"})
+        try:
+            save_file({n: state[n] for n in names}, os.path.join(out_dir, filename), metadata={"format": "pt"})
+        except Exception as e:  # safetensors raises its own type over the OS's error (a full disk)
+            raise OSError(errno.EIO, str(e).splitlines()[0], os.path.join(out_dir, filename)) from e
         os.chmod(os.path.join(out_dir, filename), 0o666 & ~umask)  # safetensors writes 0600; readable as the rest
+    checksums = {name: file_checksum(os.path.join(out_dir, name)) for name in sorted(os.listdir(out_dir))}
+    with open(os.path.join(out_dir, "checksums.json"), "w") as f:
+        json.dump(checksums, f, indent=2)
     return sorted(split.filename_to_tensors)
 
 
 def load_export(directory):
     """(fp32 state in nanochat names, GPTConfig, meta) of an export folder."""
+    try:
+        return _load_export(directory)
+    except ConvertError:
+        raise
+    except Exception as e:  # a damaged file that no checksum listed (safetensors raises its own error type)
+        raise ConvertError(f"{directory} holds a damaged or foreign export ({type(e).__name__}: {str(e)[:200]})") from None
+
+
+def _load_export(directory):
     from safetensors.torch import load_file
     path = os.path.join(directory, "config.json")
     if not os.path.exists(path):
         raise ConvertError(f"no config.json in {directory}: pass a folder written by scripts.export_hf")
+    verify_export(directory)
     with open(path) as f:
         cfg = json.load(f)
     if cfg.get("model_type") != "nanochat":

@@ -124,6 +124,7 @@ def prepare_attention(config, window_sizes, device, dtype):
     for window in set(window_sizes):
         if window < T and (T, window, str(device)) not in KERNELS.block_masks:
             KERNELS.block_masks[T, window, str(device)] = sdpa.block_mask(T, window, device)
+            sdpa.prepare_flex()
     return "SDPA (cuDNN)" + (" + FlexAttention for the sliding windows" if min(window_sizes) < T else "")
 
 

@@ -8,7 +8,6 @@ most `window` keys (itself included); S > T when decoding with a KV cache (the q
   log-sum-exp, and its backward from the merged output and log-sum-exp (the section below says which blocks)
 """
 
-import functools
 
 import torch
 import torch.nn.functional as F
@@ -52,15 +51,20 @@ def block_mask(T, window, device):
     return create_block_mask(sliding_causal, B=None, H=None, Q_LEN=T, KV_LEN=T, device=device)
 
 
-@functools.cache
-def _flex_compiled():
-    """FlexAttention only runs fast compiled; compiled once, it is also fast inside an eager model."""
-    from torch.nn.attention.flex_attention import flex_attention as flex
-    return torch.compile(flex, dynamic=False)
+_flex = None  # FlexAttention compiled, by prepare_flex
+
+
+def prepare_flex():
+    """FlexAttention only runs fast compiled (and once compiled, also inside an eager model). Compiled here, before any
+    trace (kernels.prepare_attention): a cached builder called from a traced model makes Dynamo warn at every start."""
+    global _flex
+    if _flex is None:
+        from torch.nn.attention.flex_attention import flex_attention as flex
+        _flex = torch.compile(flex, dynamic=False)
 
 
 def flex_attention(q, k, v, mask):
-    return _flex_compiled()(q, k, v, block_mask=mask, enable_gqa=q.size(1) != k.size(1))
+    return _flex(q, k, v, block_mask=mask, enable_gqa=q.size(1) != k.size(1))
 
 
 # --- one block of the ring (context_parallel.py): q (B, H, T, D), k/v (B, H, S, D) with equal head counts ----------
