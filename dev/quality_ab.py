@@ -46,7 +46,6 @@ run i of B against run i of A differs only after N), e.g. a context extension fo
 import os
 import re
 import sys
-import time
 import shlex
 import shutil
 import statistics
@@ -62,26 +61,9 @@ TRAIN = ["--depth=12", "--window-pattern=L", "--device-batch-size=32", "--total-
 TOK_FROM_STEP = 10  # tok/s from here on: the steps before include compilation
 
 
-def side_spec(args, side):
-    tree = runs.check_tree(getattr(args, f"{side}_tree"), f"--{side}-tree")
-    env = {}
-    for item in getattr(args, f"{side}_env"):
-        key, eq, value = item.partition("=")
-        if not eq or not key:
-            fail(f"--{side}-env {item!r}: expected KEY=VALUE")
-        env[key] = value
-    extra = shlex.split(getattr(args, f"{side}_args"))
-    name = " ".join([os.path.basename(tree)] + [f"{k}={v}" for k, v in env.items()] + extra)
-    return dict(tree=tree, env=env, extra=extra, name=name)
-
-
 def main(argv=None):
     parser = runs.argument_parser(__doc__)
-    for side in ("a", "b"):
-        parser.add_argument(f"--{side}-tree", type=str, default=".", help=f"side {side.upper()}: checkout to run in")
-        parser.add_argument(f"--{side}-env", action="append", default=[], metavar="KEY=VALUE",
-                            help=f"side {side.upper()}: an environment setting (repeatable)")
-        parser.add_argument(f"--{side}-args", type=str, default="", help=f"side {side.upper()}: extra base_train flags, one string")
+    runs.add_side_args(parser)
     parser.add_argument("--b-from-a-step", type=int, default=-1, metavar="N",
                         help="each B run resumes its A run's checkpoint of step N with B's flags (-1: B runs from scratch)")
     parser.add_argument("--runs", type=int, default=4, help="runs per side")
@@ -96,7 +78,7 @@ def main(argv=None):
     parser.add_argument("--timeout", type=int, default=1200, help="seconds one run may take")
     args = parser.parse_args(argv)
 
-    sides = {"A": side_spec(args, "a"), "B": side_spec(args, "b")}
+    sides = {"A": runs.side_spec(args, "a"), "B": runs.side_spec(args, "b")}
     gpus = [g for g in args.gpus.split(",") if g]
     for s, spec in sides.items():
         print(f"side {s}: {spec['name']}")
@@ -110,40 +92,40 @@ def main(argv=None):
 
     # alternate, so that drift hits both sides alike; a forked B run is queued when its A run has saved step N
     queue = [(s, i) for i in range(args.runs) for s in ("A", "B") if s == "A" or fork == -1]
-    running = {}  # slot (an index into gpus) -> (side, run index, job)
     results = {"A": [], "B": []}  # [val bpb, median tok/s, run index, scored bpbs (None where failed)]
     scoring = concurrent.futures.ThreadPoolExecutor(max_workers=len(gpus))  # beside the runs: each is one process
-    while queue or running:
-        for slot, gpu in enumerate(gpus):
-            if slot not in running and queue:
-                s, i = queue.pop(0)
-                spec = sides[s]
-                resume = [f"--resume-from-step={fork}"] if s == "B" and fork > 0 else []
-                job = runs.start(flags + spec["extra"] + resume, f"quality_ab_{s}{i}", tree=spec["tree"],
-                                 env={**runs.data_env(args), **spec["env"]}, gpus=[gpu], timeout=args.timeout,
-                                 log=os.path.join(args.log_dir, f"{s}{i}.log"))
-                print(f"== {s}{i} on GPU {gpu}: {' '.join(job.cmd[1:])} (in {spec['tree']}; log {job.log_path})", flush=True)
-                running[slot] = (s, i, job)
-        time.sleep(5)
-        for slot in [k for k, (_, _, job) in running.items() if job.done()]:
-            s, i, job = running.pop(slot)
-            try:
-                summary = runs.summary(job.run(), tok_from[s])
-            except runs.RunFailed as e:
-                print(f"   {s}{i}: failed: {e}", flush=True)
-                continue
-            if s == "A" and fork > 0:  # B's run i starts from this one's step N, in a folder of its own
-                copy_step(runs.checkpoint_folder(side_env(args, sides["A"]), job.model_tag),
-                          runs.checkpoint_folder(side_env(args, sides["B"]), f"quality_ab_B{i}"), fork)
-                queue.insert(0, ("B", i))
-            if summary["val_bpb"] is None:
-                print(f"   {s}{i}: failed: no val bpb recorded (see {job.log_path})", flush=True)
-                continue
-            tok = summary["tok_per_sec"]
-            scored = scoring.submit(score, args, sides[s], job, gpus[slot]) if args.score else None
-            results[s].append([summary["val_bpb"], tok, i, scored])
-            print(f"   {s}{i}: val bpb {summary['val_bpb']:.6f} (epoch {summary['epoch']}), "
-                  f"{f'{tok:,.0f}' if tok else '?'} tok/s", flush=True)
+
+    def launch(task, gpu):
+        s, i = task
+        spec = sides[s]
+        resume = [f"--resume-from-step={fork}"] if s == "B" and fork > 0 else []
+        job = runs.start(flags + spec["extra"] + resume, f"quality_ab_{s}{i}", tree=spec["tree"],
+                         env={**runs.data_env(args), **spec["env"]}, gpus=[gpu], timeout=args.timeout,
+                         log=os.path.join(args.log_dir, f"{s}{i}.log"))
+        print(f"== {s}{i} on GPU {gpu}: {' '.join(job.cmd[1:])} (in {spec['tree']}; log {job.log_path})", flush=True)
+        return job
+
+    def finished(task, job, gpu):
+        s, i = task
+        try:
+            summary = runs.summary(job.run(), tok_from[s])
+        except runs.RunFailed as e:
+            print(f"   {s}{i}: failed: {e}", flush=True)
+            return
+        if s == "A" and fork > 0:  # B's run i starts from this one's step N, in a folder of its own
+            copy_step(runs.checkpoint_folder(side_env(args, sides["A"]), job.model_tag),
+                      runs.checkpoint_folder(side_env(args, sides["B"]), f"quality_ab_B{i}"), fork)
+            queue.insert(0, ("B", i))
+        if summary["val_bpb"] is None:
+            print(f"   {s}{i}: failed: no val bpb recorded (see {job.log_path})", flush=True)
+            return
+        tok = summary["tok_per_sec"]
+        scored = scoring.submit(score, args, sides[s], job, gpu) if args.score else None
+        results[s].append([summary["val_bpb"], tok, i, scored])
+        print(f"   {s}{i}: val bpb {summary['val_bpb']:.6f} (epoch {summary['epoch']}), "
+              f"{f'{tok:,.0f}' if tok else '?'} tok/s", flush=True)
+
+    runs.run_queue(queue, gpus, launch, finished)
     for s in results:
         for r in results[s]:
             r[3] = r[3].result() if r[3] is not None else []

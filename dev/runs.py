@@ -23,6 +23,7 @@ import shutil
 import sys
 import json
 import time
+import shlex
 import argparse
 import statistics
 import subprocess
@@ -61,6 +62,29 @@ def data_env(args):
     """The environment settings of add_data_args' flags."""
     return {var: os.path.abspath(path) for path, var in ((args.data_dir, "NANOCHAT_DATA_DIR"),
                                                           (args.base_dir, "NANOCHAT_BASE_DIR")) if path}
+
+
+def add_side_args(parser):
+    """The two sides of a comparison: each a checkout, environment settings and extra base_train flags."""
+    for side in ("a", "b"):
+        parser.add_argument(f"--{side}-tree", type=str, default=".", help=f"side {side.upper()}: checkout to run in")
+        parser.add_argument(f"--{side}-env", action="append", default=[], metavar="KEY=VALUE",
+                            help=f"side {side.upper()}: an environment setting (repeatable)")
+        parser.add_argument(f"--{side}-args", type=str, default="", help=f"side {side.upper()}: extra base_train flags, one string")
+
+
+def side_spec(args, side):
+    """A side of add_side_args: {tree, env, extra (flags), name (for tables)}."""
+    tree = check_tree(getattr(args, f"{side}_tree"), f"--{side}-tree")
+    env = {}
+    for item in getattr(args, f"{side}_env"):
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            sys.exit(f"--{side}-env {item!r}: expected KEY=VALUE")
+        env[key] = value
+    extra = shlex.split(getattr(args, f"{side}_args"))
+    name = " ".join([os.path.basename(tree)] + [f"{k}={v}" for k, v in env.items()] + extra)
+    return dict(tree=tree, env=env, extra=extra, name=name)
 
 
 def check_tree(path, flag):
@@ -174,6 +198,23 @@ def start(flags, model_tag, tree=REPO, env=None, nproc=1, gpus=None, log=None, t
     metrics = metrics_file(env, model_tag) if os.path.exists(os.path.join(tree, "nanochat", "run_log.py")) else None
     log = os.path.abspath(log or f"{model_tag}.log")
     return Job([sys.executable] + launcher + module, tree, env, list(flags), model_tag, log, timeout, metrics)
+
+
+def run_queue(queue, gpus, launch, finished, deadline=None):
+    """Run the tasks of `queue` (a list; finished may add to it) over GPU slots, one at a time per slot (a GPU named
+    twice in `gpus` runs two): launch(task, gpu) starts a task's Job, finished(task, job, gpu) takes it when it ends.
+    No task starts after time.time() `deadline`; returns the tasks left in the queue."""
+    running = {}  # slot (an index into gpus) -> (task, job)
+    while running or (queue and (deadline is None or time.time() < deadline)):
+        for slot, gpu in enumerate(gpus):
+            if slot not in running and queue and (deadline is None or time.time() < deadline):
+                task = queue.pop(0)
+                running[slot] = (task, launch(task, gpu))
+        time.sleep(1 if running else 0)
+        for slot in [k for k, (_, job) in running.items() if job.done()]:
+            task, job = running.pop(slot)
+            finished(task, job, gpus[slot])
+    return queue
 
 
 # -----------------------------------------------------------------------------

@@ -176,8 +176,8 @@ def print0(*args, **kwargs):
 
 
 def print_rank(layout, *args):
-    """print on every rank, prefixed with its place in the grid, e.g. `[dp=0 tp=1] ...`."""
-    print(layout.tag(), *args, flush=True)
+    """print on every rank, prefixed with its place in the grid, e.g. `[dp=0 tp=1] ...` (one process: no prefix)."""
+    print(*[layout.tag()] * (layout.world_size > 1), *args, flush=True)
 
 
 def fail(msg, every_rank=False):

@@ -102,6 +102,7 @@ def parse_args(argv=None):
     add("--resume-on-new-data", action="store_true", help="resume although the data folder's shards differ from "
                                                           "those the checkpoint was trained on, reading them from the start")
     add("--model-tag", type=str, default=None, help="checkpoint folder name (default: d<depth>)")
+    add("--seed", type=int, default=42, help="random seed: the initial weights differ with it, the data order does not")
     add("--compile", type=int, default=-1, help="torch.compile the model and optimizer (-1 = on CUDA only)")
     add("--recompute", type=str, default="none", choices=RECOMPUTE_MODES,
         help="activation recompute in training: none; selective: each block but its attention and MLP first product; "

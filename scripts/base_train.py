@@ -133,8 +133,7 @@ class Run:
                                       compile="inductor" if use_compile else None)
         for line in self.trainer.describe(args.pp_print_schedule):
             print0(line)
-        local = f"local parameters: {sum(p.numel() for p in self.trainer.model.parameters()):,}"
-        print_rank(layout, local) if layout.world_size > 1 else print0(local)
+        print_rank(layout, f"local parameters: {sum(p.numel() for p in self.trainer.model.parameters()):,}")
         # the loop state and data position, fresh or from the checkpoint
         loop = meta["loop_state"] if meta is not None else {}
         self.step, self.smooth_loss = loop.get("step", 0), loop.get("smooth_loss", 0.0)
@@ -416,7 +415,8 @@ def main(argv=None):
     lock = watch = plan = None
     try:
         kernels.set_mode(args.kernels)
-        layout, device = compute_init(args.device_type, tp=args.tp, pp=args.pp, cp=args.cp, timeout_s=args.dist_timeout)
+        layout, device = compute_init(args.device_type, tp=args.tp, pp=args.pp, cp=args.cp, seed=args.seed,
+                                      timeout_s=args.dist_timeout)
         watch = Watchdog(layout.rank, args.dist_timeout if layout.world_size > 1 else None, hang_report_dir())
         plan = make_plan(args, layout, device)
         # before anything is written there; a checkpoint: fp32 weights and at most two fp32 moments a parameter

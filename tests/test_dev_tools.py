@@ -5,6 +5,7 @@ ratios (to bf16, to one GPU, to the ideal pipeline step) and the loss agreement 
 results."""
 
 import os
+import re
 import json
 import importlib
 
@@ -18,7 +19,7 @@ TOOLS = sorted(f[:-3] for f in os.listdir(os.path.join(REPO, "dev"))
 
 def test_every_tool_has_main_and_a_help_that_runs_nothing(capsys):
     assert {"bench_train", "bench_kernels", "bench_recompute", "profile_step", "quality_ab", "vs_upstream",
-            "score_bpb", "comm_model", "plot_scaling", "pipeline_sim"} <= set(TOOLS)
+            "score_bpb", "comm_model", "plot_scaling", "pipeline_sim", "ladder"} <= set(TOOLS)
     for tool in TOOLS:
         module = importlib.import_module(f"dev.{tool}")
         assert callable(getattr(module, "main", None)), tool
@@ -47,6 +48,40 @@ def test_runs_launches_base_train_and_reads_its_metrics(env, tmp_path):
         raise AssertionError("a bf16 fallback was read as an fp8 run")
     except runs.RunFailed as e:
         assert "--fp8 fell back to bf16" in str(e)
+
+
+def test_ladder_goes_on_where_a_part_stopped_and_prices_b_on_a_ladder(env, tmp_path, monkeypatch, capsys):
+    """Three depths, one seed a side, in two parts: the first starts one run (--stop-after), the second the five
+    left; the table has every depth and side, and B's multipliers read off A's ladder; the plot is written."""
+    from dev import ladder
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    argv = ["--depths", "1,2,3", "--ratio", "0.02", "--eval-tokens", "512", "--out", str(tmp_path),
+            "--b-args=--matrix-lr=0.05",
+            "--args=--device-type=cpu --aspect-ratio=32 --head-dim=32 --max-seq-len=64 --device-batch-size=4 "
+            "--total-batch-size=512 --warmup-steps=1"]
+    launched = lambda out: sum(line.startswith("== ") for line in out.splitlines())
+    ladder.main(argv + ["--stop-after", "0.001"])
+    out = capsys.readouterr().out
+    assert launched(out) == 1 and "with 5 runs to go: run the same command again" in out
+    ladder.main(argv)
+    out = capsys.readouterr().out
+    assert "1 runs; to go: 5" in out and launched(out) == 5
+    rows = {tuple(c.strip() for c in line.split("|")[1:3]): line
+            for line in out.splitlines() if re.match(r"\| d\d", line)}
+    assert sorted(rows) == [(f"d{d}", s) for d in (1, 2, 3) for s in "AB"]
+    assert all(re.search(r"\| [~*]?\d+\.\d\d \| [~*]?\d+\.\d\d \|$", rows[(f"d{d}", "B")]) for d in (1, 2, 3))
+    assert os.path.getsize(tmp_path / "ladder.png") > 0 and len(open(tmp_path / "results.jsonl").readlines()) == 6
+    with pytest.raises(SystemExit, match="the sides must score the same bytes"):
+        ladder.main(argv + ["--a-args=--max-seq-len=128"])
+
+
+def test_ladder_reads_b_off_a_s_ladder():
+    from dev.ladder import equivalent
+    falling = [(0.0, 3.0), (1.0, 2.0), (2.0, 1.5)]  # (log FLOPs, bpb) by depth
+    assert equivalent(falling, 2.5) == (0.5, "")
+    assert equivalent(falling, 1.25) == (2.5, "~")  # beyond the top: the last segment's slope
+    x, mark = equivalent([(0.0, 3.0), (1.0, 3.1), (2.0, 1.0)], 2.0)  # a noisy ladder: the least-squares line
+    assert mark == "*" and x == pytest.approx(1 + (2.0 - 7.1 / 3) / -1.0)
 
 
 OLD_LOG = """attention: SDPA (cuDNN)
