@@ -106,10 +106,7 @@ train() {
     local resume=()
     local ckpt="$NANOCHAT_BASE_DIR/base_checkpoints/$MODEL_TAG"
     if ls "$ckpt"/meta_*.json >/dev/null 2>&1; then
-        local last
-        last=$(ls "$ckpt"/meta_*.json | sed -E 's/.*meta_0*([0-9]+)\.json/\1/' | sort -n | tail -1)
-        echo "resuming $MODEL_TAG from step $last"
-        resume=(--resume-from-step "$last")
+        resume=(--resume-from-step latest)
     elif [ -e "$ckpt/metrics.jsonl" ]; then  # a run that ended before its first checkpoint: start again
         resume=(--start-over)
     fi

@@ -13,6 +13,7 @@ import sys
 import time
 import threading
 import traceback
+import contextlib
 import faulthandler
 
 
@@ -33,6 +34,12 @@ class Watchdog:
         self.step, self.phase_name, self.since, self.last_collective = None, "start-up", time.time(), "none yet"
         self._reported = None  # the (step, phase, since) already reported
         self._stop = threading.Event()
+        # the first rank of this run to fail creates it and prints the run's one line; one left by an earlier run
+        # under the same id (torchrun's default --rdzv-id is "none") is removed at start, once per node
+        self.failed_marker = os.path.join(report_dir, f"failed_{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}")
+        if timeout_s is not None and os.environ.get("LOCAL_RANK", "0") == "0":
+            with contextlib.suppress(OSError):
+                os.remove(self.failed_marker)
         if timeout_s is not None:
             self._poll_s = poll_s or min(10.0, max(0.5, timeout_s / 10))
             threading.Thread(target=self._watch, name="nanochat-watchdog", daemon=True).start()
@@ -65,14 +72,14 @@ class Watchdog:
 
     def fail(self, error, hint=lambda: ""):
         """Exit 1 on an exception that ends this rank (under torchrun), printing one line if this is the first rank
-        of the run to report (an O_EXCL file in report_dir; hint(): where to resume); the traceback goes to this
+        of the run to report (failed_marker, created with O_EXCL; hint(): where to resume); the traceback goes to this
         rank's file, and a collective that timed out gets the hang report (the record and every thread's stack)."""
-        line = self.failure(error, os.environ.get("TORCHELASTIC_RUN_ID", "run"), hint)
+        line = self.failure(error, hint)
         if line:
             print(f"ERROR: {line}", flush=True)
         sys.exit(1)
 
-    def failure(self, error, run_id, hint):
+    def failure(self, error, hint):
         text, kind = str(error).strip(), type(error).__name__
         if "timed out" in text.lower() or "timeout" in kind.lower():
             self.report(f"FAILED with {kind} in")
@@ -85,7 +92,7 @@ class Watchdog:
         with open(os.path.join(self.report_dir, f"rank{self.rank}.txt"), "a") as f:
             f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} FAILED {self.describe()}\n{traceback.format_exc()}")
         try:
-            os.close(os.open(os.path.join(self.report_dir, f"failed_{run_id}"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            os.close(os.open(self.failed_marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         except FileExistsError:
             return None
         return (f"rank {self.rank} stopped at step {self.step} in '{self.phase_name}': {why}; traceback in "

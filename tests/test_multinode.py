@@ -154,3 +154,23 @@ time.sleep(30)
     assert "last collective: loss all-reduce over DP" in text and 'File "<string>"' in text  # the stacks
     assert f"GIVING UP (exit 1) after twice --dist-timeout 0.5s in {record}" in p.stderr
     assert text.count("HANG?") == 1 and "optimizer step" not in text
+
+
+def test_one_failure_line_per_run_though_an_earlier_run_left_its_marker(tmp_path, monkeypatch):
+    """Under one torchrun id the first rank to fail prints the run's line, the next prints none; a marker an
+    earlier run left under the same id (torchrun's default --rdzv-id is "none") is cleared when a run starts."""
+    from nanochat.watchdog import Watchdog
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    (tmp_path / "failed_none").write_text("")  # left by the last run under this id
+    watches = [Watchdog(rank, timeout_s=60, report_dir=str(tmp_path)) for rank in (0, 1)]
+    try:
+        watches[1].phase("optimizer step", step=5)
+        line = watches[1].failure(RuntimeError("boom"), lambda: "step 4 is intact there")
+        assert line == (f"rank 1 stopped at step 5 in 'optimizer step': RuntimeError: boom; traceback in "
+                        f"{tmp_path}/rank1.txt; step 4 is intact there")
+        assert watches[0].failure(RuntimeError("Connection reset by peer"), lambda: "") is None
+        assert "FAILED rank 0" in (tmp_path / "rank0.txt").read_text()
+    finally:
+        for w in watches:
+            w.stop()

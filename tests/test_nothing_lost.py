@@ -132,7 +132,7 @@ def test_a_refused_rename_and_a_small_disk_are_one_line_and_leave_nothing(env, m
     import safetensors.torch
 
     def full_disk(*a, **k):
-        raise RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")
+        raise safetensors.SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
     monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
     out = os.path.join(env["NANOCHAT_BASE_DIR"], "hf_full")
     p = run_script("scripts.export_hf", ["--model-tag", "refused", "--out", out], env, check=False)

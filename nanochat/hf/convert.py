@@ -160,6 +160,7 @@ def export(model_state, meta, tok: Tokenizer, out_dir, dtype=torch.float32, core
     """Write an export folder from a checkpoint's full tensors and meta. Returns the weight files."""
     from transformers import GenerationConfig
     from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
     from nanochat.hf.configuration_nanochat import NanochatConfig
     from nanochat.l3 import default_n_emb
@@ -207,7 +208,7 @@ def export(model_state, meta, tok: Tokenizer, out_dir, dtype=torch.float32, core
     for filename, names in split.filename_to_tensors.items():
         try:
             save_file({n: state[n] for n in names}, os.path.join(out_dir, filename), metadata={"format": "pt"})
-        except Exception as e:  # safetensors raises its own type over the OS's error (a full disk)
+        except SafetensorError as e:  # safetensors' own type over the OS's error (a full disk)
             raise OSError(errno.EIO, str(e).splitlines()[0], os.path.join(out_dir, filename)) from e
         os.chmod(os.path.join(out_dir, filename), 0o666 & ~umask)  # safetensors writes 0600; readable as the rest
     checksums = {name: file_checksum(os.path.join(out_dir, name)) for name in sorted(os.listdir(out_dir))}
@@ -218,11 +219,12 @@ def export(model_state, meta, tok: Tokenizer, out_dir, dtype=torch.float32, core
 
 def load_export(directory):
     """(fp32 state in nanochat names, GPTConfig, meta) of an export folder."""
+    from safetensors import SafetensorError
     try:
         return _load_export(directory)
-    except ConvertError:
+    except UserError:
         raise
-    except Exception as e:  # a damaged file that no checksum listed (safetensors raises its own error type)
+    except (OSError, ValueError, KeyError, TypeError, SafetensorError) as e:  # a damaged file no checksum listed
         raise ConvertError(f"{directory} holds a damaged or foreign export ({type(e).__name__}: {str(e)[:200]})") from None
 
 
