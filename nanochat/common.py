@@ -77,7 +77,7 @@ def atomic_write_bytes(path, data: bytes):
 
 def file_checksum(path):
     """CRC-32 of a file, which checkpoints, the tokenizer and exports record at save and check at load: it catches a
-    damaged or truncated file (not an attack: loading unpickles nothing) at about 3x SHA-256's speed (7 GB/s on one core)."""
+    damaged or truncated file (not an attack: loading unpickles nothing) at about 3x SHA-256's speed (7 GB/s a core)."""
     crc = 0
     with open(path, "rb") as f:
         while chunk := f.read(1 << 24):
