@@ -13,8 +13,8 @@ The configurations, one set per call:
               0..n-1 of --gpus (window L unless named):
                 TP  d32 (device batch 8) and d20 (16), 131,072-token steps: one GPU, --tp 2,
                     --tp 2 --sequence-parallel
-                PP  d26, micro-batches of 8 x 2048, m = 4 or 16 per step: one GPU, --pp 2 and --pp 4 (m = 16
-                    only: 4 micro-batches over 4 stages are mostly bubble), each with 1f1b and gpipe;
+                PP  d26, micro-batches of 8 x 2048, m = 8 or 16 per step: one GPU, --pp 2 and --pp 4, each with
+                    1f1b, gpipe and interleaved (V=2);
                     ideal step = one-GPU step / p x (m + p - 1) / m (the bubble of p stages over m micro-batches)
                 CP  d12 at 32,768 tokens a sequence (device batch 4), 262,144-token steps, windows SSSL and L:
                     one GPU, --cp 2
@@ -109,15 +109,15 @@ def parallel_configs():
                                     (f"d{depth} TP=2 SP", 2, ["--tp", "2", "--sequence-parallel"])):
             configs.append(Config(label, depth, b, 131072, steps, warmup, ["--window-pattern", "L"] + flags, nproc,
                                   baseline=one if nproc > 1 else "", baseline_name="one GPU"))
-    for m in (4, 16):
+    for m in (8, 16):
         one = f"d26 m={m} one GPU"
         configs.append(Config(one, 26, 8, 8 * 2048 * m, steps, warmup, ["--window-pattern", "L"]))
         for p in (2, 4):
-            if p == 4 and m == 4:
-                continue  # 4 micro-batches over 4 stages is mostly bubble
-            for schedule in ("1f1b", "gpipe"):
-                configs.append(Config(f"d26 m={m} PP={p} {schedule}", 26, 8, 8 * 2048 * m, steps, warmup,
-                                      ["--window-pattern", "L", "--pp", str(p), "--pp-schedule", schedule], p,
+            for schedule, virtual in (("1f1b", 1), ("gpipe", 1), ("interleaved", 2)):
+                name = "interleaved V=2" if virtual > 1 else schedule
+                configs.append(Config(f"d26 m={m} PP={p} {name}", 26, 8, 8 * 2048 * m, steps, warmup,
+                                      ["--window-pattern", "L", "--pp", str(p), "--pp-schedule", schedule,
+                                       "--pp-virtual", str(virtual)], p,
                                       baseline=one, baseline_name="one GPU", stages=p, microbatches=m))
     for window in ("SSSL", "L"):
         one, flags = f"d12 32K {window} one GPU", ["--max-seq-len", "32768", "--window-pattern", window]

@@ -3,18 +3,17 @@ Pipeline schedules in time: replays the action lists that nanochat.pipeline_sche
 rank (what train_step runs) with nanochat.pipeline_schedules.simulate, and prints the step time, each rank's idle
 fraction and the most micro-batch chunks each rank holds alive (peak_in_flight, what train_step measures).
 
-    python -m dev.pipeline_sim --schedule zb --stages 4 --microbatches 8             # unit times: the timeline
+    python -m dev.pipeline_sim --schedule 1f1b --stages 4 --microbatches 8           # unit times: the timeline
     python -m dev.pipeline_sim --measure 26 --out d26.json                            # one GPU: every block's times
     python -m dev.pipeline_sim --times d26.json --table                               # p x m x schedule, priced
     python -m dev.pipeline_sim --times d26.json --schedule 1f1b --stages 4 --microbatches 16
 
---measure times, on one GPU in bf16, the forward (F) and the whole backward of every block, the embedding and the
-head with its loss, then with the linears recording as under zb their forward, input-gradient backward (B) and
-weight-gradient pass (W), on micro-batches of --batch x --seq tokens (window L; --compile inductor: each block and
-the loss compiled, as training compiles them with overlapped reduction), and the bytes each forward saves. --times sums them into each chunk of the layout (pipeline_parallel.split_stages,
-as training splits): F, and B = the whole backward, or under zb B and W. A message between ranks takes --p2p-ms, or
-(by default) the bytes of one boundary (x, x0, ids; gradients: x, x0) over --p2p-gbps.
-The ideal step is every chunk's work over p ranks: m x sum(F + B (+ W)) / p.
+--measure times, on one GPU in bf16, the forward (F) and the backward (B) of every block, the embedding and the head
+with its loss, on micro-batches of --batch x --seq tokens (window L; --compile inductor: each block and the loss
+compiled, as training compiles them with overlapped reduction), and the bytes each forward saves. --times sums them
+into each chunk of the layout (pipeline_parallel.split_stages, as training splits). A message between ranks takes
+--p2p-ms, or (by default) the bytes of one boundary (x, x0, ids; gradients: x, x0) over --p2p-gbps.
+The ideal step is every chunk's work over p ranks: m x sum(F + B) / p.
 """
 
 import argparse
@@ -47,16 +46,14 @@ def draw(timeline):
 
 def measure(depth, batch, seq, reps, compile_backend=None):
     """Per block (and the embedding, the head): median ms of F and the whole backward, the bytes of the tensors its
-    forward saves, then with the linears recording as under zb: F again ("F_zb"), B and W; on this machine's GPU
-    (bf16; the CPU in fp32 without one). compile_backend: each block and the loss compiled as training compiles
-    them with overlapped reduction (under zb the linears then run between the graphs)."""
+    forward saves, on this machine's GPU (bf16; the CPU in fp32 without one). compile_backend: each block and the
+    loss compiled as training compiles them with overlapped reduction."""
     import time
     import torch
-    from types import SimpleNamespace
     from nanochat import kernels
     from nanochat.gpt import Residual, build_model
     from nanochat.recipe import config_for_depth
-    from nanochat.pipeline_parallel import carried, backward_input, backward_weight, record_linears
+    from nanochat.pipeline_parallel import carried
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -68,7 +65,6 @@ def measure(depth, batch, seq, reps, compile_backend=None):
         for block in model.blocks:
             block.compile(dynamic=False, backend=compile_backend)
         model.criterion.compile(dynamic=False, backend=compile_backend)
-    holder = SimpleNamespace(_recording=None)
     idx = torch.randint(0, config.vocab_size, (batch, seq), device=device)
 
     def timed(fn, prepare=lambda: None):
@@ -86,27 +82,23 @@ def measure(depth, batch, seq, reps, compile_backend=None):
     def leaf():
         return torch.randn(model.embed(idx).x.shape, device=device, dtype=dtype, requires_grad=True)
 
-    parts = []  # (where the result goes, forward() -> output tensors, its carried inputs, its parameters)
+    parts = []  # (where the result goes, forward() -> output tensors)
     results = {"depth": depth, "batch": batch, "seq": seq, "n_embd": config.n_embd, "compile": compile_backend,
                "blocks": [{} for _ in range(depth)], "embed": {}, "head": {}}
     for i in range(depth):
         x, x0 = leaf(), leaf()
         parts.append((results["blocks"][i], lambda i=i, x=x, x0=x0: carried(
-            model.run_blocks(Residual(x, x0, None), idx, i, i + 1), False), (x, x0), list(model.blocks[i].parameters())))
-    parts.append((results["embed"], lambda: carried(model.embed(idx), False), (),
-                  [model.wte.weight, model.smear_gate.weight, model.smear_lambda]))
+            model.run_blocks(Residual(x, x0, None), idx, i, i + 1), False)))
+    parts.append((results["embed"], lambda: carried(model.embed(idx), False)))
     x = leaf()
-    parts.append((results["head"], lambda: [model.head(Residual(x, x, None), idx)], (x,), [model.lm_head.weight]))
+    parts.append((results["head"], lambda: [model.head(Residual(x, x, None), idx)]))
     state = {}
 
-    def run_forward(forward, record=False):
-        holder._recording = [] if record else None
-        state["outputs"], state["recorded"] = forward(), holder._recording
-        holder._recording = None
-        out = state["outputs"]
+    def run_forward(forward):
+        state["outputs"] = out = forward()
         state["grads"] = None if out[0].ndim == 0 else [torch.randn_like(o) for o in out]
 
-    for result, forward, inputs, params in parts:  # as 1F1B runs them
+    for result, forward in parts:  # as 1F1B runs them
         saved = {}  # storage -> bytes, of the tensors autograd saves in one forward
 
         def pack(t):
@@ -118,19 +110,6 @@ def measure(depth, batch, seq, reps, compile_backend=None):
         result["F"] = timed(lambda: run_forward(forward))
         result["backward"] = timed(lambda: torch.autograd.backward(state["outputs"], state["grads"]),
                                    lambda: run_forward(forward))
-    record_linears(model, holder)  # as zb runs them
-    if compile_backend:
-        torch._dynamo.reset()  # the blocks compile again, with the recording linears between their graphs
-        torch._functorch.config.donated_buffer = False  # as training.compile_for_training sets it under zb
-
-    def b_pass(inputs, params):
-        backward_input(state["outputs"], state["grads"], list(inputs), state["recorded"], params)
-
-    for result, forward, inputs, params in parts:
-        result["F_zb"] = timed(lambda: run_forward(forward, record=True))
-        result["B"] = timed(lambda: b_pass(inputs, params), lambda: run_forward(forward, record=True))
-        result["W"] = timed(lambda: backward_weight(state["recorded"]),
-                            lambda: (run_forward(forward, record=True), b_pass(inputs, params)))
     for i, r in enumerate(results["blocks"]):
         print(f"block {i}: " + ", ".join(f"{k} {v:.3f}" if k != "bytes" else f"{v / 2**20:.0f} MiB"
                                          for k, v in r.items()), flush=True)
@@ -138,7 +117,7 @@ def measure(depth, batch, seq, reps, compile_backend=None):
     return results
 
 
-def chunk_durations(measured, p, virtual, zb):
+def chunk_durations(measured, p, virtual):
     """({(kind, chunk): ms}, [saved bytes per chunk]) for the p x virtual chunks training would cut (split_stages on the FLOP costs)."""
     import torch
     from nanochat.gpt import GPT
@@ -152,18 +131,15 @@ def chunk_durations(measured, p, virtual, zb):
     for c, (a, b) in enumerate(bounds):
         parts = measured["blocks"][a:b] + ([measured["embed"]] if c == 0 else []) + \
             ([measured["head"]] if c == len(bounds) - 1 else [])
-        times["F", c] = sum(t["F_zb" if zb else "F"] for t in parts)
-        if zb:
-            times["B", c], times["W", c] = sum(t["B"] for t in parts), sum(t["W"] for t in parts)
-        else:
-            times["B", c] = sum(t["backward"] for t in parts)
+        times["F", c] = sum(t["F"] for t in parts)
+        times["B", c] = sum(t["backward"] for t in parts)
     kept = [sum(t["bytes"] for t in measured["blocks"][a:b]) for a, b in bounds]
     return times, kept
 
 
 def price(measured, schedule, p, m, virtual, p2p_ms):
     """Simulated step (ms), its ideal, each rank's idle fraction and peak activation GiB."""
-    times, kept = chunk_durations(measured, p, virtual, schedule == "zb")
+    times, kept = chunk_durations(measured, p, virtual)
     actions = [stage_actions(schedule, p, m, r, virtual) for r in range(p)]
     timeline = simulate(actions, lambda a: times[a[0], a[2]], p2p_ms)
     ideal = m * sum(times.values()) / p
@@ -183,7 +159,7 @@ def table(measured, p2p_ms):
             "peak activations per rank (GiB, max) |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for p in (4, 8):
         for m in (8, 16, 32):
-            for schedule, virtual in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 4), ("zb", 1)):
+            for schedule, virtual in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 4)):
                 if p * virtual > measured["depth"] or (schedule == "interleaved" and m % p):
                     continue
                 step, ideal, idle, peak = price(measured, schedule, p, m, virtual, p2p_ms)
@@ -234,7 +210,7 @@ def main(argv=None):
         return
     actions = [stage_actions(args.schedule, p, m, r, virtual) for r in range(p)]
     timeline = simulate(actions, lambda a: 1.0 / virtual, args.p2p_ms or 0.0)
-    print(f"{args.schedule}, p={p}, m={m}, V={virtual}, F = B = W = {1 / virtual:g}; idle at equal times "
+    print(f"{args.schedule}, p={p}, m={m}, V={virtual}, F = B = {1 / virtual:g}; idle at equal times "
           f"{idle_formula(args.schedule, p, m, virtual):.3f}; micro-batch chunks alive at most: "
           f"{peak_in_flight(actions)}")
     if virtual == 1 and not args.p2p_ms:

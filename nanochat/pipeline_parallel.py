@@ -15,19 +15,8 @@ holds only its own parameters, under their global names (checkpoints stay layout
 go gpt.Residual (x, x0, and x_mid once past the middle) and the token ids (value embeddings and L3 look them up);
 back go the gradients of the Residual.
 
-Schedules are lists of actions per rank (pipeline_schedules.py: gpipe, 1f1b, interleaved, zb), which train_step
+Schedules are lists of actions per rank (pipeline_schedules.py: gpipe, 1f1b, interleaved), which train_step
 runs in order, each action as soon as its input has come, the messages posted in the one order message_order gives.
-
-How zb splits a backward: during the forward, each linear's output y is kept (record_linears; under torch.compile
-the linears run outside the graphs, as graph breaks, so that y is a tensor autograd can stop at). B is one
-backward to the chunk's inputs, the kept y's and the parameters that are no linear's weight (autograd computes
-only what leads there: the matmuls give dx, not dW). W is one backward from each kept y, with its gradient, to
-that linear's weight: the dW half of the matmul. Both are autograd's own formulas, so zb's gradients are bitwise
-those of one backward. Where one autograd node computes both halves, W runs it again: the fp8 linears (their
-backward is one function; the fused fp8 MLP is not split at all, its weights' gradients come in B). The MLP takes
-its module path, not the fused ReLU^2 kernel, and split-K weight gradients are off. Under --recompute block, W
-recomputes each block once more (B did once); --recompute selective is refused (B's recomputation uses up the
-outputs it keeps, which W's would need again).
 
 Evaluation: val bpb runs through the chunks (forward_loss); CORE and sampling take sequences of any length,
 which neither fixed-shape messages nor sequence parallelism's equal split can take, so they run on a whole copy
@@ -40,11 +29,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.distributed as dist
-import torch.utils.checkpoint
 
 from nanochat.gpt import Residual
 from nanochat.pipeline_schedules import stage_actions, idle_formula, input_of, message_order, action_name
-from nanochat.kernels import Linear
 
 
 def block_costs(model):
@@ -134,10 +121,7 @@ class Pipeline:
         self._sent = {action for step, action in self.program if step == "send"}
         # the optimizer's overlapped reduction is armed before the last action that adds to a gradient
         mine = all_actions[self.stage]
-        self.last_gradient_action = [a for a in mine if a[0] == ("W" if schedule == "zb" else "B")][-1]
-        self._recording = None  # zb: where the running forward keeps its linears' outputs
-        if schedule == "zb":
-            record_linears(model, self)
+        self.last_gradient_action = [a for a in mine if a[0] == "B"][-1]
 
     # --- the schedule: what train_step runs and schedule_text prints ----------------------
 
@@ -145,7 +129,7 @@ class Pipeline:
         p, m = self.num_stages, self.num_microbatches
         per_rank = {r: [self.chunk_bounds[c] for c in range(r, self.num_chunks, p)] for r in range(p)}
         return (f"blocks [start, end) per rank: {per_rank}; estimated cost per chunk (GFLOP/token): "
-                f"{[round(c / 1e9, 3) for c in self.chunk_costs]}; idle at equal F/B/W times "
+                f"{[round(c / 1e9, 3) for c in self.chunk_costs]}; idle at equal F/B times "
                 f"{idle_formula(self.schedule, p, m, self.virtual):.3f}")
 
     def actions(self, rank):
@@ -153,9 +137,8 @@ class Pipeline:
         return stage_actions(self.schedule, self.num_stages, self.num_microbatches, rank, self.virtual)
 
     def schedule_text(self):
-        """--pp-print-schedule: every rank's action list (F3 = forward of micro-batch 3, B3 its backward or, under
-        zb, its input gradient, W3 its weight gradients; F3c5: of chunk 5 under interleaved), in the order
-        train_step runs it. dev/pipeline_sim.py replays these lists in time."""
+        """--pp-print-schedule: every rank's action list (F3 = forward of micro-batch 3, B3 its backward; F3c5: of
+        chunk 5 under interleaved), in the order train_step runs it. dev/pipeline_sim.py replays these lists in time."""
         p, m, V = self.num_stages, self.num_microbatches, self.virtual
         lines = [f"pipeline schedule ({self.schedule}, p={p}, m={m}" + (f", V={V}" if V > 1 else "") +
                  f"): {self.describe()}"]
@@ -210,10 +193,7 @@ class Pipeline:
             for t in carried(h, chunk.receives_mid):
                 t.requires_grad_(True)
         self._saved_inputs[i, c] = h
-        if self.schedule == "zb":
-            self._recording = self._linear_outputs[i, c] = []
         h = model.run_blocks(h, idx, chunk.start, chunk.end)
-        self._recording = None
         if chunk.last:
             loss = model.head(h, self.ys[i])
             self.total_loss += loss.detach()
@@ -225,20 +205,12 @@ class Pipeline:
 
     def backward(self, i, c, grads):
         """Backward of micro-batch i through chunk c from the gradients of its outputs (the last chunk: its loss).
-        Returns the gradients of its inputs, for the previous chunk. Under zb, only B (module docstring): the
-        linears' weight gradients wait for weight_gradients(i, c)."""
+        Returns the gradients of its inputs, for the previous chunk."""
         chunk, out, inputs = self.chunks[c], self._saved_outputs.pop((i, c)), self._saved_inputs.pop((i, c))
         outputs, grads = ([out], None) if chunk.last else (carried(out[0], chunk.sends_mid), grads)
         received = [] if chunk.first else carried(inputs, chunk.receives_mid)
-        if self.schedule != "zb":
-            torch.autograd.backward(outputs, grads)
-        else:
-            backward_input(outputs, grads, received, self._linear_outputs[i, c], self.model.parameters())
+        torch.autograd.backward(outputs, grads)
         return None if chunk.first else [t.grad for t in received]
-
-    def weight_gradients(self, i, c):
-        """W of micro-batch i in chunk c (zb): backward_weight on what its forward recorded."""
-        backward_weight(self._linear_outputs.pop((i, c)))
 
     # --- one training step ----------------------------------------------------------
 
@@ -249,11 +221,10 @@ class Pipeline:
         prepare_last_backward) runs right before the last action that adds to a gradient."""
         self.device = next(self.model.parameters()).device
         self.xs, self.ys = [b[0] for b in batches], [b[1] for b in batches]
-        self._saved_inputs, self._saved_outputs, self._linear_outputs = {}, {}, {}
+        self._saved_inputs, self._saved_outputs = {}, {}
         self.total_loss = torch.zeros((), device=self.device)
         received, outputs, sends = {}, {}, []  # outputs: of the actions whose output goes to another rank
         self.peak_in_flight = 0  # micro-batch chunks whose activations are alive at once (peak_in_flight())
-        alive = self._linear_outputs if self.schedule == "zb" else self._saved_outputs  # zb: until W, else until B
         for step, action in self.program:
             if step == "recv":
                 received[action] = self._recv(action)
@@ -269,17 +240,14 @@ class Pipeline:
                         request.wait()
                 if action == self.last_gradient_action and before_last_backward is not None:
                     before_last_backward()
-                if kind == "W":
-                    self.weight_gradients(i, c)
-                    continue
                 output = self.forward(i, c, inputs) if kind == "F" else self.backward(i, c, inputs)
-                if action in self._sent:  # (the last chunk's loss stays out: it would keep zb's graph alive)
+                if action in self._sent:
                     outputs[action] = output
                 if kind == "F":
-                    self.peak_in_flight = max(self.peak_in_flight, len(alive))
+                    self.peak_in_flight = max(self.peak_in_flight, len(self._saved_outputs))
         for request in sends:
             request.wait()
-        assert not self._saved_outputs and not self._linear_outputs, "the schedule left micro-batches unfinished"
+        assert not self._saved_outputs, "the schedule left micro-batches unfinished"
         L, loss = self.layout, (self.total_loss / self.num_microbatches).detach()
         # the loss lives on the last rank: send it to every rank of this pipeline
         dist.broadcast(loss, src=L.peer(pp=self.num_stages - 1), group=L.pp_group)
@@ -312,45 +280,3 @@ class Pipeline:
 def carried(h, with_mid):
     """What of a Residual crosses a chunk boundary: x, x0, and x_mid once past the middle."""
     return [h.x, h.x0] + ([h.x_mid] if with_mid else [])
-
-
-def record_linears(model, holder):
-    """zb: each linear of the model's blocks (and their L3 layers) keeps its output, while a forward records, in
-    holder._recording (a list, or None: not recording) as (output, weight). A tensor-parallel row linear keeps its
-    product before the reduction, so that W needs no collective. The recording call runs eagerly
-    (compiler.disable): inside a compiled graph the output would be no tensor of autograd's graph."""
-    from nanochat.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-    for name, module in model.named_modules():
-        if not isinstance(module, (Linear, ColumnParallelLinear, RowParallelLinear)) or name in ("lm_head", "smear_gate"):
-            continue
-        method = "product" if isinstance(module, RowParallelLinear) else "forward"
-        setattr(module, method, _recording(getattr(module, method), module.weight, holder))
-        module.records_output = True
-
-
-def _recording(call, weight, holder):
-    @torch.compiler.disable
-    def record(x):
-        y = call(x)
-        if holder._recording is not None and torch.is_grad_enabled():
-            holder._recording.append((y, weight))
-        return y
-    return record
-
-
-def backward_input(outputs, grads, received, recorded, params):
-    """B: one backward from a chunk's outputs to its received inputs (none on chunk 0), the recorded linear outputs and the parameters
-    that are no recorded linear's weight; the graph is kept for backward_weight."""
-    deferred = {id(w) for _, w in recorded}
-    others = [p for p in params if p.requires_grad and id(p) not in deferred]
-    torch.autograd.backward(outputs, grads, inputs=received + [y for y, _ in recorded] + others, retain_graph=True)
-
-
-def backward_weight(recorded):
-    """W: from each recorded linear output, with the gradient B left there, one backward to that linear's weight
-    alone (a backward to all of them at once would also run down each output's input to the earlier weights).
-    Under --recompute block, one GraphExecGroup makes these backwards recompute each block once, not once each."""
-    with torch.utils.checkpoint.GraphExecGroup():
-        for y, weight in recorded:
-            torch.autograd.backward(y, y.grad, inputs=[weight])
-            y.grad = None

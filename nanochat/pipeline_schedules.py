@@ -1,24 +1,23 @@
 """
 Pipeline schedules as data: per rank, the list of actions (kind, micro-batch, chunk) one step runs, F a forward, B a
-backward, W a deferred weight gradient (stage_actions: what pipeline_parallel's train_step runs, --pp-print-schedule
+backward (stage_actions: what pipeline_parallel's train_step runs, --pp-print-schedule
 prints and dev/pipeline_sim.py prices), a replay of all ranks' lists in time (simulate), and from it one order of
 the messages for every rank (message_order). No tensors and no collectives here.
 
-With p ranks and m >= p micro-batches, the idle fraction of each rank at equal F, B (and W) times:
+With p ranks and m >= p micro-batches, the idle fraction of each rank at equal F and B times:
   gpipe        all m forwards, then all m backwards; m micro-batches of activations alive.     (p-1)/(m+p-1)
   1f1b         warm-up (p-s-1 forwards on rank s), one F one B, cool-down; at most p-s alive.  (p-1)/(m+p-1)
   interleaved  1F1B over V chunks per rank, the micro-batches in groups of p, each group through
                chunk 0, then chunk 1, ...; a V-th of the bubble, V times the messages, m % p == 0. (p-1)/(Vm+p-1)
-  zb           ZB-H1: each backward split in two: B, the input gradient, sent on at once, and W, the weight
-               gradients, run later where 1F1B idles (rank s defers s of them); at most p micro-batches alive
-               on every rank (1F1B's peak, on rank 0).                                          (p-1)/(3m+p-1)
+No zero-bubble schedule (backwards split into input and weight gradients): under torch.compile the split costs
+more than the bubble it fills (README, pipeline parallelism).
 
 Messages: each rank runs its actions in order, each once its input has come; sends are posted after the action
 producing them, receives in one global order (message_order), so that two ranks post their shared messages in the same
 order (NCCL runs them in order on one stream per pair of ranks: two ranks each first waiting on the other would hang).
 """
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
 def stage_actions(schedule, p, m, rank, virtual=1):
@@ -29,15 +28,11 @@ def stage_actions(schedule, p, m, rank, virtual=1):
         return _interleaved(p, m, virtual, rank)
     warmup = min(p - rank - 1, m)
     acts = [("F", i, rank) for i in range(warmup)]  # warm-up: fill the pipeline
-    deferred = 0
-    for b in range(m):  # steady state: one forward, one backward (zb: and the oldest W, once `rank` are waiting)
+    for b in range(m):  # steady state: one forward, one backward
         if warmup + b < m:
             acts.append(("F", warmup + b, rank))
         acts.append(("B", b, rank))
-        if schedule == "zb" and b >= rank:
-            acts.append(("W", deferred, rank))
-            deferred += 1
-    return acts + ([("W", i, rank) for i in range(deferred, m)] if schedule == "zb" else [])
+    return acts
 
 
 def _interleaved(p, m, V, rank):
@@ -58,9 +53,8 @@ def _interleaved(p, m, V, rank):
 
 
 def idle_formula(schedule, p, m, virtual=1):
-    """Each rank's idle fraction of the step at equal F, B and W times (module docstring)."""
-    work = {"gpipe": m, "1f1b": m, "interleaved": virtual * m, "zb": 3 * m}[schedule]
-    return (p - 1) / (work + p - 1)
+    """Each rank's idle fraction of the step at equal F and B times (module docstring)."""
+    return (p - 1) / ((virtual if schedule == "interleaved" else 1) * m + p - 1)
 
 
 def input_of(action, num_chunks):
@@ -68,8 +62,6 @@ def input_of(action, num_chunks):
     kind, i, c = action
     if kind == "F":
         return None if c == 0 else ("F", i, c - 1)
-    if kind == "W":
-        return ("B", i, c)
     return ("F", i, c) if c == num_chunks - 1 else ("B", i, c + 1)
 
 
@@ -99,15 +91,14 @@ def simulate(actions, duration, p2p=0.0):
 
 
 def peak_in_flight(actions, kept=None):
-    """Per rank, the most micro-batch chunks alive at once, from a forward until its backward (zb: its W), as
-    train_step measures (Pipeline.peak_in_flight). kept: per chunk, the bytes its forward keeps (None: 1 each)."""
+    """Per rank, the most micro-batch chunks alive at once, from a forward until its backward, as train_step
+    measures (Pipeline.peak_in_flight). kept: per chunk, the bytes its forward keeps (None: 1 each)."""
     peaks = []
     for acts in actions:
-        freeing = "W" if any(kind == "W" for kind, _, _ in acts) else "B"
         alive = peak = 0
         for kind, _, c in acts:
             weight = 1 if kept is None else kept[c]
-            alive += weight if kind == "F" else -weight if kind == freeing else 0
+            alive += weight if kind == "F" else -weight
             peak = max(peak, alive)
         peaks.append(peak)
     return peaks
@@ -118,7 +109,7 @@ def message_order(actions, rank):
     another rank's output, ordered alike on all ranks by the replay's time, then the sending rank."""
     p = len(actions)
     num_chunks = 1 + max(c for acts in actions for _, _, c in acts)
-    timeline = simulate(actions, lambda a: {"F": 1, "B": 2, "W": 1}[a[0]])  # any times are valid; these keep it close
+    timeline = simulate(actions, lambda a: {"F": 1, "B": 2}[a[0]])  # any times are valid; these keep it close
     keyed = []
     for r, events in enumerate(timeline):
         for n, (action, start, end) in enumerate(events):

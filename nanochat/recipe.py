@@ -114,7 +114,7 @@ def parse_args(argv=None):
     add("--cp", type=int, default=1, help="context-parallel degree: each sequence split over this many ranks "
                                           "(head-tail chunks, ring attention; nanochat/context_parallel.py)")
     add("--pp-schedule", type=str, default="1f1b", choices=SCHEDULES,
-        help="pipeline schedule (nanochat/pipeline_schedules.py: zb = ZB-H1, backward split into B and W)")
+        help="pipeline schedule (nanochat/pipeline_schedules.py)")
     add("--pp-virtual", type=int, default=1, help="chunks of blocks per pipeline rank (interleaved: 2 or more)")
     add("--pp-print-schedule", action="store_true", help="print every stage's action list at start")
     add("--shard-params", action="store_true", help="ZeRO-3: each data-parallel rank keeps the weights, gradients and "
@@ -397,13 +397,3 @@ class Setting:
         if schedule == "interleaved" and m % p:
             raise ConfigError(f"--pp-schedule interleaved runs the micro-batches in groups of pp={p}: {m} micro-batches "
                               f"per step is no multiple (set --total-batch-size)")
-        if schedule == "zb" and not hasattr(torch.utils.checkpoint, "GraphExecGroup"):
-            raise ConfigError(f"--pp-schedule zb needs torch.utils.checkpoint.GraphExecGroup, which torch "
-                              f"{torch.__version__} lacks: upgrade torch, or use 1f1b or interleaved")
-        if schedule == "zb" and self.shard_params:
-            raise ConfigError("--shard-params with --pp-schedule zb: zb's deferred weight gradients would need each "
-                              "module's gathered weights again after its backward; use --pp-schedule 1f1b or interleaved")
-        if schedule == "zb" and self.recompute == "selective":
-            raise ConfigError("--recompute selective with --pp-schedule zb: the input-gradient pass uses up the outputs "
-                              "selective recompute keeps, which the weight-gradient pass needs again; use --recompute "
-                              "block")

@@ -113,10 +113,6 @@ def compile_for_training(model, pipeline, per_block, backend):
     sharded weights are gathered between the blocks): each block is then compiled in place, and the loss."""
     if pipeline is None and not per_block:
         return torch.compile(model, dynamic=False, backend=backend)
-    if pipeline is not None and pipeline.schedule == "zb":
-        # zb's B keeps the graph for W (retain_graph), which a compiled backward that reuses (donates) its saved
-        # buffers for its outputs refuses
-        torch._functorch.config.donated_buffer = False
     if per_block:
         blocks = pipeline.blocks if pipeline is not None else range(len(model.blocks))
         for i in blocks:

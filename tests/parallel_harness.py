@@ -160,9 +160,8 @@ def _serve(conn):
     """A pool process: run fn(rank, *args) for each request, answer None or the traceback; stop when asked or when
     the test process is gone. Between runs, what a run leaves behind in the process is reset: torch.compile's
     caches and counters (the tests count graphs), the process group of a run that failed."""
-    import torch._functorch.config
+    import torch
     torch.set_num_threads(1)
-    donated = torch._functorch.config.donated_buffer  # compile_for_training turns it off for zb
     while True:
         try:
             request = conn.recv()
@@ -171,7 +170,6 @@ def _serve(conn):
         if request is None:
             return
         fn, rank, args = request
-        torch._functorch.config.donated_buffer = donated
         if "torch._dynamo" in sys.modules:
             import torch._dynamo
             torch._dynamo.reset()

@@ -1,5 +1,5 @@
 """Compiled pipeline stages (training.compile_for_training: each stage's blocks one graph, the loss
-another; under zb the linears between the graphs) against eager ones and one process, in every schedule, with
+another) against eager ones and one process, in every schedule, with
 recompute too: the same losses and
 parameters within rounding (compiled graphs decompose and reorder some ops, e.g. rms_norm), and no graph
 compiled after the first step (the micro-batches all have one shape, so one compile serves the run).
@@ -31,7 +31,7 @@ def assert_close_runs(run, ref, tol):
 
 
 @pytest.mark.parametrize("schedule, virtual, recompute", [("1f1b", 1, "none"), ("gpipe", 1, "block"),
-                                                          ("interleaved", 2, "block"), ("zb", 1, "none")])
+                                                          ("interleaved", 2, "block")])
 def test_compiled_pp2_matches_eager_pp2_without_recompiles(eager_pp2, one_process, schedule, virtual, recompute):
     run = run_layout(pp=2, steps=3, schedule=schedule, virtual=virtual, recompute=recompute,
                      compile_backend="aot_eager")

@@ -74,10 +74,10 @@ def pp2_1f1b():
     return run_layout(pp=2)
 
 
-@pytest.mark.parametrize("schedule, virtual", [("1f1b", 1), ("gpipe", 1), ("zb", 1), ("interleaved", 2)])
+@pytest.mark.parametrize("schedule, virtual", [("1f1b", 1), ("gpipe", 1), ("interleaved", 2)])
 def test_pp2(reference, pp2_1f1b, schedule, virtual):
     """Every schedule against one process; and against PP=2 1F1B bitwise: the same chunks' gradients, summed in
-    the same micro-batch order (zb's B and W are autograd's own halves of one backward)."""
+    the same micro-batch order."""
     run = pp2_1f1b if schedule == "1f1b" else run_layout(pp=2, schedule=schedule, virtual=virtual)
     assert_same_run(run, reference)
     assert run["losses"] == pp2_1f1b["losses"]
@@ -85,17 +85,16 @@ def test_pp2(reference, pp2_1f1b, schedule, virtual):
         assert torch.equal(run["params"][name], p), (schedule, name)
 
 
-@pytest.mark.parametrize("schedule, virtual", [("zb", 1), ("interleaved", 2)])
-def test_dp2_pp2(reference, schedule, virtual):  # the overlapped reduction armed before the last W / last B
-    assert_same_run(run_layout(dp=2, pp=2, schedule=schedule, virtual=virtual), reference)
+def test_dp2_pp2_interleaved(reference):  # the overlapped reduction armed before the last backward of the last chunk
+    assert_same_run(run_layout(dp=2, pp=2, schedule="interleaved", virtual=2), reference)
 
 
 def test_tp2_pp2_interleaved(reference):
     assert_same_run(run_layout(tp=2, pp=2, schedule="interleaved", virtual=2), reference)
 
 
-def test_tp2_pp2_sequence_parallel_zb(reference):  # chunks pass this rank's share of the tokens; W without collectives
-    assert_same_run(run_layout(tp=2, pp=2, sequence_parallel=True, schedule="zb"), reference)
+def test_tp2_pp2_sequence_parallel(reference):  # chunks pass this rank's share of the tokens
+    assert_same_run(run_layout(tp=2, pp=2, sequence_parallel=True), reference)
 
 
 def _resume_matches(saved_run, **layout):
@@ -120,7 +119,7 @@ def test_checkpoint_pp2_resumes_at_pp1_and_back():
     saved = run_layout(pp=2, steps=6, schedule="interleaved", virtual=2)  # each rank saves its two chunks
     _resume_matches(saved, pp=1)
     saved1 = run_layout(pp=1, steps=6)
-    _resume_matches(saved1, pp=2, schedule="zb")
+    _resume_matches(saved1, pp=2)
 
 
 def test_checkpoint_dp2_resumes_at_dp1():
@@ -166,7 +165,7 @@ def test_pipeline_stage_split_and_schedule():
         costs, head = block_costs(GPT(config_for_depth(12)))
     assert len(costs) == 12 and head > costs[0]  # d12's lm_head costs more than a block
     text = pipeline().schedule_text()
-    assert "stage 3:" in text and "idle at equal F/B/W times 0.273" in text
+    assert "stage 3:" in text and "idle at equal F/B times 0.273" in text
     first_row = text.splitlines()[1].split()[2:]
     assert first_row[:6] == ["F0", "F1", "F2", "F3", "B0", "F4"]  # stage 0 warms up with p-1 = 3 forwards, then 1F1B
     interleaved = pipeline(schedule="interleaved", virtual=2, rank=1)
@@ -174,29 +173,26 @@ def test_pipeline_stage_split_and_schedule():
     assert interleaved.blocks == [i for c in (1, 5) for i in range(*interleaved.chunk_bounds[c])]
     for kwargs, message in ((dict(m=2), "at least pp=4 micro-batches"),
                             (dict(schedule="interleaved"), "interleaved needs --pp-virtual >= 2"),
-                            (dict(schedule="zb", virtual=2), "interleaved needs --pp-virtual >= 2"),
+                            (dict(schedule="gpipe", virtual=2), "interleaved needs --pp-virtual >= 2"),
                             (dict(schedule="interleaved", virtual=2, m=6), "6 micro-batches per step is no multiple"),
                             (dict(schedule="interleaved", virtual=4), "16 chunks is more than the 12 blocks"),
-                            (dict(schedule="zbv"), "unknown --pp-schedule 'zbv'")):
+                            (dict(schedule="zb"), "unknown --pp-schedule 'zb'")):
         with pytest.raises(ValueError, match=message):
             pipeline(**kwargs)
 
 
-@pytest.mark.parametrize("schedule, virtual", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 4),
-                                               ("zb", 1)])
+@pytest.mark.parametrize("schedule, virtual", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 4)])
 def test_schedules_in_time_and_their_messages(schedule, virtual):
-    """Replayed at equal times, each schedule idles each rank the fraction its formula gives (ZB-H1: a third of
-    1F1B's bubble); the messages between two ranks are posted in one order on both (none waits on the other)."""
+    """Replayed at equal times, each schedule idles each rank the fraction its formula gives; the messages between two ranks are posted in one order on both (none waits on the other)."""
     from nanochat.pipeline_schedules import idle_formula, message_order, peak_in_flight, simulate, stage_actions
     p, m = 4, 8
     actions = [stage_actions(schedule, p, m, r, virtual) for r in range(p)]
     timeline = simulate(actions, lambda a: 1.0 / virtual)
     step = max(events[-1][2] for events in timeline)
-    work = (3 if schedule == "zb" else 2) * m
-    assert step == pytest.approx(work + (p - 1) * (2 if schedule != "zb" else 1) / virtual)
+    assert step == pytest.approx(2 * m + 2 * (p - 1) / virtual)
     for events in timeline:
         assert 1 - sum(end - start for _, start, end in events) / step == pytest.approx(idle_formula(schedule, p, m, virtual))
-    assert peak_in_flight(actions) == {"gpipe": [8] * 4, "1f1b": [4, 3, 2, 1], "zb": [4] * 4,
+    assert peak_in_flight(actions) == {"gpipe": [8] * 4, "1f1b": [4, 3, 2, 1],
                                        "interleaved": [11, 9, 7, 5] if virtual == 2 else [19, 17, 15, 13]}[schedule]
     programs = [message_order(actions, r) for r in range(p)]
     for a in range(p):

@@ -58,8 +58,8 @@ def test_l3_pp2(l3_reference, schedule, virtual):
     assert_same_run(run_layout(pp=2, schedule=schedule, virtual=virtual, config_overrides=L3), l3_reference)
 
 
-def test_l3_dp2_pp2_zb(l3_reference):  # L3's W_up and W_mix weight gradients in W, its table's in B
-    assert_same_run(run_layout(dp=2, pp=2, schedule="zb", config_overrides=L3), l3_reference)
+def test_l3_dp2_pp2(l3_reference):  # the table's gradient reduced over DP from the stage that holds it
+    assert_same_run(run_layout(dp=2, pp=2, config_overrides=L3), l3_reference)
 
 
 def test_l3_layers_follow_their_blocks_onto_the_stages():
@@ -102,7 +102,7 @@ def test_l3_checkpoint_pp2_resumes_at_pp1_and_back():
 
 def test_base_train_l3_at_tp2_sequence_parallel_resumes_at_pp2(env):
     """base_train itself: an L3 run at TP=2 with sequence parallelism (the allocation made once and
-    broadcast), resumed from its checkpoint as two pipeline stages in the zero-bubble schedule, which it prints; the
+    broadcast), resumed from its checkpoint as two pipeline stages in the GPipe schedule, which it prints; the
     resumed losses follow the run's."""
     from conftest import run_script, run_losses, TINY_MODEL
     args = TINY_MODEL + ["--device-batch-size", "4", "--total-batch-size", "512", "--warmup-steps", "2",
@@ -111,10 +111,10 @@ def test_base_train_l3_at_tp2_sequence_parallel_resumes_at_pp2(env):
     full = run_script("scripts.base_train", args + ["--tp", "2", "--sequence-parallel"], env, nproc=2)
     assert full.stdout.count("L3 allocation:") == 1
     losses = run_losses(env, "l3tp")
-    resumed = run_script("scripts.base_train", args + ["--pp", "2", "--pp-schedule", "zb", "--pp-print-schedule",
+    resumed = run_script("scripts.base_train", args + ["--pp", "2", "--pp-schedule", "gpipe", "--pp-print-schedule",
                                                        "--resume-from-step", "2"], env, nproc=2)
     assert "L3 allocation:" not in resumed.stdout
-    assert "pipeline schedule (zb, p=2, m=2)" in resumed.stdout and "stage 1: F0 B0 F1 B1 W0 W1" in resumed.stdout  # rank 1 defers one W
+    assert "pipeline schedule (gpipe, p=2, m=2)" in resumed.stdout and "stage 1: F0 F1 B0 B1" in resumed.stdout
     again = run_losses(env, "l3tp")
     assert sorted(again) == [0, 1, 2, 3]
     for s in (2, 3):

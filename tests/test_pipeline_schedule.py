@@ -1,8 +1,7 @@
 """
 The pipeline runs the schedule it prints: in a 2-rank CPU run (gloo), for each schedule, the actions each rank
 executes in train_step are exactly Pipeline.actions(rank), the same list is the rank's line of schedule_text (what
---pp-print-schedule prints), and the most micro-batch chunks alive at once is what the simulator counts. Under zb,
-B leaves the linears' weight gradients to W.
+--pp-print-schedule prints), and the most micro-batch chunks alive at once is what the simulator counts.
 """
 
 import os
@@ -14,7 +13,7 @@ import torch.distributed as dist
 from parallel_harness import _free_port, spawn
 
 STAGES, MICROBATCHES = 2, 4
-SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb", 1)]
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)]
 
 
 def _worker(rank, port, out_dir):
@@ -34,13 +33,11 @@ def _worker(rank, port, out_dir):
         setting = Setting(pp=STAGES, pp_schedule=schedule, pp_virtual=virtual, device_batch=1)
         pipe = Pipeline(model, layout, setting, MICROBATCHES)
         linear = next(m.c_q for m in model.modules() if hasattr(m, "c_q"))
-        executed, weight_grad_at_w = [], []
-        for kind, name in (("F", "forward"), ("B", "backward"), ("W", "weight_gradients")):
+        executed = []
+        for kind, name in (("F", "forward"), ("B", "backward")):
             method = getattr(pipe, name)
 
             def run(i, c, *inputs, kind=kind, method=method):
-                if kind == "W":  # what B left in the weight's gradient, before this W adds to it
-                    weight_grad_at_w.append(None if linear.weight.grad is None else linear.weight.grad.clone())
                 executed.append((kind, i, c))
                 return method(i, c, *inputs)
             setattr(pipe, name, run)
@@ -50,7 +47,7 @@ def _worker(rank, port, out_dir):
         printed = [action_name(a, virtual) for a in executed]
         predicted = peak_in_flight([pipe.actions(r) for r in range(STAGES)])[pipe.stage]
         results[schedule] = (executed, pipe.actions(pipe.stage), row, printed, pipe.peak_in_flight, predicted,
-                             weight_grad_at_w, linear.weight.grad is not None)
+                             linear.weight.grad is not None)
     torch.save(results, os.path.join(out_dir, f"stage{rank}.pt"))
     dist.destroy_process_group()
 
@@ -60,15 +57,12 @@ def test_train_step_runs_the_printed_schedule():
         spawn(_worker, (_free_port(), out_dir), STAGES)
         for stage in range(STAGES):
             results = torch.load(os.path.join(out_dir, f"stage{stage}.pt"))
-            for (schedule, virtual), (executed, actions, row, printed, peak, predicted, at_w, has_grad) in zip(
+            for (schedule, virtual), (executed, actions, row, printed, peak, predicted, has_grad) in zip(
                     SCHEDULES, results.values(), strict=True):
                 assert executed == actions and printed == row, (schedule, stage)
-                kinds = "FBW" if schedule == "zb" else "FB"
-                assert sorted(executed) == sorted((k, i, c) for k in kinds for i in range(MICROBATCHES)
+                assert sorted(executed) == sorted((k, i, c) for k in "FB" for i in range(MICROBATCHES)
                                                   for c in range(stage, STAGES * virtual, STAGES)), (schedule, stage)
                 assert peak == predicted, (schedule, stage, peak, predicted)
                 assert has_grad
-                if schedule == "zb":  # the first W finds the weight without a gradient: B did not compute it
-                    assert at_w[0] is None and len(at_w) == MICROBATCHES
         assert results["gpipe"][4] == MICROBATCHES  # GPipe keeps every micro-batch; 1F1B at most p - rank
-        assert results["1f1b"][4] == 1 and results["zb"][4] == STAGES  # zb: p on every rank (last rank here)
+        assert results["1f1b"][4] == 1

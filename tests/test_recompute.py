@@ -164,8 +164,7 @@ def reference(schedule=None, virtual=1, **layout):
     (dict(tp=2, sequence_parallel=True), "block", "aot_eager"),
     (dict(pp=2), "block", None),
     (dict(pp=2, schedule="interleaved", virtual=2), "selective", None),
-    (dict(pp=2, schedule="zb"), "block", None),
-], ids=["tp2_sp_selective", "tp2_sp_block_compiled", "pp2_block", "pp2_interleaved_selective", "pp2_zb_block"])
+], ids=["tp2_sp_selective", "tp2_sp_block_compiled", "pp2_block", "pp2_interleaved_selective"])
 def test_recompute_under_parallelism(layout, mode, backend):
     ref = reference(**layout)
     run = run_layout(steps=3, recompute=mode, compile_backend=backend, **layout)
@@ -180,41 +179,3 @@ def test_recompute_under_parallelism(layout, mode, backend):
             torch.testing.assert_close(run["params"][name], p, rtol=0, atol=1e-5, msg=name)
         assert run["graphs"][0] == [run["graphs"][0][0]] * 3  # no recompiles after the first step
     assert run["eval_losses"] == ref["eval_losses"]
-
-
-def test_zero_bubble_weight_pass_recomputes_each_block_once():
-    """zb under --recompute block: B recomputes each block once, and W's backwards (one per linear) once more in
-    all, not once per linear; the gradients are bitwise those without recompute."""
-    from types import SimpleNamespace
-    from nanochat.gpt import build_model
-    from nanochat.pipeline_parallel import backward_input, backward_weight, record_linears
-
-    def gradients(recompute):
-        torch.manual_seed(0)
-        model = build_model(GPTConfig(**CONFIG), "cpu")
-        holder, runs = SimpleNamespace(_recording=[]), []
-        record_linears(model, holder)
-        for block in model.blocks:
-            block.recompute, inner = recompute, block._forward
-            block._forward = lambda *args, inner=inner: runs.append(1) or inner(*args)
-        idx = torch.randint(0, CONFIG["vocab_size"], (2, CONFIG["sequence_len"]), generator=torch.Generator().manual_seed(1))
-        loss = model.head(model.run_blocks(model.embed(idx), idx, 0, CONFIG["n_layer"]), idx)
-        recorded, holder._recording = holder._recording, None
-        counts = [len(runs)]
-        backward_input([loss], None, [], recorded, model.parameters())
-        counts.append(len(runs) - sum(counts))
-        backward_weight(recorded)
-        counts.append(len(runs) - sum(counts))
-        return counts, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    plain, recomputed = gradients("none"), gradients("block")
-    n = CONFIG["n_layer"]
-    assert plain[0] == [n, 0, 0] and recomputed[0] == [n, n, n]  # forward, B, W
-    assert plain[1].keys() == recomputed[1].keys()
-    for name, g in plain[1].items():
-        assert torch.equal(recomputed[1][name], g), name
-
-
-def test_selective_recompute_with_the_zero_bubble_schedule_is_a_clear_error():
-    """B's recomputation uses up what selective recompute keeps; W's would need it again."""
-    with pytest.raises(ValueError, match="--recompute selective with --pp-schedule zb"):
-        Setting(pp=2, pp_schedule="zb", recompute="selective").check(GPTConfig(**CONFIG))

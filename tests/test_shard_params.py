@@ -89,15 +89,6 @@ def test_sharded_dp4_resumes_at_dp1_and_at_unsharded_dp2():
     _resume_matches(saved, dp=2)
 
 
-def test_zb_with_sharding_is_refused():
-    from nanochat.common import ConfigError
-    from nanochat.recipe import Setting
-    from parallel_harness import CONFIG
-    from nanochat.gpt import GPTConfig
-    with pytest.raises(ConfigError, match="--shard-params with --pp-schedule zb"):
-        Setting(dp=2, pp=2, pp_schedule="zb", shard_params=True).check(GPTConfig(**CONFIG))
-
-
 def test_base_train_shard_params_over_two_ranks(env):
     """base_train itself: --shard-params over two ranks trains, saves, and
     resumes unsharded (the same two ranks, so the same batches) with the losses it would have had."""

@@ -69,7 +69,6 @@ class Linear(nn.Linear):
     """Bias-free; the fp32 weight is cast to the activations' dtype. wgrad_split > 1: split-K weight gradient."""
 
     wgrad_split = 1
-    records_output = False  # set by pipeline_parallel.record_linears (zb)
 
     def __init__(self, in_features, out_features):
         super().__init__(in_features, out_features, bias=False)
@@ -83,9 +82,8 @@ class Linear(nn.Linear):
 
 
 def tunable_linears(model):
-    # not the lm_head: the loss computes its weight gradient itself (head_loss); not zb's recording Linears, whose
-    # W takes autograd's own weight gradient (a split-K product computes both halves in one backward)
-    return [m for m in model.modules() if type(m) is Linear and min(m.weight.shape) >= 128 and not m.records_output
+    # not the lm_head: the loss computes its weight gradient itself (head_loss)
+    return [m for m in model.modules() if type(m) is Linear and min(m.weight.shape) >= 128
             and m is not getattr(model, "lm_head", None)]
 
 
@@ -207,10 +205,8 @@ def attention(q, k, v, window):
 # ---- the MLP, rotary + QK-norm, the head's loss: a question, then the kernel ----
 
 def takes_fused_mlp(x, c_fc, c_proj):
-    """The plain Linears only: tensor parallelism's take the module path; fp8 replaces the whole MLP (Fp8MLP); the
-    zero-bubble pipeline's recording Linears (pipeline_parallel.record_linears) keep their products apart."""
-    return (KERNELS.on and type(c_fc) is Linear and type(c_proj) is Linear and not c_fc.records_output
-            and relu_square_mm.supported(x))
+    """The plain Linears only: tensor parallelism's take the module path; fp8 replaces the whole MLP (Fp8MLP)."""
+    return KERNELS.on and type(c_fc) is Linear and type(c_proj) is Linear and relu_square_mm.supported(x)
 
 
 def fused_mlp(x, c_fc, c_proj):
