@@ -51,6 +51,11 @@ class Layout:
     pp_group: object = None
     cp_group: object = None
     dp_cp_group: object = None  # DP x CP: the ranks whose gradients are summed (the optimizer's group)
+    # this rank and the next / previous pipeline stage (a ring): batched p2p runs on its group's one communicator
+    # (one NCCL stream), so each pair of neighbours gets its own, and a late message to one neighbour does not hold
+    # up the other's
+    pp_next_group: object = None
+    pp_prev_group: object = None
     cpu_group: object = None  # gloo group of all ranks for host-side waits (None: the default group is gloo)
 
     @property
@@ -105,6 +110,16 @@ def build_layout(rank, world_size, local_rank, tp=1, pp=1, cp=1):
                 setattr(L, f"{name}_group", group)
     if not product:
         L.dp_cp_group = L.dp_group if cp == 1 else L.cp_group
+    for fixed in itertools.product(range(dp), range(cp), range(tp)) if pp > 1 else ():
+        for s in range(pp if pp > 2 else 1):  # at pp = 2 both neighbours are the one other stage
+            pair = [grid_rank(L, *fixed, pp=s), grid_rank(L, *fixed, pp=(s + 1) % pp)]
+            group = dist.new_group(sorted(pair))
+            if rank == pair[0]:
+                L.pp_next_group = group
+            if rank == pair[1]:
+                L.pp_prev_group = group
+            if pp == 2 and rank in pair:
+                L.pp_next_group = L.pp_prev_group = group
     return L
 
 

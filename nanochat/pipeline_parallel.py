@@ -4,7 +4,8 @@ micro-batches of a step flow through them, activations forward and gradients bac
 
 Collectives, over this pipeline's ranks (the PP group, or the ranks before and after this one in the ring):
   isend / irecv        per micro-batch and chunk boundary: activations to the next chunk's rank, their gradients
-                       back, each message as one batch_isend_irecv, posted in the order of message_order
+                       back, each message as one batch_isend_irecv on the group of the two ranks (one NCCL stream
+                       per pair of neighbours), posted in the order of message_order
   broadcast            the step's loss, from the last chunk's rank to the others
 
 Chunks. Block i costs its matmul and attention FLOPs per token; chunk 0 also holds the embeddings, the last chunk
@@ -116,8 +117,9 @@ class Pipeline:
         self.device = next(model.parameters()).device
         self.prev_rank = layout.peer(pp=(self.stage - 1) % p)
         self.next_rank = layout.peer(pp=(self.stage + 1) % p)
+        self.pair_group = {self.prev_rank: layout.pp_prev_group, self.next_rank: layout.pp_next_group}
         all_actions = [self.actions(r) for r in range(p)]
-        self.program = message_order(all_actions, self.stage)
+        self.program = message_order(all_actions, self.stage, self.chunk_costs)
         self._sent = {action for step, action in self.program if step == "send"}
         # the optimizer's overlapped reduction is armed before the last action that adds to a gradient
         mine = all_actions[self.stage]
@@ -166,7 +168,7 @@ class Pipeline:
             tensors = [torch.empty(self._boundary_shape(), dtype=self.dtype, device=self.device)
                        for _ in range(3 if self.chunks[c - 1].sends_mid else 2)]
             filled, peer = tensors, self.next_rank
-        requests = dist.batch_isend_irecv([dist.P2POp(dist.irecv, t, peer) for t in tensors])
+        requests = dist.batch_isend_irecv([dist.P2POp(dist.irecv, t, peer, self.pair_group[peer]) for t in tensors])
         return requests, filled
 
     def _send(self, action, output):
@@ -178,7 +180,7 @@ class Pipeline:
             tensors = [t.detach().contiguous() for t in tensors]
         else:
             tensors, peer = [g.contiguous() for g in output], self.prev_rank
-        return dist.batch_isend_irecv([dist.P2POp(dist.isend, t, peer) for t in tensors])
+        return dist.batch_isend_irecv([dist.P2POp(dist.isend, t, peer, self.pair_group[peer]) for t in tensors])
 
     # --- compute on one micro-batch of one chunk ------------------------------------------
 

@@ -104,12 +104,15 @@ def peak_in_flight(actions, kept=None):
     return peaks
 
 
-def message_order(actions, rank):
+def message_order(actions, rank, chunk_costs=None):
     """This rank's program: ("run", action), ("send", action) for its output right after it, ("recv", action) for
-    another rank's output, ordered alike on all ranks by the replay's time, then the sending rank."""
+    another rank's output, ordered alike on all ranks by the replay's time, then the sending rank. Any times give a
+    valid order; the closer to the real ones, the less a message waits behind one posted too early: a chunk's forward
+    takes its cost (chunk_costs; 1 each if None), its backward twice that."""
     p = len(actions)
     num_chunks = 1 + max(c for acts in actions for _, _, c in acts)
-    timeline = simulate(actions, lambda a: {"F": 1, "B": 2}[a[0]])  # any times are valid; these keep it close
+    costs = chunk_costs or [1] * num_chunks
+    timeline = simulate(actions, lambda a: costs[a[2]] * (1 if a[0] == "F" else 2))
     keyed = []
     for r, events in enumerate(timeline):
         for n, (action, start, end) in enumerate(events):

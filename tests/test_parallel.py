@@ -183,7 +183,8 @@ def test_pipeline_stage_split_and_schedule():
 
 @pytest.mark.parametrize("schedule, virtual", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 4)])
 def test_schedules_in_time_and_their_messages(schedule, virtual):
-    """Replayed at equal times, each schedule idles each rank the fraction its formula gives; the messages between two ranks are posted in one order on both (none waits on the other)."""
+    """Replayed at equal times, each schedule idles each rank the fraction its formula gives; the messages between
+    two ranks are posted in one order on both (none waits on the other), with equal chunk costs and uneven ones."""
     from nanochat.pipeline_schedules import idle_formula, message_order, peak_in_flight, simulate, stage_actions
     p, m = 4, 8
     actions = [stage_actions(schedule, p, m, r, virtual) for r in range(p)]
@@ -194,12 +195,14 @@ def test_schedules_in_time_and_their_messages(schedule, virtual):
         assert 1 - sum(end - start for _, start, end in events) / step == pytest.approx(idle_formula(schedule, p, m, virtual))
     assert peak_in_flight(actions) == {"gpipe": [8] * 4, "1f1b": [4, 3, 2, 1],
                                        "interleaved": [11, 9, 7, 5] if virtual == 2 else [19, 17, 15, 13]}[schedule]
-    programs = [message_order(actions, r) for r in range(p)]
-    for a in range(p):
-        for b in range(p):
-            sent = [act for step_, act in programs[a] if step_ == "send" and _peer(act, p) == b]
-            received = [act for step_, act in programs[b] if step_ == "recv" and act[2] % p == a]
-            assert sent == received, (a, b)
+    uneven = [1.0 + 0.37 * ((3 * c) % 5) for c in range(p * virtual)]  # as chunks of 3 and 4 blocks, a head
+    for costs in (None, uneven):
+        programs = [message_order(actions, r, costs) for r in range(p)]
+        for a in range(p):
+            for b in range(p):
+                sent = [act for step_, act in programs[a] if step_ == "send" and _peer(act, p) == b]
+                received = [act for step_, act in programs[b] if step_ == "recv" and act[2] % p == a]
+                assert sent == received, (a, b, costs)
     # GPipe's critical path crosses each of the p-1 rank boundaries once each way: one message latency each
     if schedule == "gpipe":
         slow = simulate(actions, lambda a: 1.0, p2p=0.5)
@@ -241,3 +244,11 @@ def test_vocab_parallel_loss_reduces_like_the_single_device_loss():
         assert tp_loss(x, lm_head, torch.full_like(targets, -1)).isnan()
     finally:
         dist.destroy_process_group()
+
+
+def test_pp4_interleaved_ring():
+    """Four stages, two chunks each: the last stage's first chunk feeds stage 0's second (the ring), each pair of
+    neighbours on its own process group."""
+    eight = {"n_layer": 8}
+    assert_same_run(run_layout(pp=4, schedule="interleaved", virtual=2, config_overrides=eight),
+                    run_layout(config_overrides=eight))
