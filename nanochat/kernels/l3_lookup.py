@@ -1,22 +1,24 @@
 """
-L3's lookup h = E_t^T softmax(E_t x) (l3.py) as three Triton kernels that never synchronize with the host.
+L3's lookup h = E_t^T softmax(E_t x) (l3.py) as Triton kernels that never synchronize with the host.
 
 The positions are sorted by token id and cut into blocks of at most BLOCK_M positions of one token (plan, device ops
 only), so a block is a small dense attention: its positions' hidden states against its token's rows [start, end) of
 the table, at most k_max of them, no mask but the row count. The block count depends on the batch; instead of reading
 it (a host sync that empties the GPU's queue, twice a micro-batch in the blocked path), every array and grid is
-sized by its upper bound, n / BLOCK_M + min(n, vocab), and the blocks past the last hold no positions.
+sized by its upper bound, n / BLOCK_M + min(n, vocab), and the blocks past the last hold no positions. A position's
+scores (and their gradients) go to a scratch row of k_max fp32 (n x k_max: 128 MiB at 65,536 positions and k_max
+512), so each product over all channels runs once:
 
-    forward     per (block, channel chunk): scores over all channels, online softmax over the token's rows,
-                h's chunk; the log-sum-exp per position is kept for the backward
-    dx          per (block, channel chunk): P = exp(S - lse), dP = g E_t^T, dS = P (dP - g.h), dx's chunk = dS E_t
-    dE          per (token, channel chunk, tile of the token's rows), on the token's first block: the rows'
-                gradient as keys and values, dS^T x + P^T g, summed over the token's blocks in registers: each row
-                is written by one program, no atomics, the same sum every run
+    scores      per block: S = X E_t^T, and each position's log-sum-exp
+    h           per block: exp(S - lse) E_t, one channel chunk after another
+    dS          per block: P (G E_t^T - g.h), P = exp(S - lse)
+    dx          per block: dS E_t
+    dE          per (token, tile of its rows), on the token's first block: dS^T X + P^T G (the rows as keys and as
+                values), summed over the token's blocks in registers: each row is written by one program, no
+                atomics, the same sum every run
 
-A program computes the scores over all channels but writes one chunk of them: the scores are recomputed per chunk
-(the lookup's FLOPs are ~0.1% of the model's; its bytes and launches were what cost). The table is read in fp32 and
-cast in the kernel (no cast copy of the table); scores, softmax and the table gradient are fp32.
+The table is read in fp32 and cast in the kernel (no cast copy of the table); scores, softmax and the table gradient
+are fp32, the products' operands in the activations' dtype.
 """
 
 import torch
@@ -63,112 +65,120 @@ def plan(ids, vocab_size, block_m=BLOCK_M):
 
 if triton is not None:
     @triton.jit
-    def _scores(x_ptr, table_ptr, pos, m_ok, rows, n_ok, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-        """S = X E^T (BLOCK_M x BLOCK_N, fp32) over all D channels, for positions `pos` and table rows `rows`."""
+    def _block(order_ptr, first_ptr, count_ptr, ids_ptr, bounds_ptr, b, BLOCK_M: tl.constexpr):
+        """Block b's positions (masked past its count) and its token's rows [start, end)."""
+        first, count = tl.load(first_ptr + b), tl.load(count_ptr + b)
+        m_ok = tl.arange(0, BLOCK_M) < count
+        pos = tl.load(order_ptr + first + tl.arange(0, BLOCK_M), mask=m_ok, other=0)
+        token = tl.load(ids_ptr + tl.load(order_ptr + first))
+        return pos, m_ok, tl.load(bounds_ptr + token), tl.load(bounds_ptr + token + 1)
+
+    @triton.jit
+    def _rows_product(a_ptr, table_ptr, pos, m_ok, rows, n_ok, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+        """A E^T (BLOCK_M x BLOCK_N, fp32) over all D channels: positions `pos` of a (n, D), table rows `rows`."""
         s = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         cols = tl.arange(0, BLOCK_D)
         for c in range(0, D, BLOCK_D):
-            xc = tl.load(x_ptr + pos[:, None] * D + c + cols[None, :], mask=m_ok[:, None], other=0.0)
+            ac = tl.load(a_ptr + pos[:, None] * D + c + cols[None, :], mask=m_ok[:, None], other=0.0)
             ec = tl.load(table_ptr + rows[:, None] * D + c + cols[None, :], mask=n_ok[:, None], other=0.0)
-            s += tl.dot(xc, tl.trans(ec.to(xc.dtype)))
+            s += tl.dot(ac, tl.trans(ec.to(ac.dtype)))
         return s
 
     @triton.jit
-    def _forward_kernel(x_ptr, table_ptr, bounds_ptr, ids_ptr, order_ptr, first_ptr, count_ptr, h_ptr, lse_ptr,
-                        D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-        b, j = tl.program_id(0), tl.program_id(1)
-        count = tl.load(count_ptr + b)
-        if count > 0:
-            first = tl.load(first_ptr + b)
-            i = tl.arange(0, BLOCK_M)
-            m_ok = i < count
-            pos = tl.load(order_ptr + first + i, mask=m_ok, other=0)
-            token = tl.load(ids_ptr + tl.load(order_ptr + first))
-            start, end = tl.load(bounds_ptr + token), tl.load(bounds_ptr + token + 1)
-            cols = j * BLOCK_D + tl.arange(0, BLOCK_D)
+    def _scores_kernel(x_ptr, table_ptr, bounds_ptr, ids_ptr, order_ptr, first_ptr, count_ptr, s_ptr, lse_ptr,
+                       K: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_D: tl.constexpr):
+        """Per block: S = X E_t^T into the scratch (a position's scores in its row, K = k_max columns) and the
+        log-sum-exp of each position's scores."""
+        b = tl.program_id(0)
+        if tl.load(count_ptr + b) > 0:
+            pos, m_ok, start, end = _block(order_ptr, first_ptr, count_ptr, ids_ptr, bounds_ptr, b, BLOCK_M)
             m_run = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
             l_run = tl.zeros((BLOCK_M,), dtype=tl.float32)
-            acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
             for r0 in range(start, end, BLOCK_N):
                 rows = r0 + tl.arange(0, BLOCK_N)
                 n_ok = rows < end
-                s = _scores(x_ptr, table_ptr, pos, m_ok, rows, n_ok, D, BLOCK_M, BLOCK_N, BLOCK_D)
+                s = _rows_product(x_ptr, table_ptr, pos, m_ok, rows, n_ok, D, BLOCK_M, BLOCK_N, BLOCK_D)
+                tl.store(s_ptr + pos[:, None] * K + (rows - start)[None, :], s, mask=m_ok[:, None] & n_ok[None, :])
                 s = tl.where(n_ok[None, :], s, float("-inf"))
                 m_new = tl.maximum(m_run, tl.max(s, 1))
-                p = tl.exp(s - m_new[:, None])
-                alpha = tl.exp(m_run - m_new)
-                l_run = l_run * alpha + tl.sum(p, 1)
-                ev = tl.load(table_ptr + rows[:, None] * D + cols[None, :], mask=n_ok[:, None], other=0.0)
-                acc = acc * alpha[:, None] + tl.dot(p.to(h_ptr.dtype.element_ty), ev.to(h_ptr.dtype.element_ty))
+                l_run = l_run * tl.exp(m_run - m_new) + tl.sum(tl.exp(s - m_new[:, None]), 1)
                 m_run = m_new
-            acc = acc / l_run[:, None]
-            tl.store(h_ptr + pos[:, None] * D + cols[None, :], acc.to(h_ptr.dtype.element_ty), mask=m_ok[:, None])
-            if j == 0:
-                tl.store(lse_ptr + pos, m_run + tl.log(l_run), mask=m_ok)
+            tl.store(lse_ptr + pos, m_run + tl.log(l_run), mask=m_ok)
 
     @triton.jit
-    def _probabilities(x_ptr, g_ptr, table_ptr, pos, m_ok, rows, n_ok, lse, delta, D: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-        """P = softmax weights and dS = P (dP - delta) for one (block, row tile); dP = G E^T over all channels."""
-        s = _scores(x_ptr, table_ptr, pos, m_ok, rows, n_ok, D, BLOCK_M, BLOCK_N, BLOCK_D)
-        p = tl.where(n_ok[None, :] & m_ok[:, None], tl.exp(s - lse[:, None]), 0.0)
-        dp = _scores(g_ptr, table_ptr, pos, m_ok, rows, n_ok, D, BLOCK_M, BLOCK_N, BLOCK_D)
-        return p, p * (dp - delta[:, None])
+    def _weighted_rows_kernel(w_ptr, lse_ptr, table_ptr, bounds_ptr, ids_ptr, order_ptr, first_ptr, count_ptr,
+                              out_ptr, K: tl.constexpr, D: tl.constexpr, SOFTMAX: tl.constexpr,
+                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+        """Per block, one channel chunk after another: out = W E_t, W the scratch's rows: the softmax of the scores
+        (SOFTMAX, exp(S - lse): the forward's h) or the score gradients (dx)."""
+        b = tl.program_id(0)
+        if tl.load(count_ptr + b) > 0:
+            pos, m_ok, start, end = _block(order_ptr, first_ptr, count_ptr, ids_ptr, bounds_ptr, b, BLOCK_M)
+            lse = tl.load(lse_ptr + pos, mask=m_ok, other=0.0)
+            for c in range(0, D, BLOCK_D):
+                cols = c + tl.arange(0, BLOCK_D)
+                acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+                for r0 in range(start, end, BLOCK_N):
+                    rows = r0 + tl.arange(0, BLOCK_N)
+                    n_ok = rows < end
+                    ok = m_ok[:, None] & n_ok[None, :]
+                    w = tl.load(w_ptr + pos[:, None] * K + (rows - start)[None, :], mask=ok, other=0.0)
+                    if SOFTMAX:
+                        w = tl.where(ok, tl.exp(w - lse[:, None]), 0.0)
+                    e = tl.load(table_ptr + rows[:, None] * D + cols[None, :], mask=n_ok[:, None], other=0.0)
+                    acc += tl.dot(w.to(out_ptr.dtype.element_ty), e.to(out_ptr.dtype.element_ty))
+                tl.store(out_ptr + pos[:, None] * D + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+                         mask=m_ok[:, None])
 
     @triton.jit
-    def _dx_kernel(x_ptr, g_ptr, table_ptr, bounds_ptr, ids_ptr, order_ptr, first_ptr, count_ptr, lse_ptr,
-                   delta_ptr, dx_ptr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_D: tl.constexpr):
-        b, j = tl.program_id(0), tl.program_id(1)
-        count = tl.load(count_ptr + b)
-        if count > 0:
-            first = tl.load(first_ptr + b)
-            i = tl.arange(0, BLOCK_M)
-            m_ok = i < count
-            pos = tl.load(order_ptr + first + i, mask=m_ok, other=0)
-            token = tl.load(ids_ptr + tl.load(order_ptr + first))
-            start, end = tl.load(bounds_ptr + token), tl.load(bounds_ptr + token + 1)
+    def _score_grad_kernel(g_ptr, table_ptr, bounds_ptr, ids_ptr, order_ptr, first_ptr, count_ptr, s_ptr, lse_ptr,
+                           delta_ptr, ds_ptr, K: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+        """Per block: dS = P (G E_t^T - delta), P = exp(S - lse), into its scratch."""
+        b = tl.program_id(0)
+        if tl.load(count_ptr + b) > 0:
+            pos, m_ok, start, end = _block(order_ptr, first_ptr, count_ptr, ids_ptr, bounds_ptr, b, BLOCK_M)
             lse = tl.load(lse_ptr + pos, mask=m_ok, other=0.0)
             delta = tl.load(delta_ptr + pos, mask=m_ok, other=0.0)
-            cols = j * BLOCK_D + tl.arange(0, BLOCK_D)
-            acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
             for r0 in range(start, end, BLOCK_N):
                 rows = r0 + tl.arange(0, BLOCK_N)
                 n_ok = rows < end
-                p, ds = _probabilities(x_ptr, g_ptr, table_ptr, pos, m_ok, rows, n_ok, lse, delta, D, BLOCK_M,
-                                       BLOCK_N, BLOCK_D)
-                ek = tl.load(table_ptr + rows[:, None] * D + cols[None, :], mask=n_ok[:, None], other=0.0)
-                acc += tl.dot(ds.to(dx_ptr.dtype.element_ty), ek.to(dx_ptr.dtype.element_ty))
-            tl.store(dx_ptr + pos[:, None] * D + cols[None, :], acc.to(dx_ptr.dtype.element_ty), mask=m_ok[:, None])
+                ok = m_ok[:, None] & n_ok[None, :]
+                at = pos[:, None] * K + (rows - start)[None, :]
+                p = tl.where(ok, tl.exp(tl.load(s_ptr + at, mask=ok, other=0.0) - lse[:, None]), 0.0)
+                dp = _rows_product(g_ptr, table_ptr, pos, m_ok, rows, n_ok, D, BLOCK_M, BLOCK_N, BLOCK_D)
+                tl.store(ds_ptr + at, p * (dp - delta[:, None]), mask=ok)
 
     @triton.jit
-    def _dtable_kernel(x_ptr, g_ptr, table_ptr, bounds_ptr, ids_ptr, order_ptr, first_ptr, count_ptr, lead_ptr,
-                       lse_ptr, delta_ptr, dtable_ptr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-        b, j, r = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    def _table_grad_kernel(x_ptr, g_ptr, bounds_ptr, ids_ptr, order_ptr, first_ptr, count_ptr, lead_ptr, s_ptr,
+                           lse_ptr, ds_ptr, dtable_ptr, K: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+        """Per (token, tile of the token's rows), on the token's first block, one channel chunk after another: the
+        rows' gradient as keys and values, dS^T X + P^T G, summed over the token's blocks in registers."""
+        b, r = tl.program_id(0), tl.program_id(1)
         lead = tl.load(lead_ptr + b)
-        if lead > 0:  # b is its token's first block; the token's blocks are b .. b + lead - 1
-            token = tl.load(ids_ptr + tl.load(order_ptr + tl.load(first_ptr + b)))
-            start, end = tl.load(bounds_ptr + token), tl.load(bounds_ptr + token + 1)
-            rows = start + r * BLOCK_N + tl.arange(0, BLOCK_N)  # this program's tile of the token's rows
+        if lead > 0:  # the token's blocks are b .. b + lead - 1
+            pos, m_ok, start, end = _block(order_ptr, first_ptr, count_ptr, ids_ptr, bounds_ptr, b, BLOCK_M)
             if start + r * BLOCK_N < end:
+                rows = start + r * BLOCK_N + tl.arange(0, BLOCK_N)
                 n_ok = rows < end
-                cols = j * BLOCK_D + tl.arange(0, BLOCK_D)
-                i = tl.arange(0, BLOCK_M)
-                acc = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
-                for k in range(0, lead):
-                    first, count = tl.load(first_ptr + b + k), tl.load(count_ptr + b + k)
-                    m_ok = i < count
-                    pos = tl.load(order_ptr + first + i, mask=m_ok, other=0)
-                    lse = tl.load(lse_ptr + pos, mask=m_ok, other=0.0)
-                    delta = tl.load(delta_ptr + pos, mask=m_ok, other=0.0)
-                    p, ds = _probabilities(x_ptr, g_ptr, table_ptr, pos, m_ok, rows, n_ok, lse, delta, D, BLOCK_M,
-                                           BLOCK_N, BLOCK_D)
-                    xc = tl.load(x_ptr + pos[:, None] * D + cols[None, :], mask=m_ok[:, None], other=0.0)
-                    gc = tl.load(g_ptr + pos[:, None] * D + cols[None, :], mask=m_ok[:, None], other=0.0)
-                    acc += tl.dot(tl.trans(ds.to(xc.dtype)), xc) + tl.dot(tl.trans(p.to(gc.dtype)), gc)
-                tl.store(dtable_ptr + rows[:, None] * D + cols[None, :], acc, mask=n_ok[:, None])
+                for c in range(0, D, BLOCK_D):
+                    cols = c + tl.arange(0, BLOCK_D)
+                    acc = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+                    for k in range(0, lead):
+                        pos, m_ok, start, end = _block(order_ptr, first_ptr, count_ptr, ids_ptr, bounds_ptr, b + k,
+                                                       BLOCK_M)
+                        ok = m_ok[:, None] & n_ok[None, :]
+                        at = pos[:, None] * K + (rows - start)[None, :]
+                        lse = tl.load(lse_ptr + pos, mask=m_ok, other=0.0)
+                        p = tl.where(ok, tl.exp(tl.load(s_ptr + at, mask=ok, other=0.0) - lse[:, None]), 0.0)
+                        ds = tl.load(ds_ptr + at, mask=ok, other=0.0)
+                        xc = tl.load(x_ptr + pos[:, None] * D + cols[None, :], mask=m_ok[:, None], other=0.0)
+                        gc = tl.load(g_ptr + pos[:, None] * D + cols[None, :], mask=m_ok[:, None], other=0.0)
+                        acc += tl.dot(tl.trans(ds.to(xc.dtype)), xc) + tl.dot(tl.trans(p.to(gc.dtype)), gc)
+                    tl.store(dtable_ptr + rows[:, None] * D + cols[None, :], acc, mask=n_ok[:, None])
 
 
 class FusedLookup(torch.autograd.Function):
@@ -179,28 +189,33 @@ class FusedLookup(torch.autograd.Function):
     def forward(ctx, x, table, ids, bounds, k_max):
         x, ids = x.contiguous(), ids.contiguous()
         order, first, count, lead, blocks = plan(ids, bounds.numel() - 1)
+        n, D = x.shape
+        scores = torch.empty(n, k_max, dtype=torch.float32, device=x.device)  # a position's row: its token's rows
+        lse = torch.empty(n, dtype=torch.float32, device=x.device)
         h = torch.empty_like(x)
-        lse = torch.empty(x.size(0), dtype=torch.float32, device=x.device)
-        D = x.size(1)
-        _forward_kernel[(blocks, D // BLOCK_D)](x, table, bounds, ids, order, first, count, h, lse, D, BLOCK_M,
-                                                BLOCK_N, BLOCK_D)
-        ctx.save_for_backward(x, table, ids, bounds, order, first, count, lead, h, lse)
+        index = (bounds, ids, order, first, count)
+        _scores_kernel[(blocks,)](x, table, *index, scores, lse, k_max, D, BLOCK_M, BLOCK_N, BLOCK_D)
+        _weighted_rows_kernel[(blocks,)](scores, lse, table, *index, h, k_max, D, True, BLOCK_M, BLOCK_N, BLOCK_D)
+        ctx.save_for_backward(x, table, ids, bounds, order, first, count, lead, h, scores, lse)
         ctx.k_max = k_max
         return h
 
     @staticmethod
     def backward(ctx, grad_h):
-        x, table, ids, bounds, order, first, count, lead, h, lse = ctx.saved_tensors
+        x, table, ids, bounds, order, first, count, lead, h, scores, lse = ctx.saved_tensors
+        k_max, (n, D), blocks = ctx.k_max, x.shape, first.numel()
         g = grad_h.to(x.dtype).contiguous()
         delta = (g.float() * h.float()).sum(1)  # g . h = sum_r P_r (g . e_r): the softmax backward's row term
-        D, blocks = x.size(1), first.numel()
+        index = (bounds, ids, order, first, count)
+        dscores = torch.empty_like(scores)
+        _score_grad_kernel[(blocks,)](g, table, *index, scores, lse, delta, dscores, k_max, D, BLOCK_M, BLOCK_N,
+                                      BLOCK_D)
         dx = torch.empty_like(x)
-        _dx_kernel[(blocks, D // BLOCK_D)](x, g, table, bounds, ids, order, first, count, lse, delta, dx, D, BLOCK_M,
-                                           BLOCK_N, BLOCK_D)
+        _weighted_rows_kernel[(blocks,)](dscores, lse, table, *index, dx, k_max, D, False, BLOCK_M, BLOCK_N, BLOCK_D)
         dtable = torch.zeros_like(table, dtype=torch.float32)  # rows no token of the batch owns stay zero
-        tiles = -(-ctx.k_max // BLOCK_N)  # row tiles of the token with the most rows
-        _dtable_kernel[(blocks, D // BLOCK_D, tiles)](x, g, table, bounds, ids, order, first, count, lead, lse, delta,
-                                                      dtable, D, BLOCK_M, BLOCK_N, BLOCK_D)
+        tiles = -(-k_max // BLOCK_N)  # row tiles of the token with the most rows
+        _table_grad_kernel[(blocks, tiles)](x, g, *index, lead, scores, lse, dscores, dtable, k_max, D, BLOCK_M,
+                                            BLOCK_N, BLOCK_D)
         return dx, dtable.to(table.dtype), None, None, None
 
 
