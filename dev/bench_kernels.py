@@ -32,11 +32,6 @@ CUDA events (the median of --repeats calls). One subcommand per kernel:
                   (F.linear, gpt.softcap, cross-entropy). Checked against float64 on a slice of rows; the whole
                   head forward + backward both ways and its three matmuls alone, and the kernel alone, loss only
                   (one read of the logits) and with the gradient (a read and a write).
-  l3-lookup       L3's lookup h = E_t^T softmax(E_t x) at one micro-batch: the fused Triton kernels
-                  (kernels/l3_lookup.py) against the blocked path, bf16 activations, an fp32 table of --l3-rows rows
-                  allocated as l3.py allocates them (LZW credits, k_max --l3-k-max) from a Zipf-distributed token
-                  stream, the micro-batch's ids drawn from the same law. Checked against the blocked path in fp32;
-                  forward and forward + backward (the table's gradient included).
   ring            context parallelism's ring attention (nanochat/context_parallel.py) at the chunk shapes of each
                   --cps for one sequence of --seq-len: first the ring's arithmetic on this GPU's kernels, every
                   rank's blocks in one process, against one GPU attending the whole sequence (relative errors);
@@ -418,52 +413,6 @@ def rotary_norm(args):
 
 
 # -----------------------------------------------------------------------------
-# l3-lookup
-
-
-def l3_lookup(args):
-    import numpy as np
-    from nanochat.l3 import allocate_rows, lzw_credits, lookup_blocked
-    from nanochat.kernels import l3_lookup as fused
-    V, d, n = args.vocab, config_for_depth(args.depth).n_embd, args.device_batch_size * args.seq_len
-    rng = np.random.default_rng(0)
-    zipf = 1.0 / np.arange(1, V + 1)
-    stream = rng.choice(V, size=2_000_000, p=zipf / zipf.sum())  # text-like: a few tokens frequent, most rare
-    rows = allocate_rows(lzw_credits(stream, V), args.l3_rows, args.l3_k_max)
-    bounds = torch.from_numpy(np.concatenate([[0], np.cumsum(rows)])).cuda()
-    ids = torch.from_numpy(rng.choice(V, size=n, p=zipf / zipf.sum())).cuda()
-    torch.manual_seed(0)
-    table = (torch.rand(args.l3_rows, d, device="cuda") * 2 - 1) * (3 / d) ** 0.5
-    x = torch.randn(n, d, device="cuda").bfloat16()
-    g = torch.randn(n, d, device="cuda").bfloat16()
-    read = float((rows[ids.cpu().numpy()]).mean())
-    print(f"d{args.depth}: {n:,} positions x {d} channels, {args.l3_rows:,} rows (k_max {args.l3_k_max}), a position "
-          f"reads {read:.0f} rows on average")
-    paths = {"blocked (l3.lookup_blocked)": lambda x, t, ids: lookup_blocked(x, ids, t, bounds, window=args.l3_k_max),
-             "fused (kernels/l3_lookup.py)": lambda x, t, ids: fused.lookup(x, ids, t, bounds, args.l3_k_max)}
-    # the check: the first 4,096 positions, the blocked path in fp32 against the fused one in bf16
-    blocked, kernel = paths.values()
-    ref_x, ref_t = x[:4096].float().requires_grad_(), table.clone().requires_grad_()
-    ref = blocked(ref_x, ref_t, ids[:4096])
-    ref.backward(g[:4096].float())
-    mx, mt = x[:4096].clone().requires_grad_(), table.clone().requires_grad_()
-    mine = kernel(mx, mt, ids[:4096])
-    mine.backward(g[:4096])
-    print(f"fused bf16 against blocked fp32 on 4,096 positions: h {rel_err(mine, ref):.2e}, dx "
-          f"{rel_err(mx.grad, ref_x.grad):.2e}, dtable {rel_err(mt.grad, ref_t.grad):.2e}")
-
-    def forward_backward(fn):
-        def run():
-            xr, tr = x.detach().requires_grad_(), table.detach().requires_grad_()
-            fn(xr, tr, ids).backward(g)
-        return run
-    for name, fn in paths.items():
-        fwd = cuda_time_ms(lambda: fn(x, table, ids), args.repeats)
-        both = cuda_time_ms(forward_backward(fn), args.repeats)
-        print(f"{name:<30} forward {fwd:7.3f} ms   forward + backward {both:7.3f} ms")
-
-
-# -----------------------------------------------------------------------------
 # softcap-ce
 
 
@@ -599,10 +548,6 @@ def main(argv=None):
     add("rotary-norm", rotary_norm, "rotary + QK-norm: Triton kernels against compiled PyTorch")
     add("softcap-ce", softcap_ce, "the soft-capped loss: lm_head + Triton kernel against compiled PyTorch",
         depth=12).add_argument("--vocab", type=int, default=32768, help="vocabulary size")
-    p = add("l3-lookup", l3_lookup, "L3's lookup: the fused Triton kernels against the blocked path", depth=12)
-    p.add_argument("--vocab", type=int, default=32768, help="vocabulary size")
-    p.add_argument("--l3-rows", type=int, default=1 << 19, help="table rows")
-    p.add_argument("--l3-k-max", type=int, default=512, help="most rows per token")
     p = add("ring", ring, "context parallelism's ring: its blocks per step against one GPU, and the exchange",
             depth=12, device_batch_size=1)
     p.add_argument("--cps", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4, 8], help="CP degrees")

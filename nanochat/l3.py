@@ -15,10 +15,8 @@ tokens, each new dictionary entry crediting its last token (every token starts w
 largest fractional parts (ties: lower id). Deterministic; kept as cumulative bounds in a buffer.
 
 The lookup, without a Python loop over tokens:
-- fused (CUDA, the kernels facade): Triton kernels that never wait on the host (kernels/l3_lookup.py).
 - padded (CPU reference): gather (N, max d_t, d) rows, mask the padding, softmax, weighted sum; autograd.
-- blocked (CPU when the padded gather is big or mostly padding; CUDA with the kernels off or a width the kernels do
-  not take): sorted by token id, the score matrix is
+- blocked (GPU; CPU when the padded gather is big or mostly padding): sorted by token id, the score matrix is
   block-diagonal; runs of <= L3_BLOCK_POSITIONS sorted positions with rows in a window of < 2 k_max rows are each a
   small masked attention, batched (bmm) in chunks under L3_CHUNK_BYTES. A hand-written backward recomputes each chunk,
   accumulating the table gradient in fp32 (nothing (sum d_t) x d is kept).
@@ -39,7 +37,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.distributed as dist
 
-from nanochat import kernels
 from nanochat.kernels import Linear
 from nanochat.common import print0, eager
 
@@ -284,11 +281,8 @@ def lookup_blocked(x, ids, table, bounds, block=L3_BLOCK_POSITIONS, chunk_bytes=
 
 
 def choose_path(x, ids, bounds):
-    """"fused" where the kernels take x, else "blocked" on CUDA; on CPU "padded" while its gather is small
-    (<= L3_PADDED_MAX_BYTES) and at most 1.5x the useful rows, else "blocked" (faster beyond that in CPU
-    measurements; one host sync)."""
-    if kernels.takes_l3_lookup(x):
-        return "fused"
+    """"blocked" on CUDA; on CPU "padded" while its gather is small (<= L3_PADDED_MAX_BYTES) and at most
+    1.5x the useful rows, else "blocked" (faster beyond that in CPU measurements). One host sync."""
     if x.is_cuda:
         return "blocked"
     count = bounds[ids + 1] - bounds[ids]
@@ -316,7 +310,7 @@ class L3Layer(nn.Module):
         self.register_buffer("bounds", torch.zeros(vocab_size + 1, dtype=torch.int64))
         # mean rows a training token reads (token-frequency-weighted): what estimate_flops charges
         self.register_buffer("rows_per_token", torch.zeros((), dtype=torch.float32))
-        self.path = "auto"  # or "fused" / "blocked" / "padded", to force one (tests, benchmarks)
+        self.path = "auto"  # or "blocked" / "padded", to force one (tests, benchmarks)
         self.token_share = nn.Identity()  # sequence parallelism swaps in this rank's share of the token ids
 
     @classmethod
@@ -362,8 +356,6 @@ class L3Layer(nn.Module):
     def lookup(self, x, ids):
         """h = E_t^T softmax(E_t x) for x (N, d), ids (N,) -> (N, d) in x.dtype."""
         path = choose_path(x, ids, self.bounds) if self.path == "auto" else self.path
-        if path == "fused":
-            return kernels.l3_lookup_fused(x, ids, self.key_table, self.bounds, self.k_max)
         if path == "padded":
             return lookup_padded(x, ids, self.key_table, self.bounds)
         return lookup_blocked(x, ids, self.key_table, self.bounds, window=self.k_max)

@@ -1,17 +1,13 @@
-"""L3 (nanochat/l3.py): the LZW allocation, the lookup paths against a per-token Python loop (the fused Triton kernels
-through Triton's interpreter), zero init, which table rows get gradients, checkpoints, and the layer inside a tiny
-GPT (eager and compiled)."""
+"""L3 (nanochat/l3.py): the LZW allocation, both lookup paths against a per-token Python loop, zero
+init, which table rows get gradients, checkpoints, and the layer inside a tiny GPT (eager and compiled)."""
 
 import io
-import os
-import sys
 
 import numpy as np
 import pytest
 import torch
 
 from nanochat.distributed import Layout
-from triton_interpreter import needs_triton, run_under_interpreter
 from nanochat.dataset import SAMPLE_DIR
 from nanochat.gpt import GPTConfig, build_model
 from nanochat.l3 import (L3Layer, allocate_for_model, allocate_rows, choose_path, default_n_emb, lookup_blocked,
@@ -118,64 +114,6 @@ def test_lookup_matches_per_token_loop(path):
     torch.testing.assert_close(h, ref, rtol=1e-10, atol=1e-12)
     for a, b in zip(torch.autograd.grad(h, params, g), torch.autograd.grad(ref, params, g)):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
-
-
-def check_kernels():
-    """The fused lookup (kernels/l3_lookup.py), run with TRITON_INTERPRET=1, against the per-token loop in float64:
-    a token 40 times (two blocks of positions), tokens with more rows than one tile (k_max 80 > 64 rows), rows no
-    position reads (their gradient exactly zero). float32 only: the interpreter's bfloat16 tl.dot returns garbage
-    (Triton 3.9); test_fused_lookup_bf16_on_cuda covers bfloat16 where a GPU is."""
-    from nanochat.kernels import l3_lookup
-    layer = make_layer(vocab=40, d=64, n_emb=600, k_max=80, dtype=torch.float32)
-    rows = layer.bounds[1:] - layer.bounds[:-1]
-    assert rows.max() > l3_lookup.BLOCK_N
-    torch.manual_seed(1)
-    ids = torch.cat([torch.randint(0, 40, (30,)), torch.zeros(40, dtype=torch.long), torch.full((5,), 7)])
-    ids = ids[torch.randperm(ids.numel())]
-    unread = torch.ones(40, dtype=torch.bool)
-    unread[ids] = False
-    assert unread.any()
-    order, first, count, lead, blocks = l3_lookup.plan(ids, 40)
-    assert int(count.sum()) == ids.numel() and int(count.max()) == l3_lookup.BLOCK_M and blocks > int((count > 0).sum())
-    table = layer.key_table.detach()
-    for dtype, tol in ((torch.float32, 1e-5),):
-        x = torch.randn(ids.numel(), 64).to(dtype).requires_grad_()
-        t = table.clone().requires_grad_()
-        h = l3_lookup.lookup(x, ids, t, layer.bounds, 80)
-        x64, t64 = x.detach().double().requires_grad_(), table.double().requires_grad_()
-        ref = naive_lookup(x64, ids, t64, layer.bounds)
-        g = torch.randn_like(ref)
-        mine = torch.autograd.grad(h, [x, t], g.to(dtype))
-        truth = torch.autograd.grad(ref, [x64, t64], g)
-        assert h.dtype == dtype and mine[1].dtype == torch.float32
-        for name, a, b in (("h", h, ref), ("dx", *[mine[0], truth[0]]), ("dtable", *[mine[1], truth[1]])):
-            err = ((a.double() - b).norm() / b.norm()).item()
-            assert err < tol, (dtype, name, err)
-        for token in unread.nonzero().flatten().tolist():
-            assert not mine[1][layer.bounds[token]:layer.bounds[token + 1]].any()
-    print("kernels ok")
-
-
-@needs_triton
-def test_fused_lookup_under_triton_interpreter():
-    run_under_interpreter(__file__)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused lookup runs on CUDA")
-def test_fused_lookup_bf16_on_cuda():
-    """bfloat16 activations through the fused kernels against the blocked path in float64, on a GPU."""
-    from nanochat.kernels import l3_lookup
-    layer = make_layer(vocab=40, d=64, n_emb=600, k_max=80, dtype=torch.float32).cuda()
-    ids = torch.cat([torch.randint(0, 40, (300,)), torch.zeros(70, dtype=torch.long)]).cuda()
-    x = torch.randn(ids.numel(), 64, device="cuda").bfloat16().requires_grad_()
-    t = layer.key_table.detach().clone().requires_grad_()
-    h = l3_lookup.lookup(x, ids, t, layer.bounds, 80)
-    x64, t64 = x.detach().double().requires_grad_(), layer.key_table.detach().double().requires_grad_()
-    ref = lookup_blocked(x64, ids, t64, layer.bounds)
-    g = torch.randn_like(ref)
-    mine, truth = torch.autograd.grad(h, [x, t], g.bfloat16()), torch.autograd.grad(ref, [x64, t64], g)
-    for a, b in ((h, ref), *zip(mine, truth)):
-        assert ((a.double() - b).norm() / b.norm()).item() < 3e-2
 
 
 def test_blocked_backward_gradcheck():
@@ -358,8 +296,3 @@ def test_allocate_for_model_is_identical_on_all_ranks(base_dir, tmp_path):
     assert torch.equal(states[0]["bounds"], states[1]["bounds"])
     assert torch.equal(states[0]["rows_per_token"], states[1]["rows_per_token"])
     assert (states[0]["bounds"][1:] - states[0]["bounds"][:-1]).max() > 4  # the LZW allocation, not the uniform init
-
-
-if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    check_kernels()

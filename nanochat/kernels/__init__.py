@@ -14,7 +14,6 @@ gpt.py (and fp8.py for its MLP) write every op as its reference PyTorch math and
                                                                  elsewhere ReLU^2 keeping only its output
     fp8 MLP            fp8.fc_relu_square, relu_square_input_grad  the same kernels on fp8 operands
     soft-capped loss   gpt.SoftcapCrossEntropy                   lm_head matmul + Triton loss (softcap_ce.py)
-    L3 lookup          l3.lookup_padded / lookup_blocked         Triton, no host sync (l3_lookup.py)
 
 The switch is KERNELS.mode, "auto" (default) or "reference", from NANOCHAT_KERNELS and the scripts' --kernels (which
 wins); "reference" answers every question with no, so the math runs as written on every device. It is read at each
@@ -29,7 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanochat.common import ConfigError
-from nanochat.kernels import flash_attention, l3_lookup, relu_square_mm, rotary, sdpa, softcap_ce, splitk
+from nanochat.kernels import flash_attention, relu_square_mm, rotary, sdpa, softcap_ce, splitk
 
 MODES = ("auto", "reference")
 
@@ -243,11 +242,3 @@ def takes_head_loss(x):
 
 def head_losses(x, weight, targets, cap):
     return softcap_ce.kernel_head_losses(x, weight, targets, cap)
-
-
-def takes_l3_lookup(x):
-    return KERNELS.on and l3_lookup.supported(x)
-
-
-def l3_lookup_fused(x, ids, table, bounds, k_max):
-    return l3_lookup.lookup(x, ids, table, bounds, k_max)
