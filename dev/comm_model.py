@@ -30,6 +30,7 @@ import torch
 
 from dev import runs
 from nanochat.gpt import GPT
+from nanochat.optim import param_groups
 from nanochat.recipe import parse_args, model_config, derive_recipe
 
 VOCAB = 32768  # base_train's tokenizer's
@@ -44,7 +45,7 @@ def model_figures(depth):
     with torch.device("meta"):
         model = GPT(config)
     muon = adamw = 0
-    for group in model.param_groups(1, 1, 1, 1, 0):
+    for group in param_groups(model, 1, 1, 1, 1, 0):
         n = sum(p.numel() for p in group["params"] if group["kind"] == "adamw" and p.numel() < 1024)
         total = sum(p.numel() for p in group["params"])
         if group["kind"] == "muon":

@@ -3,7 +3,7 @@ fp8 training linears, tensorwise: every eligible linear's product runs in fp8 wi
 one device and under tensor parallelism alike (torchao's rowwise recipe was slower: dev/LOG.md).
 
 - Converted in place (make_fp8): Linears whose dims are multiples of 16 and at least 128 (the fp8 matmul's shape
-  rules; small layers gain nothing), never the lm_head (the logits keep bf16 precision). The same modules and fp32
+  rules; small layers gain nothing), never the lm_head or an MoE router (logits keep bf16 precision). The same modules and fp32
   Parameters, cast to fp8 around each matmul: checkpoints are the same with or without fp8.
 - A converted module has an `fp8` flag: evaluation and sampling run in bf16 (bf16_linears turns it off).
 - Without an SM89+ GPU or torchao, --fp8 says so and training goes on without it. It pays only compiled.
@@ -40,7 +40,7 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2  # activations and weights; 
 
 
 def is_eligible(module, fqn):  # the filter of the module docstring
-    if not isinstance(module, torch.nn.Linear) or fqn.endswith("lm_head"):
+    if not isinstance(module, torch.nn.Linear) or fqn.endswith(("lm_head", "router")):
         return False
     n_in, n_out = module.in_features, module.out_features
     return n_in % 16 == 0 and n_out % 16 == 0 and min(n_in, n_out) >= 128

@@ -35,6 +35,7 @@ from nanochat import kernels
 from nanochat.common import ConfigError
 from nanochat.kernels import Linear
 from nanochat.l3 import L3Layer
+from nanochat.moe import MoE, moe_layers, inactive_expert_params
 
 ROTARY_BASE = 100_000.0
 QK_SCALE = 1.2  # q and k after QK-norm: sharper attention than unit-norm vectors give
@@ -55,18 +56,24 @@ class GPTConfig:
     l3_n_emb: int = 0
     l3_d_up: int = 0
     l3_k_max: int = 512
+    # mixture of experts (moe.py): routed experts (0 = dense MLPs), chosen per token, always-on ones, width, blocks
+    moe_experts: int = 0
+    moe_topk: int = 2
+    moe_shared: int = 1
+    moe_expert_dim: int = 0
+    moe_layers: tuple = ()
 
     @property
     def head_dim(self):
         return self.n_embd // self.n_head
 
     def to_dict(self):
-        return {**asdict(self), "l3_after_layers": list(self.l3_after_layers)}
+        return {**asdict(self), "l3_after_layers": list(self.l3_after_layers), "moe_layers": list(self.moe_layers)}
 
     @classmethod
     def from_dict(cls, d):
         d = dict(d)
-        d["l3_after_layers"] = tuple(d.get("l3_after_layers", ()))
+        d["l3_after_layers"], d["moe_layers"] = tuple(d.get("l3_after_layers", ())), tuple(d.get("moe_layers", ()))
         if d.pop("l3_tied", True) is False and d["l3_after_layers"]:  # named by checkpoints before 2026-11-24
             raise ConfigError("this checkpoint has L3 layers with separate key and value tables, which this version "
                               "does not build (one table serves as both); use the version that trained it")
@@ -189,10 +196,10 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, hidden=None):
         super().__init__()
-        self.c_fc = Linear(config.n_embd, 4 * config.n_embd)
-        self.c_proj = Linear(4 * config.n_embd, config.n_embd)
+        self.c_fc = Linear(config.n_embd, hidden or 4 * config.n_embd)
+        self.c_proj = Linear(hidden or 4 * config.n_embd, config.n_embd)
         self.tp_enter = nn.Identity()  # tensor parallelism swaps in its region-entry collective
 
     def forward(self, x):
@@ -219,7 +226,7 @@ class Block(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.attn = CausalSelfAttention(config, layer_idx)
-        self.mlp = MLP(config)
+        self.mlp = MoE(config, MLP) if layer_idx in moe_layers(config) else MLP(config)
         self.resid_lambda = nn.Parameter(torch.empty(()))
         self.x0_lambda = nn.Parameter(torch.empty(()))
         kv_dim = config.n_kv_head * config.head_dim
@@ -305,10 +312,13 @@ class GPT(nn.Module):
         self.smear_lambda.fill_(0.0)  # smear starts off
         for block in self.blocks:
             attn, mlp = block.attn, block.mlp
-            for lin in (attn.c_q, attn.c_k, attn.c_v, mlp.c_fc):
+            for lin in (attn.c_q, attn.c_k, attn.c_v) + ((mlp.c_fc,) if isinstance(mlp, MLP) else ()):
                 nn.init.uniform_(lin.weight, -s, s)
             nn.init.zeros_(attn.c_proj.weight)  # output projections at zero: blocks start as identity
-            nn.init.zeros_(mlp.c_proj.weight)
+            if isinstance(mlp, MLP):
+                nn.init.zeros_(mlp.c_proj.weight)
+            else:
+                mlp.init_weights(1 / math.sqrt(cfg.n_embd))
             if attn.ve_gate is not None:
                 nn.init.zeros_(attn.ve_gate.weight)  # gate = 2*sigmoid(0) = 1
             if block.value_embed is not None:
@@ -378,11 +388,14 @@ class GPT(nn.Module):
         return self.head(h, targets, loss_reduction, positions, seq)
 
     def matmul_parameters(self):
-        """The blocks' linears, L3's W_up/W_mix, the lm_head (tables are lookups, scalars elementwise)."""
-        return sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
+        """The linears a token runs through: the blocks' (MoE: its router, shared and K routed experts), L3's
+        W_up/W_mix, the lm_head (tables are lookups, scalars elementwise)."""
+        experts = sum(p.numel() for n, p in self.named_parameters() if ".mlp.fc." in n or ".mlp.proj." in n)
+        linears = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
+        return linears + experts - inactive_expert_params(self)
 
     def num_scaling_params(self):
-        """What the scaling laws count: transformer matrices + lm_head."""
+        """What the scaling laws count: the transformer's active matrices + lm_head."""
         return self.matmul_parameters() - sum(p.numel() for layer in self.l3.values() for p in layer.dense_parameters())
 
     def attention_flops(self, layer_idx, causal=False):
@@ -404,36 +417,7 @@ class GPT(nn.Module):
         sparse = sum(p.numel() for layer in self.l3.values() for p in layer.table_parameters())
         return {"total": total, "embeddings": embed, "l3 tables (sparse)": sparse,
                 "matmul": self.matmul_parameters(), "scaling": self.num_scaling_params(),
-                "active": total - sparse}
-
-    def param_groups(self, embedding_lr, unembedding_lr, matrix_lr, scalar_lr, weight_decay):
-        """Which parameter goes to which update rule, with its LR; the embeddings' and lm_head's AdamW LRs scale with
-        (model_dim/768)^-0.5 (tuned at d12)."""
-        dim_scale = (self.config.n_embd / 768) ** -0.5
-        table_ids = {id(p) for layer in self.l3.values() for p in layer.table_parameters()}
-        embeds, unembed, scalars, matrices, tables = [], [], [], [], []
-        for name, p in self.named_parameters():
-            if name == "lm_head.weight":
-                unembed.append(p)
-            elif name == "wte.weight" or name.endswith("value_embed.weight"):
-                embeds.append(p)
-            elif id(p) in table_ids:
-                tables.append(p)
-            elif p.ndim == 2 and (name.startswith("blocks.") or name.startswith("l3.")):
-                matrices.append(p)
-            else:  # lambdas, smear gate, L3 norms
-                scalars.append(p)
-
-        def adamw(name, params, lr):
-            return dict(name=name, kind="adamw", params=params, lr=lr, betas=(0.8, 0.95), eps=1e-10, weight_decay=0.0)
-        groups = [adamw("embeddings", embeds, embedding_lr * dim_scale), adamw("lm_head", unembed, unembedding_lr * dim_scale),
-                  adamw("scalars", scalars, scalar_lr),
-                  dict(name="matrices", kind="muon", params=matrices, lr=matrix_lr, momentum=0.95, weight_decay=weight_decay),
-                  adamw("l3_tables", tables, embedding_lr * dim_scale)]  # L3's tables, if any
-        return [g for g in groups if g["params"]]
-
-
-PARAM_GROUPS = ("embeddings", "lm_head", "scalars", "matrices", "l3_tables")  # param_groups' names, in its order
+                "active": total - sparse - inactive_expert_params(self)}
 
 
 def build_model(config, device, compute_dtype=torch.float32):  # on meta (no memory, no init cost), then materialized

@@ -106,7 +106,7 @@ def rank_memory(config, s):
     training step: {"weights", "working copies", "gradients", "optimizer state", "activations", "total"} (and
     "gathered", the working copies' whole weights). Not counted: the step's temporaries, and the whole model copy
     CORE and sampling build under PP, SP or sharding (4 bytes a parameter). ConfigError where Setting.check fails."""
-    from nanochat.optim import muon_stacks
+    from nanochat.optim import muon_stacks, param_groups
     from nanochat.pipeline_parallel import block_costs, split_stages
     from nanochat.pipeline_schedules import stage_actions, peak_in_flight
     from nanochat.data_parallel import RoundRobin, owned_by_rows
@@ -129,7 +129,7 @@ def rank_memory(config, s):
         act_peaks, alive = peak_in_flight(actions, kept), peak_in_flight(actions)
     else:
         act_peaks, alive = [kept[0]], [1]
-    groups = model.param_groups(0.0, 0.0, 0.0, 0.0, 0.0)
+    groups = param_groups(model, 0.0, 0.0, 0.0, 0.0, 0.0)
     out = []
     for r in range(s.pp):
         blocks = [i for c in range(r, len(chunks), s.pp) for i in range(*chunks[c])]

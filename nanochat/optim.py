@@ -29,7 +29,6 @@ import torch
 import torch.distributed as dist
 
 from nanochat import tensor_parallel as tp
-from nanochat.gpt import PARAM_GROUPS
 
 # Polar Express coefficients for 5 iterations of X <- aX + (bA + cA^2)X, A = X X^T (arXiv 2505.16932,
 # with the paper's safety factor): they drive singular values in (0, 1] towards 1 faster than Newton-Schulz.
@@ -42,6 +41,39 @@ POLAR_EXPRESS_COEFFS = [
 ]
 NORMUON_BETA2 = 0.95
 NORMUON_EPS = 1e-10
+
+
+def param_groups(model, embedding_lr, unembedding_lr, matrix_lr, scalar_lr, weight_decay):
+    """Which parameter goes to which update rule, with its LR; the embeddings' and lm_head's AdamW LRs scale with
+    (model_dim/768)^-0.5 (tuned at d12); MoE routers take the lm_head's (moe.py says why)."""
+    dim_scale = (model.config.n_embd / 768) ** -0.5
+    table_ids = {id(p) for layer in model.l3.values() for p in layer.table_parameters()}
+    embeds, unembed, scalars, matrices, tables, routers = [], [], [], [], [], []
+    for name, p in model.named_parameters():
+        if name == "lm_head.weight":
+            unembed.append(p)
+        elif name == "wte.weight" or name.endswith("value_embed.weight"):
+            embeds.append(p)
+        elif id(p) in table_ids:
+            tables.append(p)
+        elif name.endswith("mlp.router.weight"):
+            routers.append(p)
+        elif p.ndim == 2 and (name.startswith("blocks.") or name.startswith("l3.")):
+            matrices.append(p)
+        else:  # lambdas, smear gate, L3 norms
+            scalars.append(p)
+
+    def adamw(name, params, lr):
+        return dict(name=name, kind="adamw", params=params, lr=lr, betas=(0.8, 0.95), eps=1e-10, weight_decay=0.0)
+    groups = [adamw("embeddings", embeds, embedding_lr * dim_scale), adamw("lm_head", unembed, unembedding_lr * dim_scale),
+              adamw("scalars", scalars, scalar_lr),
+              dict(name="matrices", kind="muon", params=matrices, lr=matrix_lr, momentum=0.95, weight_decay=weight_decay),
+              adamw("l3_tables", tables, embedding_lr * dim_scale),  # L3's tables, if any
+              adamw("moe_routers", routers, unembedding_lr * dim_scale)]  # MoE's, if any
+    return [g for g in groups if g["params"]]
+
+
+PARAM_GROUPS = ("embeddings", "lm_head", "scalars", "matrices", "l3_tables", "moe_routers")  # in param_groups' order
 
 
 def muon_update(grads, momentum_buf, second_buf, momentum, compute_dtype: torch.dtype):
@@ -127,7 +159,7 @@ class MuonStack:
 
 class MuonAdamW(torch.optim.Optimizer):
     """groups: dicts of kind 'adamw' (lr, betas, eps, weight_decay) or 'muon' (lr, momentum, weight_decay), each
-    named (one of gpt.PARAM_GROUPS); names: {param: name} for saving; dp: data_parallel.DataParallel over
+    named (one of PARAM_GROUPS); names: {param: name} for saving; dp: data_parallel.DataParallel over
     muon_stacks(groups) and the AdamW tensors (made by training.setup), which reduces the gradients and says who
     updates what; compute_dtype: Muon's orthogonalization dtype; compile: the stacked updates; counts_replicated:
     this rank counts parameters whole on every TP rank in the gradient norm (TP rank 0 does)."""

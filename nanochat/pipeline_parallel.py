@@ -32,6 +32,7 @@ import torch.nn as nn
 import torch.distributed as dist
 
 from nanochat.gpt import Residual
+from nanochat.moe import inactive_expert_params
 from nanochat.pipeline_schedules import stage_actions, idle_formula, input_of, message_order, action_name
 
 
@@ -40,7 +41,8 @@ def block_costs(model):
     the head (the lm_head matmul; the embedding lookup is negligible)."""
     costs = []
     for i, block in enumerate(model.blocks):
-        matmul = sum(p.numel() for n, p in block.named_parameters() if p.ndim == 2 and "value_embed" not in n)
+        matmul = sum(p.numel() for n, p in block.named_parameters() if p.ndim == 2 and "value_embed" not in n) \
+            - inactive_expert_params(block)  # MoE: the experts a token runs through
         l3 = model.l3[str(i)].estimate_flops() if str(i) in model.l3 else 0
         costs.append(6 * matmul + model.attention_flops(i) + l3)
     return costs, 6 * model.lm_head.weight.numel()

@@ -35,7 +35,7 @@ RECIPE_FLAGS = ["num_iterations", "target_flops", "target_param_data_ratio", "to
                 "warmdown_ratio", "final_lr_frac", "keep_remainder"]
 # flags that shape the model: a resume refuses other values, and takes the checkpoint's where they are left out
 MODEL_FLAGS = ["depth", "aspect_ratio", "head_dim", "n_kv_head", "window_pattern", "l3_after_layers", "l3_n_emb",
-               "l3_d_up", "l3_k_max"]
+               "l3_d_up", "l3_k_max", "moe_experts", "moe_topk", "moe_shared", "moe_expert_dim", "moe_layers"]
 
 
 @dataclass
@@ -135,6 +135,12 @@ def parse_args(argv=None):
     add("--l3-n-emb", type=int, default=0, help="rows of the L3 table (0 = 16 per vocabulary entry)")
     add("--l3-d-up", type=int, default=0, help="L3 up-projection width (0 = 4 * model_dim)")
     add("--l3-k-max", type=int, default=512, help="most table rows one token may own")
+    add("--moe-experts", type=int, default=0, help="mixture of experts: routed experts per MoE layer (0 = dense MLPs)")
+    add("--moe-topk", type=int, default=2, help="experts each token is routed to")
+    add("--moe-shared", type=int, default=1, help="always-on experts per MoE layer")
+    add("--moe-expert-dim", type=int, default=0, help="expert width (0 = iso-FLOP: 4 x model_dim / (topk + shared))")
+    add("--moe-layers", type=str, default="", help="blocks whose MLP is a mixture of experts, e.g. 1,3 (empty = all "
+                                                   "but the first)")
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # one line, with the nearest flag (argparse prints its whole usage and no suggestion)
         flags = [f for action in parser._actions for f in action.option_strings]
@@ -196,20 +202,32 @@ def config_for_depth(depth, aspect_ratio=64, head_dim=128, vocab_size=32768, seq
                      n_kv_head=n_kv_head, n_embd=model_dim, window_pattern=window_pattern, **kwargs)
 
 
+def block_indices(flag, value, depth):
+    """--l3-after-layers / --moe-layers: comma-separated block indices, as a sorted tuple."""
+    try:
+        blocks = tuple(sorted({int(s) for s in value.split(",") if s.strip()}))
+    except ValueError:
+        raise ConfigError(f"--{flag} {value!r} must be comma-separated block indices, e.g. 4,8") from None
+    if any(not 0 <= i < depth for i in blocks):
+        raise ConfigError(f"--{flag} {value!r}: block indices must be in 0..{depth - 1}")
+    return blocks
+
+
 def model_config(args, vocab_size, resume_meta=None):
     """The GPTConfig of the run: the checkpoint's when resuming (with --max-seq-len's context: the weights hold
     no length, the windows and rotary tables follow it), else from --depth and the model flags."""
     if resume_meta is not None:
         return replace(GPTConfig.from_dict(resume_meta["model_config"]), sequence_len=args.max_seq_len)
-    try:
-        l3_layers = tuple(sorted({int(s) for s in args.l3_after_layers.split(",") if s.strip()}))
-    except ValueError:
-        raise ConfigError(f"--l3-after-layers {args.l3_after_layers!r} must be comma-separated block indices, e.g. 4,8") from None
-    if any(not 0 <= i < args.depth for i in l3_layers):
-        raise ConfigError(f"--l3-after-layers {args.l3_after_layers!r}: block indices must be in 0..{args.depth - 1}")
+    l3_layers, moe_blocks = (block_indices(f, getattr(args, f.replace("-", "_")), args.depth)
+                             for f in ("l3-after-layers", "moe-layers"))
+    if args.moe_experts and not 1 <= args.moe_topk <= args.moe_experts or min(args.moe_shared, args.moe_expert_dim) < 0:
+        raise ConfigError(f"--moe-topk {args.moe_topk} must be in 1..--moe-experts ({args.moe_experts}); --moe-shared "
+                          f"and --moe-expert-dim must be >= 0")
     config = config_for_depth(args.depth, args.aspect_ratio, args.head_dim, vocab_size, args.max_seq_len,
                               args.window_pattern, n_kv_head=args.n_kv_head, l3_after_layers=l3_layers,
-                              l3_n_emb=args.l3_n_emb, l3_d_up=args.l3_d_up, l3_k_max=args.l3_k_max)
+                              l3_n_emb=args.l3_n_emb, l3_d_up=args.l3_d_up, l3_k_max=args.l3_k_max,
+                              moe_experts=args.moe_experts, moe_topk=args.moe_topk, moe_shared=args.moe_shared,
+                              moe_expert_dim=args.moe_expert_dim, moe_layers=moe_blocks)
     window_sizes(config)  # a pattern of other letters than S and L is refused here
     return config
 
@@ -238,8 +256,8 @@ class Recipe:
         counts = self.param_counts
         return [f"model config: {json.dumps(config.to_dict())}",
                 f"parameters: {counts['total']:,} total | {counts['scaling']:,} scaling | {counts['embeddings']:,} "
-                f"embeddings" + (f" | {counts['l3 tables (sparse)']:,} L3 sparse, {counts['active']:,} active"
-                                 if config.l3_after_layers else ""),
+                f"embeddings" + (f" | {counts['l3 tables (sparse)']:,} L3 sparse" if config.l3_after_layers else "") +
+                (f" | {counts['active']:,} active" if config.l3_after_layers or config.moe_experts else ""),
                 f"FLOPs per token: {self.flops_per_token:.4e}",
                 f"horizon: {self.tokens:,} tokens = {self.num_iterations:,} steps x {self.total_batch_size:,} tokens "
                 f"(from {self.horizon_source}); tokens/scaling param = {self.tokens / self.num_scaling_params:.2f}; "
@@ -354,6 +372,8 @@ class Setting:
         m = self.total_batch // tokens_per_micro
         if self.sequence_parallel and tp == 1:
             raise ConfigError("--sequence-parallel needs --tp > 1")
+        if config.moe_experts and tp > 1:
+            raise ConfigError("--moe-experts with --tp: tensor parallelism does not cut the experts yet; use --tp 1")
         if self.keep_gathered and not self.shard_params:
             raise ConfigError("--keep-gathered keeps sharded weights gathered: it needs --shard-params")
         divides = [("query heads (n_head)", config.n_head), ("key/value heads (n_kv_head)", config.n_kv_head),

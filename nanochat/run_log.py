@@ -3,8 +3,9 @@ A run's record, in a file tools read instead of its printout: metrics.jsonl besi
 ($NANOCHAT_BASE_DIR/base_checkpoints/<model-tag>/), one JSON object per line:
   {"kind": "header", ...}  at every launch: flags, model config, layout, device, attention kernel, fp8, recipe
   {"step": s, ...}         per step: loss (the step's mean), loss_smooth (the log line's debiased EMA), grad_norm
-                           (global) and grad_norm_<group> (gpt.PARAM_GROUPS), lrm, dt (s), tok_per_sec, mfu (%),
-                           peak_mem_gib, epoch; spikes where SpikeWatch saw one; val_bpb and core where evaluated
+                           (global) and grad_norm_<group> (optim.PARAM_GROUPS), lrm, dt (s), tok_per_sec, mfu (%),
+                           peak_mem_gib, epoch; moe_imbalance with MoE layers (moe.after_step); spikes where SpikeWatch
+                           saw one; val_bpb and core where evaluated
   {"kind": "end", ...}     at the end (completed or stopped): the last step, training time, every rank's peak memory
 A resumed run keeps the records before its first step, so the file tells one trajectory. Rank 0 writes line by
 line (a line a crash cuts off is skipped when read); wandb and TensorBoard, when asked for, get the same numbers.

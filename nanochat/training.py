@@ -23,8 +23,8 @@ import torch.distributed as dist
 from nanochat.common import print0, ConfigError
 from nanochat.distributed import barrier, all_reduce_max, gather_objects, agree_on_error
 from nanochat.gpt import build_model, Block, WholeSequence
-from nanochat import kernels
-from nanochat.optim import MuonAdamW, muon_stacks
+from nanochat import kernels, moe
+from nanochat.optim import MuonAdamW, muon_stacks, param_groups
 from nanochat.data_parallel import DataParallel
 from nanochat.dataloader import DataLoader
 from nanochat.loss_eval import evaluate_bpb
@@ -81,7 +81,7 @@ def setup(config, setting, layout, device, dtype, lrs, l3_data=None, after_init=
             dist.broadcast_object_list(splits, src=0)
         wgrad_splits = splits[0]
         kernels.set_wgrad_splits(model, wgrad_splits)
-    groups = model.param_groups(**vars(lrs))
+    groups = param_groups(model, **vars(lrs))
     # data parallelism over DP x CP (CP ranks hold the same weights, each having seen its share of the tokens); the
     # optimizer updates what it hands out; sharded weights at one rank are no sharding
     sharded = setting.shard_params and layout.dp_cp_group is not None
@@ -234,6 +234,7 @@ class Trainer:
     attention: str = ""             # the kernel that trains, and split-K per weight shape (for the log)
     wgrad_splits: dict = field(default_factory=dict)
     micro_batches: int = 1          # per step (gradient accumulation)
+    moe_imbalance: object = None    # after a step with MoE layers: the worst layer's max / mean load (device tensor)
 
     def step(self, batches, schedule, it):
         """One optimizer step on the micro-batches [(x, y), ...]: forward and backward (through the
@@ -260,9 +261,15 @@ class Trainer:
                 group["weight_decay"] = schedule.muon_weight_decay(it)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.moe_imbalance = moe.after_step(self.model, self.layout.dp_cp_group)
         if os.environ.get("NANOCHAT_TEST_NAN_AT") == f"{it}:{self.layout.rank}":  # the tests' fault: one rank's NaN
             loss = loss * float("nan")
         return self.dp.mean_loss(loss), lrm
+
+    def signals(self):
+        """Beside the loss, for the step line and metrics.jsonl: the MoE load imbalance (the worst layer's max / mean
+        tokens per expert), if any (a host sync: after the loss's)."""
+        return {} if self.moe_imbalance is None else {"moe_imbalance": self.moe_imbalance.item()}
 
     def describe(self, print_schedule=False):
         """What setup built, as lines for the log: the pipeline (and every rank's schedule), split-K, attention, and

@@ -32,8 +32,8 @@ from nanochat.distributed import compute_init, compute_cleanup, barrier, hang_re
 from nanochat.signals import install_stop_handlers, stop_agreed, Interrupted
 from nanochat.memory import cpu_memory_error
 from nanochat.watchdog import Watchdog
-from nanochat.gpt import PARAM_GROUPS
-from nanochat import kernels
+from nanochat.optim import PARAM_GROUPS
+from nanochat import kernels, report, training
 from nanochat.recipe import Setting, parse_args, check_loop_flags, model_config, derive_recipe, context_lengths
 from nanochat.dataloader import reshard_states
 from nanochat.dataset import DataError, check_data, shard_listing
@@ -41,8 +41,6 @@ from nanochat.tokenizer import get_tokenizer, get_token_bytes
 from nanochat.loss_eval import default_eval_tokens
 from nanochat.run_log import RunLog, SpikeWatch, metrics_path
 from nanochat import checkpoint_manager as ckpt
-from nanochat import report
-from nanochat import training
 
 UNTIMED_STEPS = 10  # each launch's first steps include compilation: left out of the training time
 
@@ -148,8 +146,8 @@ class Run:
                 print0(f"data: resharded the data position from dp {len(saved_states)} to dp {layout.dp_size}")
         self.first_step, self.last_state, self.saved_step = self.step, loader_state, None
         self.launch_time = self.launch_timed = 0.0  # this launch's steps (all; its part of total_time, for the ETA)
-        self.grad_norm_slots = [(g, 1 + i) for i, g in enumerate(PARAM_GROUPS)  # in optimizer.grad_norms
-                                if g != "l3_tables" or self.config.l3_after_layers]
+        used = {"l3_tables": self.config.l3_after_layers, "moe_routers": self.config.moe_experts}
+        self.grad_norm_slots = [(g, 1 + i) for i, g in enumerate(PARAM_GROUPS) if used.get(g, True)]  # in grad_norms
         self.val_bpb, self.evals = None, {}
         self.core_status = "not run" if args.core_metric_every > 0 else "off (--core-metric-every -1)"
         self.mfu, self.tok_per_sec, self.epoch = None, 0.0, 1
@@ -300,7 +298,8 @@ class Run:
         if not math.isfinite(loss):
             self.diverged(loss)
         norms = self.trainer.optimizer.grad_norms.tolist()  # [global, then each of PARAM_GROUPS]
-        grad_norms = {"grad_norm": norms[0], **{f"grad_norm_{g}": norms[i] for g, i in self.grad_norm_slots}}
+        watched = {"grad_norm": norms[0], **{f"grad_norm_{g}": norms[i] for g, i in self.grad_norm_slots},
+                   **self.trainer.signals()}
         self.smooth_loss = 0.9 * self.smooth_loss + 0.1 * loss
         smooth = self.smooth_loss / (1 - 0.9 ** (self.step + 1))  # debiased
         self.launch_time += dt
@@ -315,17 +314,18 @@ class Run:
         n, timed = self.recipe.num_iterations, self.step - self.first_step - UNTIMED_STEPS  # in launch_timed
         per_step = self.launch_timed / timed if timed > 0 else dt  # after the compile warm-up: the mean
         print0(f"step {self.step:05d}/{n:05d} ({100 * self.step / n:.2f}%) | loss: {smooth:.6f} | "
-               f"grad norm: {grad_norms['grad_norm']:.4f} | lrm: {lrm:.2f} | dt: {dt * 1000:.2f}ms | "
+               f"grad norm: {watched['grad_norm']:.4f} | lrm: {lrm:.2f} | dt: {dt * 1000:.2f}ms | "
                f"tok/sec: {self.tok_per_sec:,.0f}" + (f" | mfu: {self.mfu:.2f}" if self.mfu is not None else "") +
+               "".join(f" | moe imbalance: {v:.2f}" for k, v in watched.items() if k == "moe_imbalance") +
                f" | epoch: {self.epoch} | elapsed: {duration(time.time() - self.started)} | "
                f"eta: {duration(per_step * (n - self.step - 1))}")
-        spikes = self.spikes.check(loss, grad_norms["grad_norm"], judge=self.step >= self.args.warmup_steps)
+        spikes = self.spikes.check(loss, watched["grad_norm"], judge=self.step >= self.args.warmup_steps)
         for what, value, ratio, median, steps in spikes:
             print0(f"step {self.step:05d} | WARNING: {what} spike: {value:.4f} is {ratio:.2f}x the median of the "
                    f"previous {steps} steps ({median:.4f})")
         self.spike_count += len(spikes)
         peak = torch.cuda.max_memory_allocated() / 2**30 if self.device.type == "cuda" else None
-        self.log.log(self.step, loss=loss, loss_smooth=smooth, **grad_norms, lrm=lrm, dt=dt, tok_per_sec=self.tok_per_sec,
+        self.log.log(self.step, loss=loss, loss_smooth=smooth, **watched, lrm=lrm, dt=dt, tok_per_sec=self.tok_per_sec,
                      mfu=self.mfu, peak_mem_gib=peak, epoch=self.epoch, spikes=[s[0] for s in spikes] or None, **self.evals)
         self.evals = {}
         if self.step == self.first_step:  # the first step compiled (at its own pace on each rank): time together

@@ -58,8 +58,10 @@ def leave_identity_init(model):
     g = torch.Generator().manual_seed(99)
     with torch.no_grad():
         for block in model.blocks:
-            for lin in (block.attn.c_proj, block.mlp.c_proj):
-                lin.weight.copy_(torch.randn(lin.weight.shape, generator=g) * 0.02)
+            mlp = block.mlp  # an MoE's output projections: its experts' and its shared expert's
+            outs = [mlp.c_proj.weight] if hasattr(mlp, "c_proj") else list(mlp.proj) + [mlp.shared.c_proj.weight]
+            for w in [block.attn.c_proj.weight] + outs:
+                w.copy_(torch.randn(w.shape, generator=g) * 0.02)
             block.x0_lambda.add_(torch.rand((), generator=g) * 0.1)
         model.backout_lambda.fill_(0.1)
         model.smear_lambda.fill_(0.1)

@@ -10,6 +10,7 @@ import torch
 from nanochat.distributed import Layout
 from nanochat.dataset import SAMPLE_DIR
 from nanochat.gpt import GPTConfig, build_model
+from nanochat.optim import param_groups
 from nanochat.l3 import (L3Layer, allocate_for_model, allocate_rows, choose_path, default_n_emb, lookup_blocked,
                          lookup_padded, lzw_credits, sample_training_tokens, uniform_rows)
 
@@ -238,7 +239,7 @@ def test_in_a_tiny_gpt():
     model.zero_grad()
     model(idx, idx).backward()
     assert all(p.grad.abs().sum() > 0 for p in layer.parameters())
-    groups = model.param_groups(0.3, 0.008, 0.02, 0.5, 0.1)
+    groups = param_groups(model, 0.3, 0.008, 0.02, 0.5, 0.1)
     kinds = {id(p): g["kind"] for g in groups for p in g["params"]}
     assert all(kinds[id(p)] == "adamw" for p in layer.table_parameters())
     assert all(kinds[id(p)] == "muon" for p in layer.dense_parameters())

@@ -29,12 +29,13 @@ def test_muon_momentum_and_weight_decay():
 def test_grad_norms_are_the_norms_of_the_gradients_global_and_per_group():
     """MuonAdamW.grad_norms after a step: the global norm of every gradient, then each PARAM_GROUPS' (0 when absent),
     as read from the parameters before the step. The layouts' norms equal these (tests/test_parallel.py)."""
-    from nanochat.gpt import GPTConfig, PARAM_GROUPS, build_model
+    from nanochat.gpt import GPTConfig, build_model
+    from nanochat.optim import PARAM_GROUPS, param_groups
     from nanochat.optim import MuonAdamW, muon_stacks
     from nanochat.data_parallel import DataParallel
     torch.manual_seed(0)
     model = build_model(GPTConfig(sequence_len=16, vocab_size=64, n_layer=2, n_head=2, n_kv_head=2, n_embd=32), "cpu")
-    groups = model.param_groups(embedding_lr=0.01, unembedding_lr=0.004, matrix_lr=0.02, scalar_lr=0.02, weight_decay=0.0)
+    groups = param_groups(model, embedding_lr=0.01, unembedding_lr=0.004, matrix_lr=0.02, scalar_lr=0.02, weight_decay=0.0)
     dp = DataParallel([params for _, _, params in muon_stacks(groups)],  # one rank, as training.setup builds it
                       [p for g in groups if g["kind"] == "adamw" for p in g["params"]])
     optimizer = MuonAdamW(groups, {p: n for n, p in model.named_parameters()}, dp)

@@ -165,6 +165,9 @@ def export(model_state, meta, tok: Tokenizer, out_dir, dtype=torch.float32, core
     from nanochat.hf.configuration_nanochat import NanochatConfig
     from nanochat.l3 import default_n_emb
     config = GPTConfig.from_dict(meta["model_config"])
+    if config.moe_experts:
+        raise ConvertError("this checkpoint has mixture-of-experts layers, which the Hugging Face model does not build "
+                           "yet: sample and evaluate it with scripts.sample and scripts.base_eval")
     check_state(model_state, config, "the checkpoint")
     if tok.get_vocab_size() != config.vocab_size:
         raise ConvertError(f"the tokenizer has {tok.get_vocab_size()} tokens, the model {config.vocab_size}: "

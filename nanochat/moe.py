@@ -1,0 +1,155 @@
+"""
+Mixture of experts (--moe-experts E --moe-topk K): in the blocks --moe-layers names (default: all but the first)
+the dense MLP becomes E routed ReLU^2 experts and --moe-shared N always-on ones, all of width --moe-expert-dim
+(default: iso-FLOP, (K + N) x width = the dense MLP's 4 x model_dim, rounded to a multiple of 64).
+
+Routing, per token: s = sigmoid(router(x)) in fp32; the K experts with the largest s + bias are chosen; their
+weights are their s over the sum of the chosen s. The bias (a buffer, per expert) only selects, it never weighs:
+after each step it moves by MOE_BIAS_RATE x sign(mean load - load), the loads counted over the step's micro-batches
+and all data-parallel ranks, so every rank keeps the same bias (DeepSeek-V3's balance without an auxiliary loss).
+The rate is theirs, 1e-3: with sigmoid scores in (0, 1) a bias of a few hundredths already moves a token's choice
+at the margin, and a few hundred steps can undo any skew without the choice flapping from step to step.
+
+Dropless: every (token, expert) pair is computed. The pairs are sorted by expert once per layer, and each weight
+stack runs as one grouped matmul (torch._grouped_mm: every expert's rows against its own matrix, group sizes read
+on the device: no host sync, no shape that depends on the routing), in bf16 on Hopper and newer (kernels facade);
+elsewhere moe_reference runs the same math expert by expert (it syncs the host: CPU, fp32, --kernels reference). Each expert's matrix is its own 2-D parameter, named by its global index (blocks.i.mlp.fc.e), so
+Muon orthogonalizes every expert's matrix (stacked with its same-shape peers, as it stacks the blocks' matrices),
+data parallelism and checkpoints take them as any matrix; the router goes to AdamW at the lm_head's LR (it, too,
+maps the hidden state to logits). The stacks are cast and stacked at each call, as a Linear casts its weight.
+
+Counting: the scaling law and MFU use the active parameters (the router, the shared experts and K routed experts
+per token): the compute a token pays. parameter_counts also gives the total, which sets memory.
+"""
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.distributed as dist
+
+from nanochat import kernels
+from nanochat.kernels import Linear
+
+MOE_BIAS_RATE = 1e-3
+
+
+def expert_dim(config):
+    """Each expert's width: --moe-expert-dim, or iso-FLOP with the dense MLP (4 x model_dim over K + N)."""
+    if config.moe_expert_dim:
+        return config.moe_expert_dim
+    return max(64, round(4 * config.n_embd / (config.moe_topk + config.moe_shared) / 64) * 64)
+
+
+def moe_layers(config):
+    """The block indices whose MLP is a mixture of experts."""
+    if not config.moe_experts:
+        return ()
+    return config.moe_layers if config.moe_layers else tuple(range(1, config.n_layer))
+
+
+class MoE(nn.Module):
+    def __init__(self, config, dense_mlp):
+        super().__init__()
+        E, d, h = config.moe_experts, config.n_embd, expert_dim(config)
+        self.num_experts, self.topk, self.hidden = E, config.moe_topk, h
+        self.router = Linear(d, E)
+        self.fc = nn.ParameterList([nn.Parameter(torch.empty(h, d)) for _ in range(E)])
+        self.proj = nn.ParameterList([nn.Parameter(torch.empty(d, h)) for _ in range(E)])
+        self.shared = dense_mlp(config, config.moe_shared * h) if config.moe_shared else None
+        self.register_buffer("bias", torch.zeros(E))
+        self.register_buffer("load", torch.zeros(E), persistent=False)  # (token, expert) pairs since the last step
+
+    @torch.no_grad()
+    def init_weights(self, std_in):
+        """As the dense MLP: inputs uniform with std 1/sqrt(d), outputs zero (a no-op at start); the router as an
+        input (a zero router would tie every score and send all tokens to the same experts)."""
+        s = 3 ** 0.5 * std_in
+        for w in list(self.fc) + [self.router.weight]:
+            nn.init.uniform_(w, -s, s)
+        for w in self.proj:
+            nn.init.zeros_(w)
+        if self.shared is not None:
+            nn.init.uniform_(self.shared.c_fc.weight, -s, s)
+            nn.init.zeros_(self.shared.c_proj.weight)
+        self.bias.zero_()
+        self.load.zero_()
+
+    def route(self, x):
+        """x (n, d) -> (experts (n, K), weights (n, K) in x.dtype); counts the pairs into self.load."""
+        scores = torch.sigmoid(self.router(x).float())
+        chosen = torch.topk(scores + self.bias, self.topk, dim=-1, sorted=False).indices
+        weights = scores.gather(1, chosen)
+        weights = weights / weights.sum(-1, keepdim=True)
+        if torch.is_grad_enabled():
+            self.load += torch.bincount(chosen.flatten(), minlength=self.num_experts).to(self.load.dtype)
+        return chosen, weights.to(x.dtype)
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        chosen, weights = self.route(x)
+        experts = experts_grouped if kernels.takes_grouped_mm(x) else moe_reference
+        out = experts(x, chosen, weights, self.stack(self.fc, x), self.stack(self.proj, x))
+        if self.shared is not None:
+            out = out + self.shared(x)
+        return out.view(shape)
+
+    @staticmethod
+    def stack(params, x):
+        """The experts' matrices as one (E, in, out) stack in x's dtype (each weight transposed: x @ W^T)."""
+        return torch.stack([w.to(x.dtype) for w in params]).transpose(1, 2)
+
+    @torch.no_grad()
+    def step_bias(self, load):
+        """After a step: move the bias toward equal load (load: pairs per expert, summed over ranks)."""
+        self.bias += MOE_BIAS_RATE * torch.sign(load.mean() - load)
+        self.load.zero_()
+
+
+def experts_grouped(x, chosen, weights, w_fc, w_proj):
+    """sum_k weights[:, k] * proj_e(relu(fc_e(x))^2), e = chosen[:, k]: the (token, expert) pairs sorted by expert,
+    two grouped matmuls, the outputs weighted and summed back to their tokens."""
+    K = chosen.size(1)
+    order = torch.argsort(chosen.flatten(), stable=True)
+    counts = torch.bincount(chosen.flatten(), minlength=w_fc.size(0))
+    ends = torch.cumsum(counts, 0).to(torch.int32)
+    rows = x[order // K]
+    h = F.relu(torch._grouped_mm(rows, w_fc, offs=ends)).square()
+    y = torch._grouped_mm(h, w_proj, offs=ends) * weights.flatten()[order, None]
+    pairs = torch.empty_like(y)
+    pairs[order] = y  # back in token order: the K pairs of a token side by side, summed in a fixed order
+    return pairs.view(x.size(0), K, -1).sum(1)
+
+
+def moe_reference(x, chosen, weights, w_fc, w_proj):
+    """The same sum, expert by expert with plain matmuls (the reference; it syncs the host for each expert's rows)."""
+    out = torch.zeros_like(x)
+    for e in range(w_fc.size(0)):
+        token, k = (chosen == e).nonzero(as_tuple=True)
+        y = F.relu(x[token] @ w_fc[e]).square() @ w_proj[e]
+        out.index_add_(0, token, y * weights[token, k, None])
+    return out
+
+
+def moe_modules(model):
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def inactive_expert_params(model):
+    """The routed experts' weights a token does not run through: E - K of them per MoE layer."""
+    return sum((m.num_experts - m.topk) * m.fc[0].numel() * 2 for m in moe_modules(model) if len(m.fc))
+
+
+def after_step(model, group):
+    """The loads since the last step summed over `group` (the ranks that saw other tokens: DP x CP), each bias moved
+    by them; returns the worst layer's load imbalance, max / mean pairs per expert (a device tensor; None without
+    MoE). Under --recompute a block's forward runs twice: its loads double, their balance does not change."""
+    layers = moe_modules(model)
+    if not layers:
+        return None
+    loads = torch.stack([m.load for m in layers])
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(loads, group=group)
+    for m, load in zip(layers, loads):
+        m.step_bias(load)
+    return (loads.max(1).values / loads.mean(1).clamp(min=1)).max()

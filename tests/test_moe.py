@@ -1,0 +1,112 @@
+"""Mixture of experts (nanochat/moe.py): the grouped matmuls against the expert-by-expert reference, every token routed
+to K experts, the bias moving a skewed router toward balance, the counts the recipe uses, one-line errors for bad
+flags, and MoE under data and pipeline parallelism and across layouts on resume (gloo, against one process)."""
+
+import pytest
+import torch
+
+from nanochat.gpt import GPTConfig, build_model
+from nanochat.moe import MoE, after_step, experts_grouped, expert_dim, moe_reference
+from nanochat.recipe import parse_args, model_config, Setting
+from nanochat.common import ConfigError
+from parallel_harness import CONFIG, run_layout
+from test_parallel import _resume_matches, assert_same_run
+
+MOE = {"moe_experts": 4, "moe_topk": 2}
+
+
+def test_grouped_matmuls_match_the_reference_forward_and_backward():
+    torch.manual_seed(0)
+    n, d, h, E, K = 60, 16, 32, 5, 2
+    x = torch.randn(n, d, requires_grad=True)
+    w_fc, w_proj = torch.randn(E, d, h, requires_grad=True), torch.randn(E, h, d, requires_grad=True)
+    chosen = torch.stack([torch.randperm(E - 1)[:K] for _ in range(n)])  # expert E-1 gets no token
+    weights = torch.rand(n, K, requires_grad=True)
+    mine, ref = (f(x, chosen, weights, w_fc, w_proj) for f in (experts_grouped, moe_reference))
+    torch.testing.assert_close(mine, ref, rtol=1e-5, atol=1e-5)
+    g = torch.randn_like(ref)
+    for a, b in zip(torch.autograd.grad(mine, [x, w_fc, w_proj, weights], g),
+                    torch.autograd.grad(ref, [x, w_fc, w_proj, weights], g)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_every_token_goes_to_k_distinct_experts_with_weights_summing_to_one():
+    layer = build_model(GPTConfig(**{**CONFIG, **MOE}), "cpu").blocks[1].mlp
+    assert isinstance(layer, MoE) and layer.hidden == expert_dim(GPTConfig(**{**CONFIG, **MOE})) == 64
+    x = torch.randn(300, CONFIG["n_embd"])
+    chosen, weights = layer.route(x)
+    assert chosen.shape == (300, 2) and (chosen[:, 0] != chosen[:, 1]).all()
+    torch.testing.assert_close(weights.sum(-1), torch.ones(300))
+    assert layer.load.sum() == 600  # pairs counted: none dropped
+
+
+def test_the_bias_moves_a_skewed_router_toward_balance():
+    torch.manual_seed(0)
+    layer = build_model(GPTConfig(**{**CONFIG, **MOE}), "cpu").blocks[1].mlp
+    with torch.no_grad():
+        layer.router.weight[0] += 0.5 * layer.router.weight.abs().mean()  # expert 0 wins most tokens
+    x = torch.randn(512, CONFIG["n_embd"]).abs()
+    imbalance = []
+    with torch.enable_grad():
+        for _ in range(600):  # a bias of ~0.4 at 1e-3 a step
+            layer.route(x)
+            imbalance.append(float(after_step(layer, None)))
+    assert imbalance[0] > 1.5 and imbalance[-1] < 1.05, (imbalance[0], imbalance[-1])
+    assert layer.bias[0] < 0 and not layer.load.any()  # the favourite pushed down; the counts cleared each step
+
+
+def test_counts_use_the_active_experts():
+    dense, moe = (build_model(GPTConfig(**{**CONFIG, **o}), "cpu") for o in ({}, MOE))
+    d, h, layers = CONFIG["n_embd"], 64, CONFIG["n_layer"] - 1  # all blocks but the first
+    counts = moe.parameter_counts()
+    routed = 2 * d * h
+    assert counts["total"] - counts["active"] == layers * (4 - 2) * routed
+    # per MoE layer: the dense MLP's 8 d^2 out, router + shared expert + K routed experts in
+    assert moe.num_scaling_params() - dense.num_scaling_params() == layers * (d * 4 + routed + 2 * routed - 8 * d * d)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--moe-experts", "4", "--moe-topk", "5"], "--moe-topk 5 must be in 1..--moe-experts"),
+    (["--moe-experts", "4", "--moe-layers", "9"], "--moe-layers '9': block indices must be in 0..3"),
+])
+def test_bad_moe_flags_are_one_line_errors(flags, message):
+    args = parse_args(["--depth", "4"] + flags)
+    with pytest.raises(ConfigError, match=message):
+        model_config(args, 256)
+
+
+def test_moe_with_tensor_parallelism_is_refused():
+    with pytest.raises(ConfigError, match="--moe-experts with --tp"):
+        Setting(tp=2, device_batch=1, total_batch=CONFIG["sequence_len"]).check(GPTConfig(**{**CONFIG, **MOE}))
+
+
+@pytest.fixture(scope="module")
+def moe_reference_run():
+    return run_layout(config_overrides=MOE)
+
+
+@pytest.mark.parametrize("layout", [dict(dp=2), dict(pp=2)], ids=["dp2", "pp2"])
+def test_moe_under_parallelism_follows_one_process(moe_reference_run, layout):
+    """DP 2: each rank routes its half of the tokens, the loads summed over DP move the same bias on both ranks."""
+    assert_same_run(run_layout(config_overrides=MOE, **layout), moe_reference_run)
+
+
+def test_moe_checkpoint_dp2_resumes_at_pp2():
+    saved = run_layout(dp=2, steps=6, config_overrides=MOE)
+    _resume_matches(saved, pp=2, config_overrides=MOE)
+
+
+def test_moe_compiled_follows_eager(moe_reference_run):
+    """torch.compile (aot_eager on CPU) over the routing, the grouped matmuls and the load counts (a buffer the
+    graph updates), without recompiling after the first step."""
+    from test_compiled_pipeline import assert_close_runs
+    run = run_layout(config_overrides=MOE, compile_backend="aot_eager")
+    assert_close_runs(run, moe_reference_run, 1e-4)  # as compiled PP 2 against one process
+    assert run["graphs"][0] == [run["graphs"][0][0]] * len(run["graphs"][0])
+
+
+def test_hf_export_of_an_moe_checkpoint_is_a_one_line_error(tmp_path):
+    from nanochat.hf.convert import export, ConvertError
+    model = build_model(GPTConfig(**{**CONFIG, **MOE}), "cpu")
+    with pytest.raises(ConvertError, match="mixture-of-experts layers"):
+        export(model.state_dict(), {"model_config": model.config.to_dict()}, None, str(tmp_path))
