@@ -111,6 +111,7 @@ def rank_memory(config, s):
     from nanochat.pipeline_schedules import stage_actions, peak_in_flight
     from nanochat.data_parallel import RoundRobin, owned_by_rows
     from nanochat.sharding import embedding_types
+    from nanochat.moe import extra_activation_bytes, moe_layers
     m = s.check(config)  # micro-batches per step
     model = _meta_model(config, s)
     D = s.dp * s.cp  # the optimizer's group: gradients are summed, and state (and weights) shared, over DP x CP
@@ -122,8 +123,9 @@ def rank_memory(config, s):
     tokens = s.device_batch * config.sequence_len / s.cp
     chunks = split_stages(*block_costs(model), s.pp * s.pp_virtual)
     head = HEAD_BYTES * config.vocab_size / s.tp  # on the last chunk
-    kept = [tokens * ((b - a) * config.n_embd * per_layer * tp_share + (head if c == len(chunks) - 1 else 0))
-            for c, (a, b) in enumerate(chunks)]
+    moe = extra_activation_bytes(config, tokens, s.recompute)  # per MoE layer, beyond a dense one
+    kept = [tokens * ((b - a) * config.n_embd * per_layer * tp_share + (head if c == len(chunks) - 1 else 0)) +
+            moe * sum(i in moe_layers(config) for i in range(a, b)) for c, (a, b) in enumerate(chunks)]
     if s.pp > 1:
         actions = [stage_actions(s.pp_schedule, s.pp, m, r, s.pp_virtual) for r in range(s.pp)]
         act_peaks, alive = peak_in_flight(actions, kept), peak_in_flight(actions)

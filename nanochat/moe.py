@@ -3,19 +3,21 @@ Mixture of experts (--moe-experts E --moe-topk K): in the blocks --moe-layers na
 the dense MLP becomes E routed ReLU^2 experts and --moe-shared N always-on ones, all of width --moe-expert-dim
 (default: iso-FLOP, (K + N) x width = the dense MLP's 4 x model_dim, rounded to a multiple of 64).
 
-Routing, per token: s = sigmoid(router(x)) in fp32; the K experts with the largest s + bias are chosen; their
-weights are their s over the sum of the chosen s. The bias (a buffer, per expert) only selects, it never weighs:
-after each step it moves by MOE_BIAS_RATE x sign(mean load - load), the loads counted over the step's micro-batches
-and all data-parallel ranks, so every rank keeps the same bias (DeepSeek-V3's balance without an auxiliary loss).
-The rate is theirs, 1e-3: with sigmoid scores in (0, 1) a bias of a few hundredths already moves a token's choice
-at the margin, and a few hundred steps can undo any skew without the choice flapping from step to step.
+Routing, per token: s = sigmoid(router(x)) (the product in the compute dtype, the sigmoid and top-k in fp32); the K
+experts with the largest s + bias are chosen; their weights are their s over the sum of the chosen s. The bias (a
+buffer, per expert) only selects, it never weighs: after each step it moves by MOE_BIAS_RATE x sign(mean load -
+load), the loads counted over the step's micro-batches and all data-parallel ranks, so every rank keeps the same
+bias (DeepSeek-V3's balance without an auxiliary loss). The rate is theirs, 1e-3: with sigmoid scores in (0, 1) a
+bias of a few hundredths already moves a token's choice at the margin, and a few hundred steps can undo any skew
+without the choice flapping from step to step.
 
 Dropless: every (token, expert) pair is computed. The pairs are sorted by expert once per layer, and each weight
 stack runs as one grouped matmul (torch._grouped_mm: every expert's rows against its own matrix, group sizes read
 on the device: no host sync, no shape that depends on the routing), in bf16 on Hopper and newer (kernels facade);
-elsewhere moe_reference runs the same math expert by expert (it syncs the host: CPU, fp32, --kernels reference). Each expert's matrix is its own 2-D parameter, named by its global index (blocks.i.mlp.fc.e), so
-Muon orthogonalizes every expert's matrix (stacked with its same-shape peers, as it stacks the blocks' matrices),
-data parallelism and checkpoints take them as any matrix; the router goes to AdamW at the lm_head's LR (it, too,
+elsewhere moe_reference runs the same math expert by expert (it syncs the host: CPU, fp32, --kernels reference).
+Each expert's matrix is its own 2-D parameter (blocks.i.mlp.fc.e), so Muon orthogonalizes every expert's matrix
+(stacked with its same-shape peers, as it stacks the blocks' matrices), data parallelism and checkpoints take them
+as any matrix; the router goes to AdamW at the lm_head's LR (it, too,
 maps the hidden state to logits). The stacks are cast and stacked at each call, as a Linear casts its weight.
 
 Counting: the scaling law and MFU use the active parameters (the router, the shared experts and K routed experts
@@ -131,6 +133,19 @@ def moe_reference(x, chosen, weights, w_fc, w_proj):
     return out
 
 
+def extra_activation_bytes(config, tokens, recompute):
+    """What one MoE layer keeps for the backward beyond a dense MLP, at `tokens` tokens of a micro-batch, in bf16
+    (the planner's term; counted by saved-tensor hooks on CPU, not fitted to GPU peaks): per token the K gathered
+    rows and their outputs (K d each), the K hidden rows twice (K h: the ReLU^2 and the second product's input),
+    the shared experts' hidden as a dense MLP's, less the dense MLP's 10 bytes per unit of width; and the two
+    (E, d, h) weight stacks. Under --recompute a block keeps only its inputs (the stacks are made again)."""
+    if recompute != "none":
+        return 0
+    d, h, K = config.n_embd, expert_dim(config), config.moe_topk
+    per_token = 2 * (2 * K * d + 2 * K * h) + 10 * config.moe_shared * h / 4 - 10 * d
+    return tokens * per_token + 2 * config.moe_experts * d * h * 2
+
+
 def moe_modules(model):
     return [m for m in model.modules() if isinstance(m, MoE)]
 
@@ -140,16 +155,22 @@ def inactive_expert_params(model):
     return sum((m.num_experts - m.topk) * m.fc[0].numel() * 2 for m in moe_modules(model) if len(m.fc))
 
 
-def after_step(model, group):
+def after_step(model, group, pp_group=None):
     """The loads since the last step summed over `group` (the ranks that saw other tokens: DP x CP), each bias moved
-    by them; returns the worst layer's load imbalance, max / mean pairs per expert (a device tensor; None without
-    MoE). Under --recompute a block's forward runs twice: its loads double, their balance does not change."""
-    layers = moe_modules(model)
-    if not layers:
+    by them; returns the worst layer's load imbalance, max / mean pairs per expert, over the pipeline's stages too
+    (pp_group; a device tensor; None for a model without MoE). Under --recompute a block's forward runs twice: its
+    loads double, their balance does not change."""
+    if not model.config.moe_experts:
         return None
-    loads = torch.stack([m.load for m in layers])
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(loads, group=group)
-    for m, load in zip(layers, loads):
-        m.step_bias(load)
-    return (loads.max(1).values / loads.mean(1).clamp(min=1)).max()
+    layers = moe_modules(model)  # under PP, this stage's (maybe none)
+    imbalance = torch.zeros((), device=model.cos.device)
+    if layers:
+        loads = torch.stack([m.load for m in layers])
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(loads, group=group)
+        for m, load in zip(layers, loads):
+            m.step_bias(load)
+        imbalance = (loads.max(1).values / loads.mean(1).clamp(min=1)).max()
+    if pp_group is not None:
+        dist.all_reduce(imbalance, op=dist.ReduceOp.MAX, group=pp_group)
+    return imbalance

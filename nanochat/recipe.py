@@ -175,7 +175,9 @@ def check_loop_flags(args, resume_meta):
         config = resume_meta["model_config"]
         saved = saved or {"depth": config["n_layer"], "window_pattern": config["window_pattern"]}  # imported weights
         default = vars(parse_args([]))
-        differ = {k: (saved[k], now[k]) for k in MODEL_FLAGS if k in saved and saved[k] != now[k]}
+        # a flag an older run's user_config does not name had its default then (e.g. no MoE)
+        known = dict(default, **saved) if resume_meta.get("user_config") else saved
+        differ = {k: (known[k], now[k]) for k in MODEL_FLAGS if k in known and known[k] != now[k]}
         if given := {k: ab for k, ab in differ.items() if now[k] != default[k]}:
             raise ConfigError("resuming with another model than the checkpoint's: " +
                               ", ".join(f"--{k.replace('_', '-')} {b} (the checkpoint's: {a})" for k, (a, b) in given.items()) +
@@ -223,6 +225,9 @@ def model_config(args, vocab_size, resume_meta=None):
     if args.moe_experts and not 1 <= args.moe_topk <= args.moe_experts or min(args.moe_shared, args.moe_expert_dim) < 0:
         raise ConfigError(f"--moe-topk {args.moe_topk} must be in 1..--moe-experts ({args.moe_experts}); --moe-shared "
                           f"and --moe-expert-dim must be >= 0")
+    if args.moe_expert_dim % 8 or (moe_blocks and not args.moe_experts):
+        raise ConfigError(f"--moe-expert-dim {args.moe_expert_dim} must be a multiple of 8 (the grouped matmuls' row "
+                          f"strides: 16 bytes), and --moe-layers needs --moe-experts")
     config = config_for_depth(args.depth, args.aspect_ratio, args.head_dim, vocab_size, args.max_seq_len,
                               args.window_pattern, n_kv_head=args.n_kv_head, l3_after_layers=l3_layers,
                               l3_n_emb=args.l3_n_emb, l3_d_up=args.l3_d_up, l3_k_max=args.l3_k_max,

@@ -59,7 +59,8 @@ def leave_identity_init(model):
     with torch.no_grad():
         for block in model.blocks:
             mlp = block.mlp  # an MoE's output projections: its experts' and its shared expert's
-            outs = [mlp.c_proj.weight] if hasattr(mlp, "c_proj") else list(mlp.proj) + [mlp.shared.c_proj.weight]
+            outs = [mlp.c_proj.weight] if hasattr(mlp, "c_proj") else \
+                list(mlp.proj) + ([mlp.shared.c_proj.weight] if mlp.shared is not None else [])
             for w in [block.attn.c_proj.weight] + outs:
                 w.copy_(torch.randn(w.shape, generator=g) * 0.02)
             block.x0_lambda.add_(torch.rand((), generator=g) * 0.1)

@@ -7,7 +7,7 @@ import torch
 
 from nanochat.gpt import GPTConfig, build_model
 from nanochat.moe import MoE, after_step, experts_grouped, expert_dim, moe_reference
-from nanochat.recipe import parse_args, model_config, Setting
+from nanochat.recipe import parse_args, model_config, check_loop_flags, Setting
 from nanochat.common import ConfigError
 from parallel_harness import CONFIG, run_layout
 from test_parallel import _resume_matches, assert_same_run
@@ -42,7 +42,8 @@ def test_every_token_goes_to_k_distinct_experts_with_weights_summing_to_one():
 
 def test_the_bias_moves_a_skewed_router_toward_balance():
     torch.manual_seed(0)
-    layer = build_model(GPTConfig(**{**CONFIG, **MOE}), "cpu").blocks[1].mlp
+    model = build_model(GPTConfig(**{**CONFIG, **MOE}), "cpu")
+    layer = model.blocks[1].mlp
     with torch.no_grad():
         layer.router.weight[0] += 0.5 * layer.router.weight.abs().mean()  # expert 0 wins most tokens
     x = torch.randn(512, CONFIG["n_embd"]).abs()
@@ -50,7 +51,7 @@ def test_the_bias_moves_a_skewed_router_toward_balance():
     with torch.enable_grad():
         for _ in range(600):  # a bias of ~0.4 at 1e-3 a step
             layer.route(x)
-            imbalance.append(float(after_step(layer, None)))
+            imbalance.append(float(after_step(model, None)))  # the other layers saw no token
     assert imbalance[0] > 1.5 and imbalance[-1] < 1.05, (imbalance[0], imbalance[-1])
     assert layer.bias[0] < 0 and not layer.load.any()  # the favourite pushed down; the counts cleared each step
 
@@ -68,11 +69,30 @@ def test_counts_use_the_active_experts():
 @pytest.mark.parametrize("flags, message", [
     (["--moe-experts", "4", "--moe-topk", "5"], "--moe-topk 5 must be in 1..--moe-experts"),
     (["--moe-experts", "4", "--moe-layers", "9"], "--moe-layers '9': block indices must be in 0..3"),
+    (["--moe-experts", "4", "--moe-expert-dim", "100"], "--moe-expert-dim 100 must be a multiple of 8"),
+    (["--moe-layers", "1"], "--moe-layers needs --moe-experts"),
 ])
 def test_bad_moe_flags_are_one_line_errors(flags, message):
     args = parse_args(["--depth", "4"] + flags)
     with pytest.raises(ConfigError, match=message):
         model_config(args, 256)
+
+
+def test_resuming_a_dense_checkpoint_as_moe_is_refused():
+    """A checkpoint from before the MoE flags names none of them: they had their defaults (dense)."""
+    old = {k: v for k, v in vars(parse_args(["--depth", "4"])).items() if not k.startswith("moe_")}
+    meta = {"user_config": old, "model_config": GPTConfig(n_layer=4).to_dict()}
+    check_loop_flags(parse_args(["--depth", "4"]), meta)  # the same model: fine
+    with pytest.raises(ConfigError, match="--moe-experts 4 \\(the checkpoint's: 0\\)"):
+        check_loop_flags(parse_args(["--depth", "4", "--moe-experts", "4"]), meta)
+
+
+def test_a_stage_without_moe_layers_reports_zero_imbalance():
+    """Under PP every stage of an MoE model reports (0 where it holds none), so the max over stages can be taken."""
+    model = build_model(GPTConfig(**{**CONFIG, **MOE, "moe_layers": (3,)}), "cpu")
+    model.blocks[3] = torch.nn.Identity()  # as the pipeline cuts a stage
+    assert float(after_step(model, None)) == 0.0
+    assert after_step(build_model(GPTConfig(**CONFIG), "cpu"), None) is None
 
 
 def test_moe_with_tensor_parallelism_is_refused():
