@@ -1,10 +1,11 @@
 """
 Checkpoints under $NANOCHAT_BASE_DIR/base_checkpoints/<model_tag>/, per step: model_<step>.pt (full fp32 tensors by
 name), optim_<step>.pt (the optimizer's layout-free state), meta_<step>.json (config, loop state, every DP rank's
-dataloader state, flags, and a checksum of each tensor file); under PP one model/optim file per stage (_stage<k>),
-merged on load. Whole tensors: a checkpoint saved at one (DP, TP, PP) layout loads at any. Files are written to a
-temporary name and renamed, meta last: a step counts as saved once its meta exists, so a killed save never damages an
-earlier one, and a failed one leaves none of its files. Loading unpickles nothing (weights_only, JSON) and refuses a
+dataloader state, flags, and a checksum of each tensor file); under PP or EP one model/optim file per stage and EP
+rank (_stage<k>, k = stage x EP + EP rank; EP ranks past the first hold their experts only), merged on load. Whole
+tensors: a checkpoint saved at one (DP, TP, PP, EP) layout loads at any. Files are written to a temporary name
+and renamed, meta last: a step counts as saved once its meta exists, so a killed save never damages an earlier one,
+and a failed one leaves none of its files. Loading unpickles nothing (weights_only, JSON) and refuses a
 file that no longer matches its checksum, non-finite weights and another tokenizer, naming the newest intact step.
 A run takes its folder for itself (run.lock), and a new run refuses a folder that holds another run's files.
 """
@@ -396,23 +397,31 @@ def full_model_state(model, keep=True):
 
 
 def whole_model_copy(model, layout):
-    """A whole copy of a tensor-parallel, pipelined or sharded model on every rank, for CORE and sampling (sequences
-    of any length, which neither PP's fixed-shape messages nor SP's equal split can take); one full model (plus a CPU
-    copy of the local part) per rank while it lives. Collectives: those of full_model_state; under PP
-    all_gather_object (which tensors each stage holds) and one broadcast per tensor, over the PP group."""
+    """A whole copy of a tensor-parallel, pipelined, expert-parallel or sharded model on every rank, for CORE and
+    sampling (sequences of any length, which neither PP's fixed-shape messages nor SP's equal split can take, and
+    calls the ranks of an EP group do not make together); one full model (plus a CPU copy of the local part) per rank
+    while it lives. Collectives: those of full_model_state; under PP (then EP: the experts) all_gather_object (which
+    tensors each rank holds) and one broadcast per tensor, over the PP group (the EP group)."""
     import torch.distributed as dist
     from nanochat.gpt import build_model
+    from nanochat.expert_parallel import is_expert
     device = next(model.parameters()).device
     state = full_model_state(model)
-    if layout.pp_size > 1:
-        held = [None] * layout.pp_size  # per stage: name -> (shape, dtype) of the tensors it holds
-        mine = {n: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in state.items()}
-        dist.all_gather_object(held, mine, group=layout.pp_group)
-        for stage, tensors in enumerate(held):
+    first_of_ep_group = layout.dp_rank - layout.ep_rank
+    for group, size, rank, peer, shares in (
+            (layout.pp_group, layout.pp_size, layout.pp_rank, lambda s: layout.peer(pp=s), lambda name: True),
+            (layout.ep_group, layout.ep_size, layout.ep_rank, lambda e: layout.peer(dp=first_of_ep_group + e),
+             is_expert)):
+        if size == 1:
+            continue
+        held = [None] * size  # per rank of the group: name -> (shape, dtype) of the tensors it holds
+        mine = {n: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in state.items() if shares(n)}
+        dist.all_gather_object(held, mine, group=group)
+        for r, tensors in enumerate(held):
             for name, (shape, dtype) in tensors.items():
-                t = state[name].to(device) if stage == layout.pp_rank else \
+                t = state[name].to(device) if r == rank else \
                     torch.empty(shape, dtype=getattr(torch, dtype), device=device)
-                dist.broadcast(t, src=layout.peer(pp=stage), group=layout.pp_group)
+                dist.broadcast(t, src=peer(r), group=group)
                 state[name] = t
     full = build_model(model.config, device, model.compute_dtype)
     load_model_state(full, state)

@@ -56,6 +56,12 @@ class Layout:
     # up the other's
     pp_next_group: object = None
     pp_prev_group: object = None
+    # expert parallelism (expert_parallel.py): EP groups of ep_size consecutive DP ranks; the expert-DP group, the DP
+    # ranks holding the same experts (one per EP group)
+    ep_rank: int = 0
+    ep_size: int = 1
+    ep_group: object = None
+    expert_dp_group: object = None
     cpu_group: object = None  # gloo group of all ranks for host-side waits (None: the default group is gloo)
 
     @property
@@ -68,7 +74,7 @@ class Layout:
 
     def describe(self):
         return f"dp {self.dp_size} x " + (f"cp {self.cp_size} x " if self.cp_size > 1 else "") + \
-            f"tp {self.tp_size} x pp {self.pp_size}"
+            f"tp {self.tp_size} x pp {self.pp_size}" + (f", experts over ep {self.ep_size}" if self.ep_size > 1 else "")
 
     def peer(self, **coords):
         """Global rank of the process at this one's coordinates with those given changed (e.g. pp=0)."""
@@ -85,16 +91,18 @@ def grid_rank(layout, dp, cp, tp, pp):
     return ((pp * layout.dp_size + dp) * layout.cp_size + cp) * layout.tp_size + tp
 
 
-def build_layout(rank, world_size, local_rank, tp=1, pp=1, cp=1):
+def build_layout(rank, world_size, local_rank, tp=1, pp=1, cp=1, ep=1):
     """Split the world into DP x CP x TP x PP and create every process group explicitly. Every rank must
     call new_group for every group, in the same order, even for groups it is not in."""
     if tp < 1 or pp < 1 or cp < 1 or world_size % (tp * pp * cp) != 0:
         raise UserError(f"world size {world_size} is not divisible by tp={tp} x pp={pp} x cp={cp}; "
                         f"choose degrees whose product divides the number of processes")
     dp = world_size // (tp * pp * cp)
+    if ep < 1 or dp % ep:
+        raise UserError(f"--ep {ep} must divide the data-parallel size, {dp}: experts are spread over DP ranks")
     L = Layout(rank=rank, world_size=world_size, local_rank=local_rank, dp_size=dp, tp_size=tp, pp_size=pp, cp_size=cp,
                tp_rank=rank % tp, cp_rank=(rank // tp) % cp, dp_rank=(rank // (tp * cp)) % dp,
-               pp_rank=rank // (tp * cp * dp))
+               pp_rank=rank // (tp * cp * dp), ep_size=ep, ep_rank=(rank // (tp * cp)) % dp % ep)
     if world_size == 1:
         return L
     # a group: the ranks that share every coordinate outside `dims`
@@ -120,10 +128,16 @@ def build_layout(rank, world_size, local_rank, tp=1, pp=1, cp=1):
                 L.pp_prev_group = group
             if pp == 2 and rank in pair:
                 L.pp_next_group = L.pp_prev_group = group
+    for fixed in itertools.product(range(cp), range(tp), range(pp)) if ep > 1 else ():
+        cut = [[grid_rank(L, d, *fixed) for d in range(g * ep, (g + 1) * ep)] for g in range(dp // ep)]
+        for name, members in [("ep", ranks) for ranks in cut] + [("expert_dp", list(ranks)) for ranks in zip(*cut)]:
+            group = dist.new_group(members) if len(members) > 1 else None
+            if rank in members:
+                setattr(L, f"{name}_group", group)
     return L
 
 
-def compute_init(device_type="", tp=1, pp=1, cp=1, seed=42, timeout_s=None):
+def compute_init(device_type="", tp=1, pp=1, cp=1, seed=42, timeout_s=None, ep=1):
     """Set up device, seeds and (under torchrun) the process groups, whose collectives fail after timeout_s seconds
     (None: PyTorch's default); NCCL gets the flight recorder (watchdog) and a gloo group for host waits (barrier)."""
     from nanochat.common import autodetect_device_type
@@ -137,9 +151,9 @@ def compute_init(device_type="", tp=1, pp=1, cp=1, seed=42, timeout_s=None):
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls (rare here) may use tf32
         torch.backends.cudnn.allow_tf32 = True
     if not all(k in os.environ for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")):  # not under torchrun
-        if tp * pp * cp > 1:
-            raise UserError(f"--tp={tp} --pp={pp} --cp={cp} need {tp * pp * cp} processes at least: launch with "
-                            f"torchrun --nproc_per_node={tp * pp * cp} -m scripts.base_train ...")
+        if tp * pp * cp * ep > 1:
+            raise UserError(f"--tp={tp} --pp={pp} --cp={cp} --ep={ep} need {tp * pp * cp * ep} processes at least: "
+                            f"launch with torchrun --nproc_per_node={tp * pp * cp * ep} -m scripts.base_train ...")
         # an indexed device, so that device-keyed caches (attention masks) match tensors' .device
         device = torch.device(device_type, torch.cuda.current_device() if device_type == "cuda" else None)
         return build_layout(0, 1, 0), device
@@ -159,7 +173,7 @@ def compute_init(device_type="", tp=1, pp=1, cp=1, seed=42, timeout_s=None):
     else:
         device = torch.device(device_type)
         dist.init_process_group(backend="gloo", timeout=timeout)
-    layout = build_layout(rank, world_size, local_rank, tp, pp, cp)
+    layout = build_layout(rank, world_size, local_rank, tp, pp, cp, ep)
     if device_type == "cuda":
         layout.cpu_group = dist.new_group(backend="gloo", timeout=timeout)
     dist.barrier()

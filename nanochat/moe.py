@@ -14,7 +14,7 @@ without the choice flapping from step to step.
 Dropless: every (token, expert) pair is computed. The pairs are sorted by expert once per layer, and each weight
 stack runs as one grouped matmul (torch._grouped_mm: every expert's rows against its own matrix, group sizes read
 on the device: no host sync, no shape that depends on the routing), in bf16 on Hopper and newer (kernels facade);
-elsewhere moe_reference runs the same math expert by expert (it syncs the host: CPU, fp32, --kernels reference).
+elsewhere looped_experts runs the same math expert by expert (it syncs the host: CPU, fp32, --kernels reference).
 Each expert's matrix is its own 2-D parameter (blocks.i.mlp.fc.e), so Muon orthogonalizes every expert's matrix
 (stacked with its same-shape peers, as it stacks the blocks' matrices), data parallelism and checkpoints take them
 as any matrix; the router goes to AdamW at the lm_head's LR (it, too,
@@ -23,6 +23,8 @@ maps the hidden state to logits). The stacks are cast and stacked at each call, 
 Counting: the scaling law and MFU use the active parameters (the router, the shared experts and K routed experts
 per token): the compute a token pays. parameter_counts also gives the total, which sets memory.
 """
+
+import functools
 
 import torch
 import torch.nn as nn
@@ -55,8 +57,10 @@ class MoE(nn.Module):
         E, d, h = config.moe_experts, config.n_embd, expert_dim(config)
         self.num_experts, self.topk, self.hidden = E, config.moe_topk, h
         self.router = Linear(d, E)
-        self.fc = nn.ParameterList([nn.Parameter(torch.empty(h, d)) for _ in range(E)])
-        self.proj = nn.ParameterList([nn.Parameter(torch.empty(d, h)) for _ in range(E)])
+        # by global expert index; under --ep a rank keeps its own (expert_parallel.place_experts)
+        self.fc = nn.ParameterDict({str(e): nn.Parameter(torch.empty(h, d)) for e in range(E)})
+        self.proj = nn.ParameterDict({str(e): nn.Parameter(torch.empty(d, h)) for e in range(E)})
+        self.ep = None  # expert_parallel.ExpertParallel under --ep
         self.shared = dense_mlp(config, config.moe_shared * h) if config.moe_shared else None
         self.register_buffer("bias", torch.zeros(E))
         self.register_buffer("load", torch.zeros(E), persistent=False)  # (token, expert) pairs since the last step
@@ -66,9 +70,9 @@ class MoE(nn.Module):
         """As the dense MLP: inputs uniform with std 1/sqrt(d), outputs zero (a no-op at start); the router as an
         input (a zero router would tie every score and send all tokens to the same experts)."""
         s = 3 ** 0.5 * std_in
-        for w in list(self.fc) + [self.router.weight]:
+        for w in list(self.fc.values()) + [self.router.weight]:
             nn.init.uniform_(w, -s, s)
-        for w in self.proj:
+        for w in self.proj.values():
             nn.init.zeros_(w)
         if self.shared is not None:
             nn.init.uniform_(self.shared.c_fc.weight, -s, s)
@@ -90,16 +94,20 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         chosen, weights = self.route(x)
-        experts = experts_grouped if kernels.takes_grouped_mm(x) else moe_reference
-        out = experts(x, chosen, weights, self.stack(self.fc, x), self.stack(self.proj, x))
+        w_fc, w_proj = self.stack(self.fc, x), self.stack(self.proj, x)
+        experts = grouped_experts if kernels.takes_grouped_mm(x) else looped_experts
+        run = functools.partial(experts, w_fc, w_proj)  # rows sorted by expert, rows per expert -> outputs
+        if self.ep is not None:  # the rows go to their experts' ranks, this rank's experts run theirs
+            run = functools.partial(self.ep.run, run)
+        out = mixture(x, chosen, weights, self.num_experts, run)
         if self.shared is not None:
             out = out + self.shared(x)
         return out.view(shape)
 
     @staticmethod
     def stack(params, x):
-        """The experts' matrices as one (E, in, out) stack in x's dtype (each weight transposed: x @ W^T)."""
-        return torch.stack([w.to(x.dtype) for w in params]).transpose(1, 2)
+        """This rank's experts' matrices as one (experts, in, out) stack in x's dtype (each transposed: x @ W^T)."""
+        return torch.stack([w.to(x.dtype) for w in params.values()]).transpose(1, 2)
 
     @torch.no_grad()
     def step_bias(self, load):
@@ -108,29 +116,30 @@ class MoE(nn.Module):
         self.load.zero_()
 
 
-def experts_grouped(x, chosen, weights, w_fc, w_proj):
-    """sum_k weights[:, k] * proj_e(relu(fc_e(x))^2), e = chosen[:, k]: the (token, expert) pairs sorted by expert,
-    two grouped matmuls, the outputs weighted and summed back to their tokens."""
+def mixture(x, chosen, weights, num_experts, experts):
+    """sum_k weights[:, k] * expert_{chosen[:, k]}(x) for x (n, d): the (token, expert) pairs sorted by expert, their
+    rows through experts(rows, rows per expert) (grouped_experts or looped_experts, or expert parallelism around one),
+    the outputs weighted and summed back to their tokens in a fixed order (no atomic adds)."""
     K = chosen.size(1)
     order = torch.argsort(chosen.flatten(), stable=True)
-    counts = torch.bincount(chosen.flatten(), minlength=w_fc.size(0))
-    ends = torch.cumsum(counts, 0).to(torch.int32)
-    rows = x[order // K]
-    h = F.relu(torch._grouped_mm(rows, w_fc, offs=ends)).square()
-    y = torch._grouped_mm(h, w_proj, offs=ends) * weights.flatten()[order, None]
+    counts = torch.bincount(chosen.flatten(), minlength=num_experts)
+    y = experts(x[order // K], counts) * weights.flatten()[order, None]
     pairs = torch.empty_like(y)
-    pairs[order] = y  # back in token order: the K pairs of a token side by side, summed in a fixed order
+    pairs[order] = y  # back in token order: the K pairs of a token side by side
     return pairs.view(x.size(0), K, -1).sum(1)
 
 
-def moe_reference(x, chosen, weights, w_fc, w_proj):
-    """The same sum, expert by expert with plain matmuls (the reference; it syncs the host for each expert's rows)."""
-    out = torch.zeros_like(x)
-    for e in range(w_fc.size(0)):
-        token, k = (chosen == e).nonzero(as_tuple=True)
-        y = F.relu(x[token] @ w_fc[e]).square() @ w_proj[e]
-        out.index_add_(0, token, y * weights[token, k, None])
-    return out
+def grouped_experts(w_fc, w_proj, rows, counts):
+    """Rows sorted by expert, counts[e] of them for expert e -> relu(rows W_fc^T)^2 W_proj^T, each row by its expert:
+    two grouped matmuls, the group ends read on the device."""
+    ends = torch.cumsum(counts, 0).to(torch.int32)
+    return torch._grouped_mm(F.relu(torch._grouped_mm(rows, w_fc, offs=ends)).square(), w_proj, offs=ends)
+
+
+def looped_experts(w_fc, w_proj, rows, counts):
+    """The same, expert by expert with plain matmuls (the reference; it reads the counts on the host)."""
+    outs = [F.relu(r @ w_fc[e]).square() @ w_proj[e] for e, r in enumerate(rows.split(counts.tolist()))]
+    return torch.cat(outs)
 
 
 def extra_activation_bytes(config, tokens, recompute):
@@ -151,8 +160,9 @@ def moe_modules(model):
 
 
 def inactive_expert_params(model):
-    """The routed experts' weights a token does not run through: E - K of them per MoE layer."""
-    return sum((m.num_experts - m.topk) * m.fc[0].numel() * 2 for m in moe_modules(model) if len(m.fc))
+    """The routed experts' weights held here that a token does not run through: all but K per MoE layer (under --ep,
+    fewer than K may be held here: then the count is negative, and held + inactive is still K experts)."""
+    return sum((len(m.fc) - m.topk) * 2 * m.hidden * m.router.in_features for m in moe_modules(model))
 
 
 def after_step(model, group, pp_group=None):

@@ -48,7 +48,7 @@ def param_groups(model, embedding_lr, unembedding_lr, matrix_lr, scalar_lr, weig
     (model_dim/768)^-0.5 (tuned at d12); MoE routers take the lm_head's (moe.py says why)."""
     dim_scale = (model.config.n_embd / 768) ** -0.5
     table_ids = {id(p) for layer in model.l3.values() for p in layer.table_parameters()}
-    embeds, unembed, scalars, matrices, tables, routers = [], [], [], [], [], []
+    embeds, unembed, scalars, matrices, tables, routers, experts = [], [], [], [], [], [], []
     for name, p in model.named_parameters():
         if name == "lm_head.weight":
             unembed.append(p)
@@ -58,6 +58,8 @@ def param_groups(model, embedding_lr, unembedding_lr, matrix_lr, scalar_lr, weig
             tables.append(p)
         elif name.endswith("mlp.router.weight"):
             routers.append(p)
+        elif ".mlp.fc." in name or ".mlp.proj." in name:  # MoE's routed experts
+            experts.append(p)
         elif p.ndim == 2 and (name.startswith("blocks.") or name.startswith("l3.")):
             matrices.append(p)
         else:  # lambdas, smear gate, L3 norms
@@ -69,11 +71,12 @@ def param_groups(model, embedding_lr, unembedding_lr, matrix_lr, scalar_lr, weig
               adamw("scalars", scalars, scalar_lr),
               dict(name="matrices", kind="muon", params=matrices, lr=matrix_lr, momentum=0.95, weight_decay=weight_decay),
               adamw("l3_tables", tables, embedding_lr * dim_scale),  # L3's tables, if any
-              adamw("moe_routers", routers, unembedding_lr * dim_scale)]  # MoE's, if any
+              adamw("moe_routers", routers, unembedding_lr * dim_scale),  # MoE's, if any
+              dict(name="moe_experts", kind="muon", params=experts, lr=matrix_lr, momentum=0.95, weight_decay=weight_decay)]
     return [g for g in groups if g["params"]]
 
 
-PARAM_GROUPS = ("embeddings", "lm_head", "scalars", "matrices", "l3_tables", "moe_routers")  # in param_groups' order
+PARAM_GROUPS = ("embeddings", "lm_head", "scalars", "matrices", "l3_tables", "moe_routers", "moe_experts")  # its order
 
 
 def muon_update(grads, momentum_buf, second_buf, momentum, compute_dtype: torch.dtype):
@@ -162,9 +165,12 @@ class MuonAdamW(torch.optim.Optimizer):
     named (one of PARAM_GROUPS); names: {param: name} for saving; dp: data_parallel.DataParallel over
     muon_stacks(groups) and the AdamW tensors (made by training.setup), which reduces the gradients and says who
     updates what; compute_dtype: Muon's orthogonalization dtype; compile: the stacked updates; counts_replicated:
-    this rank counts parameters whole on every TP rank in the gradient norm (TP rank 0 does)."""
+    this rank counts parameters whole on every TP rank in the gradient norm (TP rank 0 does); expert_dp: under --ep,
+    a DataParallel of one rank over the "moe_experts" group's stacks, whose gradients expert_parallel reduces and
+    whose `copies` ranks (the expert-DP group) hold and update alike."""
 
-    def __init__(self, groups, names, dp, compute_dtype=torch.float32, compile=False, counts_replicated=True):
+    def __init__(self, groups, names, dp, compute_dtype=torch.float32, compile=False, counts_replicated=True,
+                 expert_dp=None):
         for g in groups:
             g["initial_lr"] = g["lr"]
         super().__init__(groups, {})
@@ -175,8 +181,13 @@ class MuonAdamW(torch.optim.Optimizer):
         self._muon_update = torch.compile(muon_update, dynamic=False) if compile else muon_update
         self._adamw_update = torch.compile(adamw_update, dynamic=False) if compile else adamw_update
         self.adamw_group = {p: g for g in self.param_groups if g["kind"] == "adamw" for p in g["params"]}
-        self.muon_stacks = [MuonStack(group, shape, params, owner)
-                            for (group, shape, params), owner in zip(muon_stacks(self.param_groups), dp.owners)]
+        self.dps = [dp] + ([expert_dp] if expert_dp is not None else [])
+        # (its DataParallel, its index there, the stack): the experts' stacks with expert_dp, the rest with dp
+        self.muon_stacks = []
+        for d, expert in zip(self.dps, (False, True)):
+            mine = [g for g in self.param_groups if (g["name"] == "moe_experts" and expert_dp is not None) == expert]
+            self.muon_stacks += [(d, s, MuonStack(group, shape, params, owner)) for s, ((group, shape, params), owner)
+                                 in enumerate(zip(muon_stacks(mine), d.owners))]
 
     def prepare_last_backward(self):
         self.dp.prepare_last_backward()
@@ -192,33 +203,35 @@ class MuonAdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self):
         self.adamw_step += 1
-        self.dp.finish_backward()
+        for d in self.dps:
+            d.finish_backward()
         for p in (p for g in self.param_groups for p in g["params"] if p.grad is None):
             p.grad = torch.zeros_like(p)  # a stage or layer that did not run
         self.grad_bytes = sum(p.grad.numel() * p.grad.element_size() for g in self.param_groups for p in g["params"])
         W, sharded = self.dp.size, self.dp.shard_params
-        self.dp.launch_remaining()
+        for d in self.dps:
+            d.launch_remaining()
         pending = []  # (what to apply, its all-gather's result, the work to wait for)
         # the gradient norm, from the reduced gradients each rank holds anyway: per group, the squares of what this
         # rank alone holds (its Muon matrices and AdamW rows; the rest on DP rank 0, and TP rank 0 where whole)
         squares = torch.zeros(len(PARAM_GROUPS), dtype=torch.float32, device=self.param_groups[0]["params"][0].device)
         # Muon, stack by stack as rounds land: steps 1-5 on this rank's whole matrices, updates sent in compute dtype
-        for s, stack in enumerate(self.muon_stacks):
-            grads = self.dp.reduced_muon_grads(s)
+        for d, s, stack in self.muon_stacks:
+            grads = d.reduced_muon_grads(s)
             p0 = stack.params[0]
             if tp.is_sharded(p0):
                 grads = torch.stack([tp.gather_full(grads[j], p0) for j in range(stack.owner.rounds)])
             tp.reduce_partial_grad(p0, grads)  # replicated matrices under sequence parallelism (L3): sum over TP
-            if W > 1:
+            if W > 1:  # the sum over every DP rank's tokens (the experts' too, summed by expert_parallel)
                 grads.div_(W)
             if self.counts_replicated:
-                squares[PARAM_GROUPS.index(stack.group["name"])] += grads.float().square().sum()
+                squares[PARAM_GROUPS.index(stack.group["name"])] += grads.float().square().sum() / getattr(d, "copies", 1)
             momentum = torch.tensor(stack.group["momentum"], dtype=torch.float32)
             update = self._muon_update(grads, stack.momentum, stack.second, momentum, self.compute_dtype)
             if sharded:  # only this rank holds the matrices it owns: nothing to send
                 stack.apply_owned(update.to(self.compute_dtype))
             else:
-                pending.append((stack, *self.dp.gather_muon_updates(s, update.to(self.compute_dtype))))
+                pending.append((stack, *d.gather_muon_updates(s, update.to(self.compute_dtype))))
         # AdamW, bucket by bucket: this rank's rows (then all-gathered) or the whole tensor
         for p, g in self.dp.reduced_adamw_grads():
             tp.reduce_partial_grad(p, g)
@@ -235,7 +248,8 @@ class MuonAdamW(torch.optim.Optimizer):
             self._adamw_update(target, g, state["exp_avg"], state["exp_avg_sq"], *args)
             if self.dp.owns_rows(p) and not sharded:
                 pending.append((p, *self.dp.gather_rows(target)))
-        self.dp.finish_step()
+        for d in self.dps:
+            d.finish_step()
         if dist.is_initialized():  # every rank's part: DP ranks, TP shards, pipeline stages
             dist.all_reduce(squares)
         self.grad_norms = torch.cat([squares.sum().sqrt().view(1), squares.sqrt()])
@@ -251,7 +265,7 @@ class MuonAdamW(torch.optim.Optimizer):
         """Bytes this rank holds: the weights, the last step's gradients (before clearing), the optimizer state."""
         size = lambda ts: sum(t.numel() * t.element_size() for t in ts)
         weights = size(p.data for g in self.param_groups for p in g["params"])
-        state = [t for stack in self.muon_stacks for t in (stack.momentum, stack.second)] + \
+        state = [t for _, _, stack in self.muon_stacks for t in (stack.momentum, stack.second)] + \
             [t for s in self.state.values() for t in s.values() if torch.is_tensor(t)]
         return {"weights": weights, "gradients": getattr(self, "grad_bytes", 0), "state": size(state)}
 
@@ -269,9 +283,9 @@ class MuonAdamW(torch.optim.Optimizer):
                 full = tp.gather_full(t, p)  # every TP rank takes part in the gather
                 if keep:
                     out.setdefault(self.names[p], {})[key] = full.cpu()
-        for s, stack in enumerate(self.muon_stacks):
-            momentum = self.dp.gather_stack_state(s, stack.momentum)
-            second = self.dp.gather_stack_state(s, stack.second)
+        for d, s, stack in self.muon_stacks:
+            momentum = d.gather_stack_state(s, stack.momentum)
+            second = d.gather_stack_state(s, stack.second)
             if keep:
                 for i, p in enumerate(stack.params):
                     out[self.names[p]] = {"momentum": momentum[i].cpu(), "second": second[i].cpu()}
@@ -290,7 +304,7 @@ class MuonAdamW(torch.optim.Optimizer):
             for key in ("exp_avg", "exp_avg_sq"):
                 t = tp.local_shard(params[name][key], p)
                 state[key].copy_(self.dp.my_rows(t) if self.dp.owns_rows(p) else t)
-        for stack in self.muon_stacks:
+        for _, _, stack in self.muon_stacks:
             for j in range(stack.owner.rounds):
                 if (i := stack.owner.owned(j)) is not None:
                     entry = params[self.names[stack.params[i]]]

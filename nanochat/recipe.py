@@ -113,6 +113,8 @@ def parse_args(argv=None):
     add("--pp", type=int, default=1, help="pipeline-parallel degree")
     add("--cp", type=int, default=1, help="context-parallel degree: each sequence split over this many ranks "
                                           "(head-tail chunks, ring attention; nanochat/context_parallel.py)")
+    add("--ep", type=int, default=1, help="expert-parallel degree: each MoE layer's experts spread over this many DP "
+                                          "ranks (nanochat/expert_parallel.py)")
     add("--pp-schedule", type=str, default="1f1b", choices=SCHEDULES,
         help="pipeline schedule (nanochat/pipeline_schedules.py)")
     add("--pp-virtual", type=int, default=1, help="chunks of blocks per pipeline rank (interleaved: 2 or more)")
@@ -336,6 +338,7 @@ class Setting:
     cp: int = 1
     pp_schedule: str = "1f1b"
     pp_virtual: int = 1
+    ep: int = 1
     sequence_parallel: bool = False
     shard_params: bool = False
     keep_gathered: bool = False
@@ -348,13 +351,14 @@ class Setting:
 
     @classmethod
     def from_args(cls, args, dp, total_batch, overlap_grad_reduce=False):
-        return cls(dp=dp, tp=args.tp, pp=args.pp, cp=args.cp, pp_schedule=args.pp_schedule, pp_virtual=args.pp_virtual,
-                   sequence_parallel=args.sequence_parallel, shard_params=args.shard_params,
+        return cls(dp=dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, pp_schedule=args.pp_schedule,
+                   pp_virtual=args.pp_virtual, sequence_parallel=args.sequence_parallel, shard_params=args.shard_params,
                    keep_gathered=args.keep_gathered, overlap_grad_reduce=overlap_grad_reduce,
                    device_batch=args.device_batch_size, total_batch=total_batch, recompute=args.recompute, fp8=args.fp8)
 
     def describe(self):
-        parts = [f"dp {self.dp}"] + [f"{k} {v}" for k, v in (("cp", self.cp), ("tp", self.tp), ("pp", self.pp)) if v > 1]
+        parts = [f"dp {self.dp}"] + [f"{k} {v}" for k, v in (("cp", self.cp), ("tp", self.tp), ("pp", self.pp),
+                                                             ("ep", self.ep)) if v > 1]
         if self.pp > 1:
             parts.append(self.pp_schedule + (f" V={self.pp_virtual}" if self.pp_virtual > 1 else ""))
         parts += [f for f, on in (("sp", self.sequence_parallel), ("sharded", self.shard_params),
@@ -379,6 +383,11 @@ class Setting:
             raise ConfigError("--sequence-parallel needs --tp > 1")
         if config.moe_experts and tp > 1:
             raise ConfigError("--moe-experts with --tp: tensor parallelism does not cut the experts yet; use --tp 1")
+        if self.ep > 1 and not (config.moe_experts and config.moe_experts % self.ep == 0 and self.dp % self.ep == 0):
+            raise ConfigError(f"--ep {self.ep} spreads each MoE layer's experts over DP ranks: it needs --moe-experts "
+                              f"({config.moe_experts}) and the DP size ({self.dp}) divisible by it")
+        if self.ep > 1 and (cp > 1 or self.shard_params):
+            raise ConfigError(f"--ep {self.ep} with --cp or --shard-params: not built; use one of them")
         if self.keep_gathered and not self.shard_params:
             raise ConfigError("--keep-gathered keeps sharded weights gathered: it needs --shard-params")
         divides = [("query heads (n_head)", config.n_head), ("key/value heads (n_kv_head)", config.n_kv_head),

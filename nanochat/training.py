@@ -64,6 +64,9 @@ def setup(config, setting, layout, device, dtype, lrs, l3_data=None, after_init=
     if layout.pp_size > 1:
         from nanochat.pipeline_parallel import Pipeline
         pipeline = Pipeline(model, layout, setting, micro_batches)
+    if layout.ep_size > 1:
+        from nanochat.expert_parallel import place_experts
+        place_experts(model, layout)
     if layout.cp_size == 1:
         attention = kernels.prepare_attention(config, model.window_sizes, device, dtype)
     else:
@@ -83,13 +86,19 @@ def setup(config, setting, layout, device, dtype, lrs, l3_data=None, after_init=
         kernels.set_wgrad_splits(model, wgrad_splits)
     groups = param_groups(model, **vars(lrs))
     # data parallelism over DP x CP (CP ranks hold the same weights, each having seen its share of the tokens); the
-    # optimizer updates what it hands out; sharded weights at one rank are no sharding
+    # optimizer updates what it hands out; sharded weights at one rank are no sharding. Under --ep the experts differ
+    # between the ranks of an EP group: theirs is a DataParallel of one rank (expert_parallel reduces them)
+    experts = [g for g in groups if g["name"] == "moe_experts" and layout.ep_size > 1]
+    rest = [g for g in groups if g not in experts]
     sharded = setting.shard_params and layout.dp_cp_group is not None
-    dp = DataParallel([params for _, _, params in muon_stacks(groups)],
-                      [p for g in groups if g["kind"] == "adamw" for p in g["params"]], layout.dp_cp_group,
+    dp = DataParallel([params for _, _, params in muon_stacks(rest)],
+                      [p for g in rest if g["kind"] == "adamw" for p in g["params"]], layout.dp_cp_group,
                       overlap=setting.overlap_grad_reduce, shard_params=sharded)
+    expert_dp = DataParallel([params for _, _, params in muon_stacks(experts)], [], None) if experts else None
+    if expert_dp is not None:
+        expert_dp.copies = layout.dp_size // layout.ep_size  # the ranks holding (and updating) the same experts
     optimizer = MuonAdamW(groups, {p: n for n, p in model.named_parameters()}, dp, compute_dtype=dtype,
-                          compile=compile == "inductor", counts_replicated=layout.tp_rank == 0)
+                          compile=compile == "inductor", counts_replicated=layout.tp_rank == 0, expert_dp=expert_dp)
     if sharded:
         from nanochat.sharding import ShardedWeights
         model.weights = dp.weights = ShardedWeights(model, dp, setting.keep_gathered)
@@ -253,6 +262,9 @@ class Trainer:
                 (micro_loss / len(batches)).backward()
                 loss += micro_loss.detach()
             loss = loss / len(batches)
+        if self.layout.ep_size > 1:
+            from nanochat.expert_parallel import reduce_expert_gradients
+            reduce_expert_gradients(self.model, self.layout.expert_dp_group)
         lrm = schedule.lr_multiplier(it)
         for group in self.optimizer.param_groups:
             group["lr"] = group["initial_lr"] * lrm
@@ -326,8 +338,9 @@ class Trainer:
     def whole_model(self):
         """The model CORE and sampling run (variable-length inputs): this one; under context parallelism the same
         weights over whole sequences (a shallow copy with the whole-sequence view); under pipeline or sequence
-        parallelism (fixed shapes only) or sharded weights a gathered whole copy on every rank, to be freed after."""
-        if self.pipeline is not None or self.setting.sequence_parallel or self.dp.shard_params:
+        parallelism (fixed shapes only), sharded weights or expert parallelism a gathered whole copy on every rank, to
+        be freed after."""
+        if self.pipeline is not None or self.setting.sequence_parallel or self.dp.shard_params or self.layout.ep_size > 1:
             return ckpt.whole_model_copy(self.model, self.layout)
         if type(self.model.sequence) is not WholeSequence:
             whole = copy.copy(self.model)
@@ -351,16 +364,24 @@ class Trainer:
         everything = gather_objects(mine)
         data_states = sorted((s for s in everything if s is not None), key=lambda s: s["dp_rank"]) if L.world_size > 1 \
             else everything
-        writer = L.dp_rank == 0 and L.cp_rank == 0 and L.tp_rank == 0
+        # one set of files per pipeline stage and EP rank (the first EP group's: under --ep the first holds the
+        # replicated weights, each its own experts)
+        writer = L.dp_rank < L.ep_size and L.cp_rank == 0 and L.tp_rank == 0
+        part, parts = L.pp_rank * L.ep_size + L.ep_rank, L.pp_size * L.ep_size
         model_state = ckpt.full_model_state(self.model, keep=writer)
         optim_state = self.optimizer.full_state_dict(keep=writer)
+        if writer and L.ep_rank > 0:
+            from nanochat.expert_parallel import is_expert
+            model_state = {k: v for k, v in model_state.items() if is_expert(k)}
+            optim_state["params"] = {k: v for k, v in optim_state["params"].items() if is_expert(k)}
         # the stage files, then (once all are written) the meta file that marks the step complete, with every file's
         # checksum; a CheckpointError on a writer (a full disk) stops every rank with its line
-        meta = dict(meta, dataloader_states=data_states, layout={"dp": L.dp_size, "cp": L.cp_size, "tp": L.tp_size, "pp": L.pp_size})
-        written = _agreed(writer, lambda: ckpt.save_stage_files(ckpt_dir, step, model_state, optim_state, L.pp_rank,
-                                                                L.pp_size), device)
+        meta = dict(meta, dataloader_states=data_states,
+                    layout={"dp": L.dp_size, "cp": L.cp_size, "tp": L.tp_size, "pp": L.pp_size, "ep": L.ep_size})
+        written = _agreed(writer, lambda: ckpt.save_stage_files(ckpt_dir, step, model_state, optim_state, part, parts),
+                          device)
         meta["checksums"] = {name: crc for part in gather_objects(written or {}) for name, crc in part.items()}
-        _agreed(L.rank == 0, lambda: ckpt.save_meta(ckpt_dir, step, meta, L.pp_size), device)
+        _agreed(L.rank == 0, lambda: ckpt.save_meta(ckpt_dir, step, meta, parts), device)
         if L.rank == 0 and keep_last > 0:
             ckpt.prune_checkpoints(ckpt_dir, keep_last)
         print0(f"saved checkpoint for step {step} to {ckpt_dir} ({time.time() - t0:.1f}s)")

@@ -146,7 +146,7 @@ class Run:
                 print0(f"data: resharded the data position from dp {len(saved_states)} to dp {layout.dp_size}")
         self.first_step, self.last_state, self.saved_step = self.step, loader_state, None
         self.launch_time = self.launch_timed = 0.0  # this launch's steps (all; its part of total_time, for the ETA)
-        used = {"l3_tables": self.config.l3_after_layers, "moe_routers": self.config.moe_experts}
+        used = {"l3_tables": self.config.l3_after_layers, **dict.fromkeys(("moe_routers", "moe_experts"), self.config.moe_experts)}
         self.grad_norm_slots = [(g, 1 + i) for i, g in enumerate(PARAM_GROUPS) if used.get(g, True)]  # in grad_norms
         self.val_bpb, self.evals = None, {}
         self.core_status = "not run" if args.core_metric_every > 0 else "off (--core-metric-every -1)"
@@ -416,7 +416,7 @@ def main(argv=None):
     try:
         kernels.set_mode(args.kernels)
         layout, device = compute_init(args.device_type, tp=args.tp, pp=args.pp, cp=args.cp, seed=args.seed,
-                                      timeout_s=args.dist_timeout)
+                                      timeout_s=args.dist_timeout, ep=args.ep)
         watch = Watchdog(layout.rank, args.dist_timeout if layout.world_size > 1 else None, hang_report_dir())
         plan = make_plan(args, layout, device)
         # before anything is written there; a checkpoint: fp32 weights and at most two fp32 moments a parameter

@@ -60,7 +60,7 @@ def leave_identity_init(model):
         for block in model.blocks:
             mlp = block.mlp  # an MoE's output projections: its experts' and its shared expert's
             outs = [mlp.c_proj.weight] if hasattr(mlp, "c_proj") else \
-                list(mlp.proj) + ([mlp.shared.c_proj.weight] if mlp.shared is not None else [])
+                list(mlp.proj.values()) + ([mlp.shared.c_proj.weight] if mlp.shared is not None else [])
             for w in [block.attn.c_proj.weight] + outs:
                 w.copy_(torch.randn(w.shape, generator=g) * 0.02)
             block.x0_lambda.add_(torch.rand((), generator=g) * 0.1)
@@ -89,7 +89,7 @@ def _free_port():
 
 def _worker(rank, world, tp, pp, sequence_parallel, schedule, steps, port, out_dir, config_overrides, resume_from,
             overlap, recompute="none", compile_backend=None, fp8=False, virtual=1, cp=1, documents=False,
-            shard_params=False, keep_gathered=False, micro_batch=MICRO_BATCH):
+            shard_params=False, keep_gathered=False, micro_batch=MICRO_BATCH, ep=1):
     """One process of the run: base_train's setup and step (nanochat.training), on the fixed batches."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -100,7 +100,7 @@ def _worker(rank, world, tp, pp, sequence_parallel, schedule, steps, port, out_d
     from nanochat.recipe import Setting, LearningRates
     from nanochat import checkpoint_manager as ckpt
     from nanochat import training
-    layout = build_layout(rank, world, rank, tp, pp, cp)
+    layout = build_layout(rank, world, rank, tp, pp, cp, ep)
     torch.manual_seed(0)
 
     def after_init(model):
@@ -117,7 +117,7 @@ def _worker(rank, world, tp, pp, sequence_parallel, schedule, steps, port, out_d
         resume, first_step = (model_state, optim_state), meta["step"]
     per_rank = GLOBAL_BATCH // layout.dp_size
     config = GPTConfig(**{**CONFIG, **config_overrides})
-    setting = Setting(dp=layout.dp_size, tp=tp, pp=pp, cp=cp, pp_schedule=schedule, pp_virtual=virtual,
+    setting = Setting(dp=layout.dp_size, tp=tp, pp=pp, cp=cp, ep=ep, pp_schedule=schedule, pp_virtual=virtual,
                       sequence_parallel=sequence_parallel, shard_params=shard_params, keep_gathered=keep_gathered,
                       overlap_grad_reduce=overlap, device_batch=micro_batch,
                       total_batch=GLOBAL_BATCH * config.sequence_len, recompute=recompute)
@@ -143,7 +143,7 @@ def _worker(rank, world, tp, pp, sequence_parallel, schedule, steps, port, out_d
     eval_model = trainer.whole_model()
     with torch.no_grad(), trainer.evaluating():
         eval_loss = eval_model(batches[0][:, :-1], batches[0][:, 1:]).item()
-    model_state = ckpt.full_model_state(trainer.model)
+    model_state = ckpt.full_model_state(trainer.whole_model() if ep > 1 else trainer.model)  # EP: every expert
     gathered_peak = trainer.dp.weights.gathered_peak if trainer.dp.weights is not None else 0
     torch.save({**trainer.optimizer.held_bytes(), "gathered_peak": gathered_peak}, os.path.join(out_dir, f"held{rank}.pt"))
     if layout.dp_rank == 0 and layout.cp_rank == 0 and layout.tp_rank == 0:
@@ -263,7 +263,7 @@ def _new_run_dir():
 
 def run_layout(dp=1, tp=1, pp=1, sequence_parallel=False, schedule="1f1b", steps=5, config_overrides=None,
                resume_from=None, out_dir=None, overlap=True, recompute="none", compile_backend=None, fp8=False, virtual=1,
-               cp=1, documents=False, shard_params=False, keep_gathered=False, micro_batch=MICRO_BATCH):
+               cp=1, documents=False, shard_params=False, keep_gathered=False, micro_batch=MICRO_BATCH, ep=1):
     """Returns {"losses": [...], "params": {name: full tensor}, "eval_losses": [the whole-sequence loss
     after training, from each stage's first rank], "overlapped": [per stage, per step: buckets whose
     reduction the backward launched], "graphs": [per stage, per step: graphs torch.compile made so far],
@@ -272,13 +272,14 @@ def run_layout(dp=1, tp=1, pp=1, sequence_parallel=False, schedule="1f1b", steps
     torch.compile backend (None: eager). fp8: the eligible linears in fp8 (emulated on CPU; the model
     needs n_embd >= 128 for any to be eligible). virtual: --pp-virtual (chunks per pipeline rank). cp: --cp (each
     sequence over cp ranks). documents: batches packed from BOS-led documents (fixed_batches). shard_params,
-    keep_gathered: --shard-params and --keep-gathered. micro_batch: sequences per micro-batch per process.
+    keep_gathered: --shard-params and --keep-gathered. micro_batch: sequences per micro-batch per process. ep: --ep
+    (experts over ep of the dp ranks).
     The result's "held" lists, per rank, the bytes of weights, gradients and optimizer state it held (and the most
     bytes of gathered whole weights it had alive at once, "gathered_peak", their largest over the ranks)."""
     world = dp * tp * pp * cp
     out_dir = out_dir or _new_run_dir()
     args = (world, tp, pp, sequence_parallel, schedule, steps, _free_port(), out_dir, config_overrides or {}, resume_from, overlap,
-            recompute, compile_backend, fp8, virtual, cp, documents, shard_params, keep_gathered, micro_batch)
+            recompute, compile_backend, fp8, virtual, cp, documents, shard_params, keep_gathered, micro_batch, ep)
     if world == 1:
         _worker(0, *args)
     else:
