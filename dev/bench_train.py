@@ -194,8 +194,9 @@ def planned_peak(header):
         return None
     f, layout = header["flags"], header["layout"]
     setting = Setting(dp=layout["dp"], tp=layout["tp"], pp=layout["pp"], cp=layout.get("cp", 1),
-                      pp_schedule=f["pp_schedule"], pp_virtual=f["pp_virtual"], sequence_parallel=f["sequence_parallel"],
-                      shard_params=f.get("shard_params", False), keep_gathered=f.get("keep_gathered", False),
+                      ep=layout.get("ep", 1), pp_schedule=f["pp_schedule"], pp_virtual=f["pp_virtual"],
+                      sequence_parallel=f["sequence_parallel"], shard_params=f.get("shard_params", False),
+                      keep_gathered=f.get("keep_gathered", False),
                       device_batch=f["device_batch_size"], total_batch=header["total_batch_size"],
                       recompute=f["recompute"], fp8=header["fp8"])
     return worst_rank_peak(GPTConfig.from_dict(header["model_config"]), setting) / GIB

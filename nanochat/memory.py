@@ -123,7 +123,7 @@ def rank_memory(config, s):
     tokens = s.device_batch * config.sequence_len / s.cp
     chunks = split_stages(*block_costs(model), s.pp * s.pp_virtual)
     head = HEAD_BYTES * config.vocab_size / s.tp  # on the last chunk
-    moe = extra_activation_bytes(config, tokens, s.recompute)  # per MoE layer, beyond a dense one
+    moe = extra_activation_bytes(config, tokens, s.recompute, s.ep)  # per MoE layer, beyond a dense one
     kept = [tokens * ((b - a) * config.n_embd * per_layer * tp_share + (head if c == len(chunks) - 1 else 0)) +
             moe * sum(i in moe_layers(config) for i in range(a, b)) for c, (a, b) in enumerate(chunks)]
     if s.pp > 1:
@@ -143,9 +143,11 @@ def rank_memory(config, s):
         mine = [dict(g, params=[p for p in g["params"] if id(p) in stage]) for g in groups]
         weights = state = 0
         sharded = set()  # the tensors sharding cuts (Muon matrices, AdamW tensors owned by rows)
-        for _, full_shape, params in muon_stacks([g for g in mine if g["params"]]):
+        for group, full_shape, params in muon_stacks([g for g in mine if g["params"]]):
             owned = RoundRobin(len(params), D, 0).rounds
             held = owned if (s.shard_params and D > 1) else len(params)
+            if group["name"] == "moe_experts" and s.ep > 1:  # a rank holds and updates its own experts, whole
+                owned = held = len(params) // s.ep
             weights += held * params[0].numel() * 4
             state += owned * (math.prod(full_shape) + full_shape[0]) * 4  # momentum, NorMuon's per-row moment
             sharded |= {id(p) for p in params}

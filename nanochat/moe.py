@@ -142,17 +142,18 @@ def looped_experts(w_fc, w_proj, rows, counts):
     return torch.cat(outs)
 
 
-def extra_activation_bytes(config, tokens, recompute):
+def extra_activation_bytes(config, tokens, recompute, ep=1):
     """What one MoE layer keeps for the backward beyond a dense MLP, at `tokens` tokens of a micro-batch, in bf16
     (the planner's term; counted by saved-tensor hooks on CPU, not fitted to GPU peaks): per token the K gathered
     rows and their outputs (K d each), the K hidden rows twice (K h: the ReLU^2 and the second product's input),
     the shared experts' hidden as a dense MLP's, less the dense MLP's 10 bytes per unit of width; and the two
-    (E, d, h) weight stacks. Under --recompute a block keeps only its inputs (the stacks are made again)."""
+    (E, d, h) weight stacks (E / ep under --ep; the rows an EP rank receives are taken as many as it sends). Under
+    --recompute a block keeps only its inputs (the stacks are made again)."""
     if recompute != "none":
         return 0
     d, h, K = config.n_embd, expert_dim(config), config.moe_topk
     per_token = 2 * (2 * K * d + 2 * K * h) + 10 * config.moe_shared * h / 4 - 10 * d
-    return tokens * per_token + 2 * config.moe_experts * d * h * 2
+    return tokens * per_token + 2 * config.moe_experts // ep * d * h * 2
 
 
 def moe_modules(model):

@@ -157,3 +157,13 @@ def test_expert_parallel_checkpoints_resume_at_other_layouts():
     saved = run_layout(dp=2, ep=2, steps=6, config_overrides=MOE)
     _resume_matches(saved, config_overrides=MOE)
     _resume_matches(run_layout(steps=6, config_overrides=MOE), dp=2, ep=2, config_overrides=MOE)
+
+
+def test_the_planner_divides_the_experts_under_expert_parallelism():
+    from nanochat.memory import rank_memory
+    config = GPTConfig(**{**CONFIG, **MOE})
+    plain, spread = (rank_memory(config, Setting(dp=2, ep=ep, device_batch=1, total_batch=2 * CONFIG["sequence_len"]))[0]
+                     for ep in (1, 2))
+    experts = 3 * 4 * 2 * CONFIG["n_embd"] * 64 * 4  # 3 MoE layers x 4 experts x 2 matrices, fp32
+    assert plain["weights"] - spread["weights"] == experts // 2
+    assert spread["activations"] < plain["activations"]  # the weight stacks of half the experts
