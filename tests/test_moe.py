@@ -144,8 +144,9 @@ def test_hf_export_of_an_moe_checkpoint_is_a_one_line_error(tmp_path):
         export(model.state_dict(), {"model_config": model.config.to_dict()}, None, str(tmp_path))
 
 
-@pytest.mark.parametrize("layout", [dict(dp=2, ep=2), dict(dp=4, ep=4), dict(dp=4, ep=2), dict(dp=2, ep=2, pp=2)],
-                         ids=["ep2", "ep4", "dp2xep2", "ep2xpp2"])
+@pytest.mark.parametrize("layout", [dict(dp=2, ep=2), dict(dp=4, ep=4), dict(dp=4, ep=2), dict(dp=2, ep=2, pp=2),
+                                    dict(dp=2, ep=2, recompute="block"), dict(pp=2, schedule="interleaved", virtual=2)],
+                         ids=["ep2", "ep4", "dp2xep2", "ep2xpp2", "ep2_block_recompute", "pp2_interleaved"])
 def test_expert_parallel_follows_one_process(moe_reference_run, layout):
     """Each rank holds E / ep experts; rows go to their experts' ranks and back by all-to-all; the experts' gradients
     summed over the ranks that hold the same ones (dp 4 x ep 2: two each)."""
@@ -167,3 +168,12 @@ def test_the_planner_divides_the_experts_under_expert_parallelism():
     experts = 3 * 4 * 2 * CONFIG["n_embd"] * 64 * 4  # 3 MoE layers x 4 experts x 2 matrices, fp32
     assert plain["weights"] - spread["weights"] == experts // 2
     assert spread["activations"] < plain["activations"]  # the weight stacks of half the experts
+
+
+def test_moe_in_fp8_under_expert_parallelism_follows_one_process():
+    """fp8 converts the attention's and the shared expert's linears (not the router, not the routed experts); EP 2
+    follows one process within fp8's own noise (test_fp8_parallel's rule)."""
+    from test_fp8_parallel import FP8, assert_same_fp8_run
+    config = {**FP8, **MOE}  # two blocks: block 1 a mixture of experts
+    reference = run_layout(steps=4, config_overrides=config, fp8=True)
+    assert_same_fp8_run(run_layout(dp=2, ep=2, steps=4, config_overrides=config, fp8=True), reference)
