@@ -13,7 +13,9 @@ with its loss, on micro-batches of --batch x --seq tokens (window L; --compile i
 compiled, as training compiles them with overlapped reduction), and the bytes each forward saves. --times sums them
 into each chunk of the layout (pipeline_parallel.split_stages, as training splits). A message between ranks takes
 --p2p-ms, or (by default) the bytes of one boundary (x, x0, ids; gradients: x, x0) over --p2p-gbps.
-The ideal step is every chunk's work over p ranks: m x sum(F + B) / p.
+The ideal step is every chunk's work over p ranks: m x sum(F + B) / p. Each priced layout also gets the step of
+replay_queued: the programs training runs (messages ordered by chunk costs) with each message waiting its turn on
+its pair of ranks' stream, as NCCL runs them, instead of a fixed delay.
 """
 
 import argparse
@@ -21,7 +23,8 @@ import json
 import statistics
 
 from nanochat.pipeline_parallel import split_stages
-from nanochat.pipeline_schedules import SCHEDULES, idle_formula, peak_in_flight, simulate, stage_actions, action_name
+from nanochat.pipeline_schedules import (SCHEDULES, idle_formula, peak_in_flight, simulate, stage_actions, action_name,
+                                         input_of, message_order)
 
 
 def step_and_idle(timeline):
@@ -137,15 +140,77 @@ def chunk_durations(measured, p, virtual):
     return times, kept
 
 
+def replay_queued(actions, programs, duration, message_ms):
+    """The step time of train_step's programs (message_order's) with their messages as NCCL runs them: per rank one
+    compute stream; per pair of neighbouring ranks one stream (their process group), on which messages run one at a
+    time in the order both ranks posted them; a message starts once both ranks have posted it, and not before the
+    compute each rank queued before posting it has run (the communicator's stream waits for the compute stream), and
+    takes message_ms; an action waits for the message that brings its input. simulate() instead charges every message
+    a fixed delay and lets messages overlap freely."""
+    p = len(actions)
+    num_chunks = 1 + max(c for acts in actions for _, _, c in acts)
+    runs = [[a for step, a in prog if step == "run"] for prog in programs]
+    queues = [{} for _ in range(p)]  # rank -> peer -> [(step, action, runs before it)], in posting order
+    for r, prog in enumerate(programs):
+        n = 0
+        for step, a in prog:
+            if step == "run":
+                n += 1
+                continue
+            peer = ((a[2] + 1 if a[0] == "F" else a[2] - 1) % p) if step == "send" else a[2] % p
+            queues[r].setdefault(peer, []).append((step, a, n))
+    ended = [[] for _ in range(p)]  # per rank, the end time of each run so far
+    arrived, free, head = {}, [0.0] * p, [{peer: 0 for peer in q} for q in queues]
+    stream = {}  # pair -> when its stream is free
+
+    def posted(r, n):  # when rank r's op posted after n runs may start (None: those runs not all run yet)
+        return 0.0 if n == 0 else (ended[r][n - 1] if len(ended[r]) >= n else None)
+    while any(len(ended[r]) < len(runs[r]) for r in range(p)) or any(head[r][k] < len(q) for r in range(p)
+                                                                        for k, q in queues[r].items()):
+        progressed = False
+        for r in range(p):
+            while len(ended[r]) < len(runs[r]):
+                a = runs[r][len(ended[r])]
+                dep = input_of(a, num_chunks)
+                remote = dep is not None and dep[2] % p != r
+                if remote and dep not in arrived:
+                    break
+                start = max(free[r], arrived[dep] if remote else 0.0)
+                free[r] = start + duration(a)
+                ended[r].append(free[r])
+                progressed = True
+            for peer, q in queues[r].items():
+                while head[r][peer] < len(q) and q[head[r][peer]][0] == "send":
+                    _, a, n = q[head[r][peer]]
+                    other = queues[peer][r][head[peer][r]] if head[peer][r] < len(queues[peer][r]) else None
+                    if other is None or other[:2] != ("recv", a):
+                        break  # the receiver has not reached this message in its order yet
+                    ready = (posted(r, n), posted(peer, other[2]))
+                    if None in ready:
+                        break
+                    pair = (min(r, peer), max(r, peer))
+                    arrived[a] = stream[pair] = max(*ready, stream.get(pair, 0.0)) + message_ms
+                    head[r][peer] += 1
+                    head[peer][r] += 1
+                    progressed = True
+        if not progressed:
+            raise ValueError("the programs wait on each other")
+    return max(max(free), max(stream.values(), default=0.0))
+
+
 def price(measured, schedule, p, m, virtual, p2p_ms):
-    """Simulated step (ms), its ideal, each rank's idle fraction and peak activation GiB."""
+    """Simulated step (ms), its ideal, each rank's idle fraction and peak activation GiB, and the step with the
+    messages queued as NCCL runs them (replay_queued)."""
     times, kept = chunk_durations(measured, p, virtual)
     actions = [stage_actions(schedule, p, m, r, virtual) for r in range(p)]
-    timeline = simulate(actions, lambda a: times[a[0], a[2]], p2p_ms)
+    duration = lambda a: times[a[0], a[2]]
+    timeline = simulate(actions, duration, p2p_ms)
     ideal = m * sum(times.values()) / p
     step, idle = step_and_idle(timeline)
     peak = [b / 2**30 for b in peak_in_flight(actions, kept)]
-    return step, ideal, idle, peak
+    costs = [times["F", c] for c in range(p * virtual)]  # as training orders its messages: by the chunks' costs
+    queued = replay_queued(actions, [message_order(actions, r, costs) for r in range(p)], duration, p2p_ms)
+    return step, ideal, idle, peak, queued
 
 
 def boundary_ms(measured, gbps):
@@ -155,16 +220,17 @@ def boundary_ms(measured, gbps):
 
 
 def table(measured, p2p_ms):
-    rows = ["| p | m | schedule | step ms | step / ideal | idle (mean over ranks) | idle at equal times | "
-            "peak activations per rank (GiB, max) |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    rows = ["| p | m | schedule | step ms | queued messages: step ms | step / ideal | idle (mean over ranks) | "
+            "idle at equal times | peak activations per rank (GiB, max) |", "| --- " * 9 + "|"]
     for p in (4, 8):
         for m in (8, 16, 32):
             for schedule, virtual in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 4)):
                 if p * virtual > measured["depth"] or (schedule == "interleaved" and m % p):
                     continue
-                step, ideal, idle, peak = price(measured, schedule, p, m, virtual, p2p_ms)
+                step, ideal, idle, peak, queued = price(measured, schedule, p, m, virtual, p2p_ms)
                 name = f"interleaved V={virtual}" if schedule == "interleaved" else schedule
-                rows.append(f"| {p} | {m} | {name} | {step:,.1f} | {step / ideal:.3f} | {statistics.mean(idle):.3f} | "
+                rows.append(f"| {p} | {m} | {name} | {step:,.1f} | {queued:,.1f} | {step / ideal:.3f} | "
+                            f"{statistics.mean(idle):.3f} | "
                             f"{idle_formula(schedule, p, m, virtual):.3f} | {max(peak):.1f} |")
     return "\n".join(rows)
 
@@ -203,9 +269,9 @@ def main(argv=None):
         if args.table:
             print(table(measured, p2p))
             return
-        step, ideal, idle, peak = price(measured, args.schedule, p, m, virtual, p2p)
+        step, ideal, idle, peak, queued = price(measured, args.schedule, p, m, virtual, p2p)
         print(f"{args.schedule}, p={p}, m={m}, V={virtual}: step {step:.1f} ms ({step / ideal:.3f}x the ideal "
-              f"{ideal:.1f}); idle per rank: {', '.join(f'{x:.3f}' for x in idle)}; peak activations per rank (GiB): "
+              f"{ideal:.1f}; {queued:.1f} with the messages queued per pair of ranks); idle per rank: {', '.join(f'{x:.3f}' for x in idle)}; peak activations per rank (GiB): "
               f"{', '.join(f'{x:.1f}' for x in peak)}")
         return
     actions = [stage_actions(args.schedule, p, m, r, virtual) for r in range(p)]

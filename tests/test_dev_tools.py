@@ -148,5 +148,22 @@ def test_pipeline_sim_measures_blocks_and_prices_every_schedule(env, tmp_path):
     for schedule in ("gpipe", "1f1b"):
         assert f"| 4 | 16 | {schedule} |" in table
     assert "interleaved" not in table  # 8 chunks > 4 blocks
+    assert "queued messages" in table
     one = run("--times", str(times), "--schedule", "interleaved", "--stages", "2", "--microbatches", "4")
     assert one.splitlines()[-1].startswith("interleaved, p=2, m=4, V=2: step ")
+
+
+@pytest.mark.parametrize("schedule, virtual", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)])
+def test_queued_replay_is_the_simulation_when_messages_are_free(schedule, virtual):
+    """pipeline_sim.replay_queued with free messages gives simulate()'s step; with a message time it can only be
+    longer than simulate() charging that time as a fixed delay (the messages then also wait for their turn)."""
+    from dev.pipeline_sim import replay_queued
+    from nanochat.pipeline_schedules import message_order, simulate, stage_actions
+    p, m = 4, 8
+    actions = [stage_actions(schedule, p, m, r, virtual) for r in range(p)]
+    costs = [1.0 + 0.37 * ((3 * c) % 5) for c in range(p * virtual)]  # uneven chunks
+    duration = lambda a: costs[a[2]] * (1 if a[0] == "F" else 2)
+    programs = [message_order(actions, r, costs) for r in range(p)]
+    step = lambda p2p: max(events[-1][2] for events in simulate(actions, duration, p2p))
+    assert replay_queued(actions, programs, duration, 0.0) == pytest.approx(step(0.0))
+    assert replay_queued(actions, programs, duration, 0.3) >= step(0.3) - 1e-9
