@@ -7,15 +7,14 @@ outputs back, where they are weighted and summed as without EP (moe.mixture).
 Collectives, over the EP group:
   all_to_all_single   per MoE layer and micro-batch: the rows per expert (E counts each way); the rows to their
                       experts' ranks; the outputs back. The backward sends the gradients the opposite ways.
-and over the expert-DP group (the ranks that hold the same experts, one per EP group):
-  all_reduce          per step, before the optimizer: each expert's gradient, summed (data_parallel.py reduces the
-                      rest over all DP ranks)
+The experts' gradients are reduced by a data_parallel.DataParallel of their own (training.setup), over the expert-DP
+group: the ranks that hold the same experts, one per EP group. A rank's expert gradient holds the rows of its whole
+EP group, so the sum over that group holds every rank's; the optimizer divides it by the DP size, as it divides the
+replicated weights' sum over all DP ranks.
 
-The exchange needs the row counts on the host (its split sizes): one host sync per MoE layer and micro-batch, and the
-exchange runs outside torch.compile's graphs. Gradients: a rank's expert gradient holds the rows of its whole EP
-group; summed over the expert-DP group it holds every rank's, and the optimizer (data_parallel.DataParallel over one
-rank for the experts) takes it divided by the DP size, as it divides the replicated weights' sum. Checkpoints: the
-first EP group writes one file per EP rank (checkpoint_manager merges them by name), so they stay layout-free.
+The exchange needs the row counts on the host (its split sizes): one host sync per MoE layer and micro-batch, and it
+runs outside torch.compile's graphs. Checkpoints: the first EP group writes one file per EP rank (checkpoint_manager
+merges them by name), so they stay layout-free.
 """
 
 import torch
@@ -68,23 +67,9 @@ class ExpertParallel:
         return _AllToAll.apply(outbound, recv, send, self.group)
 
 
-
-@torch.no_grad()
-def reduce_expert_gradients(model, group):
-    """Before the optimizer's step: the experts' gradients summed over `group` (the ranks holding the same experts),
-    as one flat buffer."""
-    params = [p for m in moe_modules(model) for d in (m.fc, m.proj) for p in d.values()]
-    if group is None or not params:
-        return
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([g.flatten() for g in grads])
-    dist.all_reduce(flat, group=group)
-    for p, g in zip(params, flat.split([g.numel() for g in grads])):
-        p.grad = g.view_as(p)
-
-
 def is_expert(name):
-    """Whether a parameter (or its optimizer state) by name is a routed expert's, which EP ranks hold apart."""
+    """Whether a tensor of a checkpoint (by name: weights or optimizer state) is a routed expert's, which EP ranks
+    hold apart (moe.MoE's fc / proj ParameterDicts)."""
     return ".mlp.fc." in name or ".mlp.proj." in name
 
 

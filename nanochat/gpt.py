@@ -35,7 +35,7 @@ from nanochat import kernels
 from nanochat.common import ConfigError
 from nanochat.kernels import Linear
 from nanochat.l3 import L3Layer
-from nanochat.moe import MoE, moe_layers, inactive_expert_params
+from nanochat.moe import MoE, moe_layers, expert_parameters, inactive_expert_params
 
 ROTARY_BASE = 100_000.0
 QK_SCALE = 1.2  # q and k after QK-norm: sharper attention than unit-norm vectors give
@@ -390,9 +390,8 @@ class GPT(nn.Module):
     def matmul_parameters(self):
         """The linears a token runs through: the blocks' (MoE: its router, shared and K routed experts), L3's
         W_up/W_mix, the lm_head (tables are lookups, scalars elementwise)."""
-        experts = sum(p.numel() for n, p in self.named_parameters() if ".mlp.fc." in n or ".mlp.proj." in n)
         linears = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
-        return linears + experts - inactive_expert_params(self)
+        return linears + sum(p.numel() for p in expert_parameters(self)) - inactive_expert_params(self)
 
     def num_scaling_params(self):
         """What the scaling laws count: the transformer's active matrices + lm_head."""

@@ -146,8 +146,9 @@ def rank_memory(config, s):
         for group, full_shape, params in muon_stacks([g for g in mine if g["params"]]):
             owned = RoundRobin(len(params), D, 0).rounds
             held = owned if (s.shard_params and D > 1) else len(params)
-            if group["name"] == "moe_experts" and s.ep > 1:  # a rank holds and updates its own experts, whole
-                owned = held = len(params) // s.ep
+            if group["name"] == "moe_experts" and s.ep > 1:  # a rank holds its EP rank's experts; they are shared out
+                held = len(params) // s.ep                   # over the ranks holding the same ones
+                owned = RoundRobin(held, s.dp // s.ep, 0).rounds
             weights += held * params[0].numel() * 4
             state += owned * (math.prod(full_shape) + full_shape[0]) * 4  # momentum, NorMuon's per-row moment
             sharded |= {id(p) for p in params}

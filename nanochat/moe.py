@@ -160,9 +160,14 @@ def moe_modules(model):
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
+def expert_parameters(model):
+    """The routed experts' matrices this rank holds (all, or its share under --ep)."""
+    return [p for m in moe_modules(model) for d in (m.fc, m.proj) for p in d.values()]
+
+
 def inactive_expert_params(model):
-    """The routed experts' weights held here that a token does not run through: all but K per MoE layer (under --ep,
-    fewer than K may be held here: then the count is negative, and held + inactive is still K experts)."""
+    """Of the routed experts' weights held here, those a token does not run through: all but K experts per MoE layer
+    (under --ep fewer than K may be held here: then the count is negative, and held - inactive is still K experts)."""
     return sum((len(m.fc) - m.topk) * 2 * m.hidden * m.router.in_features for m in moe_modules(model))
 
 

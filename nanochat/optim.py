@@ -47,7 +47,9 @@ def param_groups(model, embedding_lr, unembedding_lr, matrix_lr, scalar_lr, weig
     """Which parameter goes to which update rule, with its LR; the embeddings' and lm_head's AdamW LRs scale with
     (model_dim/768)^-0.5 (tuned at d12); MoE routers take the lm_head's (moe.py says why)."""
     dim_scale = (model.config.n_embd / 768) ** -0.5
+    from nanochat.moe import expert_parameters
     table_ids = {id(p) for layer in model.l3.values() for p in layer.table_parameters()}
+    expert_ids = {id(p) for p in expert_parameters(model)}
     embeds, unembed, scalars, matrices, tables, routers, experts = [], [], [], [], [], [], []
     for name, p in model.named_parameters():
         if name == "lm_head.weight":
@@ -58,7 +60,7 @@ def param_groups(model, embedding_lr, unembedding_lr, matrix_lr, scalar_lr, weig
             tables.append(p)
         elif name.endswith("mlp.router.weight"):
             routers.append(p)
-        elif ".mlp.fc." in name or ".mlp.proj." in name:  # MoE's routed experts
+        elif id(p) in expert_ids:  # MoE's routed experts
             experts.append(p)
         elif p.ndim == 2 and (name.startswith("blocks.") or name.startswith("l3.")):
             matrices.append(p)
@@ -77,6 +79,13 @@ def param_groups(model, embedding_lr, unembedding_lr, matrix_lr, scalar_lr, weig
 
 
 PARAM_GROUPS = ("embeddings", "lm_head", "scalars", "matrices", "l3_tables", "moe_routers", "moe_experts")  # its order
+
+
+def split_experts(groups, expert_parallel):
+    """(the groups data parallelism reduces over all DP ranks, the experts' group): under --ep the experts differ
+    between the ranks of an EP group, and their gradients are reduced over the ranks holding the same experts."""
+    experts = [g for g in groups if expert_parallel and g["name"] == "moe_experts"]
+    return [g for g in groups if g not in experts], experts
 
 
 def muon_update(grads, momentum_buf, second_buf, momentum, compute_dtype: torch.dtype):
@@ -166,8 +175,7 @@ class MuonAdamW(torch.optim.Optimizer):
     muon_stacks(groups) and the AdamW tensors (made by training.setup), which reduces the gradients and says who
     updates what; compute_dtype: Muon's orthogonalization dtype; compile: the stacked updates; counts_replicated:
     this rank counts parameters whole on every TP rank in the gradient norm (TP rank 0 does); expert_dp: under --ep,
-    a DataParallel of one rank over the "moe_experts" group's stacks, whose gradients expert_parallel reduces and
-    whose `copies` ranks (the expert-DP group) hold and update alike."""
+    the DataParallel of the experts' stacks (split_experts) over the ranks holding the same experts."""
 
     def __init__(self, groups, names, dp, compute_dtype=torch.float32, compile=False, counts_replicated=True,
                  expert_dp=None):
@@ -184,8 +192,7 @@ class MuonAdamW(torch.optim.Optimizer):
         self.dps = [dp] + ([expert_dp] if expert_dp is not None else [])
         # (its DataParallel, its index there, the stack): the experts' stacks with expert_dp, the rest with dp
         self.muon_stacks = []
-        for d, expert in zip(self.dps, (False, True)):
-            mine = [g for g in self.param_groups if (g["name"] == "moe_experts" and expert_dp is not None) == expert]
+        for d, mine in zip(self.dps, split_experts(self.param_groups, expert_dp is not None)):
             self.muon_stacks += [(d, s, MuonStack(group, shape, params, owner)) for s, ((group, shape, params), owner)
                                  in enumerate(zip(muon_stacks(mine), d.owners))]
 
@@ -222,10 +229,10 @@ class MuonAdamW(torch.optim.Optimizer):
             if tp.is_sharded(p0):
                 grads = torch.stack([tp.gather_full(grads[j], p0) for j in range(stack.owner.rounds)])
             tp.reduce_partial_grad(p0, grads)  # replicated matrices under sequence parallelism (L3): sum over TP
-            if W > 1:  # the sum over every DP rank's tokens (the experts' too, summed by expert_parallel)
+            if W > 1:  # the sum over every DP rank's tokens (an expert's: over its ranks, which saw all the tokens)
                 grads.div_(W)
             if self.counts_replicated:
-                squares[PARAM_GROUPS.index(stack.group["name"])] += grads.float().square().sum() / getattr(d, "copies", 1)
+                squares[PARAM_GROUPS.index(stack.group["name"])] += grads.float().square().sum()
             momentum = torch.tensor(stack.group["momentum"], dtype=torch.float32)
             update = self._muon_update(grads, stack.momentum, stack.second, momentum, self.compute_dtype)
             if sharded:  # only this rank holds the matrices it owns: nothing to send

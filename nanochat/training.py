@@ -24,7 +24,7 @@ from nanochat.common import print0, ConfigError
 from nanochat.distributed import barrier, all_reduce_max, gather_objects, agree_on_error
 from nanochat.gpt import build_model, Block, WholeSequence
 from nanochat import kernels, moe
-from nanochat.optim import MuonAdamW, muon_stacks, param_groups
+from nanochat.optim import MuonAdamW, muon_stacks, param_groups, split_experts
 from nanochat.data_parallel import DataParallel
 from nanochat.dataloader import DataLoader
 from nanochat.loss_eval import evaluate_bpb
@@ -86,17 +86,15 @@ def setup(config, setting, layout, device, dtype, lrs, l3_data=None, after_init=
         kernels.set_wgrad_splits(model, wgrad_splits)
     groups = param_groups(model, **vars(lrs))
     # data parallelism over DP x CP (CP ranks hold the same weights, each having seen its share of the tokens); the
-    # optimizer updates what it hands out; sharded weights at one rank are no sharding. Under --ep the experts differ
-    # between the ranks of an EP group: theirs is a DataParallel of one rank (expert_parallel reduces them)
-    experts = [g for g in groups if g["name"] == "moe_experts" and layout.ep_size > 1]
-    rest = [g for g in groups if g not in experts]
+    # optimizer updates what it hands out; sharded weights at one rank are no sharding. Under --ep the experts have a
+    # DataParallel of their own, over the ranks holding the same experts (one per EP group)
+    rest, experts = split_experts(groups, layout.ep_size > 1)
     sharded = setting.shard_params and layout.dp_cp_group is not None
     dp = DataParallel([params for _, _, params in muon_stacks(rest)],
                       [p for g in rest if g["kind"] == "adamw" for p in g["params"]], layout.dp_cp_group,
                       overlap=setting.overlap_grad_reduce, shard_params=sharded)
-    expert_dp = DataParallel([params for _, _, params in muon_stacks(experts)], [], None) if experts else None
-    if expert_dp is not None:
-        expert_dp.copies = layout.dp_size // layout.ep_size  # the ranks holding (and updating) the same experts
+    expert_dp = DataParallel([params for _, _, params in muon_stacks(experts)], [], layout.expert_dp_group) \
+        if experts else None
     optimizer = MuonAdamW(groups, {p: n for n, p in model.named_parameters()}, dp, compute_dtype=dtype,
                           compile=compile == "inductor", counts_replicated=layout.tp_rank == 0, expert_dp=expert_dp)
     if sharded:
@@ -262,9 +260,6 @@ class Trainer:
                 (micro_loss / len(batches)).backward()
                 loss += micro_loss.detach()
             loss = loss / len(batches)
-        if self.layout.ep_size > 1:
-            from nanochat.expert_parallel import reduce_expert_gradients
-            reduce_expert_gradients(self.model, self.layout.expert_dp_group)
         lrm = schedule.lr_multiplier(it)
         for group in self.optimizer.param_groups:
             group["lr"] = group["initial_lr"] * lrm
