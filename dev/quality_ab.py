@@ -7,7 +7,7 @@ NANOCHAT_KERNELS=reference to run every op on its PyTorch reference) and extra b
 --b-args, e.g. "--fp8"). Runs alternate A, B, A, B, ... over the given GPUs, one run per GPU at a time.
 
     python -m dev.quality_ab --b-env NANOCHAT_KERNELS=reference          # kernels against the reference math
-    python -m dev.quality_ab --b-args "--fp8" --runs 3 --gpus 0,1,2,3    # bf16 against fp8
+    python -m dev.quality_ab --b-args=--fp8 --runs 3 --gpus 0,1,2,3    # bf16 against fp8
     python -m dev.quality_ab --a-tree ../nanochat-old --b-tree .         # two commits
 
 base_train seeds its initialization the same way every run; on a GPU, non-deterministic kernels (atomics,

@@ -87,7 +87,7 @@ class MoE(nn.Module):
         weights = scores.gather(1, chosen)
         weights = weights / weights.sum(-1, keepdim=True)
         if torch.is_grad_enabled():
-            self.load += torch.bincount(chosen.flatten(), minlength=self.num_experts).to(self.load.dtype)
+            self.load += pairs_per_expert(chosen, self.num_experts).to(self.load.dtype)
         return chosen, weights.to(x.dtype)
 
     def forward(self, x):
@@ -122,11 +122,18 @@ def mixture(x, chosen, weights, num_experts, experts):
     the outputs weighted and summed back to their tokens in a fixed order (no atomic adds)."""
     K = chosen.size(1)
     order = torch.argsort(chosen.flatten(), stable=True)
-    counts = torch.bincount(chosen.flatten(), minlength=num_experts)
+    counts = pairs_per_expert(chosen, num_experts)
     y = experts(x[order // K], counts) * weights.flatten()[order, None]
     pairs = torch.empty_like(y)
     pairs[order] = y  # back in token order: the K pairs of a token side by side
     return pairs.view(x.size(0), K, -1).sum(1)
+
+
+def pairs_per_expert(chosen, num_experts):
+    """How many (token, expert) pairs each expert got, as a fixed-shape sum (torch.bincount's output shape depends on
+    the data, which splits the compiled graph around every MoE layer)."""
+    flat = chosen.flatten()
+    return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
 
 
 def grouped_experts(w_fc, w_proj, rows, counts):
