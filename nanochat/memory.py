@@ -123,7 +123,8 @@ def rank_memory(config, s):
     tokens = s.device_batch * config.sequence_len / s.cp
     chunks = split_stages(*block_costs(model), s.pp * s.pp_virtual)
     head = HEAD_BYTES * config.vocab_size / s.tp  # on the last chunk
-    moe = extra_activation_bytes(config, tokens, s.recompute, s.ep)  # per MoE layer, beyond a dense one
+    # per MoE layer, beyond a dense one (under TP, with SP: on this rank's tokens)
+    moe = extra_activation_bytes(config, tokens / s.tp, s.recompute, s.ep)
     kept = [tokens * ((b - a) * config.n_embd * per_layer * tp_share + (head if c == len(chunks) - 1 else 0)) +
             moe * sum(i in moe_layers(config) for i in range(a, b)) for c, (a, b) in enumerate(chunks)]
     if s.pp > 1:

@@ -178,10 +178,10 @@ def inactive_expert_params(model):
     return sum((len(m.fc) - m.topk) * 2 * m.hidden * m.router.in_features for m in moe_modules(model))
 
 
-def after_step(model, group, pp_group=None):
-    """The loads since the last step summed over `group` (the ranks that saw other tokens: DP x CP), each bias moved
-    by them; returns the worst layer's load imbalance, max / mean pairs per expert, over the pipeline's stages too
-    (pp_group; a device tensor; None for a model without MoE). Under --recompute a block's forward runs twice: its
+def after_step(model, groups, pp_group=None):
+    """The loads since the last step summed over `groups` (the ranks that saw other tokens: DP x CP, and TP under
+    sequence parallelism), each bias moved by them; returns the worst layer's load imbalance, max / mean pairs per
+    expert, over the pipeline's stages too (pp_group; a device tensor; None for a model without MoE). Under --recompute a block's forward runs twice: its
     loads double, their balance does not change."""
     if not model.config.moe_experts:
         return None
@@ -189,8 +189,9 @@ def after_step(model, group, pp_group=None):
     imbalance = torch.zeros((), device=model.cos.device)
     if layers:
         loads = torch.stack([m.load for m in layers])
-        if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(loads, group=group)
+        for group in groups:
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.all_reduce(loads, group=group)
         for m, load in zip(layers, loads):
             m.step_bias(load)
         imbalance = (loads.max(1).values / loads.mean(1).clamp(min=1)).max()

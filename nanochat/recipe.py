@@ -381,8 +381,9 @@ class Setting:
         m = self.total_batch // tokens_per_micro
         if self.sequence_parallel and tp == 1:
             raise ConfigError("--sequence-parallel needs --tp > 1")
-        if config.moe_experts and tp > 1:
-            raise ConfigError("--moe-experts with --tp: tensor parallelism does not cut the experts yet; use --tp 1")
+        if config.moe_experts and tp > 1 and not self.sequence_parallel:
+            raise ConfigError("--moe-experts with --tp needs --sequence-parallel: MoE layers are not cut, so without it "
+                              "every TP rank would run every token's experts")
         if self.ep > 1 and not (config.moe_experts and config.moe_experts % self.ep == 0 and self.dp % self.ep == 0):
             raise ConfigError(f"--ep {self.ep} spreads each MoE layer's experts over DP ranks: it needs --moe-experts "
                               f"({config.moe_experts}) and the DP size ({self.dp}) divisible by it")

@@ -23,6 +23,8 @@ What is cut how:
 - L3 layers replicated: sharding the table along d would all-reduce every score, and by token would cut a
   skewed, data-derived allocation into unequal shards (dev/LOG.md, 2026-11-23). With SP each rank looks up
   its own tokens and the partial gradients are summed over TP once per step (tp_partial_grad).
+- MoE layers replicated, under SP only (recipe): each rank routes and runs its own tokens (no collective in the layer,
+  no token run twice), the partial gradients summed over TP as L3's, the expert loads over TP too (moe.after_step).
 A region starts with `region_enter` at the model's `tp_enter` hook and ends inside the row-parallel linear.
 A sharded parameter carries `tp_dim` (the dim it is cut along), `tp_group` and `tp_size`; the helpers below go
 between shards and whole tensors for the optimizer and checkpoints (identities at TP=1).
@@ -36,6 +38,7 @@ import torch.distributed._functional_collectives as funcol
 
 from nanochat.gpt import softcap, reduce_losses
 from nanochat.fp8 import fp8_linear
+from nanochat.moe import MoE, moe_modules
 
 
 # --- Shards <-> full tensors (used by the optimizer and checkpoints) --------------
@@ -295,6 +298,8 @@ def parallelize(model, layout, sequence_parallel=False):
         if attn.ve_gate is not None:  # one gate per kv head: keep the local heads' rows
             attn.ve_gate = ColumnParallelLinear(attn.ve_gate, layout)
             block.value_embed = ColumnParallelEmbedding(block.value_embed, layout)
+        if isinstance(mlp, MoE):  # replicated: under SP each rank routes its own tokens (recipe asks for SP)
+            continue
         mlp.tp_enter = region_enter(group, sequence_parallel)
         mlp.c_fc = ColumnParallelLinear(mlp.c_fc, layout)
         mlp.c_proj = RowParallelLinear(mlp.c_proj, layout, sequence_parallel)
@@ -307,6 +312,6 @@ def parallelize(model, layout, sequence_parallel=False):
             layer.token_share = Collective(lambda idx, g: _my_tokens(idx.unsqueeze(-1), g).squeeze(-1), group)
         # replicated parameters that see this rank's tokens only: partial gradients
         lambdas = [model.backout_lambda] + [p for b in model.blocks for p in (b.resid_lambda, b.x0_lambda)]
-        for p in lambdas + list(model.l3.parameters()):
+        for p in lambdas + list(model.l3.parameters()) + [p for m in moe_modules(model) for p in m.parameters()]:
             p.tp_partial_grad, p.tp_group = True, group
     return model

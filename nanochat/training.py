@@ -268,7 +268,8 @@ class Trainer:
                 group["weight_decay"] = schedule.muon_weight_decay(it)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.moe_imbalance = moe.after_step(self.model, self.layout.dp_cp_group, self.layout.pp_group)
+        token_groups = [self.layout.dp_cp_group] + ([self.layout.tp_group] if self.setting.sequence_parallel else [])
+        self.moe_imbalance = moe.after_step(self.model, token_groups, self.layout.pp_group)
         if os.environ.get("NANOCHAT_TEST_NAN_AT") == f"{it}:{self.layout.rank}":  # the tests' fault: one rank's NaN
             loss = loss * float("nan")
         return self.dp.mean_loss(loss), lrm

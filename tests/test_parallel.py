@@ -15,7 +15,9 @@ def reference():
     return run_layout()
 
 
-def assert_same_run(run, ref, steps=5):
+def assert_same_run(run, ref, steps=5, atol=1e-4):
+    """atol: the parameters' (AdamW's g / sqrt(v) turns the summation order's relative error in a gradient near its
+    eps into an update's: an embedding row seen by one token can differ by more than the rest)."""
     assert len(run["losses"]) == len(ref["losses"]) == steps
     for a, b in zip(run["losses"], ref["losses"]):
         assert abs(a - b) / abs(b) <= 1e-4, (run["losses"], ref["losses"])
@@ -24,7 +26,7 @@ def assert_same_run(run, ref, steps=5):
         assert torch.allclose(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-4, atol=1e-6), (norms, ref_norms)
     assert run["params"].keys() == ref["params"].keys()
     for name, p in ref["params"].items():
-        assert torch.allclose(run["params"][name], p, atol=1e-4), (name, (run["params"][name] - p).abs().max())
+        assert torch.allclose(run["params"][name], p, atol=atol), (name, (run["params"][name] - p).abs().max())
     # evaluation of whole sequences (gathered model under PP / sequence parallelism) agrees on every stage
     for loss in run["eval_losses"]:
         assert abs(loss - ref["eval_losses"][0]) / ref["eval_losses"][0] <= 1e-4, (run["eval_losses"], ref["eval_losses"])

@@ -14,7 +14,7 @@ gpt.py (and fp8.py for its MLP) write every op as its reference PyTorch math and
                                                                  elsewhere ReLU^2 keeping only its output
     fp8 MLP            fp8.fc_relu_square, relu_square_input_grad  the same kernels on fp8 operands
     soft-capped loss   gpt.SoftcapCrossEntropy                   lm_head matmul + Triton loss (softcap_ce.py)
-    MoE experts        moe.moe_reference: expert by expert        torch._grouped_mm, bf16 on Hopper and newer
+    MoE experts        moe.looped_experts: expert by expert       moe.grouped_experts (torch._grouped_mm), bf16, SM90+
 
 The switch is KERNELS.mode, "auto" (default) or "reference", from NANOCHAT_KERNELS and the scripts' --kernels (which
 wins); "reference" answers every question with no, so the math runs as written on every device. It is read at each
@@ -238,7 +238,7 @@ def rotary_norm(x, cos, sin, scale):
 
 
 def takes_grouped_mm(x):
-    """MoE's experts as two grouped matmuls (moe.experts_grouped): bf16 on SM90+, where torch.compile takes them."""
+    """MoE's experts as two grouped matmuls (moe.grouped_experts): bf16 on SM90+, where torch.compile takes them."""
     return KERNELS.on and x.is_cuda and x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
 
 
