@@ -208,7 +208,8 @@ def relative_speed(s, micro_batches):
 
 def candidate_settings(config, gpus, total_batch, fp8=False):
     """Every layout of `gpus` GPUs the run accepts for this model (Setting.check at a device batch of one, the most
-    micro-batches), CP only for sequences of 8K tokens or more, sharded or not, each recompute mode."""
+    micro-batches), CP only for sequences of 8K tokens or more, sharded or not, each recompute mode; TP with MoE
+    layers with sequence parallelism (which they need)."""
     powers = [2 ** i for i in range(int(math.log2(gpus)) + 1) if gpus % 2 ** i == 0]
     for tp, pp, cp in itertools.product(powers, powers, powers):
         if gpus % (tp * pp * cp) or (cp > 1 and config.sequence_len < 8192):
@@ -216,7 +217,7 @@ def candidate_settings(config, gpus, total_batch, fp8=False):
         shards = (False, True) if gpus > tp * pp else (False,)
         for shard, recompute in itertools.product(shards, ("none", "selective", "block")):
             s = Setting(dp=gpus // (tp * pp * cp), tp=tp, pp=pp, cp=cp, shard_params=shard, recompute=recompute,
-                        total_batch=total_batch, fp8=fp8)
+                        total_batch=total_batch, fp8=fp8, sequence_parallel=tp > 1 and config.moe_experts > 0)
             try:
                 replace(s, device_batch=1).check(config)
             except ConfigError:

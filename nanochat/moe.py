@@ -6,10 +6,10 @@ the dense MLP becomes E routed ReLU^2 experts and --moe-shared N always-on ones,
 Routing, per token: s = sigmoid(router(x)) (the product in the compute dtype, the sigmoid and top-k in fp32); the K
 experts with the largest s + bias are chosen; their weights are their s over the sum of the chosen s. The bias (a
 buffer, per expert) only selects, it never weighs: after each step it moves by MOE_BIAS_RATE x sign(mean load -
-load), the loads counted over the step's micro-batches and all data-parallel ranks, so every rank keeps the same
-bias (DeepSeek-V3's balance without an auxiliary loss). The rate is theirs, 1e-3: with sigmoid scores in (0, 1) a
-bias of a few hundredths already moves a token's choice at the margin, and a few hundred steps can undo any skew
-without the choice flapping from step to step.
+load), the loads counted over the step's micro-batches and all data-parallel ranks (and TP ranks under sequence
+parallelism), so every rank keeps the same bias (DeepSeek-V3's balance without an auxiliary loss). The rate is
+theirs, 1e-3: with sigmoid scores in (0, 1) a bias of a few hundredths already moves a token's choice at the margin,
+and a few hundred steps can undo any skew without the choice flapping from step to step.
 
 Dropless: every (token, expert) pair is computed. The pairs are sorted by expert once per layer, and each weight
 stack runs as one grouped matmul (torch._grouped_mm: every expert's rows against its own matrix, group sizes read
@@ -181,8 +181,8 @@ def inactive_expert_params(model):
 def after_step(model, groups, pp_group=None):
     """The loads since the last step summed over `groups` (the ranks that saw other tokens: DP x CP, and TP under
     sequence parallelism), each bias moved by them; returns the worst layer's load imbalance, max / mean pairs per
-    expert, over the pipeline's stages too (pp_group; a device tensor; None for a model without MoE). Under --recompute a block's forward runs twice: its
-    loads double, their balance does not change."""
+    expert, over the pipeline's stages too (pp_group; a device tensor; None for a model without MoE). Under
+    --recompute a block's forward runs twice: its loads double, their balance does not change."""
     if not model.config.moe_experts:
         return None
     layers = moe_modules(model)  # under PP, this stage's (maybe none)

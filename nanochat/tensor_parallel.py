@@ -8,7 +8,8 @@ Collectives, all over the TP group:
                        tensors for Muon and checkpoints (gather_full)
   reduce_scatter       leaving a region with SP (tokens)
   all_reduce MAX, SUM  the vocab-parallel loss: the logits' max, the sum of exponentials, the target's logit
-  all_reduce SUM       partial gradients of replicated parameters under SP (reduce_partial_grad), in the step
+  all_reduce SUM       partial gradients of replicated parameters under SP (reduce_partial_grad), in the step;
+                       MoE layers' expert loads under SP (moe.after_step)
   all_reduce MAX       fp8's global amax of sharded tensors (fp8.py)
 
 What is cut how:

@@ -15,9 +15,9 @@ def reference():
     return run_layout()
 
 
-def assert_same_run(run, ref, steps=5, atol=1e-4):
-    """atol: the parameters' (AdamW's g / sqrt(v) turns the summation order's relative error in a gradient near its
-    eps into an update's: an embedding row seen by one token can differ by more than the rest)."""
+def assert_same_run(run, ref, steps=5, embedding_atol=1e-4):
+    """embedding_atol: the embedding tables' tolerance (AdamW's g / sqrt(v) turns the summation order's relative error
+    in a gradient near its eps into an update's: an entry seen by one token can differ by more than the rest)."""
     assert len(run["losses"]) == len(ref["losses"]) == steps
     for a, b in zip(run["losses"], ref["losses"]):
         assert abs(a - b) / abs(b) <= 1e-4, (run["losses"], ref["losses"])
@@ -26,6 +26,7 @@ def assert_same_run(run, ref, steps=5, atol=1e-4):
         assert torch.allclose(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-4, atol=1e-6), (norms, ref_norms)
     assert run["params"].keys() == ref["params"].keys()
     for name, p in ref["params"].items():
+        atol = embedding_atol if name.startswith("wte.") or ".value_embed." in name else 1e-4
         assert torch.allclose(run["params"][name], p, atol=atol), (name, (run["params"][name] - p).abs().max())
     # evaluation of whole sequences (gathered model under PP / sequence parallelism) agrees on every stage
     for loss in run["eval_losses"]:
