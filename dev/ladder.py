@@ -14,8 +14,8 @@ The sides are given as in dev/quality_ab.py (a checkout, environment settings, e
 go to both. Both sides must train at the same --max-seq-len (the same validation tokens then hold the same bytes).
 A plot of bpb against FLOPs and against seconds goes to <out>/ladder.png.
 
-    python -m dev.ladder --b-args "--l3-after-layers=5"                         # dense against L3: d8 d10 d12
-    python -m dev.ladder --b-args "--fp8" --depths 8,10,12,14 --seeds 3 --ratio 4 --gpus 0,1,2,3
+    python -m dev.ladder --b-args=--l3-after-layers=5                           # dense against L3: d8 d10 d12
+    python -m dev.ladder --b-args=--fp8 --depths 8,10,12,14 --seeds 3 --ratio 4 --gpus 0,1,2,3
     python -m dev.ladder --a-tree ../nanochat-old --b-tree .                    # two commits
 
 The defaults (d8, d10, d12, one seed a side) are the short ladder. Its runs are short: most of a run is start-up,

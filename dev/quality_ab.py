@@ -32,14 +32,14 @@ sides as long as no document is cut to fit a model's context (said per run where
 the shorter context are compared by their loss at each position, in those printouts). Scoring runs beside the training
 runs, on the GPU its run trained on.
 
-    python -m dev.quality_ab --a-args "--window-pattern=SSSL" --b-args "--window-pattern=SSSL --max-seq-len=8192 \
+    python -m dev.quality_ab --a-args=--window-pattern=SSSL --b-args "--window-pattern=SSSL --max-seq-len=8192 \
         --device-batch-size=8" --score "--min-chars=5000 --chars=5000" --gpus 0,0   # 8K against 2K, equal tokens
 
 With --b-from-a-step N, side B does not start from scratch: each B run resumes its A run's checkpoint of step N
 with B's flags and trains the steps after it. The sides then share everything before N (a paired comparison:
 run i of B against run i of A differs only after N), e.g. a context extension for the last 40 of 200 steps:
 
-    python -m dev.quality_ab --a-args "--window-pattern=SSSL" --b-from-a-step 160 --b-args "--window-pattern=SSSL \
+    python -m dev.quality_ab --a-args=--window-pattern=SSSL --b-from-a-step 160 --b-args "--window-pattern=SSSL \
         --max-seq-len=8192 --device-batch-size=8" --score "--min-chars=5000 --chars=5000" --gpus 0,0
 """
 
