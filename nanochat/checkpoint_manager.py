@@ -46,8 +46,8 @@ def nonfinite_tensors(state):  # names of the floating-point tensors holding a N
 
 def save_stage_files(ckpt_dir, step, model_state, optim_state, stage=0, num_stages=1):
     """Write one pipeline stage's model and optimizer files (full CPU tensors), first deleting the .tmp.<pid> files
-    of interrupted saves; returns {file name: checksum}. A disk without room is named before writing (or as it
-    fills), any other write failure too, with the step left intact; a failed save leaves none of its files."""
+    of interrupted saves; returns {file name: checksum}. A disk without room is named before writing, a failed
+    write by _write_failure_named."""
     need = sum(t.numel() * t.element_size() for t in _tensors([model_state, optim_state]))
     written = {}
     with _write_failure_named(ckpt_dir, step, need, written):

@@ -355,7 +355,7 @@ _TRAINING_CACHE = {}  # tokenized items and the bundle's location, kept across a
 
 def evaluate_core_for_training(model, tokenizer, device, layout, eval_bundle, max_per_task):
     """CORE from inside base_train, or None with a one-line note when there is no bundle (never stops the
-    run). `model` takes whole sequences (base_train gathers a pipeline- or sequence-parallel model first)."""
+    run). `model` takes whole sequences (training.Trainer.whole_model)."""
     key = ("bundle", eval_bundle)
     if key not in _TRAINING_CACHE:  # look (and maybe download) once per run
         try:

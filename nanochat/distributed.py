@@ -227,3 +227,20 @@ def agree_on_error(message, device):
     if not dist.is_initialized() or all_reduce_max(float(message is not None), device) == 0:
         return message
     return next(m for m in gather_objects(message) if m is not None)
+
+
+def agreed(work, error_type, device, mine=True):
+    """work() where `mine`, returning what it returned (None where not mine); an `error_type` it raises on any rank
+    is raised on every rank with the first failing rank's message (agree_on_error, also a barrier). Without a
+    device, this rank alone."""
+    result, error = None, None
+    try:
+        if mine:
+            result = work()
+    except error_type as e:
+        error = str(e)
+    if device is not None:
+        error = agree_on_error(error, device)
+    if error is not None:
+        raise error_type(error)
+    return result

@@ -99,8 +99,6 @@ def allocate_rows(credits, n_emb, k_max):
     d = np.floor(r).astype(np.int64)
     order = np.lexsort((np.arange(V), d - r))  # largest fractional part first, then lower token id
     d[order[:n_emb - int(d.sum())]] += 1
-    if d.sum() != n_emb or d.min() < 1 or d.max() > k_max:
-        raise RuntimeError(f"L3 allocation broke its invariants (sum {d.sum()}, min {d.min()}, max {d.max()})")
     return d
 
 

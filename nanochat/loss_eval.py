@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from nanochat.common import Progress
 from nanochat.dataset import DataError
-from nanochat.distributed import agree_on_error
+from nanochat.distributed import agreed
 from nanochat.signals import stop_point
 
 def default_eval_tokens(device_type):
@@ -27,20 +27,12 @@ def evaluate_bpb(loss_fn, batches, steps, token_bytes, layout=None, label="bpb")
     device = token_bytes.device
     total_nats = torch.zeros((), dtype=torch.float64, device=device)
     total_bytes = torch.zeros((), dtype=torch.int64, device=device)
-    distributed = layout is not None and layout.world_size > 1
+    agree_on = device if layout is not None and layout.world_size > 1 else None  # None: this process alone
     progress = Progress(label, steps)
     for i in range(steps):
-        stop_point(device if distributed else None)
+        stop_point(agree_on)
         progress.update(i)
-        error = None
-        try:
-            x, y = next(batches)[:2]
-        except DataError as e:
-            error = str(e)
-        if distributed:
-            error = agree_on_error(error, device)
-        if error is not None:
-            raise DataError(error)
+        x, y = agreed(lambda: next(batches)[:2], DataError, agree_on)
         losses = loss_fn(x, y)
         if losses is None:
             continue

@@ -196,9 +196,6 @@ class MuonAdamW(torch.optim.Optimizer):
             self.muon_stacks += [(d, s, MuonStack(group, shape, params, owner)) for s, ((group, shape, params), owner)
                                  in enumerate(zip(muon_stacks(mine), d.owners))]
 
-    def prepare_last_backward(self):
-        self.dp.prepare_last_backward()
-
     def _adamw_state(self, p):
         state = self.state[p]
         if not state:

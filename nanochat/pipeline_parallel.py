@@ -19,9 +19,8 @@ back go the gradients of the Residual.
 Schedules are lists of actions per rank (pipeline_schedules.py: gpipe, 1f1b, interleaved), which train_step
 runs in order, each action as soon as its input has come, the messages posted in the one order message_order gives.
 
-Evaluation: val bpb runs through the chunks (forward_loss); CORE and sampling take sequences of any length,
-which neither fixed-shape messages nor sequence parallelism's equal split can take, so they run on a whole copy
-of the model (checkpoint_manager.whole_model_copy).
+Evaluation: val bpb runs through the chunks (forward_loss); CORE and sampling run on a whole copy of the model
+(checkpoint_manager.whole_model_copy says why).
 """
 
 import itertools

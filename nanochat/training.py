@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from nanochat.common import print0, ConfigError
-from nanochat.distributed import barrier, all_reduce_max, gather_objects, agree_on_error
+from nanochat.distributed import barrier, all_reduce_max, gather_objects, agreed
 from nanochat.gpt import build_model, Block, WholeSequence
 from nanochat import kernels, moe
 from nanochat.optim import MuonAdamW, muon_stacks, param_groups, split_experts
@@ -332,10 +332,10 @@ class Trainer:
         return (self.model if self.fp8 else self.train_model)(x, y, loss_reduction="none")
 
     def whole_model(self):
-        """The model CORE and sampling run (variable-length inputs): this one; under context parallelism the same
+        """The model CORE and sampling run (sequences of any length): this one; under context parallelism the same
         weights over whole sequences (a shallow copy with the whole-sequence view); under pipeline or sequence
-        parallelism (fixed shapes only), sharded weights or expert parallelism a gathered whole copy on every rank, to
-        be freed after."""
+        parallelism, sharded weights or expert parallelism a gathered whole copy on every rank (whole_model_copy
+        says why), to be freed after."""
         if self.pipeline is not None or self.setting.sequence_parallel or self.dp.shard_params or self.layout.ep_size > 1:
             return ckpt.whole_model_copy(self.model, self.layout)
         if type(self.model.sequence) is not WholeSequence:
@@ -374,24 +374,10 @@ class Trainer:
         # checksum; a CheckpointError on a writer (a full disk) stops every rank with its line
         meta = dict(meta, dataloader_states=data_states,
                     layout={"dp": L.dp_size, "cp": L.cp_size, "tp": L.tp_size, "pp": L.pp_size, "ep": L.ep_size})
-        written = _agreed(writer, lambda: ckpt.save_stage_files(ckpt_dir, step, model_state, optim_state, part, parts),
-                          device)
+        written = agreed(lambda: ckpt.save_stage_files(ckpt_dir, step, model_state, optim_state, part, parts),
+                         ckpt.CheckpointError, device, mine=writer)
         meta["checksums"] = {name: crc for part in gather_objects(written or {}) for name, crc in part.items()}
-        _agreed(L.rank == 0, lambda: ckpt.save_meta(ckpt_dir, step, meta, parts), device)
+        agreed(lambda: ckpt.save_meta(ckpt_dir, step, meta, parts), ckpt.CheckpointError, device, mine=L.rank == 0)
         if L.rank == 0 and keep_last > 0:
             ckpt.prune_checkpoints(ckpt_dir, keep_last)
         print0(f"saved checkpoint for step {step} to {ckpt_dir} ({time.time() - t0:.1f}s)")
-
-
-def _agreed(mine, write, device):
-    """write() where `mine`; a CheckpointError on any rank stops every rank with its line (the agreement is also
-    the barrier). Returns what write returned (None where not mine)."""
-    result, error = None, None
-    try:
-        if mine:
-            result = write()
-    except ckpt.CheckpointError as e:
-        error = str(e)
-    if (error := agree_on_error(error, device)) is not None:
-        raise ckpt.CheckpointError(error)
-    return result

@@ -28,7 +28,8 @@ import torch
 
 from nanochat.common import (UserError, ConfigError, print0, print_rank, get_compute_dtype, get_peak_flops, device_name,
                              duration, fail)
-from nanochat.distributed import compute_init, compute_cleanup, barrier, hang_report_dir, agree_on_error, gather_objects
+from nanochat.distributed import (compute_init, compute_cleanup, barrier, hang_report_dir, agree_on_error, agreed,
+                                  gather_objects)
 from nanochat.signals import install_stop_handlers, stop_agreed, Interrupted
 from nanochat.memory import cpu_memory_error
 from nanochat.watchdog import Watchdog
@@ -277,14 +278,7 @@ class Run:
     def next_batches(self):
         """The step's micro-batches; a shard one rank cannot read raises DataError on every rank."""
         self.watch.phase("data: next batches", self.step)
-        error = None
-        try:
-            batches, state = training.next_batches(self.train_loader, self.plan.micro_batches)
-        except DataError as e:
-            error = str(e)
-        if (error := agree_on_error(error, self.device)) is not None:
-            raise DataError(error)
-        return batches, state
+        return agreed(lambda: training.next_batches(self.train_loader, self.plan.micro_batches), DataError, self.device)
 
     def train_step(self):
         t0 = time.time()

@@ -223,52 +223,48 @@ def export(model_state, meta, tok: Tokenizer, out_dir, dtype=torch.float32, core
 def load_export(directory):
     """(fp32 state in nanochat names, GPTConfig, meta) of an export folder."""
     from safetensors import SafetensorError
+    from safetensors.torch import load_file
     try:
-        return _load_export(directory)
+        path = os.path.join(directory, "config.json")
+        if not os.path.exists(path):
+            raise ConvertError(f"no config.json in {directory}: pass a folder written by scripts.export_hf")
+        verify_export(directory)
+        with open(path) as f:
+            cfg = json.load(f)
+        if cfg.get("model_type") != "nanochat":
+            raise ConvertError(f"{path} has model_type {cfg.get('model_type')!r}; only nanochat exports import")
+        meta_path = os.path.join(directory, "nanochat_meta.json")
+        meta = {}
+        if os.path.exists(meta_path):
+            with open(meta_path) as f:
+                meta = json.load(f)
+        # the GPTConfig: the original window pattern (nanochat_meta.json) when it agrees, else spelled out per layer
+        fields = {k: cfg[k] for k in ("sequence_len", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd")}
+        if cfg.get("l3_after_layers"):
+            fields.update(l3_after_layers=tuple(cfg["l3_after_layers"]), l3_n_emb=cfg["l3_n_emb"],
+                          l3_d_up=cfg["l3_d_up"], l3_k_max=cfg["l3_k_max"])
+        pattern, seq = meta.get("model_config", {}).get("window_pattern"), cfg["sequence_len"]
+        patterns = ([pattern] if pattern else []) + ["".join("S" if w < seq else "L" for w in cfg["window_sizes"])]
+        for p in patterns:
+            config = GPTConfig(**fields, window_pattern=p)
+            if window_sizes(config) == list(cfg["window_sizes"]):
+                break
+        else:
+            raise ConvertError(f"window_sizes {cfg['window_sizes']} in config.json are not a nanochat window pattern "
+                               f"(S = {window_sizes(GPTConfig(**fields, window_pattern='S'))[0]} tokens, L = {seq})")
+        index = os.path.join(directory, "model.safetensors.index.json")
+        if os.path.exists(index):
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        elif os.path.exists(os.path.join(directory, "model.safetensors")):
+            files = ["model.safetensors"]
+        else:
+            raise ConvertError(f"no model.safetensors (or model.safetensors.index.json) in {directory}")
+        state = {k: (v.float() if v.is_floating_point() else v)
+                 for name in files for k, v in load_file(os.path.join(directory, name)).items()}
+        check_state(state, config, directory)
+        return state, config, meta
     except UserError:
         raise
     except (OSError, ValueError, KeyError, TypeError, SafetensorError) as e:  # a damaged file no checksum listed
         raise ConvertError(f"{directory} holds a damaged or foreign export ({type(e).__name__}: {str(e)[:200]})") from None
-
-
-def _load_export(directory):
-    from safetensors.torch import load_file
-    path = os.path.join(directory, "config.json")
-    if not os.path.exists(path):
-        raise ConvertError(f"no config.json in {directory}: pass a folder written by scripts.export_hf")
-    verify_export(directory)
-    with open(path) as f:
-        cfg = json.load(f)
-    if cfg.get("model_type") != "nanochat":
-        raise ConvertError(f"{path} has model_type {cfg.get('model_type')!r}; only nanochat exports import")
-    meta_path = os.path.join(directory, "nanochat_meta.json")
-    meta = {}
-    if os.path.exists(meta_path):
-        with open(meta_path) as f:
-            meta = json.load(f)
-    # the GPTConfig: the original window pattern (nanochat_meta.json) when it agrees, else spelled out per layer
-    fields = {k: cfg[k] for k in ("sequence_len", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd")}
-    if cfg.get("l3_after_layers"):
-        fields.update(l3_after_layers=tuple(cfg["l3_after_layers"]), l3_n_emb=cfg["l3_n_emb"], l3_d_up=cfg["l3_d_up"],
-                      l3_k_max=cfg["l3_k_max"])
-    pattern, seq = meta.get("model_config", {}).get("window_pattern"), cfg["sequence_len"]
-    patterns = ([pattern] if pattern else []) + ["".join("S" if w < seq else "L" for w in cfg["window_sizes"])]
-    for p in patterns:
-        config = GPTConfig(**fields, window_pattern=p)
-        if window_sizes(config) == list(cfg["window_sizes"]):
-            break
-    else:
-        raise ConvertError(f"window_sizes {cfg['window_sizes']} in config.json are not a nanochat window pattern "
-                           f"(S = {window_sizes(GPTConfig(**fields, window_pattern='S'))[0]} tokens, L = {seq})")
-    index = os.path.join(directory, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    elif os.path.exists(os.path.join(directory, "model.safetensors")):
-        files = ["model.safetensors"]
-    else:
-        raise ConvertError(f"no model.safetensors (or model.safetensors.index.json) in {directory}")
-    state = {k: (v.float() if v.is_floating_point() else v)
-             for name in files for k, v in load_file(os.path.join(directory, name)).items()}
-    check_state(state, config, directory)
-    return state, config, meta
