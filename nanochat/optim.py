@@ -195,6 +195,10 @@ class MuonAdamW(torch.optim.Optimizer):
         for d, mine in zip(self.dps, split_experts(self.param_groups, expert_dp is not None)):
             self.muon_stacks += [(d, s, MuonStack(group, shape, params, owner)) for s, ((group, shape, params), owner)
                                  in enumerate(zip(muon_stacks(mine), d.owners))]
+        if compile:  # a graph per shape (dynamic=False): past torch's 8 per function a shape would run eagerly, and
+            # MoE with L3 has 9 Muon stack shapes at d20; room for one per stack and AdamW tensor
+            limit = len(self.muon_stacks) + len(self.adamw_group)
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
 
     def _adamw_state(self, p):
         state = self.state[p]
