@@ -24,7 +24,7 @@ import statistics
 
 from nanochat.pipeline_parallel import split_stages
 from nanochat.pipeline_schedules import (SCHEDULES, idle_formula, peak_in_flight, simulate, stage_actions, action_name,
-                                         input_of, message_order)
+                                         input_of, message_order, output_chunk)
 
 
 def step_and_idle(timeline):
@@ -157,7 +157,7 @@ def replay_queued(actions, programs, duration, message_ms):
             if step == "run":
                 n += 1
                 continue
-            peer = ((a[2] + 1 if a[0] == "F" else a[2] - 1) % p) if step == "send" else a[2] % p
+            peer = output_chunk(a) % p if step == "send" else a[2] % p
             queues[r].setdefault(peer, []).append((step, a, n))
     ended = [[] for _ in range(p)]  # per rank, the end time of each run so far
     arrived, free, head = {}, [0.0] * p, [{peer: 0 for peer in q} for q in queues]

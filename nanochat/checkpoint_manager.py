@@ -382,16 +382,16 @@ def load_model_state(model, full_state):
             target.copy_(src)
 
 
-def full_model_state(model, keep=True):
-    """Full CPU tensors by name: a collective over TP (tensor parallel) and DP (sharded weights); ranks that will not
-    write (keep=False) take part in the gathers but keep nothing."""
+def full_model_state(model, keep=lambda name: True):
+    """Full CPU tensors by name: a collective over TP (tensor parallel) and DP (sharded weights); every rank takes
+    part in the gathers, and keeps (copies to the CPU) the tensors whose name passes `keep`."""
     from nanochat import tensor_parallel as tp
     from nanochat.sharding import whole_over_dp
     own = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     out = {}
     for name, t in model.state_dict().items():
         full = tp.gather_full(whole_over_dp(t.detach(), own[name]), own[name])
-        if keep:
+        if keep(name):
             out[name] = full.cpu()
     return out
 

@@ -42,7 +42,7 @@ class _AllToAll(torch.autograd.Function):
 
 class ExpertParallel:
     def __init__(self, layout, num_experts):
-        self.group, self.rank, self.size = layout.ep_group, layout.ep_rank, layout.ep_size
+        self.group, self.size = layout.ep_group, layout.ep_size
         self.local = num_experts // self.size  # experts per rank: rank r holds r * local .. (r + 1) * local - 1
 
     @torch.compiler.disable  # host-side split sizes

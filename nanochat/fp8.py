@@ -140,8 +140,7 @@ def fp8_linear(x, weight):
     rows = x.reshape(-1, x.size(-1))
     if rows.size(0) % 16:
         return F.linear(x, weight.to(x.dtype))
-    dim = getattr(weight, "tp_dim", None)  # a TP shard's; a replicated weight's tp_group only sums its gradient
-    group = weight.tp_group if dim is not None else None
+    group, dim = getattr(weight, "tp_group", None), getattr(weight, "tp_dim", None)
     out = _Fp8Linear.apply(rows, weight, group if dim == 1 else None, group, group if dim == 0 else None)
     return out.view(*x.shape[:-1], out.size(-1))
 
@@ -204,6 +203,6 @@ class Fp8MLP(MLP):
         rows = x.reshape(-1, x.size(-1))
         if not self.fp8 or rows.size(0) % 16:
             return super().product(x)
-        group = self.c_fc.weight.tp_group if getattr(self.c_fc.weight, "tp_dim", None) is not None else None
+        group = getattr(self.c_fc.weight, "tp_group", None)
         out = _Fp8MLP.apply(rows, self.c_fc.weight, self.c_proj.weight, kernels.takes_fp8_mlp(x), group).view_as(x)
         return out if group is None else self.c_proj.reduce(out)

@@ -81,25 +81,27 @@ class MoE(nn.Module):
         self.load.zero_()
 
     def route(self, x):
-        """x (n, d) -> (experts (n, K), weights (n, K) in x.dtype); counts the pairs into self.load."""
+        """x (n, d) -> (experts (n, K), weights (n, K) in x.dtype, pairs per expert (E,)); counts them into
+        self.load."""
         scores = torch.sigmoid(self.router(x).float())
         chosen = torch.topk(scores + self.bias, self.topk, dim=-1, sorted=False).indices
         weights = scores.gather(1, chosen)
         weights = weights / weights.sum(-1, keepdim=True)
+        counts = pairs_per_expert(chosen, self.num_experts)
         if torch.is_grad_enabled():
-            self.load += pairs_per_expert(chosen, self.num_experts).to(self.load.dtype)
-        return chosen, weights.to(x.dtype)
+            self.load += counts.to(self.load.dtype)
+        return chosen, weights.to(x.dtype), counts
 
     def forward(self, x):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        chosen, weights = self.route(x)
+        chosen, weights, counts = self.route(x)
         w_fc, w_proj = self.stack(self.fc, x), self.stack(self.proj, x)
         experts = grouped_experts if kernels.takes_grouped_mm(x) else looped_experts
         run = functools.partial(experts, w_fc, w_proj)  # rows sorted by expert, rows per expert -> outputs
         if self.ep is not None:  # the rows go to their experts' ranks, this rank's experts run theirs
             run = functools.partial(self.ep.run, run)
-        out = mixture(x, chosen, weights, self.num_experts, run)
+        out = mixture(x, chosen, weights, counts, run)
         if self.shared is not None:
             out = out + self.shared(x)
         return out.view(shape)
@@ -116,13 +118,13 @@ class MoE(nn.Module):
         self.load.zero_()
 
 
-def mixture(x, chosen, weights, num_experts, experts):
-    """sum_k weights[:, k] * expert_{chosen[:, k]}(x) for x (n, d): the (token, expert) pairs sorted by expert, their
-    rows through experts(rows, rows per expert) (grouped_experts or looped_experts, or expert parallelism around one),
-    the outputs weighted and summed back to their tokens in a fixed order (no atomic adds)."""
+def mixture(x, chosen, weights, counts, experts):
+    """sum_k weights[:, k] * expert_{chosen[:, k]}(x) for x (n, d), counts (E,) the pairs per expert (route's): the
+    (token, expert) pairs sorted by expert, their rows through experts(rows, rows per expert) (grouped_experts or
+    looped_experts, or expert parallelism around one), the outputs weighted and summed back to their tokens in a
+    fixed order (no atomic adds)."""
     K = chosen.size(1)
     order = torch.argsort(chosen.flatten(), stable=True)
-    counts = pairs_per_expert(chosen, num_experts)
     y = experts(x[order // K], counts) * weights.flatten()[order, None]
     pairs = torch.empty_like(y)
     pairs[order] = y  # back in token order: the K pairs of a token side by side
@@ -173,8 +175,8 @@ def expert_parameters(model):
 
 
 def inactive_expert_params(model):
-    """Of the routed experts' weights held here, those a token does not run through: all but K experts per MoE layer
-    (under --ep fewer than K may be held here: then the count is negative, and held - inactive is still K experts)."""
+    """Of the routed experts' weights, those a token does not run through: all but K experts per MoE layer (counted
+    before expert parallelism places the experts)."""
     return sum((len(m.fc) - m.topk) * 2 * m.hidden * m.router.in_features for m in moe_modules(model))
 
 
@@ -190,7 +192,7 @@ def after_step(model, groups, pp_group=None):
     if layers:
         loads = torch.stack([m.load for m in layers])
         for group in groups:
-            if group is not None and dist.get_world_size(group) > 1:
+            if group is not None:  # None: a group of one
                 dist.all_reduce(loads, group=group)
         for m, load in zip(layers, loads):
             m.step_bias(load)

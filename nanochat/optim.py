@@ -84,8 +84,8 @@ PARAM_GROUPS = ("embeddings", "lm_head", "scalars", "matrices", "l3_tables", "mo
 def split_experts(groups, expert_parallel):
     """(the groups data parallelism reduces over all DP ranks, the experts' group): under --ep the experts differ
     between the ranks of an EP group, and their gradients are reduced over the ranks holding the same experts."""
-    experts = [g for g in groups if expert_parallel and g["name"] == "moe_experts"]
-    return [g for g in groups if g not in experts], experts
+    is_experts = [expert_parallel and g["name"] == "moe_experts" for g in groups]
+    return [g for g, e in zip(groups, is_experts) if not e], [g for g, e in zip(groups, is_experts) if e]
 
 
 def muon_update(grads, momentum_buf, second_buf, momentum, compute_dtype: torch.dtype):
@@ -137,7 +137,7 @@ def muon_stacks(groups):
             continue
         by_shape = {}
         for p in group["params"]:
-            key = (tuple(tp.full_shape(p)), getattr(p, "tp_dim", None), getattr(p, "tp_partial_grad", False))
+            key = (tuple(tp.full_shape(p)), getattr(p, "tp_dim", None), hasattr(p, "tp_partial_grad"))
             by_shape.setdefault(key, []).append(p)
         stacks += [(group, shape, params) for (shape, _, _), params in by_shape.items()]
     return stacks
@@ -280,22 +280,22 @@ class MuonAdamW(torch.optim.Optimizer):
     # --- layout-free state ----------------------------------------------------------
 
     @torch.no_grad()
-    def full_state_dict(self, keep=True):
+    def full_state_dict(self, keep=lambda name: True):
         """{'adamw_step': n, 'params': {name: {buffer: whole fp32 tensor on CPU}}}. A collective: every rank of
-        the DP and TP groups must call it; ranks with keep=False (not writing) keep nothing."""
+        the DP and TP groups must call it, and keeps the parameters whose name passes `keep`."""
         out = {}
         for p in self.adamw_group:
             state = self._adamw_state(p)
             for key in ("exp_avg", "exp_avg_sq"):
                 t = self.dp.gather_row_state(state[key]) if self.dp.owns_rows(p) else state[key]
                 full = tp.gather_full(t, p)  # every TP rank takes part in the gather
-                if keep:
+                if keep(self.names[p]):
                     out.setdefault(self.names[p], {})[key] = full.cpu()
         for d, s, stack in self.muon_stacks:
             momentum = d.gather_stack_state(s, stack.momentum)
             second = d.gather_stack_state(s, stack.second)
-            if keep:
-                for i, p in enumerate(stack.params):
+            for i, p in enumerate(stack.params):
+                if keep(self.names[p]):
                     out[self.names[p]] = {"momentum": momentum[i].cpu(), "second": second[i].cpu()}
         return {"adamw_step": self.adamw_step, "params": out}
 

@@ -220,7 +220,7 @@ class Pipeline:
     def train_step(self, batches, before_last_backward=None):
         """Forward and backward of the micro-batches [(x, y), ...] (x on rank 0, y on the last rank, None
         elsewhere) in the order actions(rank) lists, the messages posted in message_order; gradients accumulate
-        into .grad. Returns the mean loss on every rank. before_last_backward (the optimizer's
+        into .grad. Returns the mean loss on every rank. before_last_backward (DataParallel's
         prepare_last_backward) runs right before the last action that adds to a gradient."""
         self.device = next(self.model.parameters()).device
         self.xs, self.ys = [b[0] for b in batches], [b[1] for b in batches]

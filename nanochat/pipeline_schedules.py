@@ -57,6 +57,12 @@ def idle_formula(schedule, p, m, virtual=1):
     return (p - 1) / ((virtual if schedule == "interleaved" else 1) * m + p - 1)
 
 
+def output_chunk(action):
+    """The chunk an action's output goes to: a forward's the next, a backward's the one before."""
+    kind, _, c = action
+    return c + 1 if kind == "F" else c - 1
+
+
 def input_of(action, num_chunks):
     """The action whose output `action` waits for (None: the first chunk's forward)."""
     kind, i, c = action
@@ -116,11 +122,10 @@ def message_order(actions, rank, chunk_costs=None):
     keyed = []
     for r, events in enumerate(timeline):
         for n, (action, start, end) in enumerate(events):
-            kind, i, c = action
             if r == rank:  # after every receive that arrives by its start
                 keyed.append(((start, p, n), ("run", action)))
-            to = {"F": c + 1, "B": c - 1}.get(kind)
-            if to is None or not 0 <= to < num_chunks or to % p == r:
+            to = output_chunk(action)
+            if not 0 <= to < num_chunks or to % p == r:
                 continue
             if r == rank:
                 keyed.append(((end, r, n), ("send", action)))

@@ -73,8 +73,8 @@ def local_shard(t, p):
 
 def reduce_partial_grad(p, grad):
     """Under SP sum a replicated parameter's partial gradients over TP, in place (`grad`: p's or its DP-reduced)."""
-    if getattr(p, "tp_partial_grad", False):
-        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=p.tp_group)
+    if hasattr(p, "tp_partial_grad"):
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=p.tp_partial_grad)
 
 
 # --- The collectives --------------------------------------------------------------
@@ -314,5 +314,5 @@ def parallelize(model, layout, sequence_parallel=False):
         # replicated parameters that see this rank's tokens only: partial gradients
         lambdas = [model.backout_lambda] + [p for b in model.blocks for p in (b.resid_lambda, b.x0_lambda)]
         for p in lambdas + list(model.l3.parameters()) + [p for m in moe_modules(model) for p in m.parameters()]:
-            p.tp_partial_grad, p.tp_group = True, group
+            p.tp_partial_grad = group  # the group its gradient is summed over (tp_group is a shard's)
     return model

@@ -362,14 +362,15 @@ class Trainer:
             else everything
         # one set of files per pipeline stage and EP rank (the first EP group's: under --ep the first holds the
         # replicated weights, each its own experts)
+        from nanochat.expert_parallel import is_expert
         writer = L.dp_rank < L.ep_size and L.cp_rank == 0 and L.tp_rank == 0
         part, parts = L.pp_rank * L.ep_size + L.ep_rank, L.pp_size * L.ep_size
-        model_state = ckpt.full_model_state(self.model, keep=writer)
-        optim_state = self.optimizer.full_state_dict(keep=writer)
-        if writer and L.ep_rank > 0:
-            from nanochat.expert_parallel import is_expert
-            model_state = {k: v for k, v in model_state.items() if is_expert(k)}
-            optim_state["params"] = {k: v for k, v in optim_state["params"].items() if is_expert(k)}
+
+        def keep(name):  # what this rank writes: nothing, everything, or (EP ranks past the first) its experts
+            return writer and (L.ep_rank == 0 or is_expert(name))
+
+        model_state = ckpt.full_model_state(self.model, keep)
+        optim_state = self.optimizer.full_state_dict(keep)
         # the stage files, then (once all are written) the meta file that marks the step complete, with every file's
         # checksum; a CheckpointError on a writer (a full disk) stops every rank with its line
         meta = dict(meta, dataloader_states=data_states,

@@ -310,7 +310,7 @@ class Run:
         print0(f"step {self.step:05d}/{n:05d} ({100 * self.step / n:.2f}%) | loss: {smooth:.6f} | "
                f"grad norm: {watched['grad_norm']:.4f} | lrm: {lrm:.2f} | dt: {dt * 1000:.2f}ms | "
                f"tok/sec: {self.tok_per_sec:,.0f}" + (f" | mfu: {self.mfu:.2f}" if self.mfu is not None else "") +
-               "".join(f" | moe imbalance: {v:.2f}" for k, v in watched.items() if k == "moe_imbalance") +
+               (f" | moe imbalance: {watched['moe_imbalance']:.2f}" if "moe_imbalance" in watched else "") +
                f" | epoch: {self.epoch} | elapsed: {duration(time.time() - self.started)} | "
                f"eta: {duration(per_step * (n - self.step - 1))}")
         spikes = self.spikes.check(loss, watched["grad_norm"], judge=self.step >= self.args.warmup_steps)

@@ -10,7 +10,7 @@ import functools
 
 import torch.nn.functional as F
 
-from nanochat.moe import MoE, after_step, expert_dim, grouped_experts, looped_experts, mixture
+from nanochat.moe import MoE, after_step, expert_dim, grouped_experts, looped_experts, mixture, pairs_per_expert
 from nanochat.recipe import parse_args, model_config, check_loop_flags, Setting
 from nanochat.common import ConfigError
 from parallel_harness import CONFIG, run_layout
@@ -33,7 +33,7 @@ def test_the_mixture_matches_the_per_token_definition_forward_and_backward(exper
     w_fc, w_proj = torch.randn(E, d, h, requires_grad=True), torch.randn(E, h, d, requires_grad=True)
     chosen = torch.stack([torch.randperm(E - 1)[:K] for _ in range(n)])  # expert E-1 gets no token
     weights = torch.rand(n, K, requires_grad=True)
-    mine = mixture(x, chosen, weights, E, functools.partial(experts, w_fc, w_proj))
+    mine = mixture(x, chosen, weights, pairs_per_expert(chosen, E), functools.partial(experts, w_fc, w_proj))
     ref = per_token(x, chosen, weights, w_fc, w_proj)
     torch.testing.assert_close(mine, ref, rtol=1e-4, atol=1e-4)
     g = torch.randn_like(ref)
@@ -46,7 +46,7 @@ def test_every_token_goes_to_k_distinct_experts_with_weights_summing_to_one():
     layer = build_model(GPTConfig(**{**CONFIG, **MOE}), "cpu").blocks[1].mlp
     assert isinstance(layer, MoE) and layer.hidden == expert_dim(GPTConfig(**{**CONFIG, **MOE})) == 64
     x = torch.randn(300, CONFIG["n_embd"])
-    chosen, weights = layer.route(x)
+    chosen, weights, _ = layer.route(x)
     assert chosen.shape == (300, 2) and (chosen[:, 0] != chosen[:, 1]).all()
     torch.testing.assert_close(weights.sum(-1), torch.ones(300))
     assert layer.load.sum() == 600  # pairs counted: none dropped

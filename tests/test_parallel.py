@@ -188,7 +188,8 @@ def test_pipeline_stage_split_and_schedule():
 def test_schedules_in_time_and_their_messages(schedule, virtual):
     """Replayed at equal times, each schedule idles each rank the fraction its formula gives; the messages between
     two ranks are posted in one order on both (none waits on the other), with equal chunk costs and uneven ones."""
-    from nanochat.pipeline_schedules import idle_formula, message_order, peak_in_flight, simulate, stage_actions
+    from nanochat.pipeline_schedules import (idle_formula, message_order, output_chunk, peak_in_flight, simulate,
+                                             stage_actions)
     p, m = 4, 8
     actions = [stage_actions(schedule, p, m, r, virtual) for r in range(p)]
     timeline = simulate(actions, lambda a: 1.0 / virtual)
@@ -203,7 +204,7 @@ def test_schedules_in_time_and_their_messages(schedule, virtual):
         programs = [message_order(actions, r, costs) for r in range(p)]
         for a in range(p):
             for b in range(p):
-                sent = [act for step_, act in programs[a] if step_ == "send" and _peer(act, p) == b]
+                sent = [act for step_, act in programs[a] if step_ == "send" and output_chunk(act) % p == b]
                 received = [act for step_, act in programs[b] if step_ == "recv" and act[2] % p == a]
                 assert sent == received, (a, b, costs)
     # GPipe's critical path crosses each of the p-1 rank boundaries once each way: one message latency each
@@ -212,11 +213,6 @@ def test_schedules_in_time_and_their_messages(schedule, virtual):
         assert max(t[-1][2] for t in slow) == 22.0 + 2 * 3 * 0.5
     with pytest.raises(ValueError, match="wait on each other"):
         simulate([list(reversed(acts)) for acts in actions], lambda a: 1.0)
-
-
-def _peer(action, p):
-    kind, _, c = action
-    return (c + 1) % p if kind == "F" else (c - 1) % p
 
 
 def test_vocab_parallel_loss_reduces_like_the_single_device_loss():
