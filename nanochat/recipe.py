@@ -112,7 +112,10 @@ def parse_args(argv=None):
     add("--sequence-parallel", action="store_true", help="with --tp: shard norms/residual along the sequence")
     add("--pp", type=int, default=1, help="pipeline-parallel degree")
     add("--cp", type=int, default=1, help="context-parallel degree: each sequence split over this many ranks "
-                                          "(head-tail chunks, ring attention; nanochat/context_parallel.py)")
+                                          "(head-tail chunks; nanochat/context_parallel.py)")
+    add("--cp-exchange", type=str, default="all-gather", choices=("all-gather", "ring"),
+        help="how --cp ranks share K/V: one all-gather per layer (faster at CP 4), or a ring of point-to-point steps "
+             "that skips ranks a sliding window never reaches (less memory)")
     add("--ep", type=int, default=1, help="expert-parallel degree: each MoE layer's experts spread over this many DP "
                                           "ranks (nanochat/expert_parallel.py)")
     add("--pp-schedule", type=str, default="1f1b", choices=SCHEDULES,
@@ -336,6 +339,7 @@ class Setting:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    cp_exchange: str = "all-gather"
     pp_schedule: str = "1f1b"
     pp_virtual: int = 1
     ep: int = 1
@@ -351,7 +355,7 @@ class Setting:
 
     @classmethod
     def from_args(cls, args, dp, total_batch, overlap_grad_reduce=False):
-        return cls(dp=dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, pp_schedule=args.pp_schedule,
+        return cls(dp=dp, tp=args.tp, pp=args.pp, cp=args.cp, cp_exchange=args.cp_exchange, ep=args.ep, pp_schedule=args.pp_schedule,
                    pp_virtual=args.pp_virtual, sequence_parallel=args.sequence_parallel, shard_params=args.shard_params,
                    keep_gathered=args.keep_gathered, overlap_grad_reduce=overlap_grad_reduce,
                    device_batch=args.device_batch_size, total_batch=total_batch, recompute=args.recompute, fp8=args.fp8)

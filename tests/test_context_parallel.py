@@ -38,13 +38,14 @@ def test_windowed_reference_has_short_windows_and_documents(windowed):
     assert windowed["losses"][-1] < windowed["losses"][0]
 
 
-def test_cp4_full_context(reference):  # CP 2 with full context: test_dp2_cp2
-    assert_same_run(run_layout(cp=4), reference)
+@pytest.mark.parametrize("exchange", ["all-gather", "ring"])
+def test_cp4_full_context(reference, exchange):  # CP 2 with full context: test_dp2_cp2
+    assert_same_run(run_layout(cp=4, cp_exchange=exchange), reference)
 
 
-@pytest.mark.parametrize("cp", [2, 4])
-def test_cp_sliding_windows_and_documents(windowed, cp):
-    assert_same_run(run_layout(cp=cp, config_overrides=WINDOWS, documents=True), windowed)
+@pytest.mark.parametrize("cp,exchange", [(2, "all-gather"), (4, "all-gather"), (2, "ring"), (4, "ring")])
+def test_cp_sliding_windows_and_documents(windowed, cp, exchange):
+    assert_same_run(run_layout(cp=cp, cp_exchange=exchange, config_overrides=WINDOWS, documents=True), windowed)
 
 
 def test_dp2_cp2(reference):  # gradients summed over DP x CP; each DP rank's CP pair reads the same batches
@@ -169,6 +170,23 @@ def test_window_layers_skip_the_steps_they_do_not_need():
     assert sorted((3 - s) % N for s, receive, _ in near if receive) == [2, 4]
 
 
+def test_all_gather_key_spans_are_whole_kernel_blocks():
+    """Under the all-gather a query chunk attends to at most three blocks the kernels take whole: its diagonal
+    (causal), the keys all its queries see (none) and, for a window of whole chunks, the chunk one window back
+    (upper, a chunk's length one window back, whole chunks or not); where the sequence's start cuts that block short,
+    a band (the reference math)."""
+    from nanochat.kernels.sdpa import block_kind
+    cp = cpm.ContextParallel(_Layout(0, 4), 32768, "cpu")  # chunks of 4,096
+    kinds = lambda chunk, window: [(lo, hi, block_kind(4096, hi - lo, offset, window))
+                                   for lo, hi, offset in cp.key_spans(chunk, window)]
+    assert kinds(5, 8192) == [(20480, 24576, "causal"), (16384, 20480, "none"), (12288, 16384, "upper")]
+    assert kinds(1, 8192) == [(4096, 8192, "causal"), (0, 4096, "none")]
+    assert kinds(0, 8192) == [(0, 4096, "causal")]
+    assert kinds(7, 32768) == [(28672, 32768, "causal"), (0, 28672, "none")]
+    assert kinds(5, 6000) == [(20480, 24576, "causal"), (18576, 20480, "none"), (14480, 18576, "upper")]
+    assert kinds(1, 6000) == [(4096, 8192, "causal"), (2192, 4096, "none"), (0, 2192, "band")]
+
+
 def test_bad_layouts_are_clear_errors():
     from nanochat.gpt import GPTConfig
     from nanochat.recipe import Setting
@@ -192,13 +210,13 @@ def test_layout_numbers_tp_fastest_then_cp_then_dp_then_pp():
 
 
 def test_base_train_cp2_resumes_at_cp1(env):
-    """base_train itself: --cp 2 over two ranks trains (the log names the ring), saves, and resumes at CP 1 with the
+    """base_train itself: --cp 2 over two ranks trains (the log names the exchange), saves, and resumes at CP 1 with the
     losses it would have had."""
     from conftest import run_script, run_losses, TINY_MODEL
     args = TINY_MODEL + ["--device-batch-size", "4", "--total-batch-size", "512", "--warmup-steps", "2",
                          "--num-iterations", "4", "--save-every", "2", "--model-tag", "cp2", "--eval-every", "4"]
     full = run_script("scripts.base_train", args + ["--cp", "2"], env, nproc=2)
-    assert "world 2 = dp 1 x cp 2 x tp 1 x pp 1" in full.stdout and "ring attention over cp 2" in full.stdout
+    assert "world 2 = dp 1 x cp 2 x tp 1 x pp 1" in full.stdout and "attention over cp 2, K/V by all-gather" in full.stdout
     losses = run_losses(env, "cp2")
     run_script("scripts.base_train", args + ["--resume-from-step", "2"], env)
     again = run_losses(env, "cp2")
@@ -213,3 +231,46 @@ def test_cp2_fp8():
     from test_fp8_parallel import FP8, assert_same_fp8_run
     assert_same_fp8_run(run_layout(cp=2, steps=4, config_overrides=FP8, fp8=True),
                         run_layout(steps=4, config_overrides=FP8, fp8=True))
+
+
+def _exchange_in_bf16(rank, port, out_dir):
+    """One rank of a CP 2 group: both exchanges' forward and backward on bf16 chunks (what a GPU runs), saved."""
+    import os
+    import datetime
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+    layout = _Layout(rank, 2)
+    layout.cp_group, layout.peer = dist.group.WORLD, lambda cp: cp
+    q, k, v, dout = _exchange_inputs()
+    results = {}
+    for exchange in ("all-gather", "ring"):
+        cp = cpm.ContextParallel(layout, q.size(2), "cpu", exchange)
+        mine = [cp.local(t.transpose(1, 2)).transpose(1, 2) for t in (q, k, v, dout)]
+        forward, backward = (cp.ring_forward, cp.ring_backward) if exchange == "ring" else \
+            (cp.gather_forward, cp.gather_backward)
+        out, lse = forward(*mine[:3], 64)
+        results[exchange] = [out, *backward(mine[3], *mine[:3], out, lse, 64)]
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def _exchange_inputs():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(1, 2, 128, 16, generator=g).bfloat16() for _ in range(4)]
+
+
+def test_exchanges_in_bf16_agree_with_whole_attention(tmp_path):
+    """In bf16, as on a GPU (the dK/dV reduce-scatter in K/V's dtype): both exchanges give each rank's chunks of the
+    whole sequence's output and gradients, within bf16's rounding of the fp32 reference."""
+    from parallel_harness import spawn, _free_port
+    spawn(_exchange_in_bf16, (_free_port(), str(tmp_path)), 2)
+    q, k, v, dout = (t.float() for t in _exchange_inputs())
+    want = cpm.ring_in_one_process(q, k, v, dout, 2, 64)
+    for rank in range(2):
+        positions = cpm.ContextParallel(_Layout(rank, 2), 128, "cpu").positions
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        for exchange in ("all-gather", "ring"):
+            for mine, whole in zip(got[exchange], want):
+                assert mine.dtype == torch.bfloat16
+                whole = whole.index_select(2, positions)
+                assert ((mine.float() - whole).norm() / whole.norm()).item() < 1e-2, (exchange, rank)

@@ -43,3 +43,18 @@ def test_cpu_trace_has_no_kernels(tmp_path, capsys):
     path.write_text(json.dumps({"traceEvents": [host("aten::mm", 0, 10)]}))
     report(str(path), 2, 12.5)
     assert "no GPU kernels" in capsys.readouterr().out
+
+
+def test_exposed_communication(tmp_path, capsys):
+    """A communication kernel on its own stream counts as exposed only where no other kernel runs beside it."""
+    events = [
+        kernel("nvjet_sm90_tst_gemm", 0, 1000),
+        kernel("ncclDevKernel_SendRecv", 500, 1000),  # 500 us under the matmul, 300 us bare, 200 us under the next
+        kernel("triton_poi_fused_add", 1300, 400),
+    ]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    report(str(path), 1, 2.0)
+    out = capsys.readouterr().out
+    assert "some kernel running 1.7 ms, none 0.3 ms" in out
+    assert "(exposed, waits for peers included): 0.3 ms" in out
