@@ -1,25 +1,25 @@
 r"""
 Training throughput: scripts.base_train for a few steps per configuration (no evaluation, samples or
-checkpoints), in each tree, one run after another; tok/s, MFU, step time and peak memory, each the median over
-the steps after warm-up (the first steps compile) of what the run recorded in its metrics.jsonl (dev/runs.py).
-Rows are configurations, columns trees: with several --tree (e.g. two git worktrees, old and new), every
-configuration runs in each tree in turn, so that they are compared on the same GPUs in the same call. Beside each
-measured peak stands what scripts.plan predicts for the run's flags (its worst rank; nanochat/memory.py).
+checkpoints), in each tree; tok/s, MFU, step time and peak memory, each the median over the steps after warm-up
+(the first steps compile) of what the run recorded in its metrics.jsonl (dev/runs.py). Rows are
+configurations, columns trees: with several --tree (e.g. two git worktrees, old and new), every configuration
+runs in each tree, so that they are compared on the same GPUs in the same call. Beside each measured peak stands
+what scripts.plan predicts for the run's flags (its worst rank; nanochat/memory.py).
 
 The configurations, one set per call:
-  default     depths x precisions (bf16, fp8) x window patterns on one GPU, 524,288-token steps; fp8 also as
-              a ratio of bf16 at the same depth, window and device batch
-  --parallel  tensor, pipeline and context parallel layouts against the same model on one GPU, on GPUs
-              0..n-1 of --gpus (window L unless named):
-                TP  d32 (device batch 8) and d20 (16), 131,072-token steps: one GPU, --tp 2,
-                    --tp 2 --sequence-parallel
-                PP  d26, micro-batches of 8 x 2048, m = 8 or 16 per step: one GPU, --pp 2 and --pp 4, each with
-                    1f1b, gpipe and interleaved (V=2);
-                    ideal step = one-GPU step / p x (m + p - 1) / m (the bubble of p stages over m micro-batches)
-                CP  d12 at 32,768 tokens a sequence (device batch 4), 262,144-token steps, windows SSSL and L:
-                    one GPU, --cp 2
-                DP  d20 over 2 GPUs (device batch 32), 262,144-token steps (two micro-batches a rank, as the
-                    recipe's d20 on 8 GPUs): unsharded (the baseline), --shard-params, and with --keep-gathered
+  default     depths x precisions (bf16, fp8) x window patterns on one GPU, 524,288-token steps, one run at a
+              time on the first GPU; fp8 also as a ratio of bf16 at the same depth, window and device batch
+  --parallel  every parallel dimension against its baseline on a host of n = 2 or 4 GPUs (4 where --gpus has
+              four or more), window L unless named; runs that fit side by side run at once on free GPUs (with
+              several trees, one configuration's runs may then run on different GPUs, which differ by 2-3%):
+                DP, TP  d20 (device batch 32, 524,288-token steps): one GPU, DP 2 and n, TP 2 x DP n/2 (against
+                        DP n)
+                TP      d32 (device batch 8, 131,072-token steps): one GPU, TP 2
+                ZeRO-3  d32 (262,144-token steps): DP n, DP n --shard-params, TP 2 x DP n/2 (against DP n)
+                PP      d26, micro-batches of 8 x 2048, m = 16: one GPU, PP n 1F1B and interleaved (V=2);
+                        ideal step = one-GPU step / p x (m + p - 1) / m (the bubble of p stages over m micro-batches)
+                CP      32,768-token sequences, SSSL: d12 (device batch 4, 262,144-token steps) at CP 2 and n, d20
+                        (2, 131,072) at CP n, against one GPU
               Every row also gives how far its losses strayed from its baseline's, step by step (the largest
               relative difference): the layouts train on the same batches, so only float order separates them.
 
@@ -29,22 +29,24 @@ The configurations, one set per call:
     python -m dev.bench_train --depths 12 --precisions bf16 --windows L --device-batch-size 12=32 \
         --steps 30 --warmup 10 -- --l3-after-layers 5           # flags after `--` go to every run
     NANOCHAT_KERNELS=reference python -m dev.bench_train        # every op on its PyTorch reference
-    python -m dev.bench_train --parallel                        # every layout that fits the GPUs
+    python -m dev.bench_train --parallel                        # the whole parallel set on the GPUs here
     python -m dev.bench_train --parallel --gpus 0,1 --only d20  # the d20 layouts on GPUs 0 and 1
-    python -m dev.bench_train --parallel --only "32K SSSL"      # context parallel against one GPU
-    python -m dev.bench_train --parallel --only DP=2            # parameter sharding against plain DP
+    python -m dev.bench_train --parallel --only "32K"           # context parallel against one GPU
+    python -m dev.bench_train --parallel --only "=d32 one GPU,=d32 TP=2" -- --fp8      # TP 2 in fp8
+    python -m dev.bench_train --parallel --only "32K CP" -- --cp-exchange ring   # the ring in place of the all-gather
 
 Needs CUDA GPUs (nvidia-smi lists them, or name them with --gpus), data and a tokenizer as base_train does
 (--data-dir / NANOCHAT_DATA_DIR, --base-dir / NANOCHAT_BASE_DIR). fp8 needs torchao and an SM89+ GPU (a run
 that fell back to bf16 counts as failed); FlashAttention-4 is used where installed. The default device
-batches fit a 141 GB H200 (d20 at 64); lower them on smaller GPUs. A layout that runs out of memory (gpipe
-keeps all m micro-batches' activations) is reported as failed. Each run appends a row to --out (CSV) and
-writes its output to --log-dir. A tree from before metrics.jsonl is read from its printout (dev/runs.py).
+batches fit a 141 GB H200 (d20 at 64); lower them on smaller GPUs. A layout that runs out of memory is reported
+as failed. Each run appends a row to --out (CSV) and writes its output to --log-dir. A tree from before
+metrics.jsonl is read from its printout (dev/runs.py).
 """
 
 import os
 import re
 import csv
+import time
 import subprocess
 from dataclasses import dataclass, field
 
@@ -100,35 +102,32 @@ def default_configs(args):
     return configs
 
 
-def parallel_configs():
-    steps, warmup = PARALLEL_STEPS
+def parallel_configs(n=4):
+    """The parallel set on a host of n GPUs (2, or 4: the widest layouts take n), each layout against its baseline."""
     configs = []
-    for depth, b in ((32, 8), (20, 16)):
-        one = f"d{depth} one GPU"
-        for label, nproc, flags in ((one, 1, []), (f"d{depth} TP=2", 2, ["--tp", "2"]),
-                                    (f"d{depth} TP=2 SP", 2, ["--tp", "2", "--sequence-parallel"])):
-            configs.append(Config(label, depth, b, 131072, steps, warmup, ["--window-pattern", "L"] + flags, nproc,
-                                  baseline=one if nproc > 1 else "", baseline_name="one GPU"))
-    for m in (8, 16):
-        one = f"d26 m={m} one GPU"
-        configs.append(Config(one, 26, 8, 8 * 2048 * m, steps, warmup, ["--window-pattern", "L"]))
-        for p in (2, 4):
-            for schedule, virtual in (("1f1b", 1), ("gpipe", 1), ("interleaved", 2)):
-                name = "interleaved V=2" if virtual > 1 else schedule
-                configs.append(Config(f"d26 m={m} PP={p} {name}", 26, 8, 8 * 2048 * m, steps, warmup,
-                                      ["--window-pattern", "L", "--pp", str(p), "--pp-schedule", schedule,
-                                       "--pp-virtual", str(virtual)], p,
-                                      baseline=one, baseline_name="one GPU", stages=p, microbatches=m))
-    for window in ("SSSL", "L"):
-        one, flags = f"d12 32K {window} one GPU", ["--max-seq-len", "32768", "--window-pattern", window]
-        configs.append(Config(one, 12, 4, 262144, steps, warmup, flags))
-        configs.append(Config(f"d12 32K {window} CP=2", 12, 4, 262144, steps, warmup, flags + ["--cp", "2"], 2,
-                              baseline=one, baseline_name="one GPU"))
-    one = "d20 DP=2"
-    for label, flags in ((one, []), (f"{one} sharded", ["--shard-params"]),
-                         (f"{one} sharded kept", ["--shard-params", "--keep-gathered"])):
-        configs.append(Config(label, 20, 32, 262144, steps, warmup, ["--window-pattern", "L"] + flags, 2,
-                              baseline=one if flags else "", baseline_name="unsharded"))
+
+    def row(label, depth, device_batch, total, flags=(), nproc=1, baseline="", baseline_name="one GPU", window="L",
+            stages=0, microbatches=0):
+        configs.append(Config(label, depth, device_batch, total, *PARALLEL_STEPS, ["--window-pattern", window, *flags],
+                              nproc, baseline, baseline_name, stages, microbatches))
+    row("d20 one GPU", 20, 32, 524288)
+    for dp in sorted({2, n}):
+        row(f"d20 DP={dp}", 20, 32, 524288, nproc=dp, baseline="d20 one GPU")
+    row(f"d20 TP=2 x DP={n // 2}", 20, 32, 524288, ["--tp", "2"], n, f"d20 DP={n}", f"DP {n}")
+    row("d32 one GPU", 32, 8, 131072)
+    row("d32 TP=2", 32, 8, 131072, ["--tp", "2"], 2, "d32 one GPU")
+    row(f"d32 DP={n}", 32, 8, 262144, nproc=n)
+    row(f"d32 DP={n} sharded", 32, 8, 262144, ["--shard-params"], n, f"d32 DP={n}", "plain DP")
+    row(f"d32 TP=2 x DP={n // 2}", 32, 8, 262144, ["--tp", "2"], n, f"d32 DP={n}", f"DP {n}")
+    row("d26 m=16 one GPU", 26, 8, 8 * 2048 * 16)
+    for schedule, virtual, name in (("1f1b", 1, "1f1b"), ("interleaved", 2, "interleaved V=2")):
+        row(f"d26 m=16 PP={n} {name}", 26, 8, 8 * 2048 * 16, ["--pp", str(n), "--pp-schedule", schedule,
+            "--pp-virtual", str(virtual)], n, "d26 m=16 one GPU", stages=n, microbatches=16)
+    for depth, device_batch, total, cps in ((12, 4, 262144, sorted({2, n})), (20, 2, 131072, [n])):
+        one, flags = f"d{depth} 32K one GPU", ["--max-seq-len", "32768"]
+        row(one, depth, device_batch, total, flags, window="SSSL")
+        for cp in cps:
+            row(f"d{depth} 32K CP={cp}", depth, device_batch, total, flags + ["--cp", str(cp)], cp, one, window="SSSL")
     return configs
 
 
@@ -140,17 +139,25 @@ def list_gpus():
     return list(range(len(out.splitlines())))
 
 
-def measure(config, tree, args, gpus):
-    """Run one configuration in one tree; its CSV row (appended to --out), or None when it failed."""
+def launch(config, tree, args, gpus):
+    """Start one configuration in one tree on the first config.nproc of `gpus`: its Job."""
     name = os.path.basename(tree)
-    job = runs.start(config.base_train_flags(args.extra), "bench", tree=tree, env=runs.data_env(args), nproc=config.nproc,
-                     gpus=gpus[:config.nproc], timeout=args.timeout,
-                     log=os.path.join(args.log_dir, f"{name} {config.label}.log".replace(" ", "_")))
-    print(f"== {name}: {config.label}: {' '.join(job.cmd[1:])}", flush=True)
+    label = re.sub(r"[^\w.-]", "_", f"{name} {config.label}")
+    job = runs.start(config.base_train_flags(args.extra), f"bench_{label}", tree=tree, env=runs.data_env(args),
+                     nproc=config.nproc, gpus=gpus[:config.nproc], timeout=args.timeout,
+                     log=os.path.join(args.log_dir, f"{label}.log"))
+    print(f"== {name}: {config.label} on GPU {','.join(map(str, gpus[:config.nproc]))}: {' '.join(job.cmd[1:])}",
+          flush=True)
+    return job
+
+
+def measure(config, tree, args, job):
+    """The ended run of one configuration in one tree: its CSV row (appended to --out), or None when it failed."""
+    name = os.path.basename(tree)
     try:
         run = job.run()
     except runs.RunFailed as e:
-        print(f"   failed: {e}", flush=True)
+        print(f"   {name}: {config.label}: failed: {e}", flush=True)
         return None
     s = runs.summary(run, config.warmup)
     causal = causal_share(run.header) if s["mfu"] else None
@@ -165,7 +172,7 @@ def measure(config, tree, args, gpus):
            "planned GiB": round(planned, 2) if planned else "",
            "wall s": round(job.wall_s, 1), "args": " ".join(config.flags + args.extra),
            "losses": " ".join(f"{loss:.6f}" for _, loss in sorted(run.losses().items()))}
-    print(f"   {row['tok/s (median)']:,} tok/s, step {row['step ms (median)']} ms" +
+    print(f"   {name}: {config.label}: {row['tok/s (median)']:,} tok/s, step {row['step ms (median)']} ms" +
           (f", MFU {row['mfu % (median)']}%" if row["mfu % (median)"] else "") +
           (f", peak {row['peak mem GiB (max)']} GiB" if row["peak mem GiB (max)"] else ""), flush=True)
     append_csv(args.out, row)
@@ -193,8 +200,8 @@ def planned_peak(header):
     if "model_config" not in header or "layout" not in header:
         return None
     f, layout = header["flags"], header["layout"]
-    setting = Setting(dp=layout["dp"], tp=layout["tp"], pp=layout["pp"], cp=layout.get("cp", 1),
-                      ep=layout.get("ep", 1), pp_schedule=f["pp_schedule"], pp_virtual=f["pp_virtual"],
+    setting = Setting(dp=layout["dp"], tp=layout["tp"], pp=layout["pp"], cp=layout.get("cp", 1), ep=layout.get("ep", 1),
+                      cp_exchange=f.get("cp_exchange", "ring"), pp_schedule=f["pp_schedule"], pp_virtual=f["pp_virtual"],
                       sequence_parallel=f["sequence_parallel"], shard_params=f.get("shard_params", False),
                       keep_gathered=f.get("keep_gathered", False),
                       device_batch=f["device_batch_size"], total_batch=header["total_batch_size"],
@@ -275,8 +282,8 @@ def loss_difference(row, base):
 def main(argv=None):
     parser = runs.argument_parser(__doc__)
     parser.add_argument("--parallel", action="store_true", help="the parallel layouts instead of the default set")
-    parser.add_argument("--only", type=str, default="", help="run only the configurations whose label contains this, "
-                                                              "e.g. d20 or PP=4 (=LABEL: that label alone)")
+    parser.add_argument("--only", type=str, default="", help="run only the configurations whose label contains one of "
+                        "these (comma-separated), e.g. d20 or PP=4 (=LABEL: that label alone)")
     parser.add_argument("--depths", type=str, default="12,20", help="default set: comma-separated depths")
     parser.add_argument("--precisions", type=str, default="bf16,fp8", help="default set: comma-separated, from bf16 and fp8")
     parser.add_argument("--windows", type=str, default="L,SSSL", help="default set: comma-separated --window-pattern values")
@@ -300,8 +307,10 @@ def main(argv=None):
 
     trees = [runs.check_tree(t, "--tree") for t in (args.tree or ["."])]
     gpus = [int(g) for g in args.gpus.split(",") if g] if args.gpus else list_gpus()
-    wanted = (lambda label: label == args.only[1:]) if args.only.startswith("=") else (lambda label: args.only in label)
-    configs = [c for c in (parallel_configs() if args.parallel else default_configs(args)) if wanted(c.label)]
+    picks = [p for p in args.only.split(",") if p] or [""]
+    wanted = lambda label: any(label == p[1:] if p.startswith("=") else p in label for p in picks)
+    configs = parallel_configs(4 if len(gpus) >= 4 else 2) if args.parallel else default_configs(args)
+    configs = [c for c in configs if wanted(c.label)]
     for c in configs:
         c.steps, c.warmup = args.steps or c.steps, args.warmup or c.warmup
     skipped = [c.label for c in configs if c.nproc > len(gpus)]
@@ -309,8 +318,16 @@ def main(argv=None):
     if not configs:
         fail(f"no configuration matches --only {args.only!r} on {len(gpus)} GPU(s)")
 
-    results = {(c.label, tree): measure(c, tree, args, gpus) for c in configs for tree in trees}
+    # the parallel set packs its runs side by side on free GPUs; the default set runs one at a time on the first
+    results, t0 = {}, time.time()
+
+    def finished(task, job, _):
+        config, tree = task
+        results[(config.label, tree)] = measure(config, tree, args, job)
+    runs.run_queue([(c, tree) for c in configs for tree in trees], gpus, lambda task, mine: launch(*task, args, mine),
+                   finished, width=lambda task: task[0].nproc if args.parallel else len(gpus))
     print("\n" + table(configs, trees, results))
+    print(f"\n{len(results)} runs in {(time.time() - t0) / 60:.1f} minutes")
     if skipped:
         print(f"\nnot run (more processes than the {len(gpus)} GPU(s)): " + ", ".join(skipped))
     print(f"(results appended to {args.out})")

@@ -80,18 +80,18 @@ def main(argv=None):
     if done:
         print(f"done in an earlier part ({results_path}): {len(done)} runs; to go: {len(queue)}")
 
-    def launch(task, gpu):
+    def launch(task, gpus):
         s, depth, seed = task
         spec = sides[s]
         flags = [f"--depth={depth}", f"--target-param-data-ratio={args.ratio}", f"--seed={seed}", "--eval-every=-1",
                  f"--eval-tokens={args.eval_tokens}", "--save-every=0"] + runs.QUIET + common + spec["extra"]
-        job = runs.start(flags, f"ladder_{s}_d{depth}_s{seed}", tree=spec["tree"], gpus=[gpu], timeout=args.timeout,
+        job = runs.start(flags, f"ladder_{s}_d{depth}_s{seed}", tree=spec["tree"], gpus=gpus, timeout=args.timeout,
                          env={**runs.data_env(args), **spec["env"]},
                          log=os.path.join(args.out, f"{s}_d{depth}_s{seed}.log"))
-        print(f"== {s} d{depth} seed {seed} on GPU {gpu}: {' '.join(job.cmd[1:])} (log {job.log_path})", flush=True)
+        print(f"== {s} d{depth} seed {seed} on GPU {gpus[0]}: {' '.join(job.cmd[1:])} (log {job.log_path})", flush=True)
         return job
 
-    def finished(task, job, gpu):
+    def finished(task, job, gpus):
         s, depth, seed = task
         try:
             run = job.run()

@@ -95,17 +95,17 @@ def main(argv=None):
     results = {"A": [], "B": []}  # [val bpb, median tok/s, run index, scored bpbs (None where failed)]
     scoring = concurrent.futures.ThreadPoolExecutor(max_workers=len(gpus))  # beside the runs: each is one process
 
-    def launch(task, gpu):
+    def launch(task, gpus):
         s, i = task
         spec = sides[s]
         resume = [f"--resume-from-step={fork}"] if s == "B" and fork > 0 else []
         job = runs.start(flags + spec["extra"] + resume, f"quality_ab_{s}{i}", tree=spec["tree"],
-                         env={**runs.data_env(args), **spec["env"]}, gpus=[gpu], timeout=args.timeout,
+                         env={**runs.data_env(args), **spec["env"]}, gpus=gpus, timeout=args.timeout,
                          log=os.path.join(args.log_dir, f"{s}{i}.log"))
-        print(f"== {s}{i} on GPU {gpu}: {' '.join(job.cmd[1:])} (in {spec['tree']}; log {job.log_path})", flush=True)
+        print(f"== {s}{i} on GPU {gpus[0]}: {' '.join(job.cmd[1:])} (in {spec['tree']}; log {job.log_path})", flush=True)
         return job
 
-    def finished(task, job, gpu):
+    def finished(task, job, gpus):
         s, i = task
         try:
             summary = runs.summary(job.run(), tok_from[s])
@@ -120,7 +120,7 @@ def main(argv=None):
             print(f"   {s}{i}: failed: no val bpb recorded (see {job.log_path})", flush=True)
             return
         tok = summary["tok_per_sec"]
-        scored = scoring.submit(score, args, sides[s], job, gpu) if args.score else None
+        scored = scoring.submit(score, args, sides[s], job, gpus[0]) if args.score else None
         results[s].append([summary["val_bpb"], tok, i, scored])
         print(f"   {s}{i}: val bpb {summary['val_bpb']:.6f} (epoch {summary['epoch']}), "
               f"{f'{tok:,.0f}' if tok else '?'} tok/s", flush=True)

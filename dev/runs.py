@@ -200,20 +200,25 @@ def start(flags, model_tag, tree=REPO, env=None, nproc=1, gpus=None, log=None, t
     return Job([sys.executable] + launcher + module, tree, env, list(flags), model_tag, log, timeout, metrics)
 
 
-def run_queue(queue, gpus, launch, finished, deadline=None):
-    """Run the tasks of `queue` (a list; finished may add to it) over GPU slots, one at a time per slot (a GPU named
-    twice in `gpus` runs two): launch(task, gpu) starts a task's Job, finished(task, job, gpu) takes it when it ends.
-    No task starts after time.time() `deadline`; returns the tasks left in the queue."""
-    running = {}  # slot (an index into gpus) -> (task, job)
+def run_queue(queue, gpus, launch, finished, deadline=None, width=lambda task: 1):
+    """Run the tasks of `queue` (a list; finished may add to it) over GPU slots (a GPU named twice in `gpus` is two):
+    a task takes width(task) free slots, the first task in the queue that fits starting first; launch(task, its GPUs)
+    starts its Job, finished(task, job, its GPUs) takes it when it ends. No task starts after time.time() `deadline`;
+    returns the tasks left in the queue (also those wider than `gpus`)."""
+    running, free = [], list(range(len(gpus)))  # [(task, job, slots)], the slots no task holds
     while running or (queue and (deadline is None or time.time() < deadline)):
-        for slot, gpu in enumerate(gpus):
-            if slot not in running and queue and (deadline is None or time.time() < deadline):
-                task = queue.pop(0)
-                running[slot] = (task, launch(task, gpu))
-        time.sleep(1 if running else 0)
-        for slot in [k for k, (_, job) in running.items() if job.done()]:
-            task, job = running.pop(slot)
-            finished(task, job, gpus[slot])
+        for task in list(queue):
+            if width(task) <= len(free) and (deadline is None or time.time() < deadline):
+                slots, free = free[:width(task)], free[width(task):]
+                queue.remove(task)
+                running.append((task, launch(task, [gpus[s] for s in slots]), slots))
+        if not running:
+            break  # what is left fits no more
+        time.sleep(1)
+        for item in [r for r in running if r[1].done()]:
+            running.remove(item)
+            free = sorted(free + item[2])
+            finished(item[0], item[1], [gpus[s] for s in item[2]])
     return queue
 
 

@@ -116,6 +116,34 @@ def test_bench_recompute_cpu_smoke(env):
         ["none", "selective", "block"]
 
 
+def test_run_queue_packs_runs_of_several_gpus(monkeypatch):
+    """runs.run_queue: a run takes as many free GPUs as it needs, the first that fits starts first (a one-GPU run
+    beside a two-GPU one), never two on one GPU; one wider than the host is left in the queue."""
+    from dev import runs
+    monkeypatch.setattr(runs.time, "sleep", lambda s: None)
+    clock, started, busy = [0], [], set()
+
+    class Job:  # ends two ticks of the queue's loop after it starts
+        def __init__(self, gpus):
+            self.end = clock[0] + 2
+        def done(self):
+            clock[0] += 1
+            return clock[0] >= self.end
+
+    def launch(task, gpus):
+        assert not busy & set(gpus) and len(gpus) == task[1]
+        busy.update(gpus)
+        started.append((task[0], tuple(gpus)))
+        return Job(gpus)
+
+    def finished(task, job, gpus):
+        busy.difference_update(gpus)
+    left = runs.run_queue([("a", 4), ("b", 2), ("c", 1), ("d", 2), ("e", 8)], [0, 1, 2, 3], launch, finished,
+                          width=lambda task: task[1])
+    assert left == [("e", 8)] and [s[0] for s in started] == ["a", "b", "c", "d"]
+    assert started[:3] == [("a", (0, 1, 2, 3)), ("b", (0, 1)), ("c", (2,))]  # c beside b; d when two are free
+
+
 def test_bench_train_table_ratios():
     from dev import bench_train
     configs = [c for c in bench_train.parallel_configs() if c.label.startswith("d26 m=16")]
