@@ -142,7 +142,7 @@ def list_gpus():
 def launch(config, tree, args, gpus):
     """Start one configuration in one tree on the first config.nproc of `gpus`: its Job."""
     name = os.path.basename(tree)
-    label = re.sub(r"[^\w.-]", "_", f"{name} {config.label}")
+    label = re.sub(r"[^\w.-]", "_", f"{name} {args.trees.index(tree)} {config.label}")  # runs side by side: one tag each
     job = runs.start(config.base_train_flags(args.extra), f"bench_{label}", tree=tree, env=runs.data_env(args),
                      nproc=config.nproc, gpus=gpus[:config.nproc], timeout=args.timeout,
                      log=os.path.join(args.log_dir, f"{label}.log"))
@@ -305,8 +305,10 @@ def main(argv=None):
     args = parser.parse_args(argv)
     args.out = os.path.abspath(args.out)
 
-    trees = [runs.check_tree(t, "--tree") for t in (args.tree or ["."])]
+    trees = args.trees = [runs.check_tree(t, "--tree") for t in (args.tree or ["."])]
     gpus = [int(g) for g in args.gpus.split(",") if g] if args.gpus else list_gpus()
+    if len(set(gpus)) < len(gpus):
+        fail(f"--gpus {args.gpus}: a GPU named twice (a layout's ranks need GPUs of their own)")
     picks = [p for p in args.only.split(",") if p] or [""]
     wanted = lambda label: any(label == p[1:] if p.startswith("=") else p in label for p in picks)
     configs = parallel_configs(4 if len(gpus) >= 4 else 2) if args.parallel else default_configs(args)

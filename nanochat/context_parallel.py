@@ -24,10 +24,11 @@ tokens', scaled so that the gradients summed over DP x CP are the whole sequence
 
 Attention is one custom op, so that torch.compile keeps its messages out of its graphs. The all-gather: each query
 chunk attends to the whole sequence's keys in at most three blocks the kernels take whole (key_spans), merged by their
-log-sum-exp. On four H200s at 32K tokens, SSSL, CP 4 it trained 1.08x as fast as the ring at d12 and d20 (its
-collectives move the bytes the ring's N-1 dependent steps do, in fewer and larger kernels); at CP 2 the ring was
-1.03x as fast (dev/LOG.md). The ring: step 0 attends this
-rank's query chunks to its own K/V; at step s = 1 .. N-1 each rank sends its K/V to rank r+s and receives rank
+log-sum-exp. On four H200s at 32K tokens, SSSL, CP 4 it trained 1.08x as fast as the ring at d12 and d20 (in full
+layers its collectives move the bytes of the ring's N-1 dependent steps in fewer, larger kernels; a short window's
+layer moves more, the backward fewer: dK/dV in bf16, not fp32); at CP 2 the ring was 1.03x as fast (dev/LOG.md).
+
+The ring: step 0 attends this rank's query chunks to its own K/V; at step s = 1 .. N-1 each rank sends its K/V to rank r+s and receives rank
 r-s's, the next step's transfer posted before this step's compute so that it runs behind it. Each block goes
 straight to the rank that needs it (on NVLink a shift by s costs what a shift by one does), and a pair of chunks
 runs only where some key is visible (never the future, never `window` or more back): a window within a chunk
@@ -47,7 +48,7 @@ from nanochat.distributed import all_gather_single, reduce_scatter_single
 from nanochat.gpt import WholeSequence
 from nanochat.kernels.sdpa import band_mask
 
-RINGS = []  # every ContextParallel made in this process; the custom ops name theirs by index
+CONTEXTS = []  # every ContextParallel made in this process; the custom ops name theirs by index
 
 
 def rank_chunks(rank, size):
@@ -115,10 +116,10 @@ def block_attention_backward(dout, q, k, v, out, lse, offset, window):
 
 # --- this rank's share of the sequence -------------------------------------------------------------------------
 class ContextParallel(WholeSequence):
-    """This rank's chunks of every sequence, and what the model asks of them (module docstring). The ring is kept by
+    """This rank's chunks of every sequence, and what the model asks of them (module docstring). CP attention is kept by
     --recompute selective: running it again would exchange every K/V block again."""
 
-    def __init__(self, layout, sequence_len, device, exchange="ring"):
+    def __init__(self, layout, sequence_len, device, exchange="all-gather"):
         self.layout, self.size, self.rank, self.exchange = layout, layout.cp_size, layout.cp_rank, exchange
         self.sequence_len, self.chunk = sequence_len, sequence_len // (2 * layout.cp_size)
         self.chunks = rank_chunks(self.rank, self.size)
@@ -126,8 +127,8 @@ class ContextParallel(WholeSequence):
         # where every rank's tokens sit, in the order an all-gather stacks them (for the gathered losses)
         self.gather_order = torch.cat([self.positions_of(r) for r in range(self.size)]).argsort().to(device)
         self.schedules = {}  # window -> [(step, receive, send)]
-        self.id = len(RINGS)
-        RINGS.append(self)
+        self.id = len(CONTEXTS)
+        CONTEXTS.append(self)
 
     def positions_of(self, rank):
         c = self.chunk
@@ -141,7 +142,7 @@ class ContextParallel(WholeSequence):
 
     @property
     def selective_keeps(self):
-        return (torch.ops.nanochat.ring_attention.default,)
+        return (torch.ops.nanochat.cp_attention.default,)
 
     def rotary(self, cos, sin, T):
         """The tables at this rank's chunks' global positions."""
@@ -158,8 +159,8 @@ class ContextParallel(WholeSequence):
         return torch.cat(parts, dim=1)
 
     def attend(self, layer_idx, q, k, v, window):
-        """The ring: this rank's queries q (B, Hq, 2c, D) over the whole sequence's keys (k/v (B, Hkv, 2c, D) here)."""
-        return ring_attention(q, k, v, window, self.id)[0]
+        """This rank's queries q (B, Hq, 2c, D) over the whole sequence's keys (k/v (B, Hkv, 2c, D) here)."""
+        return cp_attention(q, k, v, window, self.id)[0]
 
     def loss(self, criterion, x, lm_head, targets, reduction):
         """The loss on this rank's tokens of the whole (B, T) targets. "mean": this rank's sum x N / the whole
@@ -339,6 +340,7 @@ class ContextParallel(WholeSequence):
                 dqs[a].add_(dq_a)
                 dwhole[0][..., lo:hi, :] += dk
                 dwhole[1][..., lo:hi, :] += dv
+        del whole  # so that beside the fp32 gradients there is one sequence's K/V or their compute-dtype gradients
         # summed over CP in K/V's dtype: half fp32's bytes, each rank's share rounded once before the sum
         by_rank = k.new_empty((self.size, *dwhole.shape[:-2], 2 * self.chunk, dwhole.size(-1)))
         for mine, seq in self._by_rank_and_in_order(by_rank, dwhole):
@@ -397,37 +399,37 @@ def ring_in_one_process(q, k, v, dout, N, window):
     return torch.cat([outs[i][0] for i in range(2 * N)], dim=2), dq, dk, dv
 
 
-# --- the ring as one op: torch.compile calls it and keeps its messages out of the graph ------------------------
-@torch.library.custom_op("nanochat::ring_attention", mutates_args=())
-def ring_attention(q: Tensor, k: Tensor, v: Tensor, window: int, ring: int) -> tuple[Tensor, Tensor]:
-    cp = RINGS[ring]
+# --- attention over CP as one op: torch.compile calls it and keeps its messages out of the graph -------------
+@torch.library.custom_op("nanochat::cp_attention", mutates_args=())
+def cp_attention(q: Tensor, k: Tensor, v: Tensor, window: int, view: int) -> tuple[Tensor, Tensor]:
+    cp = CONTEXTS[view]
     return (cp.ring_forward if cp.exchange == "ring" else cp.gather_forward)(q, k, v, window)
 
 
-@torch.library.custom_op("nanochat::ring_attention_backward", mutates_args=())
-def ring_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, window: int,
-                            ring: int) -> tuple[Tensor, Tensor, Tensor]:
-    cp = RINGS[ring]
+@torch.library.custom_op("nanochat::cp_attention_backward", mutates_args=())
+def cp_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, window: int,
+                          view: int) -> tuple[Tensor, Tensor, Tensor]:
+    cp = CONTEXTS[view]
     return (cp.ring_backward if cp.exchange == "ring" else cp.gather_backward)(dout, q, k, v, out, lse, window)
 
 
-ring_attention.register_fake(
-    lambda q, k, v, window, ring: (q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)))
-ring_attention_backward.register_fake(
-    lambda dout, q, k, v, out, lse, window, ring: (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)))
+cp_attention.register_fake(
+    lambda q, k, v, window, view: (q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)))
+cp_attention_backward.register_fake(
+    lambda dout, q, k, v, out, lse, window, view: (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)))
 
 
 def _setup_context(ctx, inputs, output):
-    (q, k, v, window, ring), (out, lse) = inputs, output
+    (q, k, v, window, view), (out, lse) = inputs, output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.window, ctx.ring = window, ring
+    ctx.window, ctx.view = window, view
 
 
 def _backward(ctx, dout, dlse):
     # lse is an output for the backward's sake only: nothing downstream differentiates it
     q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = ring_attention_backward(dout.contiguous(), q, k, v, out, lse, ctx.window, ctx.ring)
+    dq, dk, dv = cp_attention_backward(dout.contiguous(), q, k, v, out, lse, ctx.window, ctx.view)
     return dq, dk, dv, None, None
 
 
-ring_attention.register_autograd(_backward, setup_context=_setup_context)
+cp_attention.register_autograd(_backward, setup_context=_setup_context)

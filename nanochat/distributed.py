@@ -2,7 +2,7 @@
 The process-group layout: torchrun's processes as a grid of world = PP x DP x CP x TP, every group created explicitly
 and printed at start; the parallel files take their group from the Layout. Ranks are numbered TP fastest, then CP,
 DP, PP, so that the most frequent talkers get the fastest links (one node's NVLink before the network): TP several
-times per block, CP's ring once per attention layer (behind its compute), DP once per step (behind the last
+times per block, CP's K/V once per attention layer, DP once per step (behind the last
 backward), PP once per micro-batch and stage. CP ranks hold the same weights: gradients are summed over DP x CP.
 
 Collectives here (host-side or one scalar):

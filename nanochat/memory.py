@@ -132,10 +132,10 @@ def rank_memory(config, s):
         act_peaks, alive = peak_in_flight(actions, kept), peak_in_flight(actions)
     else:
         act_peaks, alive = [kept[0]], [1]
-    if s.cp > 1 and s.cp_exchange == "all-gather":  # a layer's backward holds the whole sequence's K/V (gathered and
-        # in order) and their gradients (fp32, then in the compute dtype for the reduce-scatter) beside the activations
+    if s.cp > 1 and s.cp_exchange == "all-gather":  # a layer's backward holds the whole sequence's K/V in the compute
+        # dtype, then their gradients (fp32, and again in the compute dtype for the reduce-scatter), beside the activations
         kv = s.device_batch * config.sequence_len * 2 * config.n_kv_head * (config.n_embd // config.n_head) / s.tp
-        act_peaks = [a + kv * (3 * dt + 4) for a in act_peaks]
+        act_peaks = [a + kv * (dt + 4) for a in act_peaks]
     groups = param_groups(model, 0.0, 0.0, 0.0, 0.0, 0.0)
     out = []
     for r in range(s.pp):

@@ -82,11 +82,36 @@ def test_checkpoint_cp2_resumes_at_cp1():
 # --- the pieces ---------------------------------------------------------------------------------------------------
 
 
+def spans_in_one_process(q, k, v, dout, N, window):
+    """What the all-gather computes, every query chunk in one process: (out, dq, dk, dv) of whole sequences from each
+    chunk's key_spans blocks merged, the backward from the merged output (ring_in_one_process for the ring's blocks)."""
+    cp = cpm.ContextParallel(_Layout(0, N), q.size(2), q.device)
+    chunk = lambda t, g: t[:, :, g * cp.chunk:(g + 1) * cp.chunk]
+    merged = {}
+    for g in range(2 * N):
+        for lo, hi, offset in cp.key_spans(g, window):
+            merged[g] = cpm.merge(merged.get(g), *cpm.block_attention(chunk(q, g), k[:, :, lo:hi], v[:, :, lo:hi],
+                                                                      offset, window))
+    out, lse = (torch.cat([merged[g][i] for g in range(2 * N)], dim=2) for i in (0, 1))
+    out = out.to(q.dtype)
+    dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v))
+    for g in range(2 * N):
+        for lo, hi, offset in cp.key_spans(g, window):
+            grads = cpm.block_attention_backward(chunk(dout, g), chunk(q, g), k[:, :, lo:hi], v[:, :, lo:hi],
+                                                 chunk(out, g), chunk(lse, g), offset, window)
+            chunk(dq, g).add_(grads[0])
+            dk[:, :, lo:hi] += grads[1]
+            dv[:, :, lo:hi] += grads[2]
+    return out, dq, dk, dv
+
+
+@pytest.mark.parametrize("one_process", [cpm.ring_in_one_process, spans_in_one_process], ids=["ring", "all-gather"])
 @pytest.mark.parametrize("N, window", [(2, 64), (4, 64), (4, 20), (4, 9), (2, 1)])
-def test_block_math_and_merge_equal_whole_attention(N, window):
+def test_block_math_and_merge_equal_whole_attention(N, window, one_process):
     """Blocks merged by log-sum-exp, and their backward from the merged output, give whole-sequence attention and
     its gradients (SDPA with the dense window mask, GQA 4 query heads over 2 kv heads), with windows from the
-    whole sequence down to one token (band blocks with queries that see none of a block's keys)."""
+    whole sequence down to one token (band blocks with queries that see none of a block's keys), in the ring's
+    blocks and in the all-gather's spans."""
     from nanochat.kernels.sdpa import reference_attention
     g = torch.Generator().manual_seed(0)
     T = 64
@@ -96,7 +121,7 @@ def test_block_math_and_merge_equal_whole_attention(N, window):
     dout = torch.randn(2, 4, T, 16, generator=g, dtype=torch.float64)
     whole = reference_attention(q, k, v, window)
     whole.backward(dout)
-    out, dq, dk, dv = cpm.ring_in_one_process(q.detach(), k.detach(), v.detach(), dout, N, window)
+    out, dq, dk, dv = one_process(q.detach(), k.detach(), v.detach(), dout, N, window)
     for mine, ref in ((out, whole), (dq, q.grad), (dk, k.grad), (dv, v.grad)):
         torch.testing.assert_close(mine.double(), ref.double(), atol=1e-5, rtol=1e-5)
 
@@ -133,19 +158,21 @@ class _Layout:  # what ContextParallel reads of a Layout, for the schedule alone
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="PyTorch's flash and memory-efficient kernels need CUDA")
+@pytest.mark.parametrize("one_process", [cpm.ring_in_one_process, spans_in_one_process], ids=["ring", "all-gather"])
 @pytest.mark.parametrize("N, window", [(2, 1024), (4, 1024), (4, 256), (4, 128), (8, 256), (4, 100)])
-def test_ring_blocks_in_the_cuda_kernels_match_the_reference_math(N, window):
-    """The ring's blocks in cuDNN (causal, unmasked and upper-triangle masks; other bands in the reference math),
-    bf16, against the same blocks all in the reference math (fp32), GQA 4 query heads over 2 kv heads."""
+def test_cp_blocks_in_the_cuda_kernels_match_the_reference_math(N, window, one_process):
+    """The ring's blocks and the all-gather's spans in cuDNN (causal, unmasked and upper-triangle masks; other bands
+    in the reference math), bf16, against the same all in the reference math (fp32), GQA 4 query heads over 2 kv
+    heads."""
     from nanochat import kernels
     g = torch.Generator(device="cuda").manual_seed(0)
     q, dout = (torch.randn(2, 4, 1024, 64, device="cuda", generator=g).bfloat16() for _ in range(2))
     k, v = (torch.randn(2, 2, 1024, 64, device="cuda", generator=g).bfloat16() for _ in range(2))
-    got = cpm.ring_in_one_process(q, k, v, dout, N, window)
+    got = one_process(q, k, v, dout, N, window)
     saved = kernels.KERNELS.mode
     kernels.set_mode("reference")
     try:
-        ref = cpm.ring_in_one_process(q.float(), k.float(), v.float(), dout.float(), N, window)
+        ref = one_process(q.float(), k.float(), v.float(), dout.float(), N, window)
     finally:
         kernels.set_mode(saved)
     for mine, want in zip(got, ref):
@@ -249,23 +276,27 @@ def _exchange_in_bf16(rank, port, out_dir):
         mine = [cp.local(t.transpose(1, 2)).transpose(1, 2) for t in (q, k, v, dout)]
         forward, backward = (cp.ring_forward, cp.ring_backward) if exchange == "ring" else \
             (cp.gather_forward, cp.gather_backward)
-        out, lse = forward(*mine[:3], 64)
-        results[exchange] = [out, *backward(mine[3], *mine[:3], out, lse, 64)]
+        out, lse = forward(*mine[:3], WINDOW_BF16)
+        results[exchange] = [out, *backward(mine[3], *mine[:3], out, lse, WINDOW_BF16)]
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-def _exchange_inputs():
+WINDOW_BF16 = 48  # 1.5 chunks at CP 2: upper blocks, and bands where the sequence starts
+
+
+def _exchange_inputs():  # q, k, v, dout: GQA, 4 query heads over 2 kv heads
     g = torch.Generator().manual_seed(0)
-    return [torch.randn(1, 2, 128, 16, generator=g).bfloat16() for _ in range(4)]
+    return [torch.randn(1, heads, 128, 16, generator=g).bfloat16() for heads in (4, 2, 2, 4)]
 
 
 def test_exchanges_in_bf16_agree_with_whole_attention(tmp_path):
-    """In bf16, as on a GPU (the dK/dV reduce-scatter in K/V's dtype): both exchanges give each rank's chunks of the
-    whole sequence's output and gradients, within bf16's rounding of the fp32 reference."""
+    """In bf16, as on a GPU (the dK/dV reduce-scatter in K/V's dtype), with GQA and a window of a chunk and a half: both
+    exchanges give each rank's chunks of the whole sequence's output and gradients, within bf16's rounding of the fp32
+    reference."""
     from parallel_harness import spawn, _free_port
     spawn(_exchange_in_bf16, (_free_port(), str(tmp_path)), 2)
     q, k, v, dout = (t.float() for t in _exchange_inputs())
-    want = cpm.ring_in_one_process(q, k, v, dout, 2, 64)
+    want = cpm.ring_in_one_process(q, k, v, dout, 2, WINDOW_BF16)
     for rank in range(2):
         positions = cpm.ContextParallel(_Layout(rank, 2), 128, "cpu").positions
         got = torch.load(tmp_path / f"rank{rank}.pt")
@@ -273,4 +304,5 @@ def test_exchanges_in_bf16_agree_with_whole_attention(tmp_path):
             for mine, whole in zip(got[exchange], want):
                 assert mine.dtype == torch.bfloat16
                 whole = whole.index_select(2, positions)
-                assert ((mine.float() - whole).norm() / whole.norm()).item() < 1e-2, (exchange, rank)
+                error = ((mine.float() - whole).norm() / whole.norm()).item()
+                assert error < 5e-3, (exchange, rank, error)

@@ -56,5 +56,5 @@ def test_exposed_communication(tmp_path, capsys):
     path.write_text(json.dumps({"traceEvents": events}))
     report(str(path), 1, 2.0)
     out = capsys.readouterr().out
-    assert "some kernel running 1.7 ms, none 0.3 ms" in out
+    assert "some kernel running 1.7 ms (profiled; unprofiled wall less that: 0.3 ms)" in out
     assert "(exposed, waits for peers included): 0.3 ms" in out
