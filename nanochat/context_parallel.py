@@ -44,9 +44,9 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from nanochat import kernels
-from nanochat.distributed import all_gather_single, reduce_scatter_single
+from nanochat.distributed import all_gather_single, reduce_scatter_single, wait_for
 from nanochat.gpt import WholeSequence
-from nanochat.kernels.sdpa import band_mask
+from nanochat.kernels.sdpa import band_mask, expand_heads, sum_heads
 
 CONTEXTS = []  # every ContextParallel made in this process; the custom ops name theirs by index
 
@@ -78,17 +78,12 @@ def attention_work(rank, size, sequence_len, window):
 
 
 # --- the reference math of one block (what kernels.attention_block computes) ------------------------------------
-def _expand(q, k, v):
-    g = q.size(1) // k.size(1)
-    return (k, v) if g == 1 else (k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1))
-
-
 def block_attention(q, k, v, offset, window):
     """Attention of q (B, Hq, c, D) to the keys k/v (B, Hkv, c, D) `offset` tokens before it, with each query's
     log-sum-exp of scaled scores: (out, lse (B, Hq, c) fp32). The softmax written out, in fp32."""
     if kernels.takes_attention_block(q, k, offset, window):
         return kernels.attention_block(q, k, v, offset, window)
-    k, v = _expand(q, k, v)
+    k, v = expand_heads(q, k, v)
     scores = (q.float() @ k.float().transpose(-1, -2)) * q.size(-1) ** -0.5
     scores = scores.masked_fill(~band_mask(q.size(2), k.size(2), offset, window, q.device), float("-inf"))
     lse = scores.logsumexp(-1)  # -inf where a query sees none of these keys (a band's corner): its output is 0
@@ -101,17 +96,14 @@ def block_attention_backward(dout, q, k, v, out, lse, offset, window):
     if kernels.takes_attention_block(q, k, offset, window):
         return kernels.attention_block_backward(dout, q, k, v, out, lse, offset, window)
     kv_heads, scale = k.size(1), q.size(-1) ** -0.5
-    k, v = _expand(q, k, v)
+    k, v = expand_heads(q, k, v)
     qf, kf, vf, doutf = q.float(), k.float(), v.float(), dout.float()
     scores = (qf @ kf.transpose(-1, -2)) * scale
     scores = scores.masked_fill(~band_mask(q.size(2), k.size(2), offset, window, q.device), float("-inf"))
     probs = (scores - lse.unsqueeze(-1)).exp()
     dv = probs.transpose(-1, -2) @ doutf
     dscores = probs * (doutf @ vf.transpose(-1, -2) - (doutf * out.float()).sum(-1, keepdim=True))
-    dq, dk = (dscores @ kf) * scale, (dscores.transpose(-1, -2) @ qf) * scale
-    if kv_heads != q.size(1):  # the query heads that shared a kv head add their gradients
-        dk, dv = (t.unflatten(1, (kv_heads, -1)).sum(2) for t in (dk, dv))
-    return dq, dk, dv
+    return sum_heads(kv_heads, (dscores @ kf) * scale, (dscores.transpose(-1, -2) @ qf) * scale, dv)
 
 
 # --- this rank's share of the sequence -------------------------------------------------------------------------
@@ -210,67 +202,47 @@ class ContextParallel(WholeSequence):
     def _halves(self, t):
         return t[:, :, :self.chunk], t[:, :, self.chunk:]
 
-    def ring_forward(self, q, k, v, window):
-        """(out, lse) of this rank's queries over every visible block."""
-        merged = [None, None]  # per query chunk: (out fp32, lse)
-        qs = self._halves(q)
-
-        def attend(kv, source):
-            ks, vs = self._halves(kv[0]), self._halves(kv[1])
-            for a, b, offset in self.visible_pairs(self.rank, source, window):
-                out, lse = block_attention(qs[a], ks[b], vs[b], offset, window)
-                merged[a] = merge(merged[a], out, lse)
-
-        mine = torch.stack([k, v])  # one message per step
+    def _ring(self, mine, window):
+        """Per step, this rank's own first: (step, whether this rank's K/V went to rank r+step, rank r-step's K/V or
+        None); each step's messages are posted before the step before it computes."""
         steps = self.schedule(window)
         pending = self._exchange(mine, *steps[0]) if steps else None
-        attend(mine, self.rank)
-        for i, (step, receive, _) in enumerate(steps):
-            buffer, requests = pending
-            for request in requests:
-                request.wait()
+        yield 0, False, mine
+        for i, (step, _, send) in enumerate(steps):
+            buffer = wait_for(pending[1], pending[0])
             pending = self._exchange(mine, *steps[i + 1]) if i + 1 < len(steps) else None
-            if receive:
-                attend(buffer, (self.rank - step) % self.size)
-        out = torch.cat([m[0] for m in merged], dim=2).to(q.dtype)
-        return out, torch.cat([m[1] for m in merged], dim=2)
+            yield step, send, buffer
+
+    def ring_forward(self, q, k, v, window):
+        """(out, lse) of this rank's queries over every visible block."""
+        merged, qs = [None, None], self._halves(q)  # per query chunk: (out fp32, lse)
+        for step, _, kv in self._ring(torch.stack([k, v]), window):  # K/V: one message per step
+            for a, b, offset in self.visible_pairs(self.rank, (self.rank - step) % self.size, window):  # none without kv
+                kb, vb = self._halves(kv[0])[b], self._halves(kv[1])[b]
+                merged[a] = merge(merged[a], *block_attention(qs[a], kb, vb, offset, window))
+        return torch.cat([m[0] for m in merged], dim=2).to(q.dtype), torch.cat([m[1] for m in merged], dim=2)
 
     def ring_backward(self, dout, q, k, v, out, lse, window):
         """(dq, dk, dv) from the gradient of the merged output."""
         qs, douts, outs, lses = (self._halves(t) for t in (q, dout, out, lse))
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dqs = self._halves(dq)
-
-        def grads(kv, source):
-            """Add this rank's share of source's block gradients to dq; return dK/dV of source's block (fp32)."""
-            ks, vs = self._halves(kv[0]), self._halves(kv[1])
-            dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-            dks, dvs = self._halves(dkv[0]), self._halves(dkv[1])
-            for a, b, offset in self.visible_pairs(self.rank, source, window):
-                dq_ab, dk_ab, dv_ab = block_attention_backward(douts[a], qs[a], ks[b], vs[b], outs[a], lses[a], offset,
-                                                               window)
-                dqs[a].add_(dq_ab)
-                dks[b].add_(dk_ab)
-                dvs[b].add_(dv_ab)
-            return dkv
-
-        mine = torch.stack([k, v])
-        steps = self.schedule(window)
-        pending = self._exchange(mine, *steps[0]) if steps else None
-        dkv_mine = grads(mine, self.rank)
         homecoming = []  # (buffer, requests): dK/dV of this rank's block from the ranks that used it
-        for i, (step, receive, send) in enumerate(steps):
-            buffer, requests = pending
-            for request in requests:
-                request.wait()
-            pending = self._exchange(mine, *steps[i + 1]) if i + 1 < len(steps) else None
-            dkv = grads(buffer, (self.rank - step) % self.size) if receive else None
-            # home: the dK/dV of rank r-s's block go back to it; this block's come from rank r+s (the roles reversed)
-            homecoming.append(self._exchange(dkv, -step, send, receive, like=dkv_mine))
+        for step, send, kv in self._ring(torch.stack([k, v]), window):
+            # this rank's share of the gradients of rank r-step's block: into dq, and its dK/dV (fp32)
+            dkv = None if kv is None else torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+            for a, b, offset in self.visible_pairs(self.rank, (self.rank - step) % self.size, window):  # none without kv
+                kb, vb, dkb, dvb = (self._halves(t)[b] for t in (kv[0], kv[1], dkv[0], dkv[1]))
+                dq_ab, dk_ab, dv_ab = block_attention_backward(douts[a], qs[a], kb, vb, outs[a], lses[a], offset, window)
+                dqs[a].add_(dq_ab)
+                dkb.add_(dk_ab)
+                dvb.add_(dv_ab)
+            if step == 0:
+                dkv_mine = dkv
+            else:  # home: the dK/dV of rank r-s's block go back to it; this block's come from rank r+s (roles reversed)
+                homecoming.append(self._exchange(dkv, -step, send, kv is not None, like=dkv_mine))
         for buffer, requests in homecoming:
-            for request in requests:
-                request.wait()
-            if buffer is not None:
+            if wait_for(requests, buffer) is not None:
                 dkv_mine += buffer
         # copies: a custom op's outputs may not alias each other (dK and dV share the buffer)
         return dq.to(q.dtype), dkv_mine[0].to(k.dtype, copy=True), dkv_mine[1].to(v.dtype, copy=True)
@@ -377,25 +349,17 @@ def ring_in_one_process(q, k, v, dout, N, window):
     """What the ring computes, every rank's blocks in one process (for checks): (out, dq, dk, dv) of whole sequences
     q (B, Hq, T, D), k/v (B, Hkv, T, D), from blocks of T/2N tokens merged, the backward from the merged output."""
     c = q.size(2) // (2 * N)
+    blocks = [(slice(qc * c, (qc + 1) * c), slice(kc * c, (kc + 1) * c), qc, block_offset(qc, kc, c))
+              for qc in range(2 * N) for kc in range(qc + 1) if block_visible(block_offset(qc, kc, c), c, window)]
     merged = {}
-    for qc in range(2 * N):
-        for kc in range(qc + 1):
-            offset = block_offset(qc, kc, c)
-            if block_visible(offset, c, window):
-                out, lse = block_attention(q[:, :, qc * c:(qc + 1) * c], k[:, :, kc * c:(kc + 1) * c],
-                                           v[:, :, kc * c:(kc + 1) * c], offset, window)
-                merged[qc] = merge(merged.get(qc), out, lse)
+    for qs, ks, qc, offset in blocks:
+        merged[qc] = merge(merged.get(qc), *block_attention(q[:, :, qs], k[:, :, ks], v[:, :, ks], offset, window))
     outs = {qc: (out.to(q.dtype), lse) for qc, (out, lse) in merged.items()}
     dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v))
-    for qc in range(2 * N):
-        for kc in range(qc + 1):
-            offset = block_offset(qc, kc, c)
-            if block_visible(offset, c, window):
-                qs, ks = slice(qc * c, (qc + 1) * c), slice(kc * c, (kc + 1) * c)
-                grads = block_attention_backward(dout[:, :, qs], q[:, :, qs], k[:, :, ks], v[:, :, ks], *outs[qc],
-                                                 offset, window)
-                for total, grad, where in zip((dq, dk, dv), grads, (qs, ks, ks)):
-                    total[:, :, where] += grad
+    for qs, ks, qc, offset in blocks:
+        grads = block_attention_backward(dout[:, :, qs], q[:, :, qs], k[:, :, ks], v[:, :, ks], *outs[qc], offset, window)
+        for total, grad, where in zip((dq, dk, dv), grads, (qs, ks, ks)):
+            total[:, :, where] += grad
     return torch.cat([outs[i][0] for i in range(2 * N)], dim=2), dq, dk, dv
 
 

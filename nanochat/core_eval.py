@@ -365,9 +365,4 @@ def evaluate_core_for_training(model, tokenizer, device, layout, eval_bundle, ma
     if isinstance(bundle := _TRAINING_CACHE[key], EvalBundleError):
         print0(f"CORE: skipped ({bundle})")
         return None
-    was_training = model.training
-    model.eval()
-    try:
-        return evaluate_core(model, tokenizer, device, bundle, max_per_task, layout, cache=_TRAINING_CACHE)
-    finally:
-        model.train(was_training)
+    return evaluate_core(model, tokenizer, device, bundle, max_per_task, layout, cache=_TRAINING_CACHE)

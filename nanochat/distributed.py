@@ -212,6 +212,13 @@ def all_reduce_max(value: float, device) -> float:
     return t.item()
 
 
+def wait_for(requests, result=None):
+    """Wait for the point-to-point requests (batch_isend_irecv's); returns `result`, what they fill."""
+    for request in requests:
+        request.wait()
+    return result
+
+
 def gather_objects(obj, group=None):
     """Every rank's `obj`, in rank order (a collective over `group`, all ranks by default); [obj] in one process."""
     if not dist.is_initialized():

@@ -115,11 +115,6 @@ def muon_update(grads, momentum_buf, second_buf, momentum, compute_dtype: torch.
     return u
 
 
-def muon_apply(p, u, step_size, decay):
-    """Step 6 on one matrix (or its TP shard): the update plus cautious weight decay."""
-    p.sub_(step_size * u + decay * ((u * p) > 0) * p)
-
-
 def adamw_update(p, g, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, wd):
     """One AdamW step on a tensor (or a slice of one), in place."""
     exp_avg.lerp_(g, 1 - beta1)
@@ -164,9 +159,10 @@ class MuonStack:
                 self._apply(self.params[i], updates[j])
 
     def _apply(self, p, update):
+        """Step 6 on one matrix (or its TP shard): the update plus cautious weight decay."""
         shape_scale = max(1.0, self.shape[0] / self.shape[1]) ** 0.5  # from the full shape, not the shard
-        u = tp.local_shard(update, p).float()
-        muon_apply(p.data, u, self.group["lr"] * shape_scale, self.group["lr"] * self.group["weight_decay"])
+        u, w, lr = tp.local_shard(update, p).float(), p.data, self.group["lr"]
+        w.sub_(lr * shape_scale * u + lr * self.group["weight_decay"] * ((u * w) > 0) * w)
 
 
 class MuonAdamW(torch.optim.Optimizer):

@@ -31,6 +31,7 @@ import torch.nn as nn
 import torch.distributed as dist
 
 from nanochat.gpt import Residual
+from nanochat.distributed import wait_for
 from nanochat.moe import inactive_expert_params
 from nanochat.pipeline_schedules import stage_actions, idle_formula, input_of, message_order, action_name
 
@@ -188,17 +189,13 @@ class Pipeline:
     def forward(self, i, c, inputs):
         """Forward of micro-batch i through chunk c. Chunk 0 embeds the ids; the others take (Residual, idx) from
         the previous chunk. Returns (Residual, idx), or the loss of the last chunk."""
-        model, chunk = self.model, self.chunks[c]
-        if chunk.first:
-            h, idx = model.embed(self.xs[i]), self.xs[i]
-        else:
-            h, idx = inputs
-            for t in carried(h, chunk.receives_mid):
-                t.requires_grad_(True)
-        self._saved_inputs[i, c] = h
-        h = model.run_blocks(h, idx, chunk.start, chunk.end)
+        chunk = self.chunks[c]
+        for t in [] if chunk.first else carried(inputs[0], chunk.receives_mid):
+            t.requires_grad_(True)
+        self._saved_inputs[i, c] = inputs  # None for chunk 0
+        h, idx = self._through(chunk, self.xs[i], inputs)
         if chunk.last:
-            loss = model.head(h, self.ys[i])
+            loss = self.model.head(h, self.ys[i])
             self.total_loss += loss.detach()
             out = loss / self.num_microbatches
         else:
@@ -206,12 +203,17 @@ class Pipeline:
         self._saved_outputs[i, c] = out
         return out
 
+    def _through(self, chunk, x, inputs):
+        """(Residual, idx) after chunk's blocks: chunk 0 embeds the ids x, the others take the (Residual, idx) received."""
+        h, idx = (self.model.embed(x), x) if chunk.first else inputs
+        return self.model.run_blocks(h, idx, chunk.start, chunk.end), idx
+
     def backward(self, i, c, grads):
         """Backward of micro-batch i through chunk c from the gradients of its outputs (the last chunk: its loss).
         Returns the gradients of its inputs, for the previous chunk."""
         chunk, out, inputs = self.chunks[c], self._saved_outputs.pop((i, c)), self._saved_inputs.pop((i, c))
         outputs, grads = ([out], None) if chunk.last else (carried(out[0], chunk.sends_mid), grads)
-        received = [] if chunk.first else carried(inputs, chunk.receives_mid)
+        received = [] if chunk.first else carried(inputs[0], chunk.receives_mid)
         torch.autograd.backward(outputs, grads)
         return None if chunk.first else [t.grad for t in received]
 
@@ -238,9 +240,7 @@ class Pipeline:
                 inputs = None
                 dep = input_of(action, self.num_chunks)
                 if dep in received:
-                    requests, inputs = received.pop(dep)
-                    for request in requests:
-                        request.wait()
+                    inputs = wait_for(*received.pop(dep))
                 if action == self.last_gradient_action and before_last_backward is not None:
                     before_last_backward()
                 output = self.forward(i, c, inputs) if kind == "F" else self.backward(i, c, inputs)
@@ -248,8 +248,7 @@ class Pipeline:
                     outputs[action] = output
                 if kind == "F":
                     self.peak_in_flight = max(self.peak_in_flight, len(self._saved_outputs))
-        for request in sends:
-            request.wait()
+        wait_for(sends)
         assert not self._saved_outputs, "the schedule left micro-batches unfinished"
         L, loss = self.layout, (self.total_loss / self.num_microbatches).detach()
         # the loss lives on the last rank: send it to every rank of this pipeline
@@ -262,21 +261,14 @@ class Pipeline:
     def forward_loss(self, x, y):
         """Per-token losses of one batch through all chunks (forward only); None except on the last rank."""
         self.device = next(self.model.parameters()).device
-        model, sends, losses = self.model, [], None
+        sends, losses = [], None
         for c, chunk in self.chunks.items():
-            if chunk.first:
-                h, idx = model.embed(x), x
-            else:
-                requests, (h, idx) = self._recv(("F", None, c - 1))
-                for request in requests:
-                    request.wait()
-            h = model.run_blocks(h, idx, chunk.start, chunk.end)
+            h, idx = self._through(chunk, x, None if chunk.first else wait_for(*self._recv(("F", None, c - 1))))
             if chunk.last:
-                losses = model.head(h, y, loss_reduction="none")
+                losses = self.model.head(h, y, loss_reduction="none")
             else:
                 sends += self._send(("F", None, c), (h, idx))
-        for request in sends:
-            request.wait()
+        wait_for(sends)
         return losses
 
 

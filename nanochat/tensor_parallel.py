@@ -66,9 +66,7 @@ def gather_full(t, p):
 
 def local_shard(t, p):
     """This rank's slice of a full tensor `t` shaped like the whole of p."""
-    if not is_sharded(p):
-        return t
-    return t.chunk(p.tp_size, dim=p.tp_dim)[dist.get_rank(p.tp_group)]
+    return _my_chunk(t, p.tp_dim, p.tp_group) if is_sharded(p) else t
 
 
 def reduce_partial_grad(p, grad):
@@ -165,15 +163,17 @@ def _linear(module, x):
 
 
 class ColumnParallelLinear(nn.Module):
-    """W cut along its outputs (rows): the output stays sharded (local heads / hidden units). Keeps fp8's flag."""
+    """W cut along its outputs (rows): the output stays sharded (local heads / hidden units; the lm_head's slice of
+    the vocabulary, which enters the TP region itself: `enter`). Keeps fp8's flag."""
 
-    def __init__(self, linear, layout):
+    def __init__(self, linear, layout, enter=None):
         super().__init__()
         self.weight = _shard_parameter(linear.weight, 0, layout)
         self.fp8 = getattr(linear, "fp8", False)
+        self.enter = enter or nn.Identity()
 
     def forward(self, x):
-        return _linear(self, x)
+        return _linear(self, self.enter(x))
 
 
 class RowParallelLinear(nn.Module):
@@ -186,10 +186,7 @@ class RowParallelLinear(nn.Module):
         self.fp8 = getattr(linear, "fp8", False)
 
     def forward(self, x):
-        return self.reduce(self.product(x))
-
-    def product(self, x):
-        return _linear(self, x)
+        return self.reduce(_linear(self, x))
 
     def reduce(self, partial):
         """g or the SP reduce-scatter (also for fp8.Fp8MLP, whose product is its own)."""
@@ -223,18 +220,6 @@ class VocabParallelEmbedding(nn.Module):
         mine = (local >= 0) & (local < self.weight.size(0))
         out = F.embedding(local.clamp(0, self.weight.size(0) - 1), self.weight) * mine.unsqueeze(-1)
         return _ReduceFromTP.apply(out, self.group)
-
-
-class VocabParallelLMHead(nn.Module):
-    """The lm_head cut along the vocabulary: enters the TP region, returns this rank's slice of every token's logits."""
-
-    def __init__(self, linear, layout, sequence_parallel):
-        super().__init__()
-        self.weight = _shard_parameter(linear.weight, 0, layout)
-        self.enter = region_enter(layout.tp_group, sequence_parallel)
-
-    def forward(self, x):
-        return F.linear(self.enter(x), self.weight.to(x.dtype))
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -290,22 +275,19 @@ def parallelize(model, layout, sequence_parallel=False):
     """Shard an initialized GPT in place (a TP degree recipe.Setting.check accepted); ranks start with equal weights."""
     group = layout.tp_group
     for block in model.blocks:
-        attn, mlp = block.attn, block.mlp
-        attn.tp_enter = region_enter(group, sequence_parallel)
-        attn.c_q = ColumnParallelLinear(attn.c_q, layout)
-        attn.c_k = ColumnParallelLinear(attn.c_k, layout)
-        attn.c_v = ColumnParallelLinear(attn.c_v, layout)
-        attn.c_proj = RowParallelLinear(attn.c_proj, layout, sequence_parallel)
-        if attn.ve_gate is not None:  # one gate per kv head: keep the local heads' rows
-            attn.ve_gate = ColumnParallelLinear(attn.ve_gate, layout)
+        # a region each: attention, and the MLP unless it is an MoE (replicated: under SP each rank routes its own
+        # tokens, recipe asks for SP)
+        regions = [(block.attn, ("c_q", "c_k", "c_v"))] + ([] if isinstance(block.mlp, MoE) else [(block.mlp, ("c_fc",))])
+        for module, columns in regions:
+            module.tp_enter = region_enter(group, sequence_parallel)
+            for name in columns:
+                setattr(module, name, ColumnParallelLinear(getattr(module, name), layout))
+            module.c_proj = RowParallelLinear(module.c_proj, layout, sequence_parallel)
+        if block.attn.ve_gate is not None:  # one gate per kv head: keep the local heads' rows
+            block.attn.ve_gate = ColumnParallelLinear(block.attn.ve_gate, layout)
             block.value_embed = ColumnParallelEmbedding(block.value_embed, layout)
-        if isinstance(mlp, MoE):  # replicated: under SP each rank routes its own tokens (recipe asks for SP)
-            continue
-        mlp.tp_enter = region_enter(group, sequence_parallel)
-        mlp.c_fc = ColumnParallelLinear(mlp.c_fc, layout)
-        mlp.c_proj = RowParallelLinear(mlp.c_proj, layout, sequence_parallel)
     model.wte = VocabParallelEmbedding(model.wte, layout)
-    model.lm_head = VocabParallelLMHead(model.lm_head, layout, sequence_parallel)
+    model.lm_head = ColumnParallelLinear(model.lm_head, layout, region_enter(group, sequence_parallel))
     model.criterion = VocabParallelSoftcapCrossEntropy(model.config.vocab_size, layout)
     if sequence_parallel:
         model.embed_exit = Collective(_SplitSequence.apply, group)

@@ -196,21 +196,18 @@ class Schedule:
     def warmdown_start(self):
         return round(self.num_iterations * (1 - self.warmdown_ratio))
 
+    def warmdown_progress(self, it):  # 0 until the warmdown starts, then linearly to 1 at the end
+        start = self.warmdown_start()
+        return max(0.0, (it - start) / max(1, self.num_iterations - start))
+
     def lr_multiplier(self, it):
         if it < self.warmup_steps:
             return (it + 1) / self.warmup_steps
-        if it < self.warmdown_start():
-            return 1.0
-        progress = (it - self.warmdown_start()) / max(1, self.num_iterations - self.warmdown_start())
-        return 1.0 - progress * (1.0 - self.final_lr_frac)
+        return 1.0 - self.warmdown_progress(it) * (1.0 - self.final_lr_frac)
 
-    def muon_momentum(self, it):
-        start = self.warmdown_start()
-        if it >= start:  # 0.97 -> 0.90 over the warmdown
-            progress = (it - start) / max(1, self.num_iterations - start)
-            top = 0.85 + 0.12 * min(1.0, start / 400)
-            return top + (0.90 - top) * progress
-        return 0.85 + 0.12 * min(1.0, it / 400)
+    def muon_momentum(self, it):  # 0.85 -> 0.97 over the first 400 steps, then -> 0.90 over the warmdown
+        top = 0.85 + 0.12 * min(1.0, min(it, self.warmdown_start()) / 400)
+        return top + (0.90 - top) * self.warmdown_progress(it)
 
     def muon_weight_decay(self, it):
         return self.weight_decay * 0.5 * (1 + math.cos(math.pi * it / self.num_iterations))

@@ -22,7 +22,6 @@ import math
 import time
 import atexit
 import traceback
-from dataclasses import dataclass
 
 import torch
 
@@ -50,61 +49,48 @@ UNTIMED_STEPS = 10  # each launch's first steps include compilation: left out of
 # The plan: everything decided before anything is built
 
 
-@dataclass
 class Plan:
-    tokenizer: object
-    data_dir: str
-    data_listing: list          # what a checkpoint records, and a resume compares
-    ckpt_dir: str
-    resume_meta: dict           # the checkpoint's meta when resuming, else None
-    new_data: bool              # --resume-on-new-data found other shards
-    config: object
-    contexts: list              # [[step, context length from then on], ...]
-    recipe: object
-    setting: Setting
-    micro_batches: int          # per step and rank (gradient accumulation)
+    """The tokenizer, data, checkpoint to resume (resume_meta: its meta, else None; new_data: --resume-on-new-data
+    found other shards), config, contexts ([[step, context length from then on], ...]), recipe, setting and
+    micro-batches per step; every flag that cannot run is refused here, before any work; the plan is printed."""
 
-
-def make_plan(args, layout, device):
-    """The tokenizer, data, checkpoint to resume, config, recipe and setting; every flag that cannot run is refused
-    here, before any work; the plan is printed."""
-    print0(f"world {layout.world_size} = {layout.describe()}; device {device_name(device.type)}; compute dtype "
-           f"{get_compute_dtype(device.type)}; compile {(device.type == 'cuda') if args.compile < 0 else bool(args.compile)}")
-    if layout.world_size > 1:
-        print_rank(layout, f"global rank {layout.rank}")
-    tokenizer = get_tokenizer()
-    data_dir = check_data(args.data_dir)
-    data_listing = shard_listing(data_dir)
-    ckpt_dir = ckpt.checkpoint_dir(args.model_tag or f"d{args.depth}")
-    if layout.world_size > 1:  # several nodes: the same shards on every rank, one checkpoint folder for all
-        if warning := training.check_ranks_agree(layout, data_dir, data_listing, ckpt_dir, saves=args.save_every != 0):
-            print0(warning)
-    resume_meta, new_data = None, False
-    if args.resume_from_step == "latest":
-        args.resume_from_step = ckpt.find_last_step(ckpt_dir)
-    if args.resume_from_step >= 0:
-        resume_meta = ckpt.load_meta(ckpt_dir, args.resume_from_step)
-        if args.max_seq_len is None:  # not given: the checkpoint's context
-            args.max_seq_len = resume_meta["model_config"]["sequence_len"]
-        ckpt.check_tokenizer(resume_meta, tokenizer, ckpt_dir)
-        new_data = ckpt.check_data_unchanged(resume_meta, data_dir, data_listing, args.resume_on_new_data)
-    check_loop_flags(args, resume_meta)
-    config = model_config(args, tokenizer.get_vocab_size(), resume_meta)
-    contexts = context_lengths(config, resume_meta)
-    recipe = derive_recipe(args, config, contexts[0][1])
-    multi_node = int(os.environ.get("LOCAL_WORLD_SIZE", layout.world_size)) < layout.world_size
-    setting = Setting.from_args(args, layout.dp_size, recipe.total_batch_size,
-                                overlap_grad_reduce=args.overlap_grad_reduce == 1 or (args.overlap_grad_reduce == -1 and multi_node))
-    micro_batches = setting.check(config)
-    if device.type == "cpu" and (error := cpu_memory_error(recipe.param_counts["total"], config, args.device_batch_size,
-                                                           args.max_seq_len)):
-        raise ConfigError(error)
-    if resume_meta is not None:
-        print0(f"resuming from step {args.resume_from_step} of {ckpt_dir}")
-    for line in recipe.describe(args, config, setting, micro_batches):
-        print0(line)
-    return Plan(tokenizer, data_dir, data_listing, ckpt_dir, resume_meta, new_data, config, contexts, recipe, setting,
-                micro_batches)
+    def __init__(self, args, layout, device):
+        print0(f"world {layout.world_size} = {layout.describe()}; device {device_name(device.type)}; compute dtype "
+               f"{get_compute_dtype(device.type)}; compile {(device.type == 'cuda') if args.compile < 0 else bool(args.compile)}")
+        if layout.world_size > 1:
+            print_rank(layout, f"global rank {layout.rank}")
+        self.tokenizer = get_tokenizer()
+        self.data_dir = data_dir = check_data(args.data_dir)
+        self.data_listing = shard_listing(data_dir)
+        self.ckpt_dir = ckpt_dir = ckpt.checkpoint_dir(args.model_tag or f"d{args.depth}")
+        if layout.world_size > 1:  # several nodes: the same shards on every rank, one checkpoint folder for all
+            if warning := training.check_ranks_agree(layout, data_dir, self.data_listing, ckpt_dir, saves=args.save_every != 0):
+                print0(warning)
+        self.resume_meta = resume_meta = None
+        self.new_data = False
+        if args.resume_from_step == "latest":
+            args.resume_from_step = ckpt.find_last_step(ckpt_dir)
+        if args.resume_from_step >= 0:
+            self.resume_meta = resume_meta = ckpt.load_meta(ckpt_dir, args.resume_from_step)
+            if args.max_seq_len is None:  # not given: the checkpoint's context
+                args.max_seq_len = resume_meta["model_config"]["sequence_len"]
+            ckpt.check_tokenizer(resume_meta, self.tokenizer, ckpt_dir)
+            self.new_data = ckpt.check_data_unchanged(resume_meta, data_dir, self.data_listing, args.resume_on_new_data)
+        check_loop_flags(args, resume_meta)
+        self.config = config = model_config(args, self.tokenizer.get_vocab_size(), resume_meta)
+        self.contexts = context_lengths(config, resume_meta)
+        self.recipe = recipe = derive_recipe(args, config, self.contexts[0][1])
+        multi_node = int(os.environ.get("LOCAL_WORLD_SIZE", layout.world_size)) < layout.world_size
+        overlap = args.overlap_grad_reduce == 1 or (args.overlap_grad_reduce == -1 and multi_node)
+        self.setting = Setting.from_args(args, layout.dp_size, recipe.total_batch_size, overlap_grad_reduce=overlap)
+        self.micro_batches = self.setting.check(config)
+        if device.type == "cpu" and (error := cpu_memory_error(recipe.param_counts["total"], config,
+                                                               args.device_batch_size, args.max_seq_len)):
+            raise ConfigError(error)
+        if resume_meta is not None:
+            print0(f"resuming from step {args.resume_from_step} of {ckpt_dir}")
+        for line in recipe.describe(args, config, self.setting, self.micro_batches):
+            print0(line)
 
 
 # -----------------------------------------------------------------------------
@@ -412,7 +398,7 @@ def main(argv=None):
         layout, device = compute_init(args.device_type, tp=args.tp, pp=args.pp, cp=args.cp, seed=args.seed,
                                       timeout_s=args.dist_timeout, ep=args.ep)
         watch = Watchdog(layout.rank, args.dist_timeout if layout.world_size > 1 else None, hang_report_dir())
-        plan = make_plan(args, layout, device)
+        plan = Plan(args, layout, device)
         # before anything is written there; a checkpoint: fp32 weights and at most two fp32 moments a parameter
         lock = ckpt.lock_run(layout, device, plan.ckpt_dir, fresh=plan.resume_meta is None, start_over=args.start_over,
                              checkpoint_bytes=12 * plan.recipe.param_counts["total"] if args.save_every else 0)

@@ -139,26 +139,14 @@ def takes_attention_block(q, k, offset, window):
             and sdpa.block_kind(q.size(2), k.size(2), offset, window) != "band")
 
 
-def _expand_heads(q, k, v):
-    """k/v with as many heads as q (GQA): the kernels want equal counts."""
-    if q.size(1) == k.size(1):
-        return k, v
-    return (t.repeat_interleave(q.size(1) // k.size(1), dim=1) for t in (k, v))
-
-
 def attention_block(q, k, v, offset, window, backend="cudnn"):
-    k, v = _expand_heads(q, k, v)
-    return sdpa.block_attention(q, k, v, offset, window, backend)
+    return sdpa.block_attention(q, *sdpa.expand_heads(q, k, v), offset, window, backend)
 
 
 def attention_block_backward(dout, q, k, v, out, lse, offset, window, backend="cudnn"):
     """(dq, dk, dv); dk/dv summed back over the query heads that shared a kv head."""
-    kv_heads = k.size(1)
-    k, v = _expand_heads(q, k, v)
-    dq, dk, dv = sdpa.block_attention_backward(dout, q, k, v, out, lse, offset, window, backend)
-    if kv_heads != q.size(1):
-        dk, dv = (t.unflatten(1, (kv_heads, -1)).sum(2) for t in (dk, dv))
-    return dq, dk, dv
+    return sdpa.sum_heads(k.size(1), *sdpa.block_attention_backward(dout, q, *sdpa.expand_heads(q, k, v), out, lse,
+                                                                    offset, window, backend))
 
 
 # what --recompute selective keeps rather than runs again in the backward (gpt.Block): the outputs of the ops that

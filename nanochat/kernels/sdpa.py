@@ -25,6 +25,19 @@ def dense_mask(T, S, window, device):
     return band_mask(T, S, S - T, window, device)
 
 
+def expand_heads(q, k, v):
+    """k/v with as many heads as q (GQA): cuDNN, flash and the reference blocks want equal counts."""
+    g = q.size(1) // k.size(1)
+    return (k, v) if g == 1 else (k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1))
+
+
+def sum_heads(kv_heads, dq, dk, dv):
+    """(dq, dk, dv) with dk/dv of expanded heads summed back over the query heads that shared a kv head."""
+    if kv_heads != dk.size(1):
+        dk, dv = (t.unflatten(1, (kv_heads, -1)).sum(2) for t in (dk, dv))
+    return dq, dk, dv
+
+
 def reference_attention(q, k, v, window):
     T, S = q.size(2), k.size(2)
     gqa = q.size(1) != k.size(1)
@@ -34,8 +47,7 @@ def reference_attention(q, k, v, window):
 
 
 def cudnn_attention(q, k, v):
-    if q.size(1) != k.size(1):  # cuDNN/flash in SDPA want equal head counts: expand k/v
-        k, v = (t.repeat_interleave(q.size(1) // k.size(1), dim=1) for t in (k, v))
+    k, v = expand_heads(q, k, v)  # cuDNN/flash in SDPA want equal head counts
     backends = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
     with sdpa_kernel(backends, set_priority=True):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
