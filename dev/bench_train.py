@@ -17,7 +17,9 @@ The configurations, one set per call:
                 TP      d32 (device batch 8, 131,072-token steps): one GPU, TP 2
                 ZeRO-3  d32 (262,144-token steps): DP n, DP n --shard-params, TP 2 x DP n/2 (against DP n)
                 PP      d26, micro-batches of 8 x 2048, m = 16: one GPU, PP n 1F1B and interleaved (V=2);
-                        ideal step = one-GPU step / p x (m + p - 1) / m (the bubble of p stages over m micro-batches)
+                        ideal step = one-GPU step / p x (m + p - 1) / m (the bubble of p stages over m micro-batches);
+                        simulated step = dev.pipeline_sim's (messages queued as NCCL runs them) from block times
+                        it measures on a free GPU meanwhile (compiled, 100 GB/s a message)
                 CP      32,768-token sequences, SSSL: d12 (device batch 4, 262,144-token steps) at CP 2 and n, d20
                         (2, 131,072) at CP n, against one GPU
               Every row also gives how far its losses strayed from its baseline's, step by step (the largest
@@ -45,7 +47,9 @@ metrics.jsonl is read from its printout (dev/runs.py).
 
 import os
 import re
+import sys
 import csv
+import json
 import time
 import subprocess
 from dataclasses import dataclass, field
@@ -121,8 +125,8 @@ def parallel_configs(n=4):
     row(f"d32 TP=2 x DP={n // 2}", 32, 8, 262144, ["--tp", "2"], n, f"d32 DP={n}", f"DP {n}")
     row("d26 m=16 one GPU", 26, 8, 8 * 2048 * 16)
     for schedule, virtual, name in (("1f1b", 1, "1f1b"), ("interleaved", 2, "interleaved V=2")):
-        row(f"d26 m=16 PP={n} {name}", 26, 8, 8 * 2048 * 16, ["--pp", str(n), "--pp-schedule", schedule,
-            "--pp-virtual", str(virtual)], n, "d26 m=16 one GPU", stages=n, microbatches=16)
+        row(f"d26 m=16 PP={n} {name}", 26, 8, 8 * 2048 * 16, ["--pp", str(n), f"--pp-schedule={schedule}",
+            f"--pp-virtual={virtual}"], n, "d26 m=16 one GPU", stages=n, microbatches=16)
     for depth, device_batch, total, cps in ((12, 4, 262144, sorted({2, n})), (20, 2, 131072, [n])):
         one, flags = f"d{depth} 32K one GPU", ["--max-seq-len", "32768"]
         row(one, depth, device_batch, total, flags, window="SSSL")
@@ -149,6 +153,44 @@ def launch(config, tree, args, gpus):
     print(f"== {name}: {config.label} on GPU {','.join(map(str, gpus[:config.nproc]))}: {' '.join(job.cmd[1:])}",
           flush=True)
     return job
+
+
+BLOCK_TIMES = "block times"  # the task that times a pipelined configuration's blocks on one GPU
+
+
+def measure_blocks(config, tree, args, gpus):
+    """Start dev.pipeline_sim --measure in `tree` for the model and micro-batch of pipelined `config` (compiled, as
+    training runs them) on the first of `gpus`: its Job, writing the block times to a JSON beside the logs."""
+    path = os.path.join(args.log_dir, f"blocks_{args.trees.index(tree)}.json")
+    cmd = [sys.executable, "-m", "dev.pipeline_sim", "--measure", str(config.depth), "--batch", str(config.device_batch),
+           "--seq", "2048", "--compile", "inductor", "--out", path]
+    env = {**os.environ, **runs.data_env(args), "CUDA_VISIBLE_DEVICES": str(gpus[0])}
+    print(f"== {os.path.basename(tree)}: block times of d{config.depth} on GPU {gpus[0]}", flush=True)
+    job = runs.Job(cmd, tree, env, [], BLOCK_TIMES, path.replace(".json", ".log"), args.timeout, None)
+    job.blocks_path = path
+    return job
+
+
+def read_blocks(job):
+    if (failure := job.failure()) is not None:
+        print(f"   block times: failed: {failure}", flush=True)
+        return None
+    with open(job.blocks_path) as f:
+        return json.load(f)
+
+
+def simulated(pipelined, trees, blocks):
+    """{(label, tree): the step dev.pipeline_sim prices for a pipelined configuration with its tree's block times,
+    messages queued as NCCL runs them (ms)}."""
+    from dev.pipeline_sim import price, boundary_ms
+    out = {}
+    for c in pipelined:
+        schedule, virtual = runs.flag_value(c.flags, "--pp-schedule"), int(runs.flag_value(c.flags, "--pp-virtual"))
+        for tree in trees:
+            if blocks.get(tree):
+                out[(c.label, tree)] = price(blocks[tree], schedule, c.stages, c.microbatches, virtual,
+                                             boundary_ms(blocks[tree], 100.0))[-1]
+    return out
 
 
 def measure(config, tree, args, job):
@@ -222,16 +264,17 @@ def append_csv(path, row):
         writer.writerow(row)
 
 
-def table(configs, trees, results):
+def table(configs, trees, results, simulated=None):
     """The markdown table: a row per configuration; per tree tok/s, its ratio to the baseline row, MFU, step
-    time, its ratio to the ideal pipeline step, peak memory; with several trees, each tree's tok/s over the
-    first's. Columns with nothing in them are left out. results: {(label, tree): CSV row or None}."""
+    time, its ratio to the ideal pipeline step and to the simulated one, peak memory; with several trees, each tree's
+    tok/s over the first's. Columns with nothing in them are left out. results: {(label, tree): CSV row or None};
+    simulated: {(label, tree): dev.pipeline_sim's step, ms}."""
     names = [os.path.basename(t) for t in trees]
     prefix = (lambda n: f"{n} ") if len(trees) > 1 else (lambda n: "")
     header = ["configuration"]
     for n in names:
         header += [prefix(n) + h for h in ("tok/s", "vs baseline", "MFU", "causal MFU", "step", "vs ideal",
-                                            "peak memory", "loss vs baseline")]
+                                            "vs simulated", "peak memory", "loss vs baseline")]
     header += [f"{n} / {names[0]} tok/s" for n in names[1:]]
     rows = []
     for c in configs:
@@ -239,7 +282,7 @@ def table(configs, trees, results):
         for tree in trees:
             r = results.get((c.label, tree))
             if r is None:
-                row += ["failed", "", "", "", "", "", "", ""]
+                row += ["failed", "", "", "", "", "", "", "", ""]
                 continue
             tok, step = r["tok/s (median)"], r["step ms (median)"]
             base = results.get((c.baseline, tree))
@@ -249,13 +292,15 @@ def table(configs, trees, results):
             if base and c.stages:
                 ideal = base["step ms (median)"] / c.stages * (c.microbatches + c.stages - 1) / c.microbatches
                 vs_ideal = f"{step / ideal:.3f} (ideal {ideal:,.0f} ms)"
+            sim = (simulated or {}).get((c.label, tree))
+            vs_sim = f"{step / sim:.3f} (simulated {sim:,.0f} ms)" if sim else ""
             peaks = re.findall(r"\]([\d.]+)", r["peak mem per rank"])  # "[dp=0 pp=0]40.6 [dp=0 pp=1]24.7"
             peak = " / ".join(peaks) if peaks else r["peak mem GiB (max)"]
             peak_cell = f"{peak} GiB" if peak != "" else ""
             if r.get("planned GiB") and r["peak mem GiB (max)"]:  # scripts.plan's worst rank against the largest peak
                 peak_cell += f" (planned {r['planned GiB']}, {float(r['planned GiB']) / float(r['peak mem GiB (max)']):.3f}x)"
             causal = f"{r['causal mfu %']:.1f}%" if r.get("causal mfu %") not in (None, "") else ""
-            row += [f"{tok:,}", vs_base, mfu, causal, f"{step:,.1f} ms", vs_ideal, peak_cell,
+            row += [f"{tok:,}", vs_base, mfu, causal, f"{step:,.1f} ms", vs_ideal, vs_sim, peak_cell,
                     loss_difference(r, base)]
         first = results.get((c.label, trees[0]))
         for tree in trees[1:]:
@@ -321,14 +366,22 @@ def main(argv=None):
         fail(f"no configuration matches --only {args.only!r} on {len(gpus)} GPU(s)")
 
     # the parallel set packs its runs side by side on free GPUs; the default set runs one at a time on the first
-    results, t0 = {}, time.time()
+    results, blocks, t0 = {}, {}, time.time()
+    pipelined = [c for c in configs if c.stages]  # priced by dev.pipeline_sim from block times measured beside them
+    queue = [(BLOCK_TIMES, tree) for tree in trees if pipelined] + [(c, tree) for c in configs for tree in trees]
+
+    def start(task, mine):
+        return measure_blocks(pipelined[0], task[1], args, mine) if task[0] is BLOCK_TIMES else launch(*task, args, mine)
 
     def finished(task, job, _):
         config, tree = task
-        results[(config.label, tree)] = measure(config, tree, args, job)
-    runs.run_queue([(c, tree) for c in configs for tree in trees], gpus, lambda task, mine: launch(*task, args, mine),
-                   finished, width=lambda task: task[0].nproc if args.parallel else len(gpus))
-    print("\n" + table(configs, trees, results))
+        if config is BLOCK_TIMES:
+            blocks[tree] = read_blocks(job)
+        else:
+            results[(config.label, tree)] = measure(config, tree, args, job)
+    runs.run_queue(queue, gpus, start, finished, width=lambda task: getattr(task[0], "nproc", 1) if args.parallel
+                   else len(gpus))
+    print("\n" + table(configs, trees, results, simulated(pipelined, trees, blocks)))
     print(f"\n{len(results)} runs in {(time.time() - t0) / 60:.1f} minutes")
     if skipped:
         print(f"\nnot run (more processes than the {len(gpus)} GPU(s)): " + ", ".join(skipped))

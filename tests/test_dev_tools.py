@@ -155,11 +155,13 @@ def test_bench_train_table_ratios():
     results[("d26 m=16 PP=4 1f1b", "/old")] = row(118000, 1107.0, "[dp=0 pp=0]35.0 [dp=0 pp=1]27.8 [dp=0 pp=2]19.9 [dp=0 pp=3]12.7",
                                                   losses="10.0 8.004 6.0")
     results[("d26 m=16 PP=4 1f1b", "/new")] = dict(row(121540, 1100.0), **{"planned GiB": 55.0})
-    lines = bench_train.table(configs, trees, results).splitlines()
+    simulated = {("d26 m=16 PP=4 1f1b", "/old"): 1000.0}  # dev.pipeline_sim's step for it
+    lines = bench_train.table(configs, trees, results, simulated).splitlines()
     pp4 = next(line for line in lines if line.startswith("| d26 m=16 PP=4 1f1b |")).split(" | ")
     ideal = 3438.4 / 4 * (16 + 4 - 1) / 16
     assert pp4[2] == "3.105x one GPU" and pp4[4] == f"{1107.0 / ideal:.3f} (ideal {ideal:,.0f} ms)"
-    assert pp4[5] == "35.0 / 27.8 / 19.9 / 12.7 GiB" and pp4[6] == "5.0e-04" and pp4[-1].rstrip(" |") == "1.030"
+    assert pp4[5] == "1.107 (simulated 1,000 ms)"
+    assert pp4[6] == "35.0 / 27.8 / 19.9 / 12.7 GiB" and pp4[7] == "5.0e-04" and pp4[-1].rstrip(" |") == "1.030"
     assert "MFU" not in lines[0]  # no run measured one: the column is left out
     assert "| 50.0 GiB (planned 55.0, 1.100x) |" in " | ".join(pp4)  # the new tree's peak against scripts.plan's
 
