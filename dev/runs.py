@@ -180,6 +180,14 @@ class Job:
         return run
 
 
+def process_env(env=None, gpus=None):
+    """A launched process's environment: this one's plus `env`, on the GPUs `gpus` (None: as this process has it)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    if gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
+    return env
+
+
 def start(flags, model_tag, tree=REPO, env=None, nproc=1, gpus=None, log=None, timeout=None):
     """Launch `python -m scripts.base_train FLAGS --model-tag=TAG` in `tree`: under torchrun with nproc > 1,
     on the GPUs `gpus` (a list of indices for CUDA_VISIBLE_DEVICES; None: as this process has it), with this
@@ -188,9 +196,7 @@ def start(flags, model_tag, tree=REPO, env=None, nproc=1, gpus=None, log=None, t
     it (its record, checkpoints) is removed first, so that it is neither read as this run's nor refused by base_train.
     Returns the Job."""
     tree = check_tree(tree, "tree")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    if gpus is not None:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
+    env = process_env(env, gpus)
     module = ["-m", "scripts.base_train"] + list(flags) + [f"--model-tag={model_tag}"]
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
     if not any(f.startswith("--resume-from-step") for f in flags):

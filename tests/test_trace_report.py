@@ -14,6 +14,14 @@ def host(name, ts, dur):
     return {"cat": "cpu_op", "name": name, "ts": ts, "dur": dur, "ph": "X"}
 
 
+def report_of(events, tmp_path, capsys, n, wall_ms):
+    """What report() prints for a trace of these events over n steps of wall_ms each."""
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    report(str(path), n, wall_ms)
+    return capsys.readouterr().out
+
+
 def test_groups_and_idle(tmp_path, capsys):
     events = [
         kernel("nvjet_sm90_tst_gemm", 0, 1000),
@@ -26,10 +34,7 @@ def test_groups_and_idle(tmp_path, capsys):
         host("aten::copy_", 1590, 50),
         host("autograd::engine::evaluate_function: MmBackward0", 2080, 100),
     ]
-    path = tmp_path / "trace.json"
-    path.write_text(json.dumps({"traceEvents": events}))
-    report(str(path), 1, 3.2)
-    out = capsys.readouterr().out
+    out = report_of(events, tmp_path, capsys, 1, 3.2)
     assert "GPU kernel time per step: 2.7 ms over 5 kernel launches" in out
     lines = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ") and "ms" in line}
     assert "2.0 ms" in lines["matmul"] and "0.5 ms" in lines["attention"]
@@ -39,10 +44,7 @@ def test_groups_and_idle(tmp_path, capsys):
 
 
 def test_cpu_trace_has_no_kernels(tmp_path, capsys):
-    path = tmp_path / "trace.json"
-    path.write_text(json.dumps({"traceEvents": [host("aten::mm", 0, 10)]}))
-    report(str(path), 2, 12.5)
-    assert "no GPU kernels" in capsys.readouterr().out
+    assert "no GPU kernels" in report_of([host("aten::mm", 0, 10)], tmp_path, capsys, 2, 12.5)
 
 
 def test_exposed_communication(tmp_path, capsys):
@@ -52,9 +54,6 @@ def test_exposed_communication(tmp_path, capsys):
         kernel("ncclDevKernel_SendRecv", 500, 1000),  # 500 us under the matmul, 300 us bare, 200 us under the next
         kernel("triton_poi_fused_add", 1300, 400),
     ]
-    path = tmp_path / "trace.json"
-    path.write_text(json.dumps({"traceEvents": events}))
-    report(str(path), 1, 2.0)
-    out = capsys.readouterr().out
+    out = report_of(events, tmp_path, capsys, 1, 2.0)
     assert "some kernel running 1.7 ms (profiled; unprofiled wall less that: 0.3 ms)" in out
     assert "(exposed, waits for peers included): 0.3 ms" in out
