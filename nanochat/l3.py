@@ -19,7 +19,9 @@ The lookup, without a Python loop over tokens:
 - blocked (GPU; CPU when the padded gather is big or mostly padding): sorted by token id, the score matrix is
   block-diagonal; runs of <= L3_BLOCK_POSITIONS sorted positions with rows in a window of < 2 k_max rows are each a
   small masked attention, batched (bmm) in chunks under L3_CHUNK_BYTES. A hand-written backward recomputes each chunk,
-  accumulating the table gradient in fp32 (nothing (sum d_t) x d is kept).
+  accumulating the table gradient in fp32 (nothing (sum d_t) x d is kept). The cutting up (_Plan) is done on the host,
+  from a copy of the ids queued early (ids_to_host; a training step queues all its micro-batches' at its start), so
+  that the forward never waits for the GPU.
 
 Parallelism: replicated over TP ranks (tensor_parallel.py says why); with sequence parallelism each rank looks up
 its own tokens (`token_share`) and the optimizer sums the partial gradients over TP. Dtypes follow gpt.py: fp32
@@ -28,6 +30,8 @@ parameters, compute-dtype activations, fp32 softmax and table-gradient accumulat
 
 import bisect
 import itertools
+import contextlib
+import collections
 import math
 import time
 
@@ -174,30 +178,32 @@ def lookup_padded(x, ids, table, bounds):
 
 
 class _Plan:
-    """One batch cut up. `order`: positions sorted by token id, `start`/`end` their row ranges (both non-decreasing);
-    block b: sorted positions first[b] .. first[b]+count[b]-1, window rows lo[b] .. lo[b]+width[b]-1; chunk (i, j, w):
-    blocks by_width[i:j] (widest first), padded to width w."""
+    """One batch cut up, on the host (numpy, from the ids' host copy: nothing here waits for the GPU), then moved to
+    the device in one copy. `order`: positions sorted by token id, `start`/`end` their row ranges (both
+    non-decreasing); block b: sorted positions first[b] .. first[b]+count[b]-1, window rows lo[b] .. lo[b]+width[b]-1;
+    chunk (i, j, w): blocks by_width[i:j] (widest first), padded to width w."""
 
-    def __init__(self, ids, bounds, block, max_rows, window):
-        n = ids.numel()
+    def __init__(self, ids, bounds, block, max_rows, window, device):
+        n = ids.size
         self.n, self.block = n, block
-        self.order = torch.argsort(ids, stable=True)
-        sid = ids[self.order]
-        self.start, self.end = bounds[sid], bounds[sid + 1]
+        # a stable sort of 16-bit keys is a radix sort in numpy (~10x a 64-bit one's speed at 64K positions)
+        order = np.argsort(ids.astype(np.uint16) if len(bounds) <= 1 << 16 else ids, kind="stable")
+        sid = ids[order]
+        start, end = bounds[sid], bounds[sid + 1]
         # groups of `block` sorted positions, split where a first row moves into the next window-sized stretch after
         # the group's first row; window >= every token's row count (k_max), so a block's rows span < 2 windows
-        group = torch.arange(n, device=ids.device) // block
-        stretch = (self.start - self.start[group * block]) // window
-        new = torch.ones(n, dtype=torch.bool, device=ids.device)
+        group = np.arange(n) // block
+        stretch = (start - start[group * block]) // window
+        new = np.ones(n, dtype=bool)
         new[1:] = (group[1:] != group[:-1]) | (stretch[1:] != stretch[:-1])
-        self.first = new.nonzero().squeeze(1)
-        self.count = torch.diff(self.first, append=self.first.new_tensor([n]))
-        self.lo = self.start[self.first]
-        self.width = self.end[self.first + self.count - 1] - self.lo  # ends are sorted: the last one is the max
-        self.by_width = torch.argsort(self.width, descending=True, stable=True)
+        first = np.flatnonzero(new)
+        count = np.diff(first, append=n)
+        lo = start[first]
+        width = end[first + count - 1] - lo  # ends are sorted: the last one is the max
+        by_width = np.argsort(-width, kind="stable")
         # chunks: <= max_rows rows gathered (blocks x max(width, block)), widths within 2x of the chunk's widest, so
         # padding to it at most doubles the work; to multiples of L3_WIDTH_ALIGN (cuBLAS Hopper: 16-byte row strides)
-        widths = self.width[self.by_width].tolist()
+        widths = width[by_width].tolist()
         ascending = [-w for w in widths]
         self.chunks, i = [], 0
         while i < len(widths):
@@ -205,6 +211,13 @@ class _Plan:
             j = min(i + max(1, max_rows // max(w, block)), bisect.bisect_right(ascending, -widths[i] / 2))
             self.chunks.append((i, j, w))
             i = j
+        parts = [order, start, end, first, count, lo, by_width]
+        packed = torch.from_numpy(np.concatenate(parts).astype(np.int64))
+        if device.type == "cuda":  # pinned, so that the copy is queued behind the GPU's work, not waited for
+            packed = packed.pin_memory()
+        packed = packed.to(device, non_blocking=True)
+        (self.order, self.start, self.end, self.first, self.count, self.lo,
+         self.by_width) = torch.split(packed, [len(p) for p in parts])
 
     def blocks(self, i, j, w, n_rows):
         """Chunk blocks by_width[i:j]: slot (blocks, block) sorted positions (padding repeats the block's first);
@@ -226,51 +239,57 @@ def _block_attention(xb, kb, mask, acc):
 
 
 class _BlockedLookup(torch.autograd.Function):
-    """h = E_t^T softmax(E_t x) by blocks of sorted positions (see _Plan); backward recomputes each chunk."""
+    """h = E_t^T softmax(E_t x) by blocks of sorted positions (see _Plan); backward recomputes each chunk's softmax
+    from the blocks' index tensors the forward kept."""
 
     @staticmethod
     def forward(ctx, x, table, ids, bounds, block, max_rows, window):
         acc = _acc_dtype(x.dtype)
-        plan = _Plan(ids, bounds, block, max_rows, window)
+        plan = _Plan(ids, bounds, block, max_rows, window, x.device)
         tc = table.to(x.dtype)  # one cast of the table beats casting the (larger) gathered blocks
         xs = x.index_select(0, plan.order)
         hs = x.new_empty(x.size(0) + 1, tc.size(1))  # + the spare row for padding slots
-        for i, j, w in plan.chunks:
-            slot, target, rows, mask = plan.blocks(i, j, w, tc.size(0))
+        chunks = [plan.blocks(i, j, w, tc.size(0)) for i, j, w in plan.chunks]
+        for slot, target, rows, mask in chunks:
             eb = tc[rows]
             a = _block_attention(xs[slot], eb, mask, acc)
             hs.index_copy_(0, target, torch.bmm(a.to(x.dtype), eb).flatten(0, 1))
-        ctx.save_for_backward(x, tc)  # the cast table: a second cast costs more time than the copy costs memory
-        ctx.plan, ctx.table_dtype = plan, table.dtype
+        ctx.save_for_backward(xs, tc)  # the cast table: a second cast costs more time than the copy costs memory
+        ctx.plan, ctx.chunks, ctx.table_dtype = plan, chunks, table.dtype
         return torch.empty_like(hs[:-1]).index_copy_(0, plan.order, hs[:-1])
 
     @staticmethod
     def backward(ctx, grad_h):
-        (x, tc), plan = ctx.saved_tensors, ctx.plan
-        acc = _acc_dtype(x.dtype)
-        xs = x.index_select(0, plan.order)
-        gs = grad_h.to(x.dtype).index_select(0, plan.order)
+        (xs, tc), plan = ctx.saved_tensors, ctx.plan
+        acc = _acc_dtype(xs.dtype)
+        gs = grad_h.to(xs.dtype).index_select(0, plan.order)
         dxs = xs.new_empty(xs.size(0) + 1, xs.size(1))  # + the spare row for padding slots
         # fp32 table gradient (each block's bmm sums its slots in fp32). index_put_(accumulate) sorts the rows and
         # sums duplicates in order: a frequent token's blocks share rows, where atomic adds (index_add_) contend
         de = torch.zeros(tc.shape, dtype=acc, device=tc.device)
-        for i, j, w in plan.chunks:
-            slot, target, rows, mask = plan.blocks(i, j, w, tc.size(0))
+        for slot, target, rows, mask in ctx.chunks:
             xb, eb = xs[slot], tc[rows]
             a = _block_attention(xb, eb, mask, acc)
             gb = gs[slot] * (target < plan.n).view_as(slot)[..., None]  # padding slots carry no gradient
             da = torch.bmm(gb, eb.transpose(1, 2)).to(acc)
-            ds = (a * (da - (a * da).sum(-1, keepdim=True))).to(x.dtype)  # softmax backward
+            ds = (a * (da - (a * da).sum(-1, keepdim=True))).to(xs.dtype)  # softmax backward
             dxs.index_copy_(0, target, torch.bmm(ds, eb).flatten(0, 1))
             # a row's gradient as a key and as a value, ds^T x + a^T g, summed inside one bmm (K = 2 block)
-            lhs, rhs = torch.cat([ds, a.to(x.dtype)], dim=1), torch.cat([xb, gb], dim=1)
+            lhs, rhs = torch.cat([ds, a.to(xs.dtype)], dim=1), torch.cat([xb, gb], dim=1)
             de.index_put_((rows.flatten(),), torch.bmm(lhs.transpose(1, 2), rhs).flatten(0, 1).to(acc), accumulate=True)
         dx = torch.empty_like(dxs[:-1]).index_copy_(0, plan.order, dxs[:-1])
         return dx, de.to(ctx.table_dtype), None, None, None, None, None
 
 
+def on_host(t):
+    """A tensor as a numpy array (a copy from the GPU waits for it); numpy arrays as they are."""
+    return t if isinstance(t, np.ndarray) else t.cpu().numpy()
+
+
 def lookup_blocked(x, ids, table, bounds, block=L3_BLOCK_POSITIONS, chunk_bytes=L3_CHUNK_BYTES, window=None):
-    """x (N, d), ids (N,) -> h (N, d). window: >= every token's row count (k_max; None reads bounds: a host sync)."""
+    """x (N, d), ids (N,) -> h (N, d). ids and bounds are read on the host (numpy arrays, or tensors copied there).
+    window: >= every token's row count (k_max; None: read from bounds)."""
+    ids, bounds = on_host(ids), on_host(bounds)
     if window is None:
         window = int((bounds[1:] - bounds[:-1]).max())
     # one gathered row costs its channels, or its column of fp32 scores (block entries) if that is more
@@ -310,6 +329,8 @@ class L3Layer(nn.Module):
         self.register_buffer("rows_per_token", torch.zeros((), dtype=torch.float32))
         self.path = "auto"  # or "blocked" / "padded", to force one (tests, benchmarks)
         self.token_share = nn.Identity()  # sequence parallelism swaps in this rank's share of the token ids
+        self.ids_ahead = collections.deque()  # (host ids, copy done event) from ids_to_host, a lookup takes the first
+        self.bounds_on_host = (None, None)  # (the buffer's identity and version, a numpy copy)
 
     @classmethod
     def from_config(cls, config):
@@ -350,13 +371,52 @@ class L3Layer(nn.Module):
         r = self.k_max if self.rows_per_token.is_meta else float(self.rows_per_token)
         return 6 * sum(p.numel() for p in self.dense_parameters()) + 12 * r * self.d_model
 
+    @eager
+    def ids_to_host(self, idx, unless_queued=False):
+        """Start copying the token ids of a forward (this rank's share, as the lookup sees them) to the host, where
+        the lookup's plan is built; the copies queue in order. Training queues a whole step's at its start
+        (ids_copied_ahead), evaluation and sampling one at a time as the blocks start (gpt.run_blocks, unless_queued):
+        either way the copy waits on the GPU queue's head, not its tail, and when the lookup waits for it, work is still
+        queued on the GPU (a copy made at the lookup would drain the queue, then leave the GPU idle while the plan
+        is built)."""
+        if unless_queued and self.ids_ahead:
+            return
+        ids = self.token_share(idx).reshape(-1)
+        if not ids.is_cuda:
+            self.ids_ahead.append((ids, None))
+            return
+        host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True).copy_(ids, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        self.ids_ahead.append((host, done))
+
+    def host_ids(self, ids):
+        """ids (N,) on the host: the first copy queued by ids_to_host, or else a copy now, which waits."""
+        if not self.ids_ahead:
+            return on_host(ids)
+        host, done = self.ids_ahead.popleft()
+        if host.shape != ids.shape:
+            raise RuntimeError(f"L3: the ids copied ahead ({tuple(host.shape)}) are not this lookup's "
+                               f"({tuple(ids.shape)}): forwards ran out of the order their copies were queued in")
+        if done is not None:
+            done.synchronize()
+        return host.numpy()
+
+    def host_bounds(self):
+        """bounds as a numpy array, copied again only after the buffer changed (an allocation, a loaded checkpoint)."""
+        key = (self.bounds.data_ptr(), self.bounds._version)
+        if self.bounds_on_host[0] != key:
+            self.bounds_on_host = (key, on_host(self.bounds))
+        return self.bounds_on_host[1]
+
     @eager  # data-dependent sizes; W_up, the LayerNorm and W_mix around it compile
     def lookup(self, x, ids):
         """h = E_t^T softmax(E_t x) for x (N, d), ids (N,) -> (N, d) in x.dtype."""
+        host_ids = self.host_ids(ids)
         path = choose_path(x, ids, self.bounds) if self.path == "auto" else self.path
         if path == "padded":
             return lookup_padded(x, ids, self.key_table, self.bounds)
-        return lookup_blocked(x, ids, self.key_table, self.bounds, window=self.k_max)
+        return lookup_blocked(x, host_ids, self.key_table, self.host_bounds(), window=self.k_max)
 
     def forward(self, x, idx):
         """x (B, T, d) hidden states, idx (B, T) token ids -> (B, T, d) to add to the residual stream."""
@@ -365,3 +425,22 @@ class L3Layer(nn.Module):
         h = self.lookup(x.reshape(B * T, d), idx.reshape(B * T).long()).view(B, T, d)
         u = F.layer_norm(self.w_up(h), (self.d_up,))
         return self.w_mix(torch.cat([u, x], dim=-1))
+
+
+@contextlib.contextmanager
+def ids_copied_ahead(model, inputs):
+    """A training step: every micro-batch's ids (inputs, the (B, T) micro-batches; None on a pipeline stage that reads
+    no data) start for the host at once, behind the loader's copies to the GPU, so that no lookup in the step drains
+    the GPU's queue; each L3 layer's forwards take them in order, and must take them all."""
+    layers = list(model.l3.values())
+    for layer in layers:
+        for idx in inputs:
+            if idx is not None:
+                layer.ids_to_host(model.sequence.local(idx))
+    try:
+        yield
+        if any(layer.ids_ahead for layer in layers):
+            raise RuntimeError("L3: a training step left micro-batch ids unread (fewer lookups than micro-batches)")
+    finally:
+        for layer in layers:
+            layer.ids_ahead.clear()

@@ -24,6 +24,7 @@ from nanochat.common import print0, ConfigError
 from nanochat.distributed import barrier, all_reduce_max, gather_objects, agreed
 from nanochat.gpt import build_model, Block, WholeSequence
 from nanochat import kernels, moe
+from nanochat.l3 import ids_copied_ahead
 from nanochat.optim import MuonAdamW, muon_stacks, param_groups, split_experts
 from nanochat.data_parallel import DataParallel
 from nanochat.dataloader import DataLoader
@@ -248,17 +249,18 @@ class Trainer:
         cleared. Every CP rank gets the whole (B, T) micro-batches and the model takes its chunks. Returns (the
         loss: mean over micro-batches and DP ranks, a device tensor, so nothing here waits for the GPU; the LR
         multiplier)."""
-        if self.pipeline is not None:
-            loss = self.pipeline.train_step(batches, self.dp.prepare_last_backward)
-        else:
-            loss = torch.zeros((), device=batches[0][0].device)
-            for i, (x, y) in enumerate(batches):  # gradients accumulate in .grad
-                if i == len(batches) - 1:  # this backward completes them: DP reductions may start during it
-                    self.dp.prepare_last_backward()
-                micro_loss = self.train_model(x, y)
-                (micro_loss / len(batches)).backward()
-                loss += micro_loss.detach()
-            loss = loss / len(batches)
+        with ids_copied_ahead(self.model, [x for x, _ in batches]):  # L3's lookups plan on the host
+            if self.pipeline is not None:
+                loss = self.pipeline.train_step(batches, self.dp.prepare_last_backward)
+            else:
+                loss = torch.zeros((), device=batches[0][0].device)
+                for i, (x, y) in enumerate(batches):  # gradients accumulate in .grad
+                    if i == len(batches) - 1:  # this backward completes them: DP reductions may start during it
+                        self.dp.prepare_last_backward()
+                    micro_loss = self.train_model(x, y)
+                    (micro_loss / len(batches)).backward()
+                    loss += micro_loss.detach()
+                loss = loss / len(batches)
         lrm = schedule.lr_multiplier(it)
         for group in self.optimizer.param_groups:
             group["lr"] = group["initial_lr"] * lrm

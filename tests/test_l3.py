@@ -11,8 +11,8 @@ from nanochat.distributed import Layout
 from nanochat.dataset import SAMPLE_DIR
 from nanochat.gpt import GPTConfig, build_model
 from nanochat.optim import param_groups
-from nanochat.l3 import (L3Layer, allocate_for_model, allocate_rows, choose_path, default_n_emb, lookup_blocked,
-                         lookup_padded, lzw_credits, sample_training_tokens, uniform_rows)
+from nanochat.l3 import (L3Layer, allocate_for_model, allocate_rows, choose_path, default_n_emb, ids_copied_ahead,
+                         lookup_blocked, lookup_padded, lzw_credits, sample_training_tokens, uniform_rows)
 
 
 def zipf_tokens(n, vocab, seed=0):
@@ -125,6 +125,32 @@ def test_blocked_backward_gradcheck():
     table = torch.randn(15, 3, dtype=torch.float64, requires_grad=True)
     fn = lambda x, table: lookup_blocked(x, ids, table, bounds, block=2, chunk_bytes=8 * 3 * 5)
     assert torch.autograd.gradcheck(fn, (x, table))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_lookup_forward_never_waits_for_the_gpu_on_cuda():
+    """With the ids copied ahead (training queues a step's at its start), the layer's forward on CUDA makes no host
+    sync (the backward makes one per chunk, in index_put_'s sort), and forward and backward give the CPU's results."""
+    layer = make_layer(dtype=torch.float32)
+    ids = torch.from_numpy(zipf_tokens(2 * 96, 40, seed=3)).view(2, 96)
+    x = torch.randn(2, 96, 16)
+    results = {}
+    for device in ("cpu", "cuda"):
+        layer.to(device).zero_grad()
+        xd, idsd = x.to(device).detach().requires_grad_(), ids.to(device)
+        layer(xd, idsd)  # a first call allocates pinned host memory (which may sync), later ones reuse it
+        layer.ids_to_host(idsd)
+        layer.host_bounds()  # copied once per allocation
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error" if device == "cuda" else 0)
+        try:
+            out = layer(xd, idsd)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        out.square().sum().backward()
+        results[device] = [t.detach().cpu() for t in (out, xd.grad, layer.key_table.grad)]
+    for a, b in zip(*results.values()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
 def test_bf16_activations():
@@ -246,6 +272,30 @@ def test_in_a_tiny_gpt():
     assert len(kinds) == len(list(model.parameters()))
     table_groups = [g for g in groups if any(p is layer.key_table for p in g["params"])]
     assert len(table_groups) == 1 and len(table_groups[0]["params"]) == 1
+
+
+def test_a_steps_ids_are_copied_ahead_and_taken_in_order():
+    """A training step queues every micro-batch's ids for the host at its start (ids_copied_ahead): the lookups take
+    them in order and give what a copy made at the lookup gives; a step that leaves some unread, or runs forwards out
+    of order, is an error (never a lookup planned on another batch's ids), and leaves nothing queued."""
+    torch.manual_seed(0)
+    model = build_model(tiny_l3_config(), "cpu")
+    layer = model.l3["0"]
+    layer.path = "blocked"
+    torch.nn.init.normal_(layer.w_mix.weight, std=0.02)
+    a, b = torch.randint(0, 256, (2, 32)), torch.randint(0, 256, (3, 32))
+    want = [model(a, a), model(b, b)]
+    with ids_copied_ahead(model, [a, b]):
+        assert len(layer.ids_ahead) == 2
+        got = [model(a, a), model(b, b)]
+    assert all(torch.equal(g, w) for g, w in zip(got, want)) and not layer.ids_ahead
+    with pytest.raises(RuntimeError, match="unread"):
+        with ids_copied_ahead(model, [a, b]):
+            model(a, a)
+    with pytest.raises(RuntimeError, match="out of the order"):
+        with ids_copied_ahead(model, [a, b]):
+            model(b, b)
+    assert not layer.ids_ahead
 
 
 def test_compiled_forward_and_backward_cpu():
