@@ -265,7 +265,8 @@ class _BlockedLookup(torch.autograd.Function):
         gs = grad_h.to(xs.dtype).index_select(0, plan.order)
         dxs = xs.new_empty(xs.size(0) + 1, xs.size(1))  # + the spare row for padding slots
         # fp32 table gradient (each block's bmm sums its slots in fp32). index_put_(accumulate) sorts the rows and
-        # sums duplicates in order: a frequent token's blocks share rows, where atomic adds (index_add_) contend
+        # sums duplicates in order, reading back to the host once a chunk (the lookup's only syncs); atomic adds
+        # (index_add_) do not sync but contend on a frequent token's shared rows: slower (dev/LOG.md, 2026-11-27)
         de = torch.zeros(tc.shape, dtype=acc, device=tc.device)
         for slot, target, rows, mask in ctx.chunks:
             xb, eb = xs[slot], tc[rows]
@@ -373,12 +374,10 @@ class L3Layer(nn.Module):
 
     @eager
     def ids_to_host(self, idx, unless_queued=False):
-        """Start copying the token ids of a forward (this rank's share, as the lookup sees them) to the host, where
-        the lookup's plan is built; the copies queue in order. Training queues a whole step's at its start
-        (ids_copied_ahead), evaluation and sampling one at a time as the blocks start (gpt.run_blocks, unless_queued):
-        either way the copy waits on the GPU queue's head, not its tail, and when the lookup waits for it, work is still
-        queued on the GPU (a copy made at the lookup would drain the queue, then leave the GPU idle while the plan
-        is built)."""
+        """Queue a copy of a forward's token ids (this rank's share) to the host, where the lookup plans. Training
+        queues a step's at its start (ids_copied_ahead), evaluation and sampling one as the blocks start (run_blocks):
+        when the lookup waits for it, the GPU still has work queued (a copy made at the lookup drains the queue, then
+        leaves the GPU idle while the host plans)."""
         if unless_queued and self.ids_ahead:
             return
         ids = self.token_share(idx).reshape(-1)
@@ -412,7 +411,7 @@ class L3Layer(nn.Module):
     @eager  # data-dependent sizes; W_up, the LayerNorm and W_mix around it compile
     def lookup(self, x, ids):
         """h = E_t^T softmax(E_t x) for x (N, d), ids (N,) -> (N, d) in x.dtype."""
-        host_ids = self.host_ids(ids)
+        host_ids = self.host_ids(ids)  # taken whichever path runs, so the queue stays in step
         path = choose_path(x, ids, self.bounds) if self.path == "auto" else self.path
         if path == "padded":
             return lookup_padded(x, ids, self.key_table, self.bounds)
