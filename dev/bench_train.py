@@ -11,7 +11,7 @@ The configurations, one set per call:
               time on the first GPU; fp8 also as a ratio of bf16 at the same depth, window and device batch
   --parallel  every parallel dimension against its baseline on a host of n = 2 or 4 GPUs (4 where --gpus has
               four or more), window L unless named; runs that fit side by side run at once on free GPUs (with
-              several trees, one configuration's runs may then run on different GPUs, which differ by 2-3%):
+              several trees, a configuration's runs follow each other on the same GPUs):
                 DP, TP  d20 (device batch 32, 524,288-token steps): one GPU, DP 2 and n, TP 2 x DP n/2 (against
                         DP n)
                 TP      d32 (device batch 8, 131,072-token steps): one GPU, TP 2
@@ -74,8 +74,10 @@ class Config:
     nproc: int = 1
     baseline: str = ""       # the label of the row this one is a ratio of
     baseline_name: str = ""  # what that row is, in the ratio's cell
-    stages: int = 0          # pipeline stages and micro-batches per step: the ideal step
-    microbatches: int = 0
+    stages: int = 0          # pipeline stages, micro-batches per step, schedule, virtual chunks: the ideal and
+    microbatches: int = 0    # simulated steps
+    schedule: str = ""
+    virtual: int = 1
 
     def base_train_flags(self, extra):
         return [f"--depth={self.depth}", f"--num-iterations={self.steps}", f"--total-batch-size={self.total_batch}",
@@ -111,9 +113,9 @@ def parallel_configs(n=4):
     configs = []
 
     def row(label, depth, device_batch, total, flags=(), nproc=1, baseline="", baseline_name="one GPU", window="L",
-            stages=0, microbatches=0):
+            **pipeline):
         configs.append(Config(label, depth, device_batch, total, *PARALLEL_STEPS, ["--window-pattern", window, *flags],
-                              nproc, baseline, baseline_name, stages, microbatches))
+                              nproc, baseline, baseline_name, **pipeline))
     row("d20 one GPU", 20, 32, 524288)
     for dp in sorted({2, n}):
         row(f"d20 DP={dp}", 20, 32, 524288, nproc=dp, baseline="d20 one GPU")
@@ -126,7 +128,8 @@ def parallel_configs(n=4):
     row("d26 m=16 one GPU", 26, 8, 8 * 2048 * 16)
     for schedule, virtual, name in (("1f1b", 1, "1f1b"), ("interleaved", 2, "interleaved V=2")):
         row(f"d26 m=16 PP={n} {name}", 26, 8, 8 * 2048 * 16, ["--pp", str(n), f"--pp-schedule={schedule}",
-            f"--pp-virtual={virtual}"], n, "d26 m=16 one GPU", stages=n, microbatches=16)
+            f"--pp-virtual={virtual}"], n, "d26 m=16 one GPU", stages=n, microbatches=16, schedule=schedule,
+            virtual=virtual)
     for depth, device_batch, total, cps in ((12, 4, 262144, sorted({2, n})), (20, 2, 131072, [n])):
         one, flags = f"d{depth} 32K one GPU", ["--max-seq-len", "32768"]
         row(one, depth, device_batch, total, flags, window="SSSL")
@@ -184,10 +187,9 @@ def simulated(pipelined, trees, blocks):
     from dev.pipeline_sim import price, boundary_ms
     out = {}
     for c in pipelined:
-        schedule, virtual = runs.flag_value(c.flags, "--pp-schedule"), int(runs.flag_value(c.flags, "--pp-virtual"))
         for tree in trees:
             if blocks.get(tree):
-                out[(c.label, tree)] = price(blocks[tree], schedule, c.stages, c.microbatches, virtual,
+                out[(c.label, tree)] = price(blocks[tree], c.schedule, c.stages, c.microbatches, c.virtual,
                                              boundary_ms(blocks[tree], 100.0))[-1]
     return out
 
@@ -350,6 +352,8 @@ def main(argv=None):
     args.out = os.path.abspath(args.out)
 
     trees = args.trees = [runs.check_tree(t, "--tree") for t in (args.tree or ["."])]
+    if len(set(trees)) < len(trees):  # results are kept by tree: the same tree twice would be one column
+        fail(f"--tree: {' '.join(args.tree)} names a checkout twice; for a noise check, run the command twice")
     gpus = [int(g) for g in args.gpus.split(",") if g] if args.gpus else list_gpus()
     if len(set(gpus)) < len(gpus):
         fail(f"--gpus {args.gpus}: a GPU named twice (a layout's ranks need GPUs of their own)")
@@ -367,7 +371,8 @@ def main(argv=None):
     # the parallel set packs its runs side by side on free GPUs; the default set runs one at a time on the first
     results, blocks, t0 = {}, {}, time.time()
     pipelined = [c for c in configs if c.stages]  # priced by dev.pipeline_sim from block times measured beside them
-    queue = [(BLOCK_TIMES, tree) for tree in trees if pipelined] + [(c, tree) for c in configs for tree in trees]
+    # a configuration's runs in the trees one after the other on the same GPUs (finished hands on the next tree)
+    queue = [(BLOCK_TIMES, tree) for tree in trees if pipelined] + [(c, trees[0]) for c in configs]
 
     def start(task, mine):
         return measure_blocks(pipelined[0], task[1], args, mine) if task[0] is BLOCK_TIMES else launch(*task, args, mine)
@@ -378,6 +383,8 @@ def main(argv=None):
             blocks[tree] = read_blocks(job)
         else:
             results[(config.label, tree)] = measure(config, tree, args, job)
+            if tree != trees[-1]:
+                return config, trees[trees.index(tree) + 1]
     runs.run_queue(queue, gpus, start, finished, width=lambda task: getattr(task[0], "nproc", 1) if args.parallel
                    else len(gpus))
     print("\n" + table(configs, trees, results, simulated(pipelined, trees, blocks)))

@@ -209,8 +209,9 @@ def start(flags, model_tag, tree=REPO, env=None, nproc=1, gpus=None, log=None, t
 def run_queue(queue, gpus, launch, finished, deadline=None, width=lambda task: 1):
     """Run the tasks of `queue` (a list; finished may add to it) over GPU slots (a GPU named twice in `gpus` is two):
     a task takes width(task) free slots, the first task in the queue that fits starting first; launch(task, its GPUs)
-    starts its Job, finished(task, job, its GPUs) takes it when it ends. No task starts after time.time() `deadline`;
-    returns the tasks left in the queue (also those wider than `gpus`)."""
+    starts its Job, finished(task, job, its GPUs) takes it when it ends, and may return a task to start at once on
+    the same GPUs (the same GPUs for runs to compare: GPUs differ by 2-3%). No task starts after time.time()
+    `deadline`; returns the tasks left in the queue (also those wider than `gpus`)."""
     running, free = [], list(range(len(gpus)))  # [(task, job, slots)], the slots no task holds
     while running or (queue and (deadline is None or time.time() < deadline)):
         for task in list(queue):
@@ -223,8 +224,12 @@ def run_queue(queue, gpus, launch, finished, deadline=None, width=lambda task: 1
         time.sleep(1)
         for item in [r for r in running if r[1].done()]:
             running.remove(item)
-            free = sorted(free + item[2])
-            finished(item[0], item[1], [gpus[s] for s in item[2]])
+            mine = [gpus[s] for s in item[2]]
+            follow = finished(item[0], item[1], mine)
+            if follow is not None and (deadline is None or time.time() < deadline):
+                running.append((follow, launch(follow, mine), item[2]))
+            else:
+                free = sorted(free + item[2])
     return queue
 
 

@@ -189,15 +189,15 @@ class ContextParallel(WholeSequence):
         return self.schedules[window]
 
     def _exchange(self, tensor, step, receive, send, like=None):
-        """Post step's messages: `tensor` to rank r+step, a buffer like it (or `like`) from rank r-step: (the buffer
-        or None, the requests). A negative step runs the ring backwards (the dK/dV going home)."""
+        """Post step's messages: `tensor` to rank r+step, a buffer like it (or `like`) from rank r-step: (the requests,
+        the buffer or None), for wait_for. A negative step runs the ring backwards (the dK/dV going home)."""
         ops, buffer = [], None
         if send:
             ops.append(dist.P2POp(dist.isend, tensor, self.layout.peer(cp=(self.rank + step) % self.size)))
         if receive:
             buffer = torch.empty_like(tensor if like is None else like)
             ops.append(dist.P2POp(dist.irecv, buffer, self.layout.peer(cp=(self.rank - step) % self.size)))
-        return buffer, (dist.batch_isend_irecv(ops) if ops else [])
+        return (dist.batch_isend_irecv(ops) if ops else []), buffer
 
     def _halves(self, t):
         return t[:, :, :self.chunk], t[:, :, self.chunk:]
@@ -209,7 +209,7 @@ class ContextParallel(WholeSequence):
         pending = self._exchange(mine, *steps[0]) if steps else None
         yield 0, False, mine
         for i, (step, _, send) in enumerate(steps):
-            buffer = wait_for(pending[1], pending[0])
+            buffer = wait_for(*pending)
             pending = self._exchange(mine, *steps[i + 1]) if i + 1 < len(steps) else None
             yield step, send, buffer
 
@@ -227,7 +227,7 @@ class ContextParallel(WholeSequence):
         qs, douts, outs, lses = (self._halves(t) for t in (q, dout, out, lse))
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dqs = self._halves(dq)
-        homecoming = []  # (buffer, requests): dK/dV of this rank's block from the ranks that used it
+        homecoming = []  # (requests, buffer): dK/dV of this rank's block from the ranks that used it
         for step, send, kv in self._ring(torch.stack([k, v]), window):
             # this rank's share of the gradients of rank r-step's block: into dq, and its dK/dV (fp32)
             dkv = None if kv is None else torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
@@ -241,8 +241,9 @@ class ContextParallel(WholeSequence):
                 dkv_mine = dkv
             else:  # home: the dK/dV of rank r-s's block go back to it; this block's come from rank r+s (roles reversed)
                 homecoming.append(self._exchange(dkv, -step, send, kv is not None, like=dkv_mine))
-        for buffer, requests in homecoming:
-            if wait_for(requests, buffer) is not None:
+        for pair in homecoming:
+            buffer = wait_for(*pair)
+            if buffer is not None:
                 dkv_mine += buffer
         # copies: a custom op's outputs may not alias each other (dK and dV share the buffer)
         return dq.to(q.dtype), dkv_mine[0].to(k.dtype, copy=True), dkv_mine[1].to(v.dtype, copy=True)

@@ -354,9 +354,6 @@ class GPT(nn.Module):
             raise ValueError(f"a sequence of {idx.size(1)} tokens runs past the rotary table ({self.rotary_len} positions)")
         cos, sin = cos.to(self.compute_dtype), sin.to(self.compute_dtype)
         x, x_mid = h.x, h.x_mid
-        for i in range(start, end):  # the lookups' ids to the host now, unless training queued them (l3.py)
-            if str(i) in self.l3:
-                self.l3[str(i)].ids_to_host(idx, unless_queued=True)
         for i in range(start, end):
             if i == self.backout_layer:
                 x_mid = x

@@ -20,8 +20,8 @@ The lookup, without a Python loop over tokens:
   block-diagonal; runs of <= L3_BLOCK_POSITIONS sorted positions with rows in a window of < 2 k_max rows are each a
   small masked attention, batched (bmm) in chunks under L3_CHUNK_BYTES. A hand-written backward recomputes each chunk,
   accumulating the table gradient in fp32 (nothing (sum d_t) x d is kept). The cutting up (_Plan) is done on the host,
-  from a copy of the ids queued early (ids_to_host; a training step queues all its micro-batches' at its start), so
-  that the forward never waits for the GPU.
+  from a copy of the ids that a training step queues for all its micro-batches at its start (ids_copied_ahead), so
+  that the forward in training never waits for the GPU.
 
 Parallelism: replicated over TP ranks (tensor_parallel.py says why); with sequence parallelism each rank looks up
 its own tokens (`token_share`) and the optimizer sums the partial gradients over TP. Dtypes follow gpt.py: fp32
@@ -372,25 +372,21 @@ class L3Layer(nn.Module):
         r = self.k_max if self.rows_per_token.is_meta else float(self.rows_per_token)
         return 6 * sum(p.numel() for p in self.dense_parameters()) + 12 * r * self.d_model
 
-    @eager
-    def ids_to_host(self, idx, unless_queued=False):
-        """Queue a copy of a forward's token ids (this rank's share) to the host, where the lookup plans. Training
-        queues a step's at its start (ids_copied_ahead), evaluation and sampling one as the blocks start (run_blocks):
-        when the lookup waits for it, the GPU still has work queued (a copy made at the lookup drains the queue, then
-        leaves the GPU idle while the host plans)."""
-        if unless_queued and self.ids_ahead:
-            return
+    def ids_to_host(self, idx):
+        """Start a copy of a forward's token ids (this rank's share) to the host, where the lookup plans: (host ids,
+        copy done event), for ids_ahead. Training starts a step's at its start (ids_copied_ahead), so that when a
+        lookup waits for its copy the GPU still has work queued (a copy made at the lookup, as evaluation and sampling
+        do, drains the queue, then leaves the GPU idle while the host plans)."""
         ids = self.token_share(idx).reshape(-1)
         if not ids.is_cuda:
-            self.ids_ahead.append((ids, None))
-            return
+            return ids, None
         host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True).copy_(ids, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
-        self.ids_ahead.append((host, done))
+        return host, done
 
     def host_ids(self, ids):
-        """ids (N,) on the host: the first copy queued by ids_to_host, or else a copy now, which waits."""
+        """ids (N,) on the host: the first copy queued by ids_to_host, or else (outside training) a copy now."""
         if not self.ids_ahead:
             return on_host(ids)
         host, done = self.ids_ahead.popleft()
@@ -432,10 +428,10 @@ def ids_copied_ahead(model, inputs):
     no data) start for the host at once, behind the loader's copies to the GPU, so that no lookup in the step drains
     the GPU's queue; each L3 layer's forwards take them in order, and must take them all."""
     layers = list(model.l3.values())
+    # one copy a micro-batch serves every layer: they see the same ids (the same share under sequence parallelism)
+    copies = [layers[0].ids_to_host(model.sequence.local(idx)) for idx in inputs if idx is not None] if layers else []
     for layer in layers:
-        for idx in inputs:
-            if idx is not None:
-                layer.ids_to_host(model.sequence.local(idx))
+        layer.ids_ahead.extend(copies)
     try:
         yield
         if any(layer.ids_ahead for layer in layers):

@@ -144,6 +144,32 @@ def test_run_queue_packs_runs_of_several_gpus(monkeypatch):
     assert started[:3] == [("a", (0, 1, 2, 3)), ("b", (0, 1)), ("c", (2,))]  # c beside b; d when two are free
 
 
+def test_run_queue_runs_a_follow_up_on_the_same_gpus(monkeypatch):
+    """runs.run_queue: a task that finished() hands on starts at once on the GPUs its predecessor had (a
+    configuration's runs in two trees compared on the same GPUs), even with another task waiting for them."""
+    from dev import runs
+    monkeypatch.setattr(runs.time, "sleep", lambda s: None)
+    started = []
+
+    class Job:
+        def __init__(self):
+            self.polls = 0
+        def done(self):
+            self.polls += 1
+            return self.polls >= 2
+
+    def launch(task, gpus):
+        started.append((task, tuple(gpus)))
+        return Job()
+
+    def finished(task, job, gpus):
+        return (task[0], "new") if task[1] == "old" else None
+    runs.run_queue([("a", "old"), ("b", "old"), ("c", "old")], [0, 1], launch, finished)
+    gpus = dict(started)
+    assert len(started) == 6 and all(gpus[(t, "new")] == gpus[(t, "old")] for t in "abc")
+    assert started.index((("c", "old"), gpus[("c", "old")])) > started.index((("a", "new"), gpus[("a", "new")]))
+
+
 def test_bench_train_table_ratios():
     from dev import bench_train
     configs = [c for c in bench_train.parallel_configs() if c.label.startswith("d26 m=16")]

@@ -139,7 +139,7 @@ def test_lookup_forward_never_waits_for_the_gpu_on_cuda():
         layer.to(device).zero_grad()
         xd, idsd = x.to(device).detach().requires_grad_(), ids.to(device)
         layer(xd, idsd)  # a first call allocates pinned host memory (which may sync), later ones reuse it
-        layer.ids_to_host(idsd)
+        layer.ids_ahead.append(layer.ids_to_host(idsd))
         layer.host_bounds()  # copied once per allocation
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error" if device == "cuda" else 0)
@@ -279,23 +279,24 @@ def test_a_steps_ids_are_copied_ahead_and_taken_in_order():
     them in order and give what a copy made at the lookup gives; a step that leaves some unread, or runs forwards out
     of order, is an error (never a lookup planned on another batch's ids), and leaves nothing queued."""
     torch.manual_seed(0)
-    model = build_model(tiny_l3_config(), "cpu")
-    layer = model.l3["0"]
-    layer.path = "blocked"
-    torch.nn.init.normal_(layer.w_mix.weight, std=0.02)
+    model = build_model(tiny_l3_config(l3_after_layers=(0, 1)), "cpu")  # two layers share each micro-batch's copy
+    layers = list(model.l3.values())
+    for layer in layers:
+        layer.path = "blocked"
+        torch.nn.init.normal_(layer.w_mix.weight, std=0.02)
     a, b = torch.randint(0, 256, (2, 32)), torch.randint(0, 256, (3, 32))
     want = [model(a, a), model(b, b)]
     with ids_copied_ahead(model, [a, b]):
-        assert len(layer.ids_ahead) == 2
+        assert all(len(layer.ids_ahead) == 2 for layer in layers)
         got = [model(a, a), model(b, b)]
-    assert all(torch.equal(g, w) for g, w in zip(got, want)) and not layer.ids_ahead
+    assert all(torch.equal(g, w) for g, w in zip(got, want)) and not any(layer.ids_ahead for layer in layers)
     with pytest.raises(RuntimeError, match="unread"):
         with ids_copied_ahead(model, [a, b]):
             model(a, a)
     with pytest.raises(RuntimeError, match="out of the order"):
         with ids_copied_ahead(model, [a, b]):
             model(b, b)
-    assert not layer.ids_ahead
+    assert not any(layer.ids_ahead for layer in layers)
 
 
 def test_compiled_forward_and_backward_cpu():
