@@ -112,6 +112,8 @@ class ContextParallel(WholeSequence):
     --recompute selective: running it again would exchange every K/V block again."""
 
     def __init__(self, layout, sequence_len, device, exchange="all-gather"):
+        if exchange not in ("all-gather", "ring"):
+            raise ValueError(f"context parallelism exchanges K/V by 'all-gather' or 'ring', not {exchange!r}")
         self.layout, self.size, self.rank, self.exchange = layout, layout.cp_size, layout.cp_rank, exchange
         self.sequence_len, self.chunk = sequence_len, sequence_len // (2 * layout.cp_size)
         self.chunks = rank_chunks(self.rank, self.size)

@@ -212,6 +212,8 @@ def test_all_gather_key_spans_are_whole_kernel_blocks():
     assert kinds(7, 32768) == [(28672, 32768, "causal"), (0, 28672, "none")]
     assert kinds(5, 6000) == [(20480, 24576, "causal"), (18576, 20480, "none"), (14480, 18576, "upper")]
     assert kinds(1, 6000) == [(4096, 8192, "causal"), (2192, 4096, "none"), (0, 2192, "band")]
+    with pytest.raises(ValueError, match="'all-gather' or 'ring'"):
+        cpm.ContextParallel(_Layout(0, 4), 32768, "cpu", "rings")  # never a silent fall-back to the all-gather
 
 
 def test_bad_layouts_are_clear_errors():
