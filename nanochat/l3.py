@@ -1,8 +1,7 @@
 """
 Large Lookup Layers (L3; Tseng & De Sa, arXiv 2601.21461): a per-token bank of learned rows, read with attention by
 the hidden state, added residually between blocks (gpt.py: x = x + l3(x, idx)). Token t owns rows [start_t, end_t)
-of one table E (n_emb x d), both keys and values (the paper's tied option: as good as two tables at d12 and faster,
-dev/LOG.md, 2026-11-21). For hidden x in R^d:
+of one table E (n_emb x d), keys and values both (tied: as good as two tables at d12, faster; dev/LOG.md, 2026-11-21):
 
     a   = softmax(E_t x)                  no 1/sqrt(d) scale, as in the paper
     u   = LayerNorm(W_up (E_t^T a))       no affine (W_mix absorbs a gain)
@@ -14,14 +13,13 @@ tokens, each new dictionary entry crediting its last token (every token starts w
 * credit_t, 1, k_max) with lambda bisected so that sum r_t = n_emb, then d_t = floor(r_t) and the rows left to the
 largest fractional parts (ties: lower id). Deterministic; kept as cumulative bounds in a buffer.
 
-The lookup, without a Python loop over tokens:
+The lookup, two ways:
 - padded (CPU reference): gather (N, max d_t, d) rows, mask the padding, softmax, weighted sum; autograd.
 - blocked (GPU; CPU when the padded gather is big or mostly padding): sorted by token id, the score matrix is
   block-diagonal; runs of <= L3_BLOCK_POSITIONS sorted positions with rows in a window of < 2 k_max rows are each a
-  small masked attention, batched (bmm) in chunks under L3_CHUNK_BYTES. A hand-written backward recomputes each chunk,
-  accumulating the table gradient in fp32 (nothing (sum d_t) x d is kept). The cutting up (_Plan) is done on the host,
-  from a copy of the ids that a training step queues for all its micro-batches at its start (ids_copied_ahead), so
-  that the forward in training never waits for the GPU.
+  small masked attention, batched (bmm) in chunks under L3_CHUNK_BYTES; the backward recomputes each chunk (the table
+  gradient in fp32). The cutting up (_Plan) runs on the host from a copy of the ids that a training step queues for
+  all its micro-batches at its start (ids_copied_ahead): in training the lookup never waits for the GPU.
 
 Parallelism: replicated over TP ranks (tensor_parallel.py says why); with sequence parallelism each rank looks up
 its own tokens (`token_share`) and the optimizer sums the partial gradients over TP. Dtypes follow gpt.py: fp32
@@ -60,8 +58,8 @@ def default_n_emb(vocab_size, k_max):
 # ---- Allocation: LZW credits -> rows per token ----
 
 def lzw_credits(tokens, vocab_size, max_entries=L3_LZW_MAX_ENTRIES):
-    """Per token (int64 array): 1 (its entry in LZW's initial dictionary) + the new dictionary entries (n-grams)
-    ending with it, over `tokens` (list, array or tensor). Keys are prefix code * vocab + token (faster than tuples)."""
+    """Per token (int64): 1 + the new LZW dictionary entries (n-grams) ending with it, over `tokens`. Keys are prefix
+    code * vocab + token (faster than tuples)."""
     tokens = np.asarray(tokens.cpu() if torch.is_tensor(tokens) else tokens, dtype=np.int64).reshape(-1)
     if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
         raise ValueError(f"token ids must lie in [0, {vocab_size}); got [{tokens.min()}, {tokens.max()}]")
@@ -178,10 +176,9 @@ def lookup_padded(x, ids, table, bounds):
 
 
 class _Plan:
-    """One batch cut up, on the host (numpy, from the ids' host copy: nothing here waits for the GPU), then moved to
-    the device in one copy. `order`: positions sorted by token id, `start`/`end` their row ranges (both
-    non-decreasing); block b: sorted positions first[b] .. first[b]+count[b]-1, window rows lo[b] .. lo[b]+width[b]-1;
-    chunk (i, j, w): blocks by_width[i:j] (widest first), padded to width w."""
+    """One batch cut up on the host (numpy), then moved to the device in one copy. `order`: positions sorted by token
+    id, `start`/`end` their row ranges (non-decreasing); block b: sorted positions first[b] + [0, count[b]), window
+    rows lo[b] + [0, width[b]); chunk (i, j, w): blocks by_width[i:j] (widest first), padded to width w."""
 
     def __init__(self, ids, bounds, block, max_rows, window, device):
         n = ids.size
@@ -221,8 +218,8 @@ class _Plan:
 
     def blocks(self, i, j, w, n_rows):
         """Chunk blocks by_width[i:j]: slot (blocks, block) sorted positions (padding repeats the block's first);
-        target (blocks * block,) each slot's output row (padding: spare row n, dropped; no host sync, unlike a boolean
-        index); rows (blocks, w) table rows (clamped); mask (blocks, block, w): the slot token's rows."""
+        target (blocks * block,) each slot's output row (padding: spare row n; no boolean index, no sync); rows
+        (blocks, w) table rows (clamped); mask (blocks, block, w): the slot token's rows."""
         b = self.by_width[i:j]
         k = torch.arange(self.block, device=b.device)
         valid = k < self.count[b, None]
@@ -239,8 +236,7 @@ def _block_attention(xb, kb, mask, acc):
 
 
 class _BlockedLookup(torch.autograd.Function):
-    """h = E_t^T softmax(E_t x) by blocks of sorted positions (see _Plan); backward recomputes each chunk's softmax
-    from the blocks' index tensors the forward kept."""
+    """h = E_t^T softmax(E_t x) by blocks of sorted positions (_Plan); the backward recomputes each chunk's softmax."""
 
     @staticmethod
     def forward(ctx, x, table, ids, bounds, block, max_rows, window):
@@ -264,9 +260,10 @@ class _BlockedLookup(torch.autograd.Function):
         acc = _acc_dtype(xs.dtype)
         gs = grad_h.to(xs.dtype).index_select(0, plan.order)
         dxs = xs.new_empty(xs.size(0) + 1, xs.size(1))  # + the spare row for padding slots
-        # fp32 table gradient (each block's bmm sums its slots in fp32). index_put_(accumulate) sorts the rows and
-        # sums duplicates in order, reading back to the host once a chunk (the lookup's only syncs); atomic adds
-        # (index_add_) do not sync but contend on a frequent token's shared rows: slower (dev/LOG.md, 2026-11-27)
+        # fp32 table gradient (each block's bmm sums its slots in fp32). An accumulating index_put sorts the rows and
+        # sums duplicates in order; atomic adds (index_add_) contend on a frequent token's shared rows: slower
+        # (dev/LOG.md, 2026-11-27). Unchecked (as autograd's own indexing backward calls it): the public index_put_
+        # reads the indices' range back to the host, once a chunk; these rows are clamped in range by _Plan.blocks
         de = torch.zeros(tc.shape, dtype=acc, device=tc.device)
         for slot, target, rows, mask in ctx.chunks:
             xb, eb = xs[slot], tc[rows]
@@ -277,7 +274,8 @@ class _BlockedLookup(torch.autograd.Function):
             dxs.index_copy_(0, target, torch.bmm(ds, eb).flatten(0, 1))
             # a row's gradient as a key and as a value, ds^T x + a^T g, summed inside one bmm (K = 2 block)
             lhs, rhs = torch.cat([ds, a.to(xs.dtype)], dim=1), torch.cat([xb, gb], dim=1)
-            de.index_put_((rows.flatten(),), torch.bmm(lhs.transpose(1, 2), rhs).flatten(0, 1).to(acc), accumulate=True)
+            grad_rows = torch.bmm(lhs.transpose(1, 2), rhs).flatten(0, 1).to(acc)
+            torch.ops.aten._index_put_impl_(de, (rows.flatten(),), grad_rows, accumulate=True, unsafe=True)
         dx = torch.empty_like(dxs[:-1]).index_copy_(0, plan.order, dxs[:-1])
         return dx, de.to(ctx.table_dtype), None, None, None, None, None
 
@@ -288,8 +286,7 @@ def on_host(t):
 
 
 def lookup_blocked(x, ids, table, bounds, block=L3_BLOCK_POSITIONS, chunk_bytes=L3_CHUNK_BYTES, window=None):
-    """x (N, d), ids (N,) -> h (N, d). ids and bounds are read on the host (numpy arrays, or tensors copied there).
-    window: >= every token's row count (k_max; None: read from bounds)."""
+    """x (N, d), ids (N,) -> h (N, d); ids, bounds on the host (or copied there); window >= k_max (None: bounds')."""
     ids, bounds = on_host(ids), on_host(bounds)
     if window is None:
         window = int((bounds[1:] - bounds[:-1]).max())
@@ -299,8 +296,7 @@ def lookup_blocked(x, ids, table, bounds, block=L3_BLOCK_POSITIONS, chunk_bytes=
 
 
 def choose_path(x, ids, bounds):
-    """"blocked" on CUDA; on CPU "padded" while its gather is small (<= L3_PADDED_MAX_BYTES) and at most
-    1.5x the useful rows, else "blocked" (faster beyond that in CPU measurements). One host sync."""
+    """"blocked" on CUDA; on CPU "padded" while its gather is <= L3_PADDED_MAX_BYTES and <= 1.5x the useful rows."""
     if x.is_cuda:
         return "blocked"
     count = bounds[ids + 1] - bounds[ids]
@@ -366,17 +362,15 @@ class L3Layer(nn.Module):
         return [self.w_up.weight, self.w_mix.weight]
 
     def estimate_flops(self):
-        """Training FLOPs per token: 6 * (W_up + W_mix params) + 12 r d, r the mean rows a training token reads
-        (scores 2 r d and mix 2 r d forward, twice that backward; k_max on the meta device, an upper bound). Useful
-        FLOPs only: as for masked attention, the blocked path's masked-out tile entries are not counted."""
+        """Useful training FLOPs per token: 6 * (W_up + W_mix params) + 12 r d, r the mean rows a training token reads
+        (scores and mix 2 r d each forward, twice that backward; k_max on the meta device); masked tiles not counted."""
         r = self.k_max if self.rows_per_token.is_meta else float(self.rows_per_token)
         return 6 * sum(p.numel() for p in self.dense_parameters()) + 12 * r * self.d_model
 
     def ids_to_host(self, idx):
-        """Start a copy of a forward's token ids (this rank's share) to the host, where the lookup plans: (host ids,
-        copy done event), for ids_ahead. Training starts a step's at its start (ids_copied_ahead), so that when a
-        lookup waits for its copy the GPU still has work queued (a copy made at the lookup, as evaluation and sampling
-        do, drains the queue, then leaves the GPU idle while the host plans)."""
+        """Start a copy of a forward's ids (this rank's share) to the host, where the lookup plans: (host ids, done
+        event), for ids_ahead. Queued at a step's start, so that a lookup waiting for it leaves the GPU work queued (a
+        copy at the lookup, as in evaluation and sampling, drains the queue and idles the GPU while the host plans)."""
         ids = self.token_share(idx).reshape(-1)
         if not ids.is_cuda:
             return ids, None
