@@ -1,13 +1,11 @@
 """
-Checkpoints under $NANOCHAT_BASE_DIR/base_checkpoints/<model_tag>/, per step: model_<step>.pt (full fp32 tensors by
-name), optim_<step>.pt (the optimizer's layout-free state), meta_<step>.json (config, loop state, every DP rank's
-dataloader state, flags, and a checksum of each tensor file); under PP or EP one model/optim file per stage and EP
-rank (_stage<k>, k = stage x EP + EP rank; EP ranks past the first hold their experts only), merged on load. Whole
-tensors: a checkpoint saved at one (DP, TP, PP, EP) layout loads at any. Files are written to a temporary name
-and renamed, meta last: a step counts as saved once its meta exists, so a killed save never damages an earlier one,
-and a failed one leaves none of its files. Loading unpickles nothing (weights_only, JSON) and refuses a
-file that no longer matches its checksum, non-finite weights and another tokenizer, naming the newest intact step.
-A run takes its folder for itself (run.lock), and a new run refuses a folder that holds another run's files.
+Checkpoints in $NANOCHAT_BASE_DIR/base_checkpoints/<model_tag>/, per step: model_<step>.pt (full fp32 tensors),
+optim_<step>.pt (layout-free optimizer state), meta_<step>.json (config, loop and dataloader states, flags, checksums).
+Under PP or EP one file per stage and EP rank (_stage<k>, k = stage x EP + EP rank; later EP ranks hold their experts
+only), merged on load: whole tensors, so any (DP, TP, PP, EP) layout loads any checkpoint. Files are written to a
+temporary name and renamed, meta last: a step is saved once its meta exists; a killed or failed save leaves no part of
+it. Loading unpickles nothing and refuses a file failing its checksum, non-finite weights and another tokenizer, naming
+the newest intact step. A run locks its folder (run.lock); a new run refuses a folder holding another run's files.
 """
 
 import os
@@ -22,9 +20,9 @@ import shutil
 import socket
 
 import torch
+from torch.utils._pytree import tree_leaves
 
-from nanochat.common import (UserError, get_base_dir, atomic_write_bytes, atomic_torch_save, base_dir_hint, print0,
-                             file_checksum)
+from nanochat.common import UserError, get_base_dir, atomic_write, base_dir_hint, print0, file_checksum, read_json
 
 
 class CheckpointError(UserError):
@@ -45,10 +43,9 @@ def nonfinite_tensors(state):  # names of the floating-point tensors holding a N
 
 
 def save_stage_files(ckpt_dir, step, model_state, optim_state, stage=0, num_stages=1):
-    """Write one pipeline stage's model and optimizer files (full CPU tensors), first deleting the .tmp.<pid> files
-    of interrupted saves; returns {file name: checksum}. A disk without room is named before writing, a failed
-    write by _write_failure_named."""
-    need = sum(t.numel() * t.element_size() for t in _tensors([model_state, optim_state]))
+    """Write one stage's model and optimizer files (full CPU tensors) after removing dead saves' .tmp.<pid> files;
+    returns {file name: checksum}. A disk without room is named before writing."""
+    need = sum(t.numel() * t.element_size() for t in tree_leaves([model_state, optim_state]) if torch.is_tensor(t))
     written = {}
     with _write_failure_named(ckpt_dir, step, need, written):
         os.makedirs(ckpt_dir, exist_ok=True)
@@ -60,23 +57,15 @@ def save_stage_files(ckpt_dir, step, model_state, optim_state, stage=0, num_stag
         for kind, state in (("model", model_state), ("optim", optim_state)):
             if state is not None:
                 path = _tensor_file(ckpt_dir, kind, step, stage, num_stages)
-                atomic_torch_save(state, path)
+                atomic_write(path, lambda f: torch.save(state, f))
                 written[os.path.basename(path)] = file_checksum(path)
     return written
 
 
-def _tensors(obj):
-    if torch.is_tensor(obj):
-        yield obj
-    elif isinstance(obj, (dict, list, tuple)):
-        for v in obj.values() if isinstance(obj, dict) else obj:
-            yield from _tensors(v)
-
-
 @contextlib.contextmanager
 def _write_failure_named(ckpt_dir, step, need, written=()):
-    """A write that fails (a full disk, a read-only or refused folder) stops with one line naming the file, the error
-    and the step that stays intact; the files of this step already written go (a step is whole or absent)."""
+    """A failed write (full disk, read-only folder) stops with one line naming the file, the error and the intact
+    step; this step's files already written go (a step is whole or absent)."""
     try:
         yield
     except (OSError, RuntimeError) as e:
@@ -104,8 +93,7 @@ def _no_space(ckpt_dir, step, need, free):
 
 
 def intact_hint(ckpt_dir, before=None):
-    """Where a run can go on from: the newest saved step (before `before`) whose files are all there and match their
-    checksums, as a phrase for error lines."""
+    """For error lines: the newest step (before `before`) whose files are all there and match their checksums."""
     for step in reversed(saved_steps(ckpt_dir)):
         if before is None or step < before:
             with contextlib.suppress(CheckpointError):
@@ -120,13 +108,13 @@ def process_alive(pid):
     except ProcessLookupError:
         return False
     except PermissionError:  # someone else's process, alive
-        return True
+        pass
     return True
 
 
 def take_lock(ckpt_dir):
-    """One run per checkpoint folder: create <ckpt_dir>/run.lock (host, PID, start time) or refuse, naming its holder;
-    a lock whose process is gone (on this host) is taken over, with a note. Returns its path, for release_lock."""
+    """Create <ckpt_dir>/run.lock (host, PID, start time) or refuse, naming its holder; a lock whose process is gone
+    (on this host) is taken over, with a note. Returns its path, for release_lock."""
     path = os.path.join(ckpt_dir, "run.lock")
     me = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     while True:
@@ -137,8 +125,7 @@ def take_lock(ckpt_dir):
             return path
         except FileExistsError:
             try:
-                with open(path) as f:
-                    holder = json.load(f)
+                holder = read_json(path)
             except (OSError, ValueError):  # written by a process killed at that moment
                 holder = {"host": me["host"], "pid": -1, "started": "?"}
         if holder["host"] != me["host"] or process_alive(holder["pid"]):
@@ -151,33 +138,28 @@ def take_lock(ckpt_dir):
 
 
 def release_lock(path):
-    with contextlib.suppress(OSError, ValueError):
-        if path and os.path.exists(path):
-            with open(path) as f:
-                mine = json.load(f).get("pid") == os.getpid()
-            if mine:
-                os.remove(path)
+    with contextlib.suppress(OSError, ValueError):  # gone already, or unreadable
+        if path and read_json(path).get("pid") == os.getpid():
+            os.remove(path)
 
 
 def lock_run(layout, device, ckpt_dir, fresh=False, start_over=False, checkpoint_bytes=0):
-    """Rank 0 takes the folder before anything is written there: the lock; for a fresh run, a folder that holds
-    another run's files refused (or with start_over those moved into replaced_<time>/); room for one checkpoint of
-    checkpoint_bytes. A refusal stops every rank with one line. Returns the lock's path (None on other ranks)."""
+    """Rank 0 takes the folder before anything is written: the lock, start_fresh for a fresh run, room for one
+    checkpoint of checkpoint_bytes. A refusal stops every rank with one line. Returns the lock (None off rank 0)."""
     from nanochat.distributed import agree_on_error
     lock, error = None, None
     if layout.rank == 0:
         try:
-            try:
-                lock = take_lock(ckpt_dir)
-            except OSError as e:  # a read-only base dir, a file where the folder should be, a full disk
-                raise CheckpointError(f"cannot write {e.filename or ckpt_dir} ({e.strerror}): set NANOCHAT_BASE_DIR to a "
-                                      f"folder you can write, or fix this one") from None
+            lock = take_lock(ckpt_dir)
             if fresh:
                 start_fresh(ckpt_dir, start_over)
             if checkpoint_bytes and (free := shutil.disk_usage(ckpt_dir).free) < checkpoint_bytes * 1.05:
                 raise CheckpointError(f"the disk of {ckpt_dir} has {_size(free)} free and one checkpoint of this run "
                                       f"needs about {_size(checkpoint_bytes)}: free some space, set NANOCHAT_BASE_DIR to "
                                       f"a disk with room, or save nothing (--save-every 0)")
+        except OSError as e:  # a read-only base dir, a file where the folder should be, a full disk
+            error = (f"cannot write {e.filename or ckpt_dir} ({e.strerror}): set NANOCHAT_BASE_DIR to a folder you can "
+                     f"write, or fix this one")
         except CheckpointError as e:
             error = str(e)
     if (error := agree_on_error(error, device)) is not None:
@@ -187,8 +169,7 @@ def lock_run(layout, device, ckpt_dir, fresh=False, start_over=False, checkpoint
 
 
 def start_fresh(ckpt_dir, start_over):
-    """A fresh run in a folder that holds another run's checkpoints or records: refused, naming the ways on; with
-    start_over its files are moved into replaced_<date>-<time>/ beside them (nothing is deleted)."""
+    """Another run's checkpoints or records here: refused, or with start_over moved into replaced_<date>-<time>/."""
     held = [f for f in os.listdir(ckpt_dir) if f == "metrics.jsonl" or re.match(r"(model|optim|meta)_\d+", f)]
     if not held:
         return
@@ -206,8 +187,8 @@ def start_fresh(ckpt_dir, start_over):
 
 
 def check_data_unchanged(resume_meta, data_dir, data_listing, resume_on_new_data=False):
-    """A checkpoint's data position means something only for the shards it was saved with: stop on others, unless
-    --resume-on-new-data (then read from the start). Returns whether the run goes on with new data."""
+    """A data position holds only for the shards it was saved with: others stop the run, unless --resume-on-new-data
+    (then they are read from the start). Returns whether the run goes on with new data."""
     from nanochat.dataset import listing_changes
     if "data_listing" not in resume_meta:  # saved without a listing (imported weights)
         return False
@@ -225,10 +206,10 @@ def check_data_unchanged(resume_meta, data_dir, data_listing, resume_on_new_data
 
 
 def save_meta(ckpt_dir, step, meta, num_stages=1):
-    """The meta file, last: it makes the step count as saved (with the checksums of its tensor files in it)."""
+    """The meta file (with its tensor files' checksums), last: it makes the step count as saved."""
     data = json.dumps(dict(meta, step=step, num_stages=num_stages), indent=2).encode()
     with _write_failure_named(ckpt_dir, step, len(data), written=meta.get("checksums", {})):
-        atomic_write_bytes(os.path.join(ckpt_dir, f"meta_{step:06d}.json"), data)
+        atomic_write(os.path.join(ckpt_dir, f"meta_{step:06d}.json"), data)
 
 
 def saved_steps(ckpt_dir):
@@ -242,17 +223,13 @@ def find_last_step(ckpt_dir):
     return steps[-1]
 
 
-def delete_checkpoint(ckpt_dir, step):
-    """The meta first (so the step stops counting as saved before its tensors go), then the tensor files."""
-    os.remove(os.path.join(ckpt_dir, f"meta_{step:06d}.json"))
-    for kind in ("model", "optim"):
-        for path in glob.glob(os.path.join(ckpt_dir, f"{kind}_{step:06d}*.pt")):
-            os.remove(path)
-
-
-def prune_checkpoints(ckpt_dir, keep_last):  # all but the newest keep_last
+def prune_checkpoints(ckpt_dir, keep_last):
+    """Delete all but the newest keep_last steps, each meta first (the step stops counting as saved), then tensors."""
     for step in saved_steps(ckpt_dir)[:-keep_last]:
-        delete_checkpoint(ckpt_dir, step)
+        os.remove(os.path.join(ckpt_dir, f"meta_{step:06d}.json"))
+        for kind in ("model", "optim"):
+            for path in glob.glob(os.path.join(ckpt_dir, f"{kind}_{step:06d}*.pt")):
+                os.remove(path)
 
 
 def _damaged(path, step, why):
@@ -265,14 +242,13 @@ def load_meta(ckpt_dir, step):
         raise CheckpointError(f"no checkpoint for step {step} in {ckpt_dir}; "
                               f"saved steps: {saved_steps(ckpt_dir) or 'none'}")
     try:
-        with open(path) as f:
-            return json.load(f)
+        return read_json(path)
     except ValueError as e:  # truncated or edited by hand
         raise _damaged(path, step, f"not a checkpoint's JSON: {type(e).__name__}: {e}") from None
 
 
 def _check_file(path, step, checksums):
-    """The file is there and matches the checksum its step recorded (checkpoints from before checksums: no check)."""
+    """The file is there and matches its recorded checksum (a checkpoint from before checksums: not checked)."""
     if not os.path.exists(path):
         raise CheckpointError(f"checkpoint step {step} is incomplete: {path} is missing")
     if (saved := checksums.get(os.path.basename(path))) and file_checksum(path) != saved:
@@ -280,8 +256,7 @@ def _check_file(path, step, checksums):
 
 
 def verify(ckpt_dir, step):
-    """Raise CheckpointError unless every file the step's meta lists is there and matches its checksum (a checkpoint
-    from before checksums: its model files are there)."""
+    """CheckpointError unless every file the meta lists matches its checksum (before checksums: model files exist)."""
     meta = load_meta(ckpt_dir, step)
     n, sums = meta.get("num_stages", 1), meta.get("checksums", {})
     for name in sums or [os.path.basename(_tensor_file(ckpt_dir, "model", step, s, n)) for s in range(n)]:
@@ -343,8 +318,8 @@ def latest_model_tag(base_dir=None):
 
 def load_model(model_tag=None, step=None, device="cpu", compute_dtype=torch.float32, base_dir=None, layout=None,
                tokenizer=None):
-    """(model, meta) for evaluation or sampling, from the latest tag and step unless given (meta["model_tag"]: the
-    tag). Full weights, sharded at TP > 1 (any checkpoint, any TP); `tokenizer`, if given, checked against it."""
+    """(model, meta with "model_tag") for evaluation or sampling, by default of the latest tag and step; full weights,
+    sharded at TP > 1 (any checkpoint, any TP); `tokenizer`, if given, checked against it."""
     from nanochat.gpt import GPTConfig, build_model
     model_tag = model_tag or latest_model_tag(base_dir)
     ckpt_dir = checkpoint_dir(model_tag, base_dir)
@@ -383,8 +358,7 @@ def load_model_state(model, full_state):
 
 
 def full_model_state(model, keep=lambda name: True):
-    """Full CPU tensors by name: a collective over TP (tensor parallel) and DP (sharded weights); every rank takes
-    part in the gathers, and keeps (copies to the CPU) the tensors whose name passes `keep`."""
+    """Full CPU tensors by name, those passing `keep`; a collective over TP and DP (sharded weights): every rank."""
     from nanochat import tensor_parallel as tp
     from nanochat.sharding import whole_over_dp
     own = {**dict(model.named_parameters()), **dict(model.named_buffers())}
@@ -397,12 +371,11 @@ def full_model_state(model, keep=lambda name: True):
 
 
 def whole_model_copy(model, layout):
-    """A whole copy of a tensor-parallel, pipelined, expert-parallel or sharded model on every rank, for CORE and
-    sampling (sequences of any length, which neither PP's fixed-shape messages nor SP's equal split can take, and
-    calls the ranks of an EP group do not make together); one full model (plus a CPU copy of the local part) per rank
-    while it lives. Collectives: those of full_model_state; under PP (then EP: the experts) all_gather_object (which
-    tensors each rank holds) and one broadcast per tensor, over the PP group (the EP group)."""
+    """A whole copy of a TP, PP, EP or sharded model on every rank, for CORE and sampling (any sequence length, which
+    PP's fixed-shape messages and SP's equal split cannot take; calls an EP group's ranks do not make together).
+    Collectives: full_model_state's; over the PP (then EP) group, gather_objects (who holds what), a broadcast each."""
     import torch.distributed as dist
+    from nanochat.distributed import gather_objects
     from nanochat.gpt import build_model
     from nanochat.expert_parallel import is_expert
     device = next(model.parameters()).device
@@ -414,10 +387,8 @@ def whole_model_copy(model, layout):
              is_expert)):
         if size == 1:
             continue
-        held = [None] * size  # per rank of the group: name -> (shape, dtype) of the tensors it holds
         mine = {n: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in state.items() if shares(n)}
-        dist.all_gather_object(held, mine, group=group)
-        for r, tensors in enumerate(held):
+        for r, tensors in enumerate(gather_objects(mine, group)):  # per rank: name -> (shape, dtype) of what it holds
             for name, (shape, dtype) in tensors.items():
                 t = state[name].to(device) if r == rank else \
                     torch.empty(shape, dtype=getattr(torch, dtype), device=device)

@@ -5,6 +5,7 @@ and progress, the scripts' --help (defaults shown), and the error a script print
 """
 
 import os
+import json
 import zlib
 import argparse
 import functools
@@ -15,8 +16,8 @@ import statistics
 
 
 class UserError(RuntimeError):
-    """Bad input or state: the message names the file or flag and what to do; a script prints it as one line (fail),
-    not a traceback. every_rank: the error is this rank's alone (not agreed on): each rank that meets it prints it."""
+    """Bad input or state, printed by a script as one line (fail), not a traceback: the message names the file or flag
+    and what to do. every_rank: this rank's alone (not agreed on), printed by each rank that meets it."""
     every_rank = False
 
 
@@ -56,12 +57,15 @@ class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def atomic_write(path, write):
-    """write(f) into a temporary file beside `path`, fsync, then rename over it: a crash leaves the old file intact."""
+def atomic_write(path, data):
+    """`data` (bytes, or a function writing to a file) to a temporary file, fsync, rename over `path`: crash-safe."""
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
-            write(f)
+            if isinstance(data, bytes):
+                f.write(data)
+            else:
+                data(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -71,13 +75,17 @@ def atomic_write(path, write):
         raise
 
 
-def atomic_write_bytes(path, data: bytes):
-    atomic_write(path, lambda f: f.write(data))
+def read_json(path, default=None):
+    """The JSON in `path`, or `default` (unless None) when there is no such file."""
+    if default is not None and not os.path.exists(path):
+        return default
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
 
 
 def file_checksum(path):
-    """CRC-32 of a file, which checkpoints, the tokenizer and exports record at save and check at load: it catches a
-    damaged or truncated file (not an attack: loading unpickles nothing) at about 3x SHA-256's speed (7 GB/s a core)."""
+    """CRC-32 of a file, recorded by checkpoints, the tokenizer and exports: it catches a damaged or truncated file (not
+    an attack: loading unpickles nothing) at about 3x SHA-256's speed (7 GB/s a core)."""
     crc = 0
     with open(path, "rb") as f:
         while chunk := f.read(1 << 24):
@@ -85,18 +93,11 @@ def file_checksum(path):
     return f"crc32:{crc:08x}"
 
 
-def atomic_torch_save(obj, path):
-    import torch
-    atomic_write(path, lambda f: torch.save(obj, f))
-
-
 # ---- Device and dtype (torch is imported where it is needed: the data, report and tokenizer tools start without it)
 
 def autodetect_device_type():
     import torch
-    if torch.cuda.is_available():
-        return "cuda"
-    return "mps" if torch.backends.mps.is_available() else "cpu"
+    return "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
 
 
 # fp16 is not offered: it would need loss scaling, which the training loop does not do
@@ -145,8 +146,8 @@ def cuda_time_ms(fn, repeats=20, warmup=3):
 
 
 def eager(fn):
-    """torch.compiler.disable(fn), asked for only while compiling: the decorator itself would load torch's compiler,
-    seconds in every process, most of which never compile. Outside a trace disabling is a no-op anyway."""
+    """torch.compiler.disable(fn), asked for only while compiling: the decorator would load torch's compiler (seconds)
+    in every process, most of which never compile; outside a trace it is a no-op anyway."""
     import torch
 
     @functools.wraps(fn)
@@ -165,8 +166,7 @@ def _process_group():
     return dist if dist is not None and dist.is_initialized() else None
 
 
-def get_rank():
-    """This process's global rank: torchrun's RANK until the process group exists (errors before it print once)."""
+def get_rank():  # torchrun's RANK until the process group exists (errors before it print once)
     return dist.get_rank() if (dist := _process_group()) else int(os.environ.get("RANK", 0))
 
 
@@ -199,8 +199,8 @@ def duration(seconds):  # 3m07s, or 1h02m
 
 
 class Progress:
-    """Prints `label: i/total` with time spent and left, on rank 0 at most every `every` seconds: a loop longer than
-    a few seconds is never silent, a short one prints nothing."""
+    """`label: i/total` with time spent and left, on rank 0 at most every `every` seconds: a long loop is never silent,
+    a short one prints nothing."""
 
     def __init__(self, label, total, unit="batches", every=10.0):
         self.label, self.total, self.unit, self.every = label, total, unit, every

@@ -14,28 +14,17 @@ or with --cp-exchange ring (point to point):
 and for evaluation:
   all_gather         per-token losses (loss_reduction="none")
 
-Load balance (head-tail): a sequence of T tokens is cut into 2N chunks of c = T/2N; rank r holds chunks r and
-2N-1-r side by side, so that under causal attention every rank attends to as many keys (attention_work).
+Head-tail load balance: the T tokens are cut into 2N chunks of c = T/2N, rank r holding chunks r and 2N-1-r side by
+side, so that under causal attention every rank attends to as many keys (attention_work). Only rotary (global
+positions), the smear of the token before (embedded here from the whole ids every CP rank holds: no message) and the
+loss's scale see the cut (ContextParallel's methods); all else in the model is per token.
 
-Across positions: rotary turns each token by its global position; a chunk's first token smears in the embedding of
-the token before it, which each rank embeds itself from the whole (B, T) ids it holds (CP peers read the same
-batches), with no message; value embeddings, L3, backout, norms and the MLP are per token; the loss is each rank's
-tokens', scaled so that the gradients summed over DP x CP are the whole sequences'.
-
-Attention is one custom op, so that torch.compile keeps its messages out of its graphs. The all-gather: each query
-chunk attends to the whole sequence's keys in at most three blocks the kernels take whole (key_spans), merged by their
-log-sum-exp. On four H200s at 32K tokens, SSSL, CP 4 it trained 1.08x as fast as the ring at d12 and d20 (in full
-layers its collectives move the bytes of the ring's N-1 dependent steps in fewer, larger kernels; a short window's
-layer moves more, the backward fewer: dK/dV in bf16, not fp32); at CP 2 the ring was 1.03x as fast (dev/LOG.md).
-
-The ring: step 0 attends this rank's query chunks to its own K/V; at step s = 1 .. N-1 each rank sends its K/V to rank r+s and receives rank
-r-s's, the next step's transfer posted before this step's compute so that it runs behind it. Each block goes
-straight to the rank that needs it (on NVLink a shift by s costs what a shift by one does), and a pair of chunks
-runs only where some key is visible (never the future, never `window` or more back): a window within a chunk
-exchanges with its neighbours' ranks only. Each pair returns its log-sum-exp (kernels.attention_block, else
-block_attention below) and the partial outputs merge by it, in fp32. The backward repeats the exchanges; each rank
-computes its share of dK/dV for the block it holds (from the merged output and log-sum-exp) and sends it straight
-home in fp32, where the owner adds up what arrives.
+Attention is one custom op, so that torch.compile keeps its messages out of its graphs. Blocks of queries x keys
+merge by their log-sum-exp, in fp32. The all-gather runs each query chunk over at most three blocks (key_spans);
+the ring, only pairs of chunks where some key is visible (never the future, never `window` or more back), each
+block sent straight to the rank that needs it (on NVLink a shift by s costs what a shift by one does) and its dK/dV
+straight home. On four H200s at 32K tokens, SSSL, CP 4, the all-gather trained 1.08x as fast as the ring at d12 and
+d20 (the ring's N-1 dependent steps in fewer, larger kernels); at CP 2 the ring was 1.03x as fast (dev/LOG.md).
 """
 
 import torch
@@ -69,18 +58,13 @@ def block_visible(offset, chunk, window):
 def attention_work(rank, size, sequence_len, window):
     """Query-key pairs rank `rank` attends to (one head, one sequence): equal on every rank (head-tail)."""
     c = sequence_len // (2 * size)
-    total = 0
-    for a in rank_chunks(rank, size):
-        for b in range(2 * size):
-            if block_visible(block_offset(a, b, c), c, window):
-                total += int(band_mask(c, c, block_offset(a, b, c), window, "cpu").sum())
-    return total
+    offsets = [block_offset(a, b, c) for a in rank_chunks(rank, size) for b in range(2 * size)]
+    return sum(int(band_mask(c, c, o, window, "cpu").sum()) for o in offsets if block_visible(o, c, window))
 
 
 # --- the reference math of one block (what kernels.attention_block computes) ------------------------------------
 def block_attention(q, k, v, offset, window):
-    """Attention of q (B, Hq, c, D) to the keys k/v (B, Hkv, c, D) `offset` tokens before it, with each query's
-    log-sum-exp of scaled scores: (out, lse (B, Hq, c) fp32). The softmax written out, in fp32."""
+    """q (B, Hq, c, D) over keys k/v (B, Hkv, c, D) `offset` tokens back: (out, lse (B, Hq, c) fp32); math in fp32."""
     if kernels.takes_attention_block(q, k, offset, window):
         return kernels.attention_block(q, k, v, offset, window)
     k, v = expand_heads(q, k, v)
@@ -108,8 +92,7 @@ def block_attention_backward(dout, q, k, v, out, lse, offset, window):
 
 # --- this rank's share of the sequence -------------------------------------------------------------------------
 class ContextParallel(WholeSequence):
-    """This rank's chunks of every sequence, and what the model asks of them (module docstring). CP attention is kept by
-    --recompute selective: running it again would exchange every K/V block again."""
+    """This rank's chunks of each sequence; --recompute selective keeps CP attention (a rerun would exchange again)."""
 
     def __init__(self, layout, sequence_len, device, exchange="all-gather"):
         if exchange not in ("all-gather", "ring"):
@@ -157,9 +140,8 @@ class ContextParallel(WholeSequence):
         return cp_attention(q, k, v, window, self.id)[0]
 
     def loss(self, criterion, x, lm_head, targets, reduction):
-        """The loss on this rank's tokens of the whole (B, T) targets. "mean": this rank's sum x N / the whole
-        sequences' target count (its mean over CP is the whole mean); "none": every token's loss (B, T), gathered
-        over CP (evaluation); "sum": this rank's tokens'."""
+        """Loss on this rank's tokens of the (B, T) targets. "mean": this rank's sum x N / all target tokens (its CP
+        mean is the whole mean); "none": every token's loss (B, T), all-gathered over CP (evaluation); "sum": mine."""
         mine = self.local(targets)
         if reduction == "mean":
             return criterion(x, lm_head, mine, "sum") * self.size / (targets != -1).sum()
@@ -173,13 +155,9 @@ class ContextParallel(WholeSequence):
     # --- the ring ----------------------------------------------------------------------------------------------
     def visible_pairs(self, q_rank, k_rank, window):
         """[(a, b, offset)]: q_rank's query chunk a (0 or 1) sees some keys of k_rank's chunk b, offset apart."""
-        pairs = []
-        for a, qc in enumerate(rank_chunks(q_rank, self.size)):
-            for b, kc in enumerate(rank_chunks(k_rank, self.size)):
-                offset = block_offset(qc, kc, self.chunk)
-                if block_visible(offset, self.chunk, window):
-                    pairs.append((a, b, offset))
-        return pairs
+        pairs = [(a, b, block_offset(qc, kc, self.chunk)) for a, qc in enumerate(rank_chunks(q_rank, self.size))
+                 for b, kc in enumerate(rank_chunks(k_rank, self.size))]
+        return [(a, b, offset) for a, b, offset in pairs if block_visible(offset, self.chunk, window)]
 
     def schedule(self, window):
         """[(step, receive, send)], s = 1 .. N-1: whether rank r-s's K/V are needed here, and this rank's at r+s.
@@ -205,8 +183,7 @@ class ContextParallel(WholeSequence):
         return t[:, :, :self.chunk], t[:, :, self.chunk:]
 
     def _ring(self, mine, window):
-        """Per step, this rank's own first: (step, whether this rank's K/V went to rank r+step, rank r-step's K/V or
-        None); each step's messages are posted before the step before it computes."""
+        """(step, whether my K/V went to r+step, r-step's K/V or None) per step, own first; each posted a step ahead."""
         steps = self.schedule(window)
         pending = self._exchange(mine, *steps[0]) if steps else None
         yield 0, False, mine
@@ -235,10 +212,9 @@ class ContextParallel(WholeSequence):
             dkv = None if kv is None else torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
             for a, b, offset in self.visible_pairs(self.rank, (self.rank - step) % self.size, window):  # none without kv
                 kb, vb, dkb, dvb = (self._halves(t)[b] for t in (kv[0], kv[1], dkv[0], dkv[1]))
-                dq_ab, dk_ab, dv_ab = block_attention_backward(douts[a], qs[a], kb, vb, outs[a], lses[a], offset, window)
-                dqs[a].add_(dq_ab)
-                dkb.add_(dk_ab)
-                dvb.add_(dv_ab)
+                grads = block_attention_backward(douts[a], qs[a], kb, vb, outs[a], lses[a], offset, window)
+                for total, grad in zip((dqs[a], dkb, dvb), grads):
+                    total.add_(grad)
             if step == 0:
                 dkv_mine = dkv
             else:  # home: the dK/dV of rank r-s's block go back to it; this block's come from rank r+s (roles reversed)
@@ -255,8 +231,7 @@ class ContextParallel(WholeSequence):
         """[(first key, end, offset)]: the keys query chunk `chunk` sees, as blocks the kernels take whole: its own
         chunk (causal), the keys before it that all its queries see (none), and those only some see: a chunk's length
         one window back (upper), or less where the sequence starts (a band). Offset: first query - first key."""
-        c = self.chunk
-        start = chunk * c
+        c, start = self.chunk, chunk * self.chunk
         all_see = max(0, start + c - window)  # keys from here to `start` are in every query's window
         spans = [(start, start + c, 0)]
         if all_see < start:
@@ -288,10 +263,10 @@ class ContextParallel(WholeSequence):
 
     def gather_forward(self, q, k, v, window):
         """(out, lse) of this rank's queries: own chunks' diagonals while every rank's K/V are gathered, then the rest."""
-        qs, merged, kv = self._halves(q), [], torch.stack([k, v])
+        qs, kv = self._halves(q), torch.stack([k, v])
         gathered, work = self._post_gather(kv)
-        for a, (ka, va) in enumerate(zip(self._halves(kv[0]), self._halves(kv[1]))):
-            merged.append(merge(None, *block_attention(qs[a], ka, va, 0, window)))
+        merged = [merge(None, *block_attention(qa, ka, va, 0, window))
+                  for qa, ka, va in zip(qs, self._halves(kv[0]), self._halves(kv[1]))]
         whole = self._in_order(gathered, work)
         for a, chunk in enumerate(self.chunks):
             for lo, hi, offset in self.key_spans(chunk, window)[1:]:
@@ -300,8 +275,7 @@ class ContextParallel(WholeSequence):
         return torch.cat([m[0] for m in merged], dim=2).to(q.dtype), torch.cat([m[1] for m in merged], dim=2)
 
     def gather_backward(self, dout, q, k, v, out, lse, window):
-        """(dq, dk, dv): the keys' gradients of every block off the diagonals summed over CP by a reduce-scatter, which
-        runs behind the diagonals' backward."""
+        """(dq, dk, dv); dK/dV off the diagonals summed over CP by a reduce-scatter, behind the diagonals' backward."""
         qs, douts, outs, lses = (self._halves(t) for t in (q, dout, out, lse))
         kv = torch.stack([k, v])
         whole = self._in_order(*self._post_gather(kv))
@@ -310,11 +284,10 @@ class ContextParallel(WholeSequence):
         dqs = self._halves(dq)
         for a, chunk in enumerate(self.chunks):
             for lo, hi, offset in self.key_spans(chunk, window)[1:]:
-                dq_a, dk, dv = block_attention_backward(douts[a], qs[a], whole[0][..., lo:hi, :], whole[1][..., lo:hi, :],
-                                                        outs[a], lses[a], offset, window)
-                dqs[a].add_(dq_a)
-                dwhole[0][..., lo:hi, :] += dk
-                dwhole[1][..., lo:hi, :] += dv
+                grads = block_attention_backward(douts[a], qs[a], whole[0][..., lo:hi, :], whole[1][..., lo:hi, :],
+                                                 outs[a], lses[a], offset, window)
+                for total, grad in zip((dqs[a], dwhole[0][..., lo:hi, :], dwhole[1][..., lo:hi, :]), grads):
+                    total.add_(grad)
         del whole  # so that beside the fp32 gradients there is one sequence's K/V or their compute-dtype gradients
         # summed over CP in K/V's dtype: half fp32's bytes, each rank's share rounded once before the sum
         by_rank = k.new_empty((self.size, *dwhole.shape[:-2], 2 * self.chunk, dwhole.size(-1)))
@@ -322,9 +295,8 @@ class ContextParallel(WholeSequence):
             mine.copy_(seq)
         dkv = by_rank.new_empty(by_rank.shape[1:])
         work = reduce_scatter_single(dkv, by_rank.flatten(0, 1), group=self.layout.cp_group, async_op=True)
-        diagonal = []
-        for a, (ka, va) in enumerate(zip(self._halves(kv[0]), self._halves(kv[1]))):
-            diagonal.append(block_attention_backward(douts[a], qs[a], ka, va, outs[a], lses[a], 0, window))
+        diagonal = [block_attention_backward(*args, 0, window)
+                    for args in zip(douts, qs, self._halves(kv[0]), self._halves(kv[1]), outs, lses)]
         work.wait()
         for a, (dq_a, _, _) in enumerate(diagonal):
             dqs[a].add_(dq_a)
@@ -338,8 +310,7 @@ def finite(lse):
 
 
 def merge(merged, out, lse):
-    """Add a block's partial attention (out, lse) to the running (out fp32, lse), weighting each by its share of
-    the softmax's normalizer: exp(lse_part - lse_total)."""
+    """Add a block's partial (out, lse) to the running (out fp32, lse), each weighted by exp(its lse - the total's)."""
     if merged is None:
         return out.float(), lse
     total_out, total_lse = merged
@@ -366,7 +337,6 @@ def ring_in_one_process(q, k, v, dout, N, window):
     return torch.cat([outs[i][0] for i in range(2 * N)], dim=2), dq, dk, dv
 
 
-# --- attention over CP as one op: torch.compile calls it and keeps its messages out of the graph -------------
 @torch.library.custom_op("nanochat::cp_attention", mutates_args=())
 def cp_attention(q: Tensor, k: Tensor, v: Tensor, window: int, view: int) -> tuple[Tensor, Tensor]:
     cp = CONTEXTS[view]
@@ -395,8 +365,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dout, dlse):
     # lse is an output for the backward's sake only: nothing downstream differentiates it
     q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = cp_attention_backward(dout.contiguous(), q, k, v, out, lse, ctx.window, ctx.view)
-    return dq, dk, dv, None, None
+    return *cp_attention_backward(dout.contiguous(), q, k, v, out, lse, ctx.window, ctx.view), None, None
 
 
 cp_attention.register_autograd(_backward, setup_context=_setup_context)

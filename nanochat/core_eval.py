@@ -1,8 +1,6 @@
 """
-The DCLM CORE metric: in-context learning on the 22 tasks of the DCLM "core" set (DCLM / llm-foundry ICL protocol).
-The bundle folder: core.yaml lists the tasks, eval_meta_data.csv their random-guess accuracy (%),
-eval_data/<dataset_uri> one JSON record per line.
-
+The DCLM CORE metric: in-context learning on the 22 tasks of DCLM's "core" set (llm-foundry's ICL protocol). The bundle:
+core.yaml lists the tasks, eval_meta_data.csv their random-guess accuracy (%), eval_data/<dataset_uri> JSON lines.
 Each option's whole prompt (few-shot examples first) is tokenized at once, so the continuation keeps the tokens the
 model would see (" Paris", not " " "Paris"); a prompt longer than the context loses its start. Multiple choice and
 schema: the lowest mean cross-entropy wins; language modeling: correct iff the argmax is right at every continuation
@@ -17,7 +15,6 @@ import random
 import shutil
 import zipfile
 import urllib.request
-from dataclasses import dataclass
 from collections import namedtuple
 
 import numpy as np
@@ -113,14 +110,8 @@ def find_eval_bundle(path=None, layout=None):
     return _find_or_download(path)
 
 
-@dataclass(frozen=True)
-class Task:
-    label: str
-    task_type: str  # multiple_choice | schema | language_modeling
-    num_fewshot: int
-    delimiter: str  # between context and continuation
-    baseline: float  # accuracy of random guessing, as a fraction
-    path: str  # the jsonl file
+# a core.yaml task: task_type in TASK_KEYS; delimiter precedes the continuation; baseline: random accuracy (0-1)
+Task = namedtuple("Task", ["label", "task_type", "num_fewshot", "delimiter", "baseline", "path"])
 
 
 def load_bundle(bundle_dir):
@@ -175,8 +166,8 @@ def load_records(task):
 
 
 def fewshot_indices(idx, n, k):
-    """k distinct indices of [0, n) other than idx, the same on every call for the same item."""
-    # sample from the n-1 other items without building their list (tasks have up to 20k items)
+    """k distinct indices of [0, n) other than idx, the same on every call for the same item (sampled from the n-1
+    others without building their list: tasks have up to 20k items)."""
     return [j + (j >= idx) for j in random.Random(FEWSHOT_SEED + idx).sample(range(n - 1), max(0, min(k, n - 1)))]
 
 
@@ -203,9 +194,7 @@ def render_item(task, records, idx):
 
 def common_prefix_len(seqs):
     m = min(len(s) for s in seqs)
-    same = np.ones(m, dtype=bool)
-    for s in seqs[1:]:
-        same &= seqs[0][:m] == s[:m]
+    same = np.all([s[:m] == seqs[0][:m] for s in seqs], axis=0)
     return m if same.all() else int(np.argmin(same))
 
 
@@ -245,7 +234,7 @@ def prepare_items(task, records, indices, tokenizer, max_len):
 
 @torch.no_grad()
 def score_rows(model, rows, starts, device):
-    """One forward pass over right-padded rows. Per row (lists): the mean cross-entropy over its continuation
+    """One forward pass over right-padded rows; per row (lists): the mean cross-entropy over its continuation
     rows[i][starts[i]:], and whether the argmax matched every continuation token."""
     lengths = np.array([len(r) for r in rows])
     ids = np.zeros((len(rows), lengths.max()), dtype=np.int64)  # the pad id is irrelevant: never read
@@ -281,8 +270,8 @@ def item_batches(items, batch_tokens):
 
 def evaluate_task(model, tokenizer, task, records, device, max_per_task=-1, layout=None,
                   batch_tokens=DEFAULT_BATCH_TOKENS, cache=None):
-    """(accuracy, number of items) over the first max_per_task items (-1: all), strided over DP ranks.
-    `cache` (a dict) keeps the tokenized items for the next call (training evaluates them again and again)."""
+    """(accuracy, items) over the first max_per_task items (-1: all), strided over DP ranks; `cache` (a dict) keeps
+    the tokenized items for the next call (training evaluates them again and again)."""
     n = len(records) if max_per_task is None or max_per_task < 0 else min(max_per_task, len(records))
     dp_rank, dp_size = (layout.dp_rank, layout.dp_size) if layout is not None else (0, 1)
     max_len = model.config.sequence_len
@@ -325,8 +314,8 @@ def core_score(results):  # the mean centered accuracy over the tasks that ran
 
 def evaluate_core(model, tokenizer, device, bundle_dir, max_per_task=-1, layout=None,
                   batch_tokens=DEFAULT_BATCH_TOKENS, cache=None):
-    """Every task of the bundle whose data file exists: {"core", "tasks_run", "tasks_total", "results": {label:
-    {"accuracy", "centered", "items", "seconds"}}, "missing": [labels]}."""
+    """Every task of the bundle with a data file: {"core", "tasks_run", "tasks_total", "missing": [labels],
+    "results": {label: {"accuracy", "centered", "items", "seconds"}}}."""
     tasks, missing = load_bundle(bundle_dir)
     if not tasks:
         raise EvalBundleError(f"none of the tasks in {bundle_dir}/core.yaml has its data file under eval_data/")
@@ -354,8 +343,8 @@ _TRAINING_CACHE = {}  # tokenized items and the bundle's location, kept across a
 
 
 def evaluate_core_for_training(model, tokenizer, device, layout, eval_bundle, max_per_task):
-    """CORE from inside base_train, or None with a one-line note when there is no bundle (never stops the
-    run). `model` takes whole sequences (training.Trainer.whole_model)."""
+    """CORE inside base_train (`model` takes whole sequences: training.Trainer.whole_model), or None with a one-line
+    note when there is no bundle (never stops the run)."""
     key = ("bundle", eval_bundle)
     if key not in _TRAINING_CACHE:  # look (and maybe download) once per run
         try:

@@ -1,7 +1,6 @@
 """
-Data parallelism, written out (no DDP wrapper): every DP rank runs its own micro-batches; gradients are summed over
-the DP group, and the optimizer's work is shared out so that no two ranks compute the same update (ZeRO-2:
-optimizer state and updates sharded). Parameter sharding (ZeRO-3, sharding.py) builds on the same ownership.
+Data parallelism, written out (no DDP wrapper): gradients are summed over the DP group and the optimizer's work is
+shared out, no two ranks computing the same update (ZeRO-2; ZeRO-3, sharding.py, builds on the same ownership).
 
 Collectives, all over the DP group (gloo has no AVG everywhere: gradients are summed, then divided by W):
   reduce_scatter_tensor   per Muon round: its W gradients -> this rank's matrix, summed
@@ -18,10 +17,8 @@ consecutive matrices, rank r owning matrix r of every round, whole (Muon orthogo
 matrices are neighbouring layers, whose gradients are final together); AdamW tensors of >= 1024 elements whose first
 dim divides by W are owned by rows; the other AdamW tensors are summed as one flat buffer and updated everywhere.
 
-Overlap (--overlap-grad-reduce): before the last micro-batch's backward the step calls prepare_last_backward(); a
-post-accumulate-grad hook counts each bucket down, and a bucket whose gradients are final launches its collective
-while the backward runs on, in one order on every rank (collectives on a group must): rank 0's readiness order in
-its first overlapped backward (broadcast; that step launches everything after the backward).
+Overlap (--overlap-grad-reduce): in the last micro-batch's backward each bucket launches once its gradients are final
+(post-accumulate-grad hooks), in one order on every rank: rank 0's readiness order in its first overlapped backward.
 """
 
 import math
@@ -39,9 +36,6 @@ class RoundRobin:
     def __init__(self, K, W, rank):
         self.K, self.W, self.rank = K, W, rank
         self.rounds = math.ceil(K / W)
-
-    def round(self, g):
-        return range(g * self.W, min((g + 1) * self.W, self.K))
 
     def owned(self, j):
         """Index of this rank's j-th matrix, or None where the padding falls."""
@@ -69,13 +63,12 @@ class GradBucket:
         self.reset()
 
     def reset(self):
-        self.remaining = len(self.params)  # members whose gradient is not final yet (overlap only)
-        self.ready = self.launched = False
+        self.remaining = len(self.params)  # members whose gradient is not final yet (overlap only; none: ready)
+        self.launched = False
         self.work = self.result = None  # the collective in flight; what the step reads once it is done
 
     def start(self):
-        self.work = self.launch(self)
-        self.launched = True
+        self.work, self.launched = self.launch(self), True
 
     def wait(self):
         if self.work is not None:
@@ -83,14 +76,12 @@ class GradBucket:
 
 
 class DataParallel:
-    """One optimizer's gradient reduction and sharing out over the DP group (None: one rank, every method a local
-    no-op or copy). muon_stacks (lists of same-shape matrices) and adamw_params in one order on every rank.
-    shard_params: ZeRO-3 (sharding.ShardedWeights, put in `weights` by training.setup)."""
+    """One optimizer's gradient reduction and sharing out over the DP group (None: one rank, methods local); muon_stacks
+    (same-shape matrices) and adamw_params alike on every rank. shard_params: ZeRO-3 (training.setup sets `weights`)."""
 
     def __init__(self, muon_stacks, adamw_params, group=None, overlap=False, shard_params=False):
         self.group = group
-        self.size = dist.get_world_size(group) if group is not None else 1
-        self.rank = dist.get_rank(group) if group is not None else 0
+        self.size, self.rank = (dist.get_world_size(group), dist.get_rank(group)) if group is not None else (1, 0)
         self.muon_stacks = muon_stacks
         self.owners = [RoundRobin(len(params), self.size, self.rank) for params in muon_stacks]
         self.row_params = [p for p in adamw_params if owned_by_rows(p, self.size)]
@@ -100,7 +91,7 @@ class DataParallel:
         # the default launch order: Muon's first (they feed the most compute), then the large AdamW tensors, then
         # the small ones; with sharded weights only the small ones (the rest travel in ShardedWeights' backward)
         self.muon_buckets = [] if shard_params else \
-            [[GradBucket("muon", [params[i] for i in owner.round(g)], partial(self._reduce_round, s, g))
+            [[GradBucket("muon", params[g * self.size:(g + 1) * self.size], partial(self._reduce_round, s, g))
               for g in range(owner.rounds)] for s, (params, owner) in enumerate(zip(muon_stacks, self.owners))]
         self.adamw_buckets = [] if shard_params else \
             [GradBucket("rows", [p], self._reduce_rows) for p in adamw_params if self.owns_rows(p)]
@@ -120,8 +111,7 @@ class DataParallel:
         return p in self.by_rows
 
     def my_rows(self, t):
-        rows = t.size(0) // self.size
-        return t[self.rank * rows:(self.rank + 1) * rows]
+        return t.chunk(self.size)[self.rank]  # owned by rows: the first dim divides by the size
 
     def rows_held(self, p):
         """This rank's rows of an AdamW tensor owned by rows: all it holds when the weights are sharded."""
@@ -142,8 +132,8 @@ class DataParallel:
             self.muon_grads[s][g].copy_(grads[0])
             return None
         stacked = torch.stack(grads + [torch.zeros_like(grads[0])] * (self.size - len(grads)))
-        return reduce_scatter_single(self.muon_grads[s][g:g + 1], stacked, op=dist.ReduceOp.SUM,
-                                          group=self.group, async_op=True)
+        return reduce_scatter_single(self.muon_grads[s][g:g + 1], stacked, op=dist.ReduceOp.SUM, group=self.group,
+                                     async_op=True)
 
     def _reduce_rows(self, bucket):
         p, = bucket.params
@@ -161,10 +151,8 @@ class DataParallel:
         """Call right before the last micro-batch's backward (module docstring); a no-op without overlap."""
         if not self.overlap:
             return
-        for b in self.buckets:
-            b.reset()
-        self._armed, self._next_launch, self._first_ready = True, 0, []
-        self.launched_in_backward = 0
+        self.finish_step()  # every bucket reset
+        self._armed, self._next_launch, self._first_ready, self.launched_in_backward = True, 0, [], 0
 
     @torch.no_grad()
     def _grad_ready(self, p):
@@ -175,23 +163,21 @@ class DataParallel:
         b.remaining -= 1
         if b.remaining > 0:
             return
-        b.ready = True
         if self._launch_order is None:  # the first overlapped backward only records the order
             self._first_ready.append(b)
             return
         order = self._launch_order
-        while self._next_launch < len(order) and order[self._next_launch].ready:
+        while self._next_launch < len(order) and order[self._next_launch].remaining <= 0:
             order[self._next_launch].start()
             self._next_launch += 1
             self.launched_in_backward += 1
 
     def _agree_on_launch_order(self):
         """Rank 0's readiness order, then the buckets never ready (no gradient from the last micro-batch)."""
-        index = {id(b): i for i, b in enumerate(self.buckets)}
-        seen = [[index[id(b)] for b in self._first_ready]]
+        seen = [[self.buckets.index(b) for b in self._first_ready]]
         dist.broadcast_object_list(seen, src=dist.get_global_rank(self.group, 0), group=self.group)
         order = [self.buckets[i] for i in seen[0]]
-        return order + [b for b in self.buckets if all(b is not o for o in order)]
+        return order + [b for b in self.buckets if b not in order]
 
     # --- what the optimizer's step calls ---------------------------------------------
     def launch_remaining(self):
@@ -222,11 +208,9 @@ class DataParallel:
             b.wait()
             if b.kind == "rows":
                 yield b.params[0], b.result
-                continue
-            offset = 0  # the flat buffer, unflattened
-            for p in b.params:
-                yield p, (p.grad if b.result is None else b.result[offset:offset + p.numel()].view_as(p))
-                offset += p.numel()
+            else:  # the flat buffer, unflattened (one rank: the gradients in place)
+                parts = [None] * len(b.params) if b.result is None else b.result.split([p.numel() for p in b.params])
+                yield from ((p, p.grad if g is None else g.view_as(p)) for p, g in zip(b.params, parts))
 
     def gather_muon_updates(self, s, updates):
         """Every owner's (rounds, ...) updates of stack s, all-gathered: (full stack, work), matrix i at slot(i)."""

@@ -2,8 +2,7 @@
 Best-fit BOS packing into (B, T) batches: each row of a (B, T+1) block starts with <|bos|> and holds whole documents,
 no padding. From a length-sorted buffer of tokenized documents, a row takes the LARGEST that fits; when none fits, the
 SHORTEST is cropped to fill it (the rest dropped, or with keep_remainder kept as a new <|bos|> piece).
-
-Data order: on DP rank r of n (TP and PP peers share one), row group g % N of the global (shard, row group) list,
+Data order: DP rank r of n (TP and PP peers share one) reads row group g % N of the global (shard, row group) list,
 epoch g // N + 1, for g = r, r+n, ... A small state per batch (the next g; (g, row, offset) per buffered document)
 rebuilds the buffer exactly: a resume is bit-exact at the same DP size; reshard_states continues at another.
 """
@@ -84,19 +83,16 @@ class BestFitPacker:
                 j = max(i, 0)  # when nothing fits (i = -1), the shortest one
                 self.lengths.pop(j)
                 tokens, (g, row, offset) = self.docs.pop(j), self.refs.pop(j)
-                if i >= 0:
-                    block[b, pos:pos + len(tokens)] = tokens
-                    pos += len(tokens)
-                else:  # nothing fits: crop the shortest document to fill the row exactly
-                    block[b, pos:] = tokens[:space]
-                    pos += space
-                    if self.keep_remainder:
-                        # piece(o) = [bos] + doc[1 + o:]; taking `space` tokens of piece(o) leaves piece(o + space - 1)
-                        new_offset = offset + space - 1
-                        self._insert(np.concatenate([[self.bos], tokens[space:]]).astype(np.int32), (g, row, new_offset))
-                        self.tokens_in += 1  # the new bos
-                    else:
-                        self.tokens_cropped += len(tokens) - space
+                n = len(tokens) if i >= 0 else space  # nothing fits: crop the shortest to fill the row exactly
+                block[b, pos:pos + n] = tokens[:n]
+                pos += n
+                if i < 0 and self.keep_remainder:
+                    # piece(o) = [bos] + doc[1 + o:]; taking `space` tokens of piece(o) leaves piece(o + space - 1)
+                    piece = np.concatenate([[self.bos], tokens[space:]]).astype(np.int32)
+                    self._insert(piece, (g, row, offset + space - 1))
+                    self.tokens_in += 1  # the new bos
+                elif i < 0:
+                    self.tokens_cropped += len(tokens) - space
                 self.epoch = max(self.epoch, g // self.N + 1)  # the newest epoch whose data was packed
         return block
 
@@ -107,11 +103,9 @@ class BestFitPacker:
     def _restore(self, state):
         self.g, self.epoch = state["g"], state.get("epoch", 1)
         self.tokens_in, self.tokens_cropped = state.get("tokens_in", 0), state.get("tokens_cropped", 0)
-        by_g = {}
-        for g, row, _ in state["buffer"]:
-            by_g.setdefault(g, []).append(row)
-        tokenized = {g: self._tokenize_rows(g, rows) for g, rows in by_g.items()}
-        for g, row, offset in state["buffer"]:  # saved in sorted order: re-inserting keeps ties in order
+        buffer = state["buffer"]
+        tokenized = {g: self._tokenize_rows(g, [r for h, r, _ in buffer if h == g]) for g in {g for g, _, _ in buffer}}
+        for g, row, offset in buffer:  # saved in sorted order: re-inserting keeps ties in order
             full = tokenized[g][row]
             tokens = full if offset == 0 else np.concatenate([[self.bos], full[1 + offset:]]).astype(np.int32)
             self._insert(tokens, (g, row, offset))
@@ -145,7 +139,7 @@ class DataLoader:
                  keep_remainder=False, prefetch=2, buffer_docs=512):
         self.packer = BestFitPacker(tokenizer, B, T, split, data_dir, dp_rank, dp_size,
                                     buffer_docs=buffer_docs, keep_remainder=keep_remainder, state=state)
-        self.device = torch.device(device) if isinstance(device, str) else device
+        self.device = torch.device(device)
         self.queue = queue.Queue(maxsize=prefetch)
         self.stats = {"epoch": self.packer.epoch, "crop_fraction": self.packer.crop_fraction}  # until a batch arrives
         self.stopping = threading.Event()

@@ -7,6 +7,7 @@ empty, the bundled sample (a fresh checkout trains offline). `python -m nanochat
 import os
 import time
 import argparse
+import itertools
 from functools import lru_cache
 
 import pyarrow as pa
@@ -81,8 +82,7 @@ def split_files(data_dir, split):
     return files[:-1] if split == "train" else files[-1:]
 
 
-def list_row_groups(files):
-    """The global list of (file, row_group) pairs, in order. Opening each file validates it."""
+def list_row_groups(files):  # the global list of (file, row_group) pairs; opening each file validates it
     return [(f, i) for f in files for i in range(_open(f).num_row_groups)]
 
 
@@ -110,14 +110,8 @@ def shard_listing(data_dir):
     a run's data position means. A checkpoint records it; ranks reading their own copies (one per node) must agree."""
     listing = []
     for f in list_parquet_files(data_dir):
-        runs, meta = [], _open(f).metadata
-        for i in range(meta.num_row_groups):
-            rows = meta.row_group(i).num_rows
-            if runs and runs[-1][0] == rows:
-                runs[-1][1] += 1
-            else:
-                runs.append([rows, 1])
-        listing.append([os.path.basename(f), os.path.getsize(f), runs])
+        runs = itertools.groupby(row_group_rows(f, i) for i in range(_open(f).num_row_groups))
+        listing.append([os.path.basename(f), os.path.getsize(f), [[rows, len(list(n))] for rows, n in runs]])
     return listing
 
 
@@ -149,8 +143,7 @@ def read_row_group(path, index):
     return table.column("text").to_pylist()
 
 
-def iter_documents(files, start=0, step=1):
-    """Documents of row groups start, start+step, ... of the global list (one pass)."""
+def iter_documents(files, start=0, step=1):  # documents of row groups start, start+step, ... (one pass)
     row_groups = list_row_groups(files)
     for i in range(start, len(row_groups), step):
         yield from read_row_group(*row_groups[i])

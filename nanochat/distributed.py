@@ -1,9 +1,8 @@
 """
-The process-group layout: torchrun's processes as a grid of world = PP x DP x CP x TP, every group created explicitly
-and printed at start; the parallel files take their group from the Layout. Ranks are numbered TP fastest, then CP,
-DP, PP, so that the most frequent talkers get the fastest links (one node's NVLink before the network): TP several
-times per block, CP's K/V once per attention layer, DP once per step (behind the last
-backward), PP once per micro-batch and stage. CP ranks hold the same weights: gradients are summed over DP x CP.
+The process-group layout: torchrun's processes as a grid world = PP x DP x CP x TP, every group created explicitly;
+the parallel files take their groups from the Layout. Ranks go TP fastest, then CP, DP, PP: the most frequent talkers
+get the fastest links (NVLink before the network): TP several times a block, CP once an attention layer, DP once a
+step, PP once a micro-batch and stage. CP ranks hold the same weights: gradients are summed over DP x CP.
 
 Collectives here (host-side or one scalar):
   barrier            gloo, all ranks: a rank waiting in vain fails after --dist-timeout, naming what it waited for
@@ -19,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from nanochat.common import UserError, get_base_dir
+from nanochat.common import UserError, get_base_dir, autodetect_device_type
 
 
 # torch 2.13 renamed two collectives (the old names warn at every use); 2.11 has only the old ones
@@ -51,13 +50,11 @@ class Layout:
     pp_group: object = None
     cp_group: object = None
     dp_cp_group: object = None  # DP x CP: the ranks whose gradients are summed (the optimizer's group)
-    # this rank and the next / previous pipeline stage (a ring): batched p2p runs on its group's one communicator
-    # (one NCCL stream), so each pair of neighbours gets its own, and a late message to one neighbour does not hold
-    # up the other's
+    # this rank and the next / previous pipeline stage (a ring): batched p2p runs on its group's one NCCL stream, so
+    # each pair of neighbours gets its own, and a late message to one neighbour does not hold up the other's
     pp_next_group: object = None
     pp_prev_group: object = None
-    # expert parallelism (expert_parallel.py): EP groups of ep_size consecutive DP ranks; the expert-DP group, the DP
-    # ranks holding the same experts (one per EP group)
+    # expert parallelism (expert_parallel.py): EP groups of ep_size consecutive DP ranks; expert-DP: same experts
     ep_rank: int = 0
     ep_size: int = 1
     ep_group: object = None
@@ -92,8 +89,7 @@ def grid_rank(layout, dp, cp, tp, pp):
 
 
 def build_layout(rank, world_size, local_rank, tp=1, pp=1, cp=1, ep=1):
-    """Split the world into DP x CP x TP x PP and create every process group explicitly. Every rank must
-    call new_group for every group, in the same order, even for groups it is not in."""
+    """Split the world into DP x CP x TP x PP and create every process group, in one order on every rank."""
     if tp < 1 or pp < 1 or cp < 1 or world_size % (tp * pp * cp) != 0:
         raise UserError(f"world size {world_size} is not divisible by tp={tp} x pp={pp} x cp={cp}; "
                         f"choose degrees whose product divides the number of processes")
@@ -105,42 +101,39 @@ def build_layout(rank, world_size, local_rank, tp=1, pp=1, cp=1, ep=1):
                pp_rank=rank // (tp * cp * dp), ep_size=ep, ep_rank=(rank // (tp * cp)) % dp % ep)
     if world_size == 1:
         return L
+
+    def join(name, ranks):  # every rank creates every group, and keeps those it is in
+        group = dist.new_group(ranks) if len(ranks) > 1 else None
+        if rank in ranks:
+            setattr(L, f"{name}_group", group)
     # a group: the ranks that share every coordinate outside `dims`
     sizes = {"dp": dp, "cp": cp, "tp": tp, "pp": pp}
     product = [("dp_cp", ("dp", "cp"))] if dp > 1 and cp > 1 else []  # else it is one of the two
     for name, dims in [("tp", ("tp",)), ("cp", ("cp",)), ("dp", ("dp",)), ("pp", ("pp",))] + product:
         others = [d for d in sizes if d not in dims]
         for fixed in itertools.product(*(range(sizes[d]) for d in others)):
-            ranks = sorted(grid_rank(L, **dict(zip(others, fixed)), **dict(zip(dims, inner)))
-                           for inner in itertools.product(*(range(sizes[d]) for d in dims)))
-            group = dist.new_group(ranks) if len(ranks) > 1 else None
-            if rank in ranks:
-                setattr(L, f"{name}_group", group)
+            join(name, sorted(grid_rank(L, **dict(zip(others, fixed)), **dict(zip(dims, inner)))
+                              for inner in itertools.product(*(range(sizes[d]) for d in dims))))
     if not product:
         L.dp_cp_group = L.dp_group if cp == 1 else L.cp_group
     for fixed in itertools.product(range(dp), range(cp), range(tp)) if pp > 1 else ():
         for s in range(pp if pp > 2 else 1):  # at pp = 2 both neighbours are the one other stage
             pair = [grid_rank(L, *fixed, pp=s), grid_rank(L, *fixed, pp=(s + 1) % pp)]
             group = dist.new_group(sorted(pair))
-            if rank == pair[0]:
+            if rank == pair[0] or (pp == 2 and rank in pair):
                 L.pp_next_group = group
-            if rank == pair[1]:
+            if rank == pair[1] or (pp == 2 and rank in pair):
                 L.pp_prev_group = group
-            if pp == 2 and rank in pair:
-                L.pp_next_group = L.pp_prev_group = group
     for fixed in itertools.product(range(cp), range(tp), range(pp)) if ep > 1 else ():
         cut = [[grid_rank(L, d, *fixed) for d in range(g * ep, (g + 1) * ep)] for g in range(dp // ep)]
         for name, members in [("ep", ranks) for ranks in cut] + [("expert_dp", list(ranks)) for ranks in zip(*cut)]:
-            group = dist.new_group(members) if len(members) > 1 else None
-            if rank in members:
-                setattr(L, f"{name}_group", group)
+            join(name, members)
     return L
 
 
 def compute_init(device_type="", tp=1, pp=1, cp=1, seed=42, timeout_s=None, ep=1):
     """Set up device, seeds and (under torchrun) the process groups, whose collectives fail after timeout_s seconds
     (None: PyTorch's default); NCCL gets the flight recorder (watchdog) and a gloo group for host waits (barrier)."""
-    from nanochat.common import autodetect_device_type
     device_type = device_type or autodetect_device_type()
     if device_type == "cuda" and not torch.cuda.is_available():
         raise UserError("--device-type=cuda but no CUDA device is visible; use --device-type=cpu")
@@ -213,7 +206,7 @@ def all_reduce_max(value: float, device) -> float:
 
 
 def wait_for(requests, result=None):
-    """Wait for the point-to-point requests (batch_isend_irecv's); returns `result`, what they fill."""
+    """Wait for the requests (batch_isend_irecv's, async collectives' works); returns `result`, what they fill."""
     for request in requests:
         request.wait()
     return result
@@ -237,9 +230,8 @@ def agree_on_error(message, device):
 
 
 def agreed(work, error_type, device, mine=True):
-    """work() where `mine`, returning what it returned (None where not mine); an `error_type` it raises on any rank
-    is raised on every rank with the first failing rank's message (agree_on_error, also a barrier). Without a
-    device, this rank alone."""
+    """work() where `mine` (else None); an `error_type` it raises on any rank is raised on every rank with the first
+    failing rank's message (agree_on_error, also a barrier). Without a device, this rank alone."""
     result, error = None, None
     try:
         if mine:

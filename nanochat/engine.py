@@ -11,8 +11,8 @@ from nanochat.gpt import WholeSequence
 
 
 class KVCache(WholeSequence):
-    """The model's sequence view while decoding (gpt.WholeSequence): a call's tokens come after the `pos` tokens
-    cached, and attend to them too. Per layer, keys and values of shape (B, H_kv, max_len, D)."""
+    """The model's sequence view while decoding (gpt.WholeSequence): a call's tokens follow, and attend to, the `pos`
+    cached ones. Per layer, keys and values of shape (B, H_kv, max_len, D)."""
 
     def __init__(self, batch_size, max_len):
         self.batch_size, self.max_len = batch_size, max_len
@@ -43,13 +43,11 @@ class KVCache(WholeSequence):
     def advance(self, T):
         self.pos += T
 
-    def expand(self, batch_size):
-        """Copy a batch-1 cache (after prefill) to batch_size rows."""
+    def expand(self, batch_size):  # a batch-1 cache (after prefill) copied to batch_size rows
         assert self.batch_size == 1
         out = KVCache(batch_size, self.max_len)
         out.pos = self.pos
-        out.k = {i: t.expand(batch_size, -1, -1, -1).clone() for i, t in self.k.items()}
-        out.v = {i: t.expand(batch_size, -1, -1, -1).clone() for i, t in self.v.items()}
+        out.k, out.v = ({i: t.expand(batch_size, -1, -1, -1).clone() for i, t in kv.items()} for kv in (self.k, self.v))
         out.last_embedding = self.last_embedding.expand(batch_size, -1, -1).clone()
         return out
 

@@ -1,28 +1,19 @@
 """
-fp8 training linears, tensorwise: every eligible linear's product runs in fp8 with one dynamic scale per tensor, on
-one device and under tensor parallelism alike (torchao's rowwise recipe was slower: dev/LOG.md).
+fp8 training linears, torchao's tensorwise recipe: one dynamic scale per tensor (fp8 max / amax in fp32, saturated;
+e4m3 for activations and weights, e5m2 for gradients), on one device and under TP alike (rowwise was slower), with
+cuBLAS's fast accumulation in all three products (torchao: the forward's only; all three was faster at equal loss,
+dev/LOG.md 2026-11-21); tests check it against torchao's Float8Linear.
 
-- Converted in place (make_fp8): Linears whose dims are multiples of 16 and at least 128 (the fp8 matmul's shape
-  rules; small layers gain nothing), never the lm_head or an MoE router (logits keep bf16 precision). The same modules and fp32
-  Parameters, cast to fp8 around each matmul: checkpoints are the same with or without fp8.
-- A converted module has an `fp8` flag: evaluation and sampling run in bf16 (bf16_linears turns it off).
+- Converted in place (make_fp8): Linears with dims multiples of 16 and at least 128 (fp8 matmul shape rules; small
+  layers gain nothing), never the lm_head or an MoE router (logits keep bf16 precision). The fp32 Parameters are cast
+  around each matmul: checkpoints are the same with or without fp8. Evaluation runs bf16 (bf16_linears).
 - Without an SM89+ GPU or torchao, --fp8 says so and training goes on without it. It pays only compiled.
-
-The recipe is torchao's tensorwise one (scale = fp8 max / amax, in fp32, saturated; e4m3 for activations and weights,
-e5m2 for gradients) with cuBLAS's fast accumulation in all three products (torchao: the forward's only; the backward's
-too was faster at equal loss, dev/LOG.md 2026-11-21); tests check it against torchao's Float8Linear.
-
-    _Fp8Linear   forward:  x, W -> e4m3;  out = x W^T;   backward: dout -> e5m2;  dx = dout W, dW = dout^T x
-    _Fp8MLP      forward:  x, W_fc, W_proj -> e4m3;  y = relu(x W_fc^T)^2 with amax(y), fused;
-                           out = (y -> e4m3) W_proj^T
-                 backward: dout -> e5m2;  dh = (dout W_proj) * 2 sqrt(y) with amax(dh), fused (relu(h) = sqrt(y));
-                           dx = (dh -> e5m2) W_fc, and the two weight gradients
-The fused products are relu_square_mm.py's kernels, through the kernels facade; elsewhere the PyTorch math below.
-Each matmul takes both operands K-major (Hopper's fp8 rule), so the backward makes transposed fp8 copies.
-
-Under tensor parallelism a shard's amax is not the whole tensor's: the weights, the row-parallel input and the
-column-parallel output gradient take the global amax (to_fp8's `group`: an all-reduce MAX of one fp32), so each
-element is cast exactly as at TP=1 and a run reproduces at another layout (tests/test_fp8_parallel.py).
+- _Fp8MLP fuses ReLU^2 into the products (relu_square_mm.py's kernels, else the math below): y = relu(x W_fc^T)^2
+  and dh = (dout W_proj) * 2 sqrt(y), each with its amax for the next cast. Each matmul takes both operands K-major
+  (Hopper's fp8 rule), so the backward makes transposed fp8 copies.
+- Under TP a shard's amax is not the whole tensor's: the weights, the row-parallel input and the column-parallel
+  output gradient take the global amax (to_fp8's `group`: an all-reduce MAX of one fp32), so each element is cast
+  as at TP=1 and a run reproduces at another layout (tests/test_fp8_parallel.py).
 """
 
 import importlib.util
@@ -57,8 +48,8 @@ def fp8_unavailable_reason(device):
 
 
 def convert_to_fp8(model, device=None, force=False):
-    """Convert eligible Linears in place, before TP (parallelize keeps the fp8 flag in each sharded twin): MLPs to
-    Fp8MLP, the rest to Fp8Linear. Returns how many Linears (0 without fp8; `force` skips the device check, for CPU)."""
+    """Convert eligible Linears in place, before TP (parallelize keeps the fp8 flag in each twin): MLPs to Fp8MLP, the
+    rest to Fp8Linear. Returns how many Linears (0 without fp8; `force` skips the device check, for CPU)."""
     if not force and (reason := fp8_unavailable_reason(device)):
         print(f"WARNING: --fp8 requested but {reason}; continuing without fp8", flush=True)
         return 0
@@ -95,7 +86,7 @@ def bf16_linears(model):
 
 def to_fp8(t, dtype, amax=None, group=None):
     """torchao's tensorwise cast: t * scale saturated to dtype, scale = dtype's max / amax(t) in fp32 (the whole
-    tensor's amax when t is a shard over `group`). Returns the fp8 data and 1 / scale, which undoes it in a product."""
+    tensor's when t is a shard over `group`). Returns the fp8 data and 1 / scale, which undoes it in a product."""
     from torchao.float8.float8_utils import amax_to_scale, to_fp8_saturated
     amax = global_amax(t.abs().max() if amax is None else amax, group)
     scale = amax_to_scale(amax, dtype)
@@ -136,7 +127,7 @@ class _Fp8Linear(torch.autograd.Function):
 
 def fp8_linear(x, weight):
     """x @ weight^T in tensorwise fp8, for a whole weight or a TP shard (tp_dim 0: column-, 1: row-parallel). Token
-    counts not a multiple of 16 (fp8 products need every dim one; training's B x 2048 always is) take F.linear."""
+    counts not a multiple of 16 (as fp8 products need; training's B x 2048 always is) take F.linear."""
     rows = x.reshape(-1, x.size(-1))
     if rows.size(0) % 16:
         return F.linear(x, weight.to(x.dtype))
@@ -196,13 +187,14 @@ class _Fp8MLP(torch.autograd.Function):
 
 
 class Fp8MLP(MLP):
-    """gpt.MLP with ReLU^2 fused into its fp8 products (_Fp8MLP) while `fp8` is on; token counts not a multiple of
-    16 take gpt.MLP's path, as in fp8_linear. Under TP: this rank's partial sum, which c_proj.reduce sums."""
+    """gpt.MLP with ReLU^2 fused into its fp8 products (_Fp8MLP) while `fp8` is on (token counts not a multiple of
+    16: gpt.MLP's path). Under TP: this rank's partial sum, which c_proj.reduce sums."""
 
     def product(self, x):
         rows = x.reshape(-1, x.size(-1))
         if not self.fp8 or rows.size(0) % 16:
             return super().product(x)
         group = getattr(self.c_fc.weight, "tp_group", None)
-        out = _Fp8MLP.apply(rows, self.c_fc.weight, self.c_proj.weight, kernels.takes_fp8_mlp(x), group).view_as(x)
+        out = _Fp8MLP.apply(rows, self.c_fc.weight, self.c_proj.weight, kernels.takes(kernels.relu_square_mm, x),
+                            group).view_as(x)
         return out if group is None else self.c_proj.reduce(out)

@@ -1,25 +1,17 @@
 """
-The GPT: a decoder-only transformer with no biases.
+The GPT: a decoder-only transformer with no biases, every op written as its reference PyTorch math.
 
-- token embedding, then a parameter-free RMSNorm; smear: each position mixes in a gated share of the previous
-  token's embedding
-- blocks: x = resid_lambda * x + x0_lambda * x0 (x0 = the normed, smeared embedding), then pre-norm attention and
-  a ReLU^2 MLP (4x), each added residually
-- attention: rotary positions (base 1e5), QK-norm then q and k scaled by 1.2, GQA, a sliding window per layer from
-  a pattern tiled over layers (S = a quarter of the context rounded to 128, L = full; the last layer L); on
+- token embedding, parameter-free RMSNorm, smear (each position adds a gated share of the previous token's embedding)
+- blocks: x = resid_lambda * x + x0_lambda * x0 (x0: the smeared embedding), then pre-norm attention and ReLU^2 MLP
+- attention: rotary (base 1e5), QK-norm then q, k scaled by 1.2, GQA, a sliding window per layer (window_sizes); on
   alternating layers (the last included) a per-token value embedding added to V through an input-dependent gate
-- backout: before the final norm, subtract a learned share of the residual stream at mid-depth; untied lm_head;
-  logits soft-capped 15*tanh(x/15) in fp32; cross-entropy with ignore_index=-1
+- backout (minus a learned share of the mid-depth residual), final norm, untied lm_head, logits 15*tanh(x/15) in fp32
 - Large Lookup Layers (l3.py), if configured, after some blocks: x = x + l3(x, token ids)
 
-Every op is written here as its reference math; the ones with fast kernels ask the kernels facade first
-(`--kernels reference` makes every answer no). Weights are fp32 (the optimizer's precision), matmuls run in the
-compute dtype (weights cast to the activations' dtype; no autocast). Built on the meta device, then to_empty() and
-init_weights(), which says per parameter how. The forward is three pieces the parallel helpers wrap, embed() ->
-run_blocks(start, end) -> head(), passing a `Residual`; tensor parallelism swaps the blocks' Linears in place, and
-two seams are swapped whole: `sequence`, which tokens this rank holds and what attention and the loss see of the
-others (WholeSequence; a KV cache when sampling; context parallelism's chunks), and `weights.run(module, fn, *args)`,
-around each module holding large weights (sharding.ShardedWeights gathers them for the call).
+Ops with fast kernels ask the kernels facade first. Weights fp32 (the optimizer's precision), matmuls in the compute
+dtype (no autocast). The parallel helpers wrap embed() -> run_blocks(start, end) -> head(), which pass a `Residual`;
+TP swaps the Linears in place; two seams are swapped whole: `sequence` (WholeSequence: which tokens this rank holds,
+what attention and the loss see) and `weights.run(module, fn, *args)` (sharding.ShardedWeights gathers for the call).
 """
 
 import math
@@ -81,7 +73,8 @@ class GPTConfig:
 
 
 def window_sizes(config):
-    """Per layer: the attention window in tokens (== sequence_len for full context)."""
+    """Per layer: the attention window in tokens from the pattern tiled over layers (S = a quarter of the context
+    rounded to 128, L = sequence_len; the last layer L)."""
     pattern = config.window_pattern.upper()
     if not pattern or set(pattern) - {"S", "L"}:
         raise ConfigError(f"--window-pattern {config.window_pattern!r} must be a string of S and L, e.g. SSSL or L")
@@ -107,9 +100,8 @@ def rotary_tables(seq_len, head_dim, base=ROTARY_BASE, device=None):
 
 
 def rotary_norm(x, cos, sin):
-    """Rotary positions, then QK-norm, scaled: 1.2 * rms_norm(rotate(x)) for x (B, T, H, D), cos/sin
-    (1, T, 1, D/2). rotate turns each pair (x_i, x_{i+D/2}) by its position's angle."""
-    if kernels.takes_rotary_norm(x):
+    """1.2 * rms_norm(rotate(x)), x (B, T, H, D), cos/sin (1, T, 1, D/2): each pair (x_i, x_{i+D/2}) turned."""
+    if kernels.takes(kernels.rotary, x):
         return kernels.rotary_norm(x, cos, sin, QK_SCALE)
     d = x.size(-1) // 2
     x1, x2 = x[..., :d], x[..., d:]
@@ -133,13 +125,10 @@ def reduce_losses(losses, targets, reduction):
 
 
 class WholeSequence:
-    """Which tokens of the (B, T) sequences this rank holds, and what the model asks of them; here every token of
-    whole sequences. A KV cache (engine.KVCache: a decoding call's tokens after those cached) and context parallelism
-    (context_parallel.ContextParallel: two chunks of each sequence) answer the same questions: local(t), this rank's
-    tokens of ids or targets; rotary, the tables at their positions; previous, each token's previous token's
-    embedding for the smear (zeros before the first; embed(ids) embeds any ids); attend, attention over the keys a
-    query may see; loss, over the tokens that count; advance, after a forward of T tokens; selective_keeps, ops whose
-    outputs --recompute selective keeps besides the kernels'."""
+    """Which tokens of the (B, T) sequences this rank holds (here all) and what the model asks of them, as KVCache and
+    ContextParallel answer it: local(t), this rank's tokens; rotary, the tables at their positions; previous, each
+    token's previous token's embedding for the smear (zeros first; embed(ids) embeds ids); attend, over the keys a
+    query may see; loss, over the tokens that count; advance, after T tokens; selective_keeps: --recompute keeps."""
 
     selective_keeps = ()
 
@@ -182,14 +171,11 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x, ve, cos, sin, window, seq):
         x = self.tp_enter(x)
         B, T, _ = x.shape
-        hd = self.head_dim
         # head counts come from the (possibly tensor-parallel) weights: local heads under TP
-        q = self.c_q(x).view(B, T, -1, hd)
-        k = self.c_k(x).view(B, T, -1, hd)
-        v = self.c_v(x).view(B, T, -1, hd)
+        q, k, v = [lin(x).view(B, T, -1, self.head_dim) for lin in (self.c_q, self.c_k, self.c_v)]
         if ve is not None:  # value embedding through an input-dependent gate in (0, 2), 1 at init
             gate = 2 * torch.sigmoid(self.ve_gate(x[..., :VE_GATE_CHANNELS]))
-            v = v + gate.unsqueeze(-1) * ve.view(B, T, -1, hd)
+            v = v + gate.unsqueeze(-1) * ve.view(B, T, -1, self.head_dim)
         q, k = rotary_norm(q, cos, sin), rotary_norm(k, cos, sin)
         y = seq.attend(self.layer_idx, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), window)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
@@ -215,10 +201,9 @@ RECOMPUTE_MODES = ("none", "selective", "block")
 
 
 class Block(nn.Module):
-    """Pre-norm attention and MLP around the residual stream. `recompute` (set by training.setup; only while
-    training with grad enabled) recomputes activations in the backward (torch.utils.checkpoint): "block" keeps
-    only the block's inputs, "selective" also the outputs of the ops the kernels and the sequence view name. Under
-    tensor parallelism the recomputed region's collectives run again in the backward, in the same order."""
+    """Pre-norm attention and MLP around the residual stream. `recompute` (training.setup; only when training with
+    grad) recomputes activations in the backward: "block" keeps the block's inputs, "selective" also the outputs of
+    the ops the kernels and the sequence view name. Under TP the region's collectives run again, in the same order."""
 
     recompute = "none"
 
@@ -251,13 +236,13 @@ class Block(nn.Module):
 
 
 class SoftcapCrossEntropy(nn.Module):
-    """Logits in fp32, soft-capped to (-15, 15), then cross-entropy (ignore_index=-1). It applies the lm_head itself,
-    so that the matmul and the loss can be one kernel; tensor parallelism swaps in a vocab-parallel twin."""
+    """Soft-capped fp32 logits, then cross-entropy (ignore_index=-1). It applies the lm_head itself, so that matmul
+    and loss can be one kernel; tensor parallelism swaps in a vocab-parallel twin."""
     logits = staticmethod(softcap)
 
     def forward(self, x, lm_head, targets, reduction="mean"):
         weight = lm_head.weight.to(x.dtype)
-        if kernels.takes_head_loss(x):
+        if kernels.takes(kernels.softcap_ce, x):
             return reduce_losses(kernels.head_losses(x, weight, targets, SOFTCAP), targets, reduction)
         logits = softcap(F.linear(x, weight))
         losses = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1, reduction="none")
@@ -266,8 +251,7 @@ class SoftcapCrossEntropy(nn.Module):
 
 @dataclass
 class Residual:
-    """What flows between blocks and pipeline stages: the residual stream x, the normed and smeared embedding x0 that
-    every block mixes back in, and x_mid, the residual at mid-depth for backout (None before the middle)."""
+    """Between blocks and stages: the residual x, the embedding x0 every block mixes in, x_mid for backout (or None)."""
     x: torch.Tensor
     x0: torch.Tensor
     x_mid: torch.Tensor = None
@@ -304,7 +288,6 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def init_weights(self):
-        """Every parameter's initialization, explicitly."""
         cfg = self.config
         s = math.sqrt(3) / math.sqrt(cfg.n_embd)  # uniform(-s, s) has std 1/sqrt(fan_in)
         nn.init.normal_(self.wte.weight, mean=0.0, std=1.0)  # followed by a norm, so scale is free
@@ -365,9 +348,8 @@ class GPT(nn.Module):
         return Residual(x=x, x0=h.x0, x_mid=x_mid)
 
     def head(self, h: Residual, targets=None, loss_reduction="mean", positions=None, seq=None):
-        """Backout, final norm, lm_head, soft-cap (fp32), and the loss if targets are given (the whole sequences';
-        the sequence view says which tokens count here). positions: index tensors selecting the tokens whose logits
-        are wanted (evaluation)."""
+        """Backout, final norm, lm_head, soft-cap (fp32), and the loss if targets (the whole sequences'; the sequence
+        view says which count here) are given. positions: index tensors selecting the tokens wanted (evaluation)."""
         x = h.x
         if h.x_mid is not None:
             x = x - self.backout_lambda.to(x.dtype) * h.x_mid
@@ -388,8 +370,7 @@ class GPT(nn.Module):
         return self.head(h, targets, loss_reduction, positions, seq)
 
     def matmul_parameters(self):
-        """The linears a token runs through: the blocks' (MoE: its router, shared and K routed experts), L3's
-        W_up/W_mix, the lm_head (tables are lookups, scalars elementwise)."""
+        """The linears a token runs through: the blocks' (MoE: router, shared and K routed experts), L3's, lm_head."""
         linears = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
         return linears + sum(p.numel() for p in expert_parameters(self)) - inactive_expert_params(self)
 

@@ -25,8 +25,7 @@ def evaluate_bpb(loss_fn, batches, steps, token_bytes, layout=None, label="bpb")
     batches yields (x, y, ...); token_bytes[id] = bytes of the token (0 = special). Raises signals.Interrupted
     on a stop request, and DataError on every rank when one cannot read its batch (none hangs in a collective)."""
     device = token_bytes.device
-    total_nats = torch.zeros((), dtype=torch.float64, device=device)
-    total_bytes = torch.zeros((), dtype=torch.int64, device=device)
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # nats, bytes
     agree_on = device if layout is not None and layout.world_size > 1 else None  # None: this process alone
     progress = Progress(label, steps)
     for i in range(steps):
@@ -38,9 +37,7 @@ def evaluate_bpb(loss_fn, batches, steps, token_bytes, layout=None, label="bpb")
             continue
         y = y.reshape(-1)
         nbytes = torch.where(y >= 0, token_bytes[y.clamp(min=0)], 0)
-        total_nats += (losses.reshape(-1).double() * (nbytes > 0)).sum()
-        total_bytes += nbytes.sum()
-    sums = torch.stack([total_nats, total_bytes.double()])
+        sums += torch.stack([(losses.reshape(-1).double() * (nbytes > 0)).sum(), nbytes.sum().double()])
     if layout is not None and layout.dp_size > 1:
         dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=layout.dp_group)
     if layout is not None and layout.pp_size > 1:

@@ -1,14 +1,13 @@
 """
 The memory a run needs, estimated before it starts.
 
-- A CPU run (cpu_memory_error): a CPU that runs out of memory kills the process without a word, so the scripts
-  refuse a micro-batch that cannot fit, with a size that does.
+- A CPU run (cpu_memory_error): a CPU out of memory kills the process without a word, so the scripts refuse a
+  micro-batch that cannot fit, naming a size that does.
 - A GPU layout (rank_memory, scripts/plan.py): what each rank of a DP x CP x TP x PP layout holds at its peak, for
-  any depth, without a GPU. Parameters, gradients and optimizer state are counted off the real model on the meta
-  device, cut as the run cuts it (tensor_parallel.parallelize, pipeline_parallel.split_stages, the optimizer's Muon
-  stacks and DP ownership). Activations are a per-token, per-layer, per-width byte count for each --recompute
-  mode, fitted to measured peaks, with Megatron-LM's split of a layer's activations into the part TP shards and the
-  rest; pipeline stages hold as many micro-batches as their schedule keeps alive (peak_in_flight).
+  any depth, without a GPU. Parameters, gradients and optimizer state are counted off the model on the meta device,
+  cut as the run cuts it (parallelize, split_stages, the optimizer's Muon stacks and DP ownership). Activations: a
+  per-token, per-layer, per-width byte count for each --recompute mode, fitted to measured peaks, with Megatron-LM's
+  split into the part TP shards and the rest; pipeline stages hold what their schedule keeps alive (peak_in_flight).
 """
 
 import os
@@ -27,12 +26,9 @@ def available_memory():
     """Bytes of memory this process can still use (Linux: MemAvailable), or None where unknown."""
     try:
         with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return None
 
 
 def estimate_memory(num_params, n_layer, n_embd, vocab_size, tokens, training=True):
@@ -45,8 +41,7 @@ def estimate_memory(num_params, n_layer, n_embd, vocab_size, tokens, training=Tr
 
 
 def cpu_memory_error(num_params, config, batch_size, seq_len, training=True):
-    """None when `batch_size` sequences of `seq_len` tokens fit in the memory available to the processes of
-    this machine (or it is unknown); else the message, with a batch size that fits."""
+    """None if batch_size x seq_len tokens fit the memory this machine's processes have (or it is unknown), else why."""
     processes = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     have = available_memory()
     need = lambda b: processes * estimate_memory(num_params, config.n_layer, config.n_embd, config.vocab_size,
@@ -63,18 +58,16 @@ def cpu_memory_error(num_params, config, batch_size, seq_len, training=True):
 # --- The GPU planner ------------------------------------------------------------------------------------------
 
 GIB = 2 ** 30
-# bytes kept for the backward per token, per layer, per unit of model width (bf16, compiled, the CUDA kernels),
-# fitted to measured peaks at d12-d26 (dev/BENCHMARKS.md, "Memory planner"); fp8 keeps FP8_SAVING less, except
-# under block recompute, where it keeps FP8_BLOCK_EXTRA more: 8.0 at d12 and at d26, what the MLP's ReLU^2 output
-# (4 x width, bf16) would take; the compiled block's saved tensors on the CPU are bf16's, so the cause is not known
+# bytes kept for the backward per token, per layer, per unit of width (bf16, compiled, CUDA kernels), fitted to
+# peaks measured at d12-d26 (dev/BENCHMARKS.md, "Memory planner"); fp8 keeps FP8_SAVING less, but under block
+# recompute FP8_BLOCK_EXTRA more (at d12 and d26 alike: the size of the MLP's bf16 ReLU^2 output; cause unknown)
 ACTIVATION_BYTES = {"none": 33.0, "selective": 13.2, "block": 11.2}
 FP8_SAVING = 3.0
 FP8_BLOCK_EXTRA = 8.0
 HEAD_BYTES = 1.6  # per token, times the vocabulary (the lm_head and loss's kept tensors; vocab-parallel under TP)
 TP_SHARDED = 24 / 34  # of a layer's activations, the share inside the TP regions (Megatron-LM: 24 of 34 bytes x width)
-# relative tok/s per GPU, measured (dev/BENCHMARKS.md): recompute modes at d20/d26 (one H200), TP=2 at d20/d32 (two
-# H200s), CP=2 at d12 and 32K (two H200s); the pipeline's bubble is the schedule's formula. Larger TP and CP are
-# charged as a second TP=2 / CP=2 step each; sharded weights are charged nothing (their cost was not measured).
+# relative tok/s per GPU, measured on H200s (dev/BENCHMARKS.md): recompute at d20/d26, TP=2 at d20/d32, CP=2 at d12
+# and 32K; each further TP or CP doubling is charged again, sharding nothing (unmeasured); PP: the bubble's formula
 SPEED = {"selective": 0.91, "block": 0.88, "tp2": 0.78, "cp2": 0.755}
 GPUS = {"h100": 79.6, "h200": 140.4, "a100": 79.2, "a100-40gb": 39.4}  # GiB, as nvidia-smi gives the memory
 
@@ -102,10 +95,9 @@ def _meta_model(config, s):
 
 
 def rank_memory(config, s):
-    """Per pipeline rank (DP rank 0, which owns the most under sharding), the bytes it holds at its peak in a
-    training step: {"weights", "working copies", "gradients", "optimizer state", "activations", "total"} (and
-    "gathered", the working copies' whole weights). Not counted: the step's temporaries, and the whole model copy
-    CORE and sampling build under PP, SP or sharding (4 bytes a parameter). ConfigError where Setting.check fails."""
+    """Per pipeline rank (DP rank 0, owning the most under sharding), its bytes at the training peak: {"weights",
+    "working copies", "gradients", "optimizer state", "activations", "total", "gathered"}; not counted: the step's
+    temporaries, CORE's and sampling's model copy under PP, SP or sharding (4 B/param). Setting.check's ConfigError."""
     from nanochat.optim import muon_stacks, param_groups
     from nanochat.pipeline_parallel import block_costs, split_stages
     from nanochat.pipeline_schedules import stage_actions, peak_in_flight
@@ -132,8 +124,8 @@ def rank_memory(config, s):
         act_peaks, alive = peak_in_flight(actions, kept), peak_in_flight(actions)
     else:
         act_peaks, alive = [kept[0]], [1]
-    if s.cp > 1 and s.cp_exchange == "all-gather":  # a layer's backward holds the whole sequence's K/V in the compute
-        # dtype, then their gradients (fp32, and again in the compute dtype for the reduce-scatter), beside the activations
+    if s.cp > 1 and s.cp_exchange == "all-gather":  # a layer's backward holds the whole sequence's K/V (compute
+        # dtype), then their gradients (fp32, and again in the compute dtype for the reduce-scatter), beside activations
         kv = s.device_batch * config.sequence_len * 2 * config.n_kv_head * (config.n_embd // config.n_head) / s.tp
         act_peaks = [a + kv * (dt + 4) for a in act_peaks]
     groups = param_groups(model, 0.0, 0.0, 0.0, 0.0, 0.0)
@@ -184,13 +176,11 @@ def rank_memory(config, s):
 
 
 def worst_rank_peak(config, s):
-    """The largest of the ranks' peaks, in bytes."""
     return max(r["total"] for r in rank_memory(config, s))
 
 
 def largest_batch(config, s, capacity):
-    """The largest power-of-two device batch with which every rank fits in `capacity` bytes, and the worst rank's
-    peak with it ((0, None): none fits)."""
+    """(the largest power-of-two device batch that fits every rank in `capacity` bytes, the worst peak); (0, None)."""
     best = (0, None)
     for b in (2 ** i for i in range(12)):
         try:
@@ -211,9 +201,8 @@ def relative_speed(s, micro_batches):
 
 
 def candidate_settings(config, gpus, total_batch, fp8=False):
-    """Every layout of `gpus` GPUs the run accepts for this model (Setting.check at a device batch of one, the most
-    micro-batches), CP only for sequences of 8K tokens or more, sharded or not, each recompute mode; TP with MoE
-    layers with sequence parallelism (which they need)."""
+    """Every layout of `gpus` GPUs the run accepts (Setting.check at device batch 1: the most micro-batches), CP only
+    for sequences of 8K+ tokens, sharded or not, each recompute mode; TP with MoE layers with sequence parallelism."""
     powers = [2 ** i for i in range(int(math.log2(gpus)) + 1) if gpus % 2 ** i == 0]
     for tp, pp, cp in itertools.product(powers, powers, powers):
         if gpus % (tp * pp * cp) or (cp > 1 and config.sequence_len < 8192):

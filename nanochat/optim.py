@@ -6,8 +6,7 @@ AdamW (embeddings, value embeddings, lm_head, scalars): the usual, eps 1e-10, de
 Muon (every 2-D matrix in the blocks), per matrix G:
   1. Nesterov momentum:             M = lerp(M, G, 1 - mu);  U = lerp(G, M, mu)
   2. row equalisation:              rescale each row of U to the mean row norm
-  3. orthogonalize:                 5 Polar Express iterations (arXiv 2505.16932) in the compute
-                                    dtype (bf16 on GPU; fp32 under NANOCHAT_DTYPE=float32)
+  3. orthogonalize:                 5 Polar Express iterations (arXiv 2505.16932) in the compute dtype
   4. Frobenius renormalisation:     ||U||_F = sqrt(min(rows, cols))
   5. NorMuon (arXiv 2510.05491):    per-row second moment v = lerp(v, mean(U^2, row), 1 - beta2);
                                     U /= sqrt(v) + eps, then back to the norm of step 4
@@ -15,12 +14,11 @@ Muon (every 2-D matrix in the blocks), per matrix G:
                                     (cautious weight decay: only where update and weight agree in sign)
 Matrices of the same shape are stacked so one (compiled, on CUDA) call updates a group.
 
-The step starts the data-parallel reductions (data_parallel.py; the backward may have started them), updates
-what this rank owns as its gradients land, and applies the owners' all-gathered updates. Under tensor parallelism
-Muon sees whole matrices: a rank gathers its owned matrices' TP shards (summed over DP first: the same numbers on
-1/W of the bytes) and applies its shard of the update, so the result does not depend on the TP degree; partial
-gradients under sequence parallelism (tp_partial_grad) are summed over TP first. State is saved and loaded as
-whole tensors per parameter name, so a run resumes on any number of ranks.
+The step starts the data-parallel reductions the backward has not (data_parallel.py), updates what this rank owns as
+its gradients land and applies the owners' all-gathered updates. Under TP Muon sees whole matrices, so the result
+does not depend on the TP degree: an owner gathers the TP shards of its gradients summed over DP (the same numbers
+on 1/W of the bytes), each rank applies its shard of the update. State is saved as whole tensors per parameter name:
+a run resumes on any number of ranks.
 """
 
 import math
@@ -44,8 +42,8 @@ NORMUON_EPS = 1e-10
 
 
 def param_groups(model, embedding_lr, unembedding_lr, matrix_lr, scalar_lr, weight_decay):
-    """Which parameter goes to which update rule, with its LR; the embeddings' and lm_head's AdamW LRs scale with
-    (model_dim/768)^-0.5 (tuned at d12); MoE routers take the lm_head's (moe.py says why)."""
+    """Each parameter's update rule and LR; the embeddings' and lm_head's AdamW LRs scale with (model_dim/768)^-0.5
+    (tuned at d12); MoE routers take the lm_head's (moe.py says why)."""
     dim_scale = (model.config.n_embd / 768) ** -0.5
     from nanochat.moe import expert_parameters
     table_ids = {id(p) for layer in model.l3.values() for p in layer.table_parameters()}
@@ -82,8 +80,7 @@ PARAM_GROUPS = ("embeddings", "lm_head", "scalars", "matrices", "l3_tables", "mo
 
 
 def split_experts(groups, expert_parallel):
-    """(the groups data parallelism reduces over all DP ranks, the experts' group): under --ep the experts differ
-    between the ranks of an EP group, and their gradients are reduced over the ranks holding the same experts."""
+    """(groups reduced over all DP ranks, the experts' group): under --ep experts reduce over the ranks holding them."""
     is_experts = [expert_parallel and g["name"] == "moe_experts" for g in groups]
     return [g for g, e in zip(groups, is_experts) if not e], [g for g, e in zip(groups, is_experts) if e]
 
@@ -94,19 +91,14 @@ def muon_update(grads, momentum_buf, second_buf, momentum, compute_dtype: torch.
     u = grads.lerp(momentum_buf, momentum)
     row_norms = u.norm(dim=-1, keepdim=True)  # step 2: every row to the mean row norm
     u = u * (row_norms.mean(dim=-2, keepdim=True) / (row_norms + 1e-7))
-    # Polar Express on the wide orientation (fewer FLOPs for A = X X^T)
-    x = u.to(compute_dtype)
-    tall = x.size(-2) > x.size(-1)
-    if tall:
-        x = x.mT
+    tall = u.size(-2) > u.size(-1)  # Polar Express on the wide orientation (fewer FLOPs for A = X X^T)
+    x = u.to(compute_dtype).mT if tall else u.to(compute_dtype)
     x = x / (x.norm(dim=(-2, -1), keepdim=True) * 1.01 + 1e-7)
     for a, b, c in POLAR_EXPRESS_COEFFS:
         A = x @ x.mT
         B = b * A + c * (A @ A)
         x = a * x + B @ x
-    if tall:
-        x = x.mT
-    u = x.float()
+    u = (x.mT if tall else x).float()
     target_norm = math.sqrt(min(u.size(-2), u.size(-1)))
     u = u * (target_norm / (u.norm(dim=(-2, -1), keepdim=True) + 1e-7))
     second_buf.lerp_(u.square().mean(dim=-1, keepdim=True), 1 - NORMUON_BETA2)  # step 5: NorMuon
@@ -116,7 +108,6 @@ def muon_update(grads, momentum_buf, second_buf, momentum, compute_dtype: torch.
 
 
 def adamw_update(p, g, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, wd):
-    """One AdamW step on a tensor (or a slice of one), in place."""
     exp_avg.lerp_(g, 1 - beta1)
     exp_avg_sq.lerp_(g.square(), 1 - beta2)
     denom = (exp_avg_sq / (1 - beta2 ** step)).sqrt() + eps
@@ -127,9 +118,7 @@ def adamw_update(p, g, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, wd):
 def muon_stacks(groups):
     """[(group, full shape, params)]: Muon's matrices by shape (full under TP, split alike), in one order everywhere."""
     stacks = []
-    for group in groups:
-        if group["kind"] != "muon":
-            continue
+    for group in (g for g in groups if g["kind"] == "muon"):
         by_shape = {}
         for p in group["params"]:
             key = (tuple(tp.full_shape(p)), getattr(p, "tp_dim", None), hasattr(p, "tp_partial_grad"))
@@ -158,20 +147,17 @@ class MuonStack:
             if (i := self.owner.owned(j)) is not None:
                 self._apply(self.params[i], updates[j])
 
-    def _apply(self, p, update):
-        """Step 6 on one matrix (or its TP shard): the update plus cautious weight decay."""
+    def _apply(self, p, update):  # on one matrix or its TP shard
         shape_scale = max(1.0, self.shape[0] / self.shape[1]) ** 0.5  # from the full shape, not the shard
         u, w, lr = tp.local_shard(update, p).float(), p.data, self.group["lr"]
         w.sub_(lr * shape_scale * u + lr * self.group["weight_decay"] * ((u * w) > 0) * w)
 
 
 class MuonAdamW(torch.optim.Optimizer):
-    """groups: dicts of kind 'adamw' (lr, betas, eps, weight_decay) or 'muon' (lr, momentum, weight_decay), each
-    named (one of PARAM_GROUPS); names: {param: name} for saving; dp: data_parallel.DataParallel over
-    muon_stacks(groups) and the AdamW tensors (made by training.setup), which reduces the gradients and says who
-    updates what; compute_dtype: Muon's orthogonalization dtype; compile: the stacked updates; counts_replicated:
-    this rank counts parameters whole on every TP rank in the gradient norm (TP rank 0 does); expert_dp: under --ep,
-    the DataParallel of the experts' stacks (split_experts) over the ranks holding the same experts."""
+    """groups: from param_groups; names: {param: name} for saving; dp: the data_parallel.DataParallel over
+    muon_stacks(groups) and the AdamW tensors, which reduces the gradients and says who updates what; compile: the
+    stacked updates; counts_replicated: this rank counts the parameters whole on every TP rank in the gradient norm
+    (TP rank 0 does); expert_dp: under --ep, the experts' stacks' DataParallel (split_experts)."""
 
     def __init__(self, groups, names, dp, compute_dtype=torch.float32, compile=False, counts_replicated=True,
                  expert_dp=None):
@@ -186,22 +172,20 @@ class MuonAdamW(torch.optim.Optimizer):
         self._adamw_update = torch.compile(adamw_update, dynamic=False) if compile else adamw_update
         self.adamw_group = {p: g for g in self.param_groups if g["kind"] == "adamw" for p in g["params"]}
         self.dps = [dp] + ([expert_dp] if expert_dp is not None else [])
-        # (its DataParallel, its index there, the stack): the experts' stacks with expert_dp, the rest with dp
+        # (its DataParallel, its index there, the stack)
         self.muon_stacks = []
         for d, mine in zip(self.dps, split_experts(self.param_groups, expert_dp is not None)):
             self.muon_stacks += [(d, s, MuonStack(group, shape, params, owner)) for s, ((group, shape, params), owner)
                                  in enumerate(zip(muon_stacks(mine), d.owners))]
-        if compile:  # a graph per shape (dynamic=False): past torch's 8 per function a shape would run eagerly, and
-            # MoE with L3 has 9 Muon stack shapes at d20; room for one per stack and AdamW tensor
+        if compile:  # a graph per shape: past torch's 8 per function one would run eagerly (MoE + L3 at d20: 9 shapes)
             limit = len(self.muon_stacks) + len(self.adamw_group)
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
 
     def _adamw_state(self, p):
-        state = self.state[p]
-        if not state:
+        if not (state := self.state[p]):
             shape = self.dp.rows_held(p).shape if self.dp.owns_rows(p) else p.shape
-            state["exp_avg"] = torch.zeros(shape, dtype=torch.float32, device=p.device)
-            state["exp_avg_sq"] = torch.zeros(shape, dtype=torch.float32, device=p.device)
+            for key in ("exp_avg", "exp_avg_sq"):
+                state[key] = torch.zeros(shape, dtype=torch.float32, device=p.device)
         return state
 
     @torch.no_grad()
@@ -216,8 +200,8 @@ class MuonAdamW(torch.optim.Optimizer):
         for d in self.dps:
             d.launch_remaining()
         pending = []  # (what to apply, its all-gather's result, the work to wait for)
-        # the gradient norm, from the reduced gradients each rank holds anyway: per group, the squares of what this
-        # rank alone holds (its Muon matrices and AdamW rows; the rest on DP rank 0, and TP rank 0 where whole)
+        # the gradient norm per group, from the reduced gradients held anyway: the squares of what this rank alone
+        # holds (its Muon matrices and AdamW rows; the rest on DP rank 0, and TP rank 0 where whole)
         squares = torch.zeros(len(PARAM_GROUPS), dtype=torch.float32, device=self.param_groups[0]["params"][0].device)
         # Muon, stack by stack as rounds land: steps 1-5 on this rank's whole matrices, updates sent in compute dtype
         for d, s, stack in self.muon_stacks:
@@ -277,8 +261,7 @@ class MuonAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def full_state_dict(self, keep=lambda name: True):
-        """{'adamw_step': n, 'params': {name: {buffer: whole fp32 tensor on CPU}}}. A collective: every rank of
-        the DP and TP groups must call it, and keeps the parameters whose name passes `keep`."""
+        """{'adamw_step': n, 'params': {name passing `keep`: {buffer: whole fp32 CPU tensor}}}; a DP+TP collective."""
         out = {}
         for p in self.adamw_group:
             state = self._adamw_state(p)
@@ -288,8 +271,7 @@ class MuonAdamW(torch.optim.Optimizer):
                 if keep(self.names[p]):
                     out.setdefault(self.names[p], {})[key] = full.cpu()
         for d, s, stack in self.muon_stacks:
-            momentum = d.gather_stack_state(s, stack.momentum)
-            second = d.gather_stack_state(s, stack.second)
+            momentum, second = d.gather_stack_state(s, stack.momentum), d.gather_stack_state(s, stack.second)
             for i, p in enumerate(stack.params):
                 if keep(self.names[p]):
                     out[self.names[p]] = {"momentum": momentum[i].cpu(), "second": second[i].cpu()}

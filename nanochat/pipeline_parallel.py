@@ -1,26 +1,21 @@
 """
-Pipeline parallelism: the blocks are cut into contiguous chunks, the chunks dealt out to the PP ranks; the
-micro-batches of a step flow through them, activations forward and gradients backward, in explicit p2p messages.
+Pipeline parallelism: the blocks cut into contiguous chunks, dealt out to the PP ranks; a step's micro-batches flow
+through them, activations forward and gradients backward, in explicit p2p messages.
 
 Collectives, over this pipeline's ranks (the PP group, or the ranks before and after this one in the ring):
   isend / irecv        per micro-batch and chunk boundary: activations to the next chunk's rank, their gradients
-                       back, each message as one batch_isend_irecv on the group of the two ranks (one NCCL stream
-                       per pair of neighbours), posted in the order of message_order
+                       back, each message one batch_isend_irecv on the group of the two ranks (one NCCL stream per
+                       pair of neighbours), posted in the order of message_order
   broadcast            the step's loss, from the last chunk's rank to the others
 
-Chunks. Block i costs its matmul and attention FLOPs per token; chunk 0 also holds the embeddings, the last chunk
-the head and loss (as much as several blocks at small depth). The split into p x V chunks minimizes the most
-expensive one; chunk c runs on rank c mod p (V = --pp-virtual chunks per rank, round-robin as in Megatron-LM, so
-rank 0 holds the embeddings and rank p-1 the head). Modules a rank does not own are removed, so its state_dict
-holds only its own parameters, under their global names (checkpoints stay layout-free). Across a chunk boundary
-go gpt.Residual (x, x0, and x_mid once past the middle) and the token ids (value embeddings and L3 look them up);
-back go the gradients of the Residual.
+Chunks. The split into p x V chunks (V = --pp-virtual) minimizes the costliest one (block_costs; the head costs as
+much as several blocks at small depth); chunk c runs on rank c mod p, round-robin as in Megatron-LM (rank 0 holds the
+embeddings, rank p-1 the head). A rank drops the modules it does not run: its state_dict holds its own parameters
+under their global names (checkpoints stay layout-free). A forward message is gpt.Residual (x, x0, and x_mid once
+past the middle) and the token ids (value embeddings and L3 look them up); a backward one, the Residual's gradients.
 
-Schedules are lists of actions per rank (pipeline_schedules.py: gpipe, 1f1b, interleaved), which train_step
-runs in order, each action as soon as its input has come, the messages posted in the one order message_order gives.
-
-Evaluation: val bpb runs through the chunks (forward_loss); CORE and sampling run on a whole copy of the model
-(checkpoint_manager.whole_model_copy says why).
+Schedules: pipeline_schedules.py. Evaluation: val bpb runs through the chunks (forward_loss); CORE and sampling run
+on a whole copy of the model (checkpoint_manager.whole_model_copy says why).
 """
 
 import itertools
@@ -37,8 +32,7 @@ from nanochat.pipeline_schedules import stage_actions, idle_formula, input_of, m
 
 
 def block_costs(model):
-    """Training FLOPs per token of each block (matmuls x6 + attention + a following L3 layer), and of
-    the head (the lm_head matmul; the embedding lookup is negligible)."""
+    """Training FLOPs per token of each block (6 x matmuls + attention + a following L3 layer) and of the lm_head."""
     costs = []
     for i, block in enumerate(model.blocks):
         matmul = sum(p.numel() for n, p in block.named_parameters() if p.ndim == 2 and "value_embed" not in n) \
@@ -49,8 +43,7 @@ def block_costs(model):
 
 
 def split_stages(costs, head_cost, num_stages):
-    """Contiguous [start, end) block ranges minimizing the most expensive stage (the last stage
-    also pays for the head). Dynamic programming over cut points; n_layer is small."""
+    """[start, end) block ranges minimizing the costliest stage (the last pays for the head too): DP over cut points."""
     n = len(costs)
     prefix = list(itertools.accumulate(costs, initial=0))
     # best[k][i]: minimal max-cost splitting blocks[:i] into k stages (the head not yet counted)
@@ -59,11 +52,8 @@ def split_stages(costs, head_cost, num_stages):
     best[0][0] = 0
     for k in range(1, num_stages + 1):
         for i in range(k, n + 1):
-            for j in range(k - 1, i):
-                stage = prefix[i] - prefix[j] + (head_cost if (k == num_stages and i == n) else 0)
-                value = max(best[k - 1][j], stage)
-                if value < best[k][i]:
-                    best[k][i], cut[k][i] = value, j
+            head = head_cost if (k == num_stages and i == n) else 0
+            best[k][i], cut[k][i] = min((max(best[k - 1][j], prefix[i] - prefix[j] + head), j) for j in range(k - 1, i))
     cuts = [n]  # the cut points, walked back from the end
     for k in range(num_stages, 0, -1):
         cuts.insert(0, cut[k][cuts[0]])
@@ -83,32 +73,27 @@ class Chunk:
 
 
 class Pipeline:
-    """This rank's chunks of the model and the schedule that drives them, for a recipe.Setting that check() passed
-    (its pp_schedule, pp_virtual chunks per rank, device_batch, and sequence_parallel: the residual stream between
-    blocks, and in the messages, holds this rank's share of the sequence, as under context parallelism)."""
+    """This rank's chunks and the schedule that drives them, for a checked recipe.Setting (pp_schedule, pp_virtual,
+    device_batch; under sequence_parallel the residual stream, and so each message, holds this rank's tokens only)."""
 
     def __init__(self, model, layout, setting, num_microbatches):
-        p, m, virtual, schedule = layout.pp_size, num_microbatches, setting.pp_virtual, setting.pp_schedule
+        p = layout.pp_size
         self.model, self.layout, self.micro_batch_size = model, layout, setting.device_batch
-        self.num_stages, self.stage, self.num_microbatches, self.virtual = p, layout.pp_rank, m, virtual
-        self.schedule = schedule
+        self.num_stages, self.stage, self.num_microbatches = p, layout.pp_rank, num_microbatches
+        self.virtual, self.schedule, self.num_chunks = setting.pp_virtual, setting.pp_schedule, p * setting.pp_virtual
         costs, head_cost = block_costs(model)
-        self.num_chunks = p * virtual
         self.chunk_bounds = split_stages(costs, head_cost, self.num_chunks)
         self.chunk_costs = [sum(costs[a:b]) + (head_cost if c == self.num_chunks - 1 else 0)
                             for c, (a, b) in enumerate(self.chunk_bounds)]
-        self.chunks = {}
-        for c in range(self.stage, self.num_chunks, p):
-            a, b = self.chunk_bounds[c]
-            self.chunks[c] = Chunk(a, b, c == 0, c == self.num_chunks - 1,
-                                   model.backout_layer < a, model.backout_layer < b)
+        back = model.backout_layer
+        self.chunks = {c: Chunk(a, b, c == 0, c == self.num_chunks - 1, back < a, back < b)
+                       for c, (a, b) in enumerate(self.chunk_bounds) if c % p == self.stage}
         self.blocks = [i for ch in self.chunks.values() for i in range(ch.start, ch.end)]
         # drop the modules this rank does not run (blocks become empty Identities: names keep the global indices)
-        for i in range(len(model.blocks)):
-            if i not in self.blocks:
-                model.blocks[i] = nn.Identity()
-                if str(i) in model.l3:
-                    del model.l3[str(i)]
+        for i in sorted(set(range(len(model.blocks))) - set(self.blocks)):
+            model.blocks[i] = nn.Identity()
+            if str(i) in model.l3:
+                del model.l3[str(i)]
         if self.stage != 0:
             model.wte = model.smear_gate = model.smear_lambda = None
         if self.stage != p - 1:
@@ -117,15 +102,13 @@ class Pipeline:
         # the residual stream holds 1/tp of the tokens under sequence parallelism, and 1/cp of each sequence under CP
         self.seq_shards = (layout.tp_size if setting.sequence_parallel else 1) * layout.cp_size
         self.device = next(model.parameters()).device
-        self.prev_rank = layout.peer(pp=(self.stage - 1) % p)
-        self.next_rank = layout.peer(pp=(self.stage + 1) % p)
+        self.prev_rank, self.next_rank = (layout.peer(pp=(self.stage + d) % p) for d in (-1, 1))
         self.pair_group = {self.prev_rank: layout.pp_prev_group, self.next_rank: layout.pp_next_group}
         all_actions = [self.actions(r) for r in range(p)]
         self.program = message_order(all_actions, self.stage, self.chunk_costs)
         self._sent = {action for step, action in self.program if step == "send"}
         # the optimizer's overlapped reduction is armed before the last action that adds to a gradient
-        mine = all_actions[self.stage]
-        self.last_gradient_action = [a for a in mine if a[0] == "B"][-1]
+        self.last_gradient_action = [a for a in all_actions[self.stage] if a[0] == "B"][-1]
 
     # --- the schedule: what train_step runs and schedule_text prints ----------------------
 
@@ -137,7 +120,6 @@ class Pipeline:
                 f"{idle_formula(self.schedule, p, m, self.virtual):.3f}")
 
     def actions(self, rank):
-        """What this pipeline's `rank` runs in one step, in order (stage_actions)."""
         return stage_actions(self.schedule, self.num_stages, self.num_microbatches, rank, self.virtual)
 
     def schedule_text(self):
@@ -149,29 +131,25 @@ class Pipeline:
         return "\n".join(lines + [f"stage {r}: " + " ".join(action_name(a, V) for a in self.actions(r))
                                    for r in range(p)])
 
-    # --- messages ---------------------------------------------------------------
-    # A forward message is [x, x0, (x_mid), idx]; a backward message is [dx, dx0, (dx_mid)].
+    # --- messages: forward [x, x0, (x_mid), idx], backward [dx, dx0, (dx_mid)] ---------------
 
-    def _boundary_shape(self):
+    def _empty(self):
+        """A buffer for x, x0, x_mid or their gradients: (B, T / seq_shards, D)."""
         B, T = self.micro_batch_size, self.model.config.sequence_len
-        return (B, T // self.seq_shards, self.n_embd)
+        return torch.empty((B, T // self.seq_shards, self.n_embd), dtype=self.dtype, device=self.device)
 
     def _recv(self, action):
         """Post the receive of another rank's output `action` (the input of one of this rank's actions)."""
         kind, i, c = action
         if kind == "F":  # into chunk c + 1, which this rank holds
             mid = self.chunks[c + 1].receives_mid
-            x = torch.empty(self._boundary_shape(), dtype=self.dtype, device=self.device)
-            h = Residual(x, torch.empty_like(x), torch.empty_like(x) if mid else None)
-            idx = torch.empty(self._boundary_shape()[:1] + (self.model.config.sequence_len,), dtype=torch.long,
-                              device=self.device)
+            h = Residual(self._empty(), self._empty(), self._empty() if mid else None)
+            idx = h.x.new_empty((self.micro_batch_size, self.model.config.sequence_len), dtype=torch.long)
             tensors, filled, peer = carried(h, mid) + [idx], (h, idx), self.prev_rank
         else:  # the gradients of chunk c - 1's outputs
-            tensors = [torch.empty(self._boundary_shape(), dtype=self.dtype, device=self.device)
-                       for _ in range(3 if self.chunks[c - 1].sends_mid else 2)]
+            tensors = [self._empty() for _ in range(3 if self.chunks[c - 1].sends_mid else 2)]
             filled, peer = tensors, self.next_rank
-        requests = dist.batch_isend_irecv([dist.P2POp(dist.irecv, t, peer, self.pair_group[peer]) for t in tensors])
-        return requests, filled
+        return dist.batch_isend_irecv([dist.P2POp(dist.irecv, t, peer, self.pair_group[peer]) for t in tensors]), filled
 
     def _send(self, action, output):
         """Post the send of an action's output: a forward's (Residual, idx), a backward's input gradients."""
@@ -187,8 +165,7 @@ class Pipeline:
     # --- compute on one micro-batch of one chunk ------------------------------------------
 
     def forward(self, i, c, inputs):
-        """Forward of micro-batch i through chunk c. Chunk 0 embeds the ids; the others take (Residual, idx) from
-        the previous chunk. Returns (Residual, idx), or the loss of the last chunk."""
+        """Micro-batch i through chunk c (chunk 0 embeds the ids): (Residual, idx), or the last chunk's loss."""
         chunk = self.chunks[c]
         for t in [] if chunk.first else carried(inputs[0], chunk.receives_mid):
             t.requires_grad_(True)
@@ -197,33 +174,26 @@ class Pipeline:
         if chunk.last:
             loss = self.model.head(h, self.ys[i])
             self.total_loss += loss.detach()
-            out = loss / self.num_microbatches
-        else:
-            out = (h, idx)
+        out = loss / self.num_microbatches if chunk.last else (h, idx)
         self._saved_outputs[i, c] = out
         return out
 
     def _through(self, chunk, x, inputs):
-        """(Residual, idx) after chunk's blocks: chunk 0 embeds the ids x, the others take the (Residual, idx) received."""
+        """(Residual, idx) after chunk's blocks, from the ids x (chunk 0) or the (Residual, idx) received."""
         h, idx = (self.model.embed(x), x) if chunk.first else inputs
         return self.model.run_blocks(h, idx, chunk.start, chunk.end), idx
 
     def backward(self, i, c, grads):
-        """Backward of micro-batch i through chunk c from the gradients of its outputs (the last chunk: its loss).
-        Returns the gradients of its inputs, for the previous chunk."""
+        """Micro-batch i back through chunk c from its outputs' gradients (the last chunk: its loss): its inputs'."""
         chunk, out, inputs = self.chunks[c], self._saved_outputs.pop((i, c)), self._saved_inputs.pop((i, c))
         outputs, grads = ([out], None) if chunk.last else (carried(out[0], chunk.sends_mid), grads)
         received = [] if chunk.first else carried(inputs[0], chunk.receives_mid)
         torch.autograd.backward(outputs, grads)
         return None if chunk.first else [t.grad for t in received]
 
-    # --- one training step ----------------------------------------------------------
-
     def train_step(self, batches, before_last_backward=None):
-        """Forward and backward of the micro-batches [(x, y), ...] (x on rank 0, y on the last rank, None
-        elsewhere) in the order actions(rank) lists, the messages posted in message_order; gradients accumulate
-        into .grad. Returns the mean loss on every rank. before_last_backward (DataParallel's
-        prepare_last_backward) runs right before the last action that adds to a gradient."""
+        """Micro-batches [(x, y), ...] (x on rank 0, y on the last, else None) in actions(rank)'s order, gradients into
+        .grad; the mean loss on every rank. before_last_backward runs before the last action adding to a gradient."""
         self.device = next(self.model.parameters()).device
         self.xs, self.ys = [b[0] for b in batches], [b[1] for b in batches]
         self._saved_inputs, self._saved_outputs = {}, {}
@@ -237,10 +207,8 @@ class Pipeline:
                 sends += self._send(action, outputs.pop(action))
             else:
                 kind, i, c = action
-                inputs = None
                 dep = input_of(action, self.num_chunks)
-                if dep in received:
-                    inputs = wait_for(*received.pop(dep))
+                inputs = wait_for(*received.pop(dep)) if dep in received else None
                 if action == self.last_gradient_action and before_last_backward is not None:
                     before_last_backward()
                 output = self.forward(i, c, inputs) if kind == "F" else self.backward(i, c, inputs)

@@ -1,8 +1,7 @@
 """
 Pipeline schedules as data: per rank, the list of actions (kind, micro-batch, chunk) one step runs, F a forward, B a
-backward (stage_actions: what pipeline_parallel's train_step runs, --pp-print-schedule
-prints and dev/pipeline_sim.py prices), a replay of all ranks' lists in time (simulate), and from it one order of
-the messages for every rank (message_order). No tensors and no collectives here.
+backward (stage_actions: what train_step runs, --pp-print-schedule prints and dev/pipeline_sim.py prices); their
+replay in time (simulate) and from it one message order for every rank (message_order). No tensors, no collectives.
 
 With p ranks and m >= p micro-batches, the idle fraction of each rank at equal F and B times:
   gpipe        all m forwards, then all m backwards; m micro-batches of activations alive.     (p-1)/(m+p-1)
@@ -12,10 +11,11 @@ With p ranks and m >= p micro-batches, the idle fraction of each rank at equal F
 No zero-bubble schedule (backwards split into input and weight gradients): under torch.compile the split costs
 more than the bubble it fills (README, pipeline parallelism).
 
-Messages: each rank runs its actions in order, each once its input has come; sends are posted after the action
-producing them, receives in one global order (message_order), so that two ranks post their shared messages in the same
-order (NCCL runs them in order on one stream per pair of ranks: two ranks each first waiting on the other would hang).
+Messages: every rank posts them in one order (message_order): NCCL runs a pair of ranks' messages in order on one
+stream, so two ranks each first waiting on the other would hang.
 """
+
+import itertools
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
@@ -58,7 +58,6 @@ def idle_formula(schedule, p, m, virtual=1):
 
 
 def output_chunk(action):
-    """The chunk an action's output goes to: a forward's the next, a backward's the one before."""
     kind, _, c = action
     return c + 1 if kind == "F" else c - 1
 
@@ -76,12 +75,12 @@ def simulate(actions, duration, p2p=0.0):
     rank, [(action, start, end)] in the order run; ValueError if the lists wait on each other."""
     p = len(actions)
     num_chunks = 1 + max(c for acts in actions for _, _, c in acts)
-    done, timeline, position, free = {}, [[] for _ in range(p)], [0] * p, [0.0] * p
-    while any(position[r] < len(actions[r]) for r in range(p)):
-        progressed = False
+    done, timeline, free = {}, [[] for _ in range(p)], [0.0] * p  # done: action -> its end
+    while any(len(timeline[r]) < len(actions[r]) for r in range(p)):
+        before = len(done)
         for r in range(p):
-            while position[r] < len(actions[r]):
-                action = actions[r][position[r]]
+            while len(timeline[r]) < len(actions[r]):
+                action = actions[r][len(timeline[r])]
                 dep = input_of(action, num_chunks)
                 if dep is not None and dep not in done:
                     break
@@ -89,9 +88,7 @@ def simulate(actions, duration, p2p=0.0):
                 start = max(free[r], ready)
                 free[r] = done[action] = start + duration(action)
                 timeline[r].append((action, start, free[r]))
-                position[r] += 1
-                progressed = True
-        if not progressed:
+        if len(done) == before:
             raise ValueError("the action lists wait on each other: no rank can run its next action")
     return timeline
 
@@ -99,22 +96,15 @@ def simulate(actions, duration, p2p=0.0):
 def peak_in_flight(actions, kept=None):
     """Per rank, the most micro-batch chunks alive at once, from a forward until its backward, as train_step
     measures (Pipeline.peak_in_flight). kept: per chunk, the bytes its forward keeps (None: 1 each)."""
-    peaks = []
-    for acts in actions:
-        alive = peak = 0
-        for kind, _, c in acts:
-            weight = 1 if kept is None else kept[c]
-            alive += weight if kind == "F" else -weight
-            peak = max(peak, alive)
-        peaks.append(peak)
-    return peaks
+    weight = lambda c: 1 if kept is None else kept[c]
+    return [max(itertools.accumulate((weight(c) if kind == "F" else -weight(c) for kind, _, c in acts), initial=0))
+            for acts in actions]
 
 
 def message_order(actions, rank, chunk_costs=None):
-    """This rank's program: ("run", action), ("send", action) for its output right after it, ("recv", action) for
-    another rank's output, ordered alike on all ranks by the replay's time, then the sending rank. Any times give a
-    valid order; the closer to the real ones, the less a message waits behind one posted too early: a chunk's forward
-    takes its cost (chunk_costs; 1 each if None), its backward twice that."""
+    """This rank's program: ("run", action), ("send", action) right after it, ("recv", action) for another rank's
+    output, alike on all ranks by replayed time, then sending rank. Any times give a valid order; nearer the real ones,
+    fewer messages wait behind one posted early (a forward takes chunk_costs[c], 1 if None; a backward twice that)."""
     p = len(actions)
     num_chunks = 1 + max(c for acts in actions for _, _, c in acts)
     costs = chunk_costs or [1] * num_chunks

@@ -1,16 +1,13 @@
 """
-A run's settings: base_train's flags, the model and the scaling-law recipe they give, and the one check of which
-settings can run together (Setting.check, called by base_train, training.setup and the memory planner).
-
-The recipe (derive_recipe; base_train prints it at start):
+A run's settings: base_train's flags, the model and scaling-law recipe they give, and the one check of which settings
+can run together (Setting.check: base_train, training.setup, the memory planner). The recipe (derive_recipe, printed):
   horizon  D = --num-iterations * B, else --target-flops / FLOPs-per-token, else ratio * scaling params
   batch    B = 2^19 * (D / D_ref)^0.383 rounded to a power of 2 (Power Lines, arXiv 2505.13738), D_ref = ratio * N(d12)
   LRs      every LR * sqrt(B / 2^19)
   decay    wd = wd_ref * sqrt(B / 2^19) * D_ref / D (constant T_epoch, arXiv 2405.13698)
   schedule LR: 40-step warmup, flat, linear warmdown over the last 65% to 5%; Muon momentum 0.85 -> 0.97 over 400
            steps, then -> 0.90 during warmdown; Muon wd cosine-decayed to 0 (training.Schedule)
-A context extension (a resume with a longer --max-seq-len) keeps the horizon and batch of the context the run
-started at (context_lengths).
+A context extension (a resume with a longer --max-seq-len) keeps the horizon and batch of the first context.
 """
 
 import json
@@ -28,8 +25,8 @@ from nanochat import kernels
 
 DEFAULT_SEQ_LEN = 2048
 B_REF = 2 ** 19  # the reference batch (tokens) at which LRs and weight decay were tuned (d12)
-# flags that shape the schedule, the batch and the data: a resumed run must give the ones of the saved run
-# (a longer --max-seq-len is a context extension: context_lengths)
+# flags that shape the schedule, the batch and the data: a resume must give the saved run's (not --max-seq-len: a
+# longer one is a context extension, context_lengths)
 RECIPE_FLAGS = ["num_iterations", "target_flops", "target_param_data_ratio", "total_batch_size",
                 "embedding_lr", "unembedding_lr", "matrix_lr", "scalar_lr", "weight_decay", "warmup_steps",
                 "warmdown_ratio", "final_lr_frac", "keep_remainder"]
@@ -118,8 +115,7 @@ def parse_args(argv=None):
              "that skips ranks a sliding window never reaches (less memory)")
     add("--ep", type=int, default=1, help="expert-parallel degree: each MoE layer's experts spread over this many DP "
                                           "ranks (nanochat/expert_parallel.py)")
-    add("--pp-schedule", type=str, default="1f1b", choices=SCHEDULES,
-        help="pipeline schedule (nanochat/pipeline_schedules.py)")
+    add("--pp-schedule", default="1f1b", choices=SCHEDULES, help="pipeline schedule (nanochat/pipeline_schedules.py)")
     add("--pp-virtual", type=int, default=1, help="chunks of blocks per pipeline rank (interleaved: 2 or more)")
     add("--pp-print-schedule", action="store_true", help="print every stage's action list at start")
     add("--shard-params", action="store_true", help="ZeRO-3: each data-parallel rank keeps the weights, gradients and "
@@ -144,8 +140,7 @@ def parse_args(argv=None):
     add("--moe-topk", type=int, default=2, help="experts each token is routed to")
     add("--moe-shared", type=int, default=1, help="always-on experts per MoE layer")
     add("--moe-expert-dim", type=int, default=0, help="expert width (0 = iso-FLOP: 4 x model_dim / (topk + shared))")
-    add("--moe-layers", type=str, default="", help="blocks whose MLP is a mixture of experts, e.g. 1,3 (empty = all "
-                                                   "but the first)")
+    add("--moe-layers", default="", help="blocks with a mixture-of-experts MLP, e.g. 1,3 (empty: all but the first)")
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # one line, with the nearest flag (argparse prints its whole usage and no suggestion)
         flags = [f for action in parser._actions for f in action.option_strings]
@@ -157,10 +152,9 @@ def parse_args(argv=None):
     return args
 
 
-
 def check_loop_flags(args, resume_meta):
-    """base_train's loop flags (the layout's: Setting.check); on a resume the recipe flags must be the saved run's,
-    and the model flags too, where given: those left out take the checkpoint's values (what was trained)."""
+    """base_train's loop flags (the layout's: Setting.check); a resume must give the saved run's recipe flags, and
+    its model flags where given (those left out take the checkpoint's values)."""
     if args.core_metric_max_per_task == 0 or args.core_metric_max_per_task < -1:
         raise ConfigError("--core-metric-max-per-task must be a positive number of items, or -1 for all")
     start_step = max(args.resume_from_step, 0)
@@ -171,7 +165,7 @@ def check_loop_flags(args, resume_meta):
         raise ConfigError("--stop-at-step saves the step it stops at: it cannot go with --save-every 0")
     if args.keep_last == 0 or args.keep_last < -1:
         raise ConfigError("--keep-last must be a positive number of checkpoints, or -1 to keep all")
-    if resume_meta is not None:  # the schedule, batch and data shape come from the flags: the saved run's
+    if resume_meta is not None:
         saved, now = resume_meta.get("user_config", {}), vars(args)
         if changed := {k: (saved[k], now[k]) for k in RECIPE_FLAGS if k in saved and saved[k] != now[k]}:
             raise ConfigError("resuming with other settings than the saved run: " +
@@ -221,8 +215,8 @@ def block_indices(flag, value, depth):
 
 
 def model_config(args, vocab_size, resume_meta=None):
-    """The GPTConfig of the run: the checkpoint's when resuming (with --max-seq-len's context: the weights hold
-    no length, the windows and rotary tables follow it), else from --depth and the model flags."""
+    """The run's GPTConfig: the checkpoint's when resuming (at --max-seq-len: the weights hold no length, the
+    windows and rotary tables follow it), else from --depth and the model flags."""
     if resume_meta is not None:
         return replace(GPTConfig.from_dict(resume_meta["model_config"]), sequence_len=args.max_seq_len)
     l3_layers, moe_blocks = (block_indices(f, getattr(args, f.replace("-", "_")), args.depth)
@@ -256,7 +250,6 @@ class Recipe:
     param_counts: dict
 
     def learning_rates(self, args):
-        """The flags' learning rates times the recipe's scale, and Muon's decay."""
         s = self.lr_scale
         return LearningRates(args.embedding_lr * s, args.unembedding_lr * s, args.matrix_lr * s, args.scalar_lr * s,
                              self.weight_decay)
@@ -283,8 +276,7 @@ class Recipe:
 
 
 def derive_recipe(args, config, start_len=None):
-    """The scaling-law formulas of the module docstring. The horizon and batch are those of the context the run
-    started with (start_len, if not config's), so that a context extension leaves the schedule as it was."""
+    """The module docstring's formulas; horizon and batch of the starting context (start_len), kept on extension."""
     with torch.device("meta"):
         model = GPT(config)
         started = model if start_len in (None, config.sequence_len) else GPT(replace(config, sequence_len=start_len))
@@ -309,8 +301,7 @@ def derive_recipe(args, config, start_len=None):
 
 
 def context_lengths(config, resume_meta):
-    """[[step, context length from that step on], ...]: the run's context history, one entry more where this resume
-    changes --max-seq-len (a context extension; the line printed says what changes with it)."""
+    """[[step, context length from then on], ...]; one entry more where this resume extends --max-seq-len (printed)."""
     if resume_meta is None:
         return [[0, config.sequence_len]]
     saved, loop = resume_meta["model_config"]["sequence_len"], resume_meta.get("loop_state", {})
@@ -333,8 +324,7 @@ def context_lengths(config, resume_meta):
 
 @dataclass
 class Setting:
-    """One way to train a model: the layout, the micro-batch and the memory savers (base_train's flags of the same
-    names). check() is the one place that decides which of them can run together."""
+    """One way to train: layout, micro-batch, memory savers (base_train's flags); check() decides what runs together."""
     dp: int = 1
     tp: int = 1
     pp: int = 1
@@ -370,8 +360,7 @@ class Setting:
         return ", ".join(parts) + f"; batch {self.device_batch}; recompute {self.recompute}"
 
     def check(self, config):
-        """Every setting (and combination) that cannot run with this model, refused with one line naming the flags.
-        Returns the micro-batches per step (gradient accumulation)."""
+        """Refuses what cannot run with this model, with one line naming the flags; returns micro-batches per step."""
         T, tp, pp, cp = config.sequence_len, self.tp, self.pp, self.cp
         if self.device_batch < 1:
             raise ConfigError(f"--device-batch-size must be at least 1 (got {self.device_batch})")

@@ -16,8 +16,9 @@ import socket
 import datetime
 import platform
 import subprocess
+from pathlib import Path
 
-from nanochat.common import get_base_dir, get_rank
+from nanochat.common import get_base_dir, get_rank, read_json
 
 # Sections in the order the pipeline produces them; anything else is appended after.
 SECTION_ORDER = ["Environment", "Tokenizer training", "Tokenizer evaluation", "Base model training",
@@ -56,13 +57,12 @@ def log_section(title, items):
     """Write one stage's section (rank 0 only): dicts become `- key: value` lines, strings stay as they are."""
     if get_rank() != 0:
         return None
-    lines = []
+    lines = [f"## {title}", f"_timestamp: {datetime.datetime.now():%Y-%m-%d %H:%M:%S}_", ""]
     for item in items:
         lines += [f"- {k}: {_format_value(v)}" for k, v in item.items()] if isinstance(item, dict) else [str(item)]
         lines.append("")
     path = os.path.join(report_dir(), f"{slug(title)}.md")
-    with open(path, "w") as f:
-        f.write(f"## {title}\n_timestamp: {datetime.datetime.now():%Y-%m-%d %H:%M:%S}_\n\n" + "\n".join(lines) + "\n")
+    Path(path).write_text("\n".join(lines) + "\n")
     return path
 
 
@@ -94,21 +94,16 @@ def reset():
     for f in os.listdir(d):
         if f.endswith((".md", ".csv", ".png", ".json")):
             os.remove(os.path.join(d, f))
-    with open(os.path.join(d, "run.json"), "w") as f:
-        json.dump({"start_time": time.time()}, f)
+    Path(d, "run.json").write_text(json.dumps({"start_time": time.time()}))
     log_section("Environment", [environment()])
 
 
 def log_stage_time(name, seconds):
     """Record how long a pipeline stage took (speedrun.sh calls this after each stage)."""
     path = os.path.join(report_dir(), "stages.json")
-    stages = {}
-    if os.path.exists(path):
-        with open(path) as f:
-            stages = json.load(f)
+    stages = read_json(path, {})
     stages[name] = stages.get(name, 0) + float(seconds)  # a resumed stage adds up
-    with open(path, "w") as f:
-        json.dump(stages, f)
+    Path(path).write_text(json.dumps(stages))
     rows = ["| stage | wall time |", "| --- | --- |"] + [f"| {k} | {v / 60:.2f} min |" for k, v in stages.items()]
     log_section("Stage wall times", [{"total of stages (min)": round(sum(stages.values()) / 60, 2)}, "\n".join(rows)])
 
@@ -145,17 +140,13 @@ def generate():
     ordered = [slug(t) for t in SECTION_ORDER if slug(t) in files]
     ordered += sorted(k for k in files if k not in ordered)
     out = ["# nanochat run report", "", f"_generated: {datetime.datetime.now().strftime('%Y-%m-%d %H:%M:%S')}_", ""]
-    pairs = {}  # per section, its `- key: value` lines (values as written)
-    for k, path in files.items():
-        with open(path) as f:
-            pairs[k] = dict(m.groups() for line in f if (m := re.match(r"^- ([^:]+): (.*)$", line.rstrip("\n"))))
+    # per section, its `- key: value` lines (values as written)
+    pairs = {k: dict(re.findall(r"^- ([^:\n]+): (.*)$", Path(path).read_text(), re.M)) for k, path in files.items()}
     train = pairs.get("base-model-training", {})
     rows = [(label, pairs[slug(section)][key]) for section, keys in SUMMARY_KEYS.items() for key, label in keys
             if key in pairs.get(slug(section), {})]
-    run_json = os.path.join(d, "run.json")
-    if os.path.exists(run_json):
-        with open(run_json) as f:
-            wall = time.time() - json.load(f)["start_time"]
+    if start := read_json(os.path.join(d, "run.json"), {}).get("start_time"):
+        wall = time.time() - start
         # GPUs billed: those the training used, else every visible one (environment)
         m = re.match(r"(\d+) x", pairs.get("environment", {}).get("gpus", ""))
         n_gpus = int(train["gpus used"].replace(",", "")) if "gpus used" in train else int(m.group(1) if m else 0)
@@ -168,12 +159,9 @@ def generate():
     if (metrics := train.get("metrics")) and os.path.exists(metrics):
         note = plot_loss_curve(metrics, os.path.join(d, "loss_curve.png"))
         out += ["## Loss curve", "", note if note else "![loss curve](loss_curve.png)", ""]
-    for key in ordered:
-        with open(files[key]) as f:
-            out.append(f.read())
+    out += [Path(files[key]).read_text() for key in ordered]
     path = os.path.join(d, "report.md")
-    with open(path, "w") as f:
-        f.write("\n".join(out))
+    Path(path).write_text("\n".join(out))
     return path
 
 

@@ -1,14 +1,12 @@
 """
-A run's record, in a file tools read instead of its printout: metrics.jsonl beside the run's checkpoints
-($NANOCHAT_BASE_DIR/base_checkpoints/<model-tag>/), one JSON object per line:
+A run's record for tools: metrics.jsonl beside the run's checkpoints, one JSON object per line:
   {"kind": "header", ...}  at every launch: flags, model config, layout, device, attention kernel, fp8, recipe
   {"step": s, ...}         per step: loss (the step's mean), loss_smooth (the log line's debiased EMA), grad_norm
                            (global) and grad_norm_<group> (optim.PARAM_GROUPS), lrm, dt (s), tok_per_sec, mfu (%),
-                           peak_mem_gib, epoch; moe_imbalance with MoE layers (moe.after_step); spikes where SpikeWatch
-                           saw one; val_bpb and core where evaluated
+                           peak_mem_gib, epoch; moe_imbalance (MoE); spikes (SpikeWatch); val_bpb and core if evaluated
   {"kind": "end", ...}     at the end (completed or stopped): the last step, training time, every rank's peak memory
-A resumed run keeps the records before its first step, so the file tells one trajectory. Rank 0 writes line by
-line (a line a crash cuts off is skipped when read); wandb and TensorBoard, when asked for, get the same numbers.
+A resumed run keeps the records before its first step: one trajectory. Rank 0 writes line by line (a line a crash
+cuts off is skipped when read); wandb and TensorBoard, when asked for, get the same numbers.
 """
 
 import os
@@ -82,10 +80,9 @@ class RunLog:
 
 
 class SpikeWatch:
-    """Loss and gradient-norm spikes. A step is above the rule when its loss is above loss_ratio x the median of
-    the previous `window` steps' losses, or its gradient norm above grad_ratio x theirs, judged once `min_steps`
-    steps are in the window. A spike starts at the first step above the rule; the steps after it that stay above
-    belong to it (they are not reported again). Steps whose numbers are not finite are judged, not kept."""
+    """Loss and gradient-norm spikes: a loss above loss_ratio x the median of the previous `window` steps', or a
+    gradient norm above grad_ratio x theirs, once `min_steps` steps are in the window. A spike is reported at its first
+    step, not again while it lasts. Steps whose numbers are not finite are judged, not kept."""
 
     def __init__(self, window=50, min_steps=20, loss_ratio=1.2, grad_ratio=3.0, history=None):
         self.window, self.min_steps, self.loss_ratio, self.grad_ratio = window, min_steps, loss_ratio, grad_ratio
@@ -121,8 +118,8 @@ def read_records(path):
 
 
 class Run:
-    """A run as its metrics.jsonl tells it: `header` (the latest launch's), `steps` ({step: record}, records of
-    one step merged), `end` (the last end record, None while running or after a crash), and the series."""
+    """A run's metrics.jsonl: `header` (the latest launch's), `steps` ({step: its records merged}), `end` (the last end
+    record; None while running or after a crash), and the series."""
 
     def __init__(self, path):
         self.path = path

@@ -1,7 +1,7 @@
 """
 Parameter sharding (--shard-params, ZeRO-3) on data parallelism's ownership (data_parallel.py): a rank keeps fp32
-weights, gradients and optimizer state only for what it updates, and gathers each module's weights in the compute
-dtype around its call.
+weights, gradients and optimizer state only for what it updates (a Muon matrix whole on its owner, a large AdamW
+tensor by rows; small AdamW tensors stay whole everywhere), and gathers each module's weights around its call.
 
 Collectives, all over the DP group:
   broadcast               per module call (and again before its backward, unless --keep-gathered): each Muon
@@ -11,25 +11,22 @@ Collectives, all over the DP group:
   reduce_scatter_tensor   the same, per large AdamW tensor: its gradient -> this rank's rows
   broadcast, all_gather   for a checkpoint or a whole copy of the model: the fp32 weights, into whole tensors
 
-A Muon matrix is held whole by its owner only; an AdamW tensor owned by rows, by rows; the small AdamW tensors stay
-whole everywhere. The model calls each module holding sharded weights through `ShardedWeights.run` (gpt.py's
-`weights` seam: the embedding, each block, each L3 layer, the lm_head): its weights are gathered whole (posted one
-call ahead, so that the gather runs behind the previous module's compute), swapped in for the call and freed after
-it; before its backward they are gathered again (not embedding tables: a lookup's backward needs only the ids), or
-with --keep-gathered kept from the forward (one copy more alive, one gather fewer); under recompute they are swapped
-in again there. When a module's backward ends each gradient goes to its owner at once (fp32, summed), landing while
-the next module's backward runs; every micro-batch sends its own.
+The model calls each module holding sharded weights (the embedding, each block, each L3 layer, the lm_head) through
+`ShardedWeights.run`, gpt.py's `weights` seam: gathered whole one call ahead (behind the previous module's compute),
+swapped in for the call, freed after it and gathered again before its backward (not embedding tables: a lookup's
+backward needs only the ids), unless --keep-gathered keeps them (one copy more alive, one gather fewer). Every
+micro-batch's gradients go to their owners (fp32, summed) as each module's backward ends, landing during the next's.
 
 A sharded parameter carries `dp_shape` (its whole shape on this TP rank), `dp_group` and `dp_owner` (the DP rank
-holding a Muon matrix; None for a tensor held by rows); its .data is what this rank holds. Composes with tensor
-parallelism: a gathered weight carries its TP shard's attributes, and TP's embedding tables count as lookups.
+holding a Muon matrix; None for one held by rows); its .data is what this rank holds. Under TP a gathered weight
+carries its TP shard's attributes, and TP's embedding tables count as lookups.
 """
 
 import torch
 import torch.nn as nn
 import torch.distributed as dist
 
-from nanochat.distributed import all_gather_single, reduce_scatter_single
+from nanochat.distributed import all_gather_single, reduce_scatter_single, wait_for
 
 
 def is_dp_sharded(p):
@@ -66,14 +63,10 @@ class Unit:
 
     def __init__(self, module):
         self.recomputes = getattr(module, "recompute", "none") != "none"
-        self.params, self.slots, self.backward_reads = [], [], []
-        for name, p in module.named_parameters():
-            if is_dp_sharded(p):
-                owner_name, _, attr = name.rpartition(".")
-                owner = module.get_submodule(owner_name)
-                self.params.append(p)
-                self.slots.append((owner, attr))
-                self.backward_reads.append(self.recomputes or not isinstance(owner, embedding_types()))
+        named = [(name.rpartition("."), p) for name, p in module.named_parameters() if is_dp_sharded(p)]
+        self.params = [p for _, p in named]
+        self.slots = [(module.get_submodule(owner), attr) for (owner, _, attr), _ in named]
+        self.backward_reads = [self.recomputes or not isinstance(owner, embedding_types()) for owner, _ in self.slots]
         self.prefetched = None  # a Gathered posted ahead of this unit's next call
 
     def swap(self, tensors):
@@ -89,9 +82,7 @@ class Gathered:
         self.weights, self.unit = weights, unit
         self.wholes = [torch.empty(p.dp_shape, dtype=weights.dtype, device=p.device) for p in unit.params]
         for p, t in zip(unit.params, self.wholes):  # what the model's kernels read off a weight (fp8 under TP)
-            for attr in ("tp_dim", "tp_size", "tp_group"):
-                if hasattr(p, attr):
-                    setattr(t, attr, getattr(p, attr))
+            t.tp_dim, t.tp_size, t.tp_group = (getattr(p, a, None) for a in ("tp_dim", "tp_size", "tp_group"))
         self.works, self.previous, self.output, self.done = [], None, None, False
         weights.count(sum(t.numel() * t.element_size() for t in self.wholes))
         self.fill(range(len(self.wholes)))
@@ -107,8 +98,7 @@ class Gathered:
         self.works += [gather_whole(self.wholes[i], self.unit.params[i], async_op=True) for i in which]
 
     def wait(self):
-        for work in self.works:
-            work.wait()
+        wait_for(self.works)
         if self.works:
             self.versions.__exit__(None, None, None)
         self.works = []
@@ -118,14 +108,13 @@ class Gathered:
         """Free the whole tensors' storage (all, or `which`); the tensors stay, empty, for autograd."""
         self.wait()
         for i in range(len(self.wholes)) if which is None else which:
-            t = self.wholes[i]
-            self.weights.count(-t.untyped_storage().nbytes())
-            with torch.autograd._unsafe_preserve_version_counter(t):
-                t.untyped_storage().resize_(0)
+            self._resize(self.wholes[i], 0)
 
-    def unread(self):
-        """The whole tensors the module's backward does not read."""
-        return [i for i, reads in enumerate(self.unit.backward_reads) if not reads]
+    def _resize(self, t, nbytes):
+        """t's storage to `nbytes` (0: freed), counted; its version counter kept, as autograd checks it."""
+        self.weights.count(nbytes - t.untyped_storage().nbytes())
+        with torch.autograd._unsafe_preserve_version_counter(t):
+            t.untyped_storage().resize_(nbytes)
 
     def emptied(self):
         """The whole tensors the backward reads that are empty (to be gathered again)."""
@@ -135,11 +124,8 @@ class Gathered:
     def refill(self):
         """Before the backward: the whole tensors it reads, gathered again into the same tensors."""
         which = self.emptied()
-        for i in which:
-            t = self.wholes[i]
-            with torch.autograd._unsafe_preserve_version_counter(t):
-                t.untyped_storage().resize_(t.numel() * t.element_size())
-            self.weights.count(t.numel() * t.element_size())
+        for t in (self.wholes[i] for i in which):
+            self._resize(t, t.numel() * t.element_size())
         self.fill(which)
 
 
@@ -173,8 +159,7 @@ class ShardedWeights:
     """A model's weights sharded over the DP group: cut at construction, whole in `run`, gradients sent home."""
 
     def __init__(self, model, dp, keep_gathered=False):
-        self.group, self.rank, self.keep = dp.group, dp.rank, keep_gathered
-        self.dtype = model.compute_dtype
+        self.group, self.rank, self.keep, self.dtype = dp.group, dp.rank, keep_gathered, model.compute_dtype
         owner = {p: stack_owner.owner(i) for params, stack_owner in zip(dp.muon_stacks, dp.owners)
                  for i, p in enumerate(params)}
         with torch.no_grad():
@@ -199,9 +184,7 @@ class ShardedWeights:
 
     def run(self, module, fn, *args):
         """fn(*args) with `module`'s whole weights in place (module docstring), arranging the backward's part."""
-        if module not in self.units:
-            self.units[module] = Unit(module)
-        unit = self.units[module]
+        unit = self.units[module] = self.units.get(module) or Unit(module)
         if self.last is not None:
             self.next[self.last] = unit
         self.last = unit
@@ -226,11 +209,10 @@ class ShardedWeights:
         if not (training and x is not None and x.requires_grad):
             gathered.release()
             return out
-        gathered.release(None if not self.keep else gathered.unread())
+        gathered.release([i for i, reads in enumerate(unit.backward_reads) if not reads] if self.keep else None)
         # the module called before this one, if its output is this one's input (a few ops away: an L3 layer's sum,
         # the head's norm); not a module of another micro-batch that a pipeline ran in between
-        chain = self.chain
-        gathered.previous = chain if chain is not None and args and feeds(chain.output, args[0]) else None
+        gathered.previous = self.chain if self.chain and args and feeds(self.chain.output, args[0]) else None
         gathered.output, self.chain = x.grad_fn, gathered
         if gathered.emptied() or unit.recomputes:
             x.register_hook(lambda grad: self.before_backward(gathered))
@@ -248,8 +230,7 @@ class ShardedWeights:
             gathered.unit.swap(gathered.wholes)
 
     def send_gradients(self, gathered, grads):
-        """After a module's backward: its gradients sent home, its whole weights freed. The previous module's sends
-        land now, so that at most two modules' whole gradients are alive."""
+        """After a module's backward: gradients sent home, weights freed, the previous one's landed (two alive, max)."""
         unit = gathered.unit
         if unit.recomputes:
             unit.swap(unit.params)

@@ -1,6 +1,5 @@
 """
-Tensor parallelism (Megatron-style), as small explicit pieces, applied to an initialized GPT by
-`parallelize(model, layout, sequence_parallel)`.
+Tensor parallelism (Megatron-style) as small explicit pieces, applied to an initialized GPT by `parallelize`.
 
 Collectives, all over the TP group:
   all_reduce           f's backward, g's forward (leaving a region without SP), the vocab-parallel embedding
@@ -8,27 +7,21 @@ Collectives, all over the TP group:
                        tensors for Muon and checkpoints (gather_full)
   reduce_scatter       leaving a region with SP (tokens)
   all_reduce MAX, SUM  the vocab-parallel loss: the logits' max, the sum of exponentials, the target's logit
-  all_reduce SUM       partial gradients of replicated parameters under SP (reduce_partial_grad), in the step;
-                       MoE layers' expert loads under SP (moe.after_step)
+  all_reduce SUM       under SP, in the step: replicated parameters' partial gradients (reduce_partial_grad), and
+                       MoE layers' expert loads (moe.after_step)
   all_reduce MAX       fp8's global amax of sharded tensors (fp8.py)
 
-What is cut how:
-- attention: q/k/v column-parallel (n_head/tp query heads, n_kv_head/tp kv heads per rank), the output
-  projection row-parallel; value embeddings and their gates cut to match the local kv heads
-- MLP: up-projection column-parallel, down-projection row-parallel (an fp8.Fp8MLP keeps its fused product)
+What is cut how (a region starts with `region_enter` at the model's `tp_enter` hook, ends in the row-parallel linear):
+- attention: q/k/v column-parallel (n_head/tp query, n_kv_head/tp kv heads a rank), the output projection row-parallel,
+  value embeddings and gates cut to the local kv heads; MLP: up column-, down row-parallel (fp8.Fp8MLP stays fused)
 - token embedding and lm_head vocab-parallel, with a vocab-parallel soft-capped cross-entropy that never gathers
   the logits (at d32 the fp32 logits of a 32x2048 micro-batch are 8.6 GB per copy)
-- sequence parallelism (optional): between the TP regions the residual stream is split along the flattened
-  (B*T) tokens, rank k holding tokens [k, k+1) * B*T/tp viewed as (B, T/tp, D): every op there is per token,
-  and dim 0 of a contiguous tensor goes through the collectives as it is
-- L3 layers replicated: sharding the table along d would all-reduce every score, and by token would cut a
-  skewed, data-derived allocation into unequal shards (dev/LOG.md, 2026-11-23). With SP each rank looks up
-  its own tokens and the partial gradients are summed over TP once per step (tp_partial_grad).
-- MoE layers replicated, under SP only (recipe): each rank routes and runs its own tokens (no collective in the layer,
-  no token run twice), the partial gradients summed over TP as L3's, the expert loads over TP too (moe.after_step).
-A region starts with `region_enter` at the model's `tp_enter` hook and ends inside the row-parallel linear.
-A sharded parameter carries `tp_dim` (the dim it is cut along), `tp_group` and `tp_size`; the helpers below go
-between shards and whole tensors for the optimizer and checkpoints (identities at TP=1).
+- sequence parallelism (optional): between the TP regions rank k holds the flattened (B*T) tokens
+  [k, k+1) * B*T/tp as (B, T/tp, D): every op there is per token, and dim 0 goes through the collectives as it is
+- L3 and MoE layers replicated: sharding L3's table along d would all-reduce every score, by token cut a skewed,
+  data-derived allocation into unequal shards (dev/LOG.md, 2026-11-23); MoE runs under SP only (recipe), each rank
+  routing its own tokens, no collective in the layer. Under SP their partial gradients are summed over TP.
+A sharded parameter carries `tp_dim` (the dim it is cut along), `tp_group` and `tp_size`.
 """
 
 import torch
@@ -42,7 +35,7 @@ from nanochat.fp8 import fp8_linear
 from nanochat.moe import MoE, moe_modules
 
 
-# --- Shards <-> full tensors (used by the optimizer and checkpoints) --------------
+# --- Shards <-> full tensors, for the optimizer and checkpoints (identities unsharded) ---
 
 def is_sharded(p):
     return getattr(p, "tp_dim", None) is not None
@@ -76,14 +69,12 @@ def reduce_partial_grad(p, grad):
 
 
 # --- The collectives --------------------------------------------------------------
-# `funcol` returns new tensors, which torch.compile can trace (gloo and NCCL alike). Each is waited on explicitly:
-# compiled under torch 2.11, results only converted with torch.as_tensor gave TP wrong gradients (a weight off by
-# 0.1 after 3 steps at TP=2, as if read unwaited).
+# `funcol` returns new tensors, which torch.compile traces (gloo and NCCL alike). Each is waited on explicitly:
+# compiled under torch 2.11, results only converted by torch.as_tensor gave wrong TP gradients, as if read unwaited.
 
 def _all_gather(x, dim, group):
     """Concatenate every rank's x along dim (all_gather works on dim 0: move dim to the front)."""
-    y = funcol.all_gather_tensor(x.movedim(dim, 0).contiguous(), 0, group)
-    return funcol.wait_tensor(y).movedim(0, dim)
+    return funcol.wait_tensor(funcol.all_gather_tensor(x.movedim(dim, 0).contiguous(), 0, group)).movedim(0, dim)
 
 
 def _all_reduce(x, group):
@@ -94,21 +85,18 @@ def _my_chunk(x, dim, group):
     return x.chunk(dist.get_world_size(group), dim=dim)[dist.get_rank(group)].contiguous()
 
 
-# the token split of sequence parallelism: (B, T, D) <-> this rank's (B, T/tp, D), by flattened tokens
-def _gather_tokens(x, group):
-    B, t, D = x.shape
-    return _all_gather(x.reshape(B * t, D), 0, group).view(B, t * dist.get_world_size(group), D)
+def _by_tokens(fn):
+    """fn on the flattened tokens: the token split of sequence parallelism, (B, T, D) <-> this rank's (B, T/tp, D)."""
+    def on_tokens(x, group):
+        B, T, D = x.shape
+        return fn(x.reshape(B * T, D), group).view(B, -1, D)
+    return on_tokens
 
 
-def _reduce_scatter_tokens(x, group):  # sum over ranks, keep this rank's tokens
-    B, T, D = x.shape
-    y = funcol.reduce_scatter_tensor(x.reshape(B * T, D).contiguous(), "sum", 0, group)
-    return funcol.wait_tensor(y).view(B, T // dist.get_world_size(group), D)
-
-
-def _my_tokens(x, group):
-    B, T, D = x.shape
-    return _my_chunk(x.reshape(B * T, D), 0, group).view(B, T // dist.get_world_size(group), D)
+_gather_tokens = _by_tokens(lambda x, g: _all_gather(x, 0, g))
+_reduce_scatter_tokens = _by_tokens(  # summed over the ranks, this rank's tokens kept
+    lambda x, g: funcol.wait_tensor(funcol.reduce_scatter_tensor(x.contiguous(), "sum", 0, g)))
+_my_tokens = _by_tokens(lambda x, g: _my_chunk(x, 0, g))
 
 
 def _conjugate(name, forward, backward):
@@ -151,48 +139,42 @@ def region_enter(group, sequence_parallel):
 # --- Sharded layers: each holds only its shard, `tp_dim` says along which dim ------
 
 def _shard_parameter(full, dim, layout):
-    """This rank's slice of a full tensor, as a new Parameter tagged with its sharding."""
     p = nn.Parameter(full.detach().chunk(layout.tp_size, dim=dim)[layout.tp_rank].clone())
     p.tp_dim, p.tp_size, p.tp_group = dim, layout.tp_size, layout.tp_group
     return p
 
 
 def _linear(module, x):
-    """x @ W^T for a sharded linear: in fp8 (global scales, fp8.py) when it was made from an fp8 one."""
+    """x @ W^T for a sharded linear: in fp8 (global scales, fp8.py) when made from an fp8 one (`fp8` kept)."""
     return fp8_linear(x, module.weight) if module.fp8 else F.linear(x, module.weight.to(x.dtype))
 
 
 class ColumnParallelLinear(nn.Module):
-    """W cut along its outputs (rows): the output stays sharded (local heads / hidden units; the lm_head's slice of
-    the vocabulary, which enters the TP region itself: `enter`). Keeps fp8's flag."""
+    """W cut along its outputs (rows), which stay sharded; the lm_head's enters the TP region itself (`enter`)."""
 
     def __init__(self, linear, layout, enter=None):
         super().__init__()
         self.weight = _shard_parameter(linear.weight, 0, layout)
-        self.fp8 = getattr(linear, "fp8", False)
-        self.enter = enter or nn.Identity()
+        self.fp8, self.enter = getattr(linear, "fp8", False), enter or nn.Identity()
 
     def forward(self, x):
         return _linear(self, self.enter(x))
 
 
 class RowParallelLinear(nn.Module):
-    """W cut along its inputs (columns): sums the ranks' partial outputs to leave the TP region. Keeps fp8's flag."""
+    """W cut along its inputs (columns): sums the ranks' partial outputs to leave the TP region."""
 
     def __init__(self, linear, layout, sequence_parallel):
         super().__init__()
         self.weight = _shard_parameter(linear.weight, 1, layout)
-        self.group, self.sequence_parallel = layout.tp_group, sequence_parallel
-        self.fp8 = getattr(linear, "fp8", False)
+        self.group, self.sequence_parallel, self.fp8 = layout.tp_group, sequence_parallel, getattr(linear, "fp8", False)
 
     def forward(self, x):
         return self.reduce(_linear(self, x))
 
     def reduce(self, partial):
         """g or the SP reduce-scatter (also for fp8.Fp8MLP, whose product is its own)."""
-        if self.sequence_parallel:
-            return _ScatterSequence.apply(partial, self.group)
-        return _ReduceFromTP.apply(partial, self.group)
+        return (_ScatterSequence if self.sequence_parallel else _ReduceFromTP).apply(partial, self.group)
 
 
 class ColumnParallelEmbedding(nn.Module):
@@ -212,8 +194,7 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, embedding, layout):
         super().__init__()
         self.weight = _shard_parameter(embedding.weight, 0, layout)
-        self.group = layout.tp_group
-        self.vocab_start = layout.tp_rank * self.weight.size(0)
+        self.group, self.vocab_start = layout.tp_group, layout.tp_rank * self.weight.size(0)
 
     def forward(self, idx):
         local = idx - self.vocab_start
@@ -237,9 +218,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local_t = local_t.clamp(0, n_local - 1)
         target_logit = _all_reduce(shifted.gather(-1, local_t.unsqueeze(-1)).squeeze(-1) * mine, group)
         valid = targets >= 0
-        loss = (sum_exp.log() - target_logit) * valid
         ctx.save_for_backward(exp / sum_exp.unsqueeze(-1), local_t, mine, valid)
-        return loss
+        return (sum_exp.log() - target_logit) * valid
 
     @staticmethod
     def backward(ctx, grad_loss):
@@ -255,30 +235,25 @@ class VocabParallelSoftcapCrossEntropy(nn.Module):
 
     def __init__(self, vocab_size, layout):
         super().__init__()
-        self.group = layout.tp_group
-        self.vocab_start = layout.tp_rank * (vocab_size // layout.tp_size)
+        self.group, self.vocab_start = layout.tp_group, layout.tp_rank * (vocab_size // layout.tp_size)
 
     def logits(self, raw):
         """Full soft-capped logits (every rank gets all of them): for evaluation and sampling."""
         return softcap(_GatherVocab.apply(raw.float(), self.group))
 
     def forward(self, x, lm_head, targets, reduction="mean"):
-        logits = softcap(lm_head(x))
-        flat = logits.view(-1, logits.size(-1))
-        loss = _VocabParallelCrossEntropy.apply(flat, targets.reshape(-1), self.vocab_start, self.group)
+        logits = softcap(lm_head(x)).flatten(0, -2)
+        loss = _VocabParallelCrossEntropy.apply(logits, targets.reshape(-1), self.vocab_start, self.group)
         return reduce_losses(loss, targets, reduction)
 
-
-# --- Applying TP to the model -----------------------------------------------------
 
 def parallelize(model, layout, sequence_parallel=False):
     """Shard an initialized GPT in place (a TP degree recipe.Setting.check accepted); ranks start with equal weights."""
     group = layout.tp_group
     for block in model.blocks:
-        # a region each: attention, and the MLP unless it is an MoE (replicated: under SP each rank routes its own
-        # tokens, recipe asks for SP)
-        regions = [(block.attn, ("c_q", "c_k", "c_v"))] + ([] if isinstance(block.mlp, MoE) else [(block.mlp, ("c_fc",))])
-        for module, columns in regions:
+        # a region each: attention, and the MLP unless it is an MoE (replicated, module docstring)
+        mlp = [] if isinstance(block.mlp, MoE) else [(block.mlp, ("c_fc",))]
+        for module, columns in [(block.attn, ("c_q", "c_k", "c_v"))] + mlp:
             module.tp_enter = region_enter(group, sequence_parallel)
             for name in columns:
                 setattr(module, name, ColumnParallelLinear(getattr(module, name), layout))

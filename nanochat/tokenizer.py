@@ -4,19 +4,17 @@ $NANOCHAT_BASE_DIR/tokenizer/ in plain, non-executable files:
   tokenizer.tiktoken   one line per mergeable token: base64(bytes) rank   (tiktoken's own format)
   tokenizer.json       the split pattern, the special tokens with their ids, and the two other files' checksums
   token_bytes.pt       int32 tensor: the byte length of each token (0 for specials), for bits per byte
-A file that no longer matches its checksum (a copy cut short, a disk error) is refused at load: a tokenizer.tiktoken
-cut at a line end would otherwise load with part of its merges.
+A file failing its checksum is refused at load (a tokenizer.tiktoken cut at a line end would load part of its merges).
 """
 
 import os
 import json
 import base64
 import hashlib
-import binascii
 
 import torch
 
-from nanochat.common import UserError, get_base_dir, atomic_write_bytes, atomic_torch_save, base_dir_hint, file_checksum
+from nanochat.common import UserError, get_base_dir, atomic_write, base_dir_hint, file_checksum, read_json
 
 RETRAIN = "train it again with `python -m scripts.tok_train` (checkpoints of the old one will not match the new one)"
 
@@ -49,8 +47,8 @@ class Tokenizer:
 
     @property
     def hash(self):
-        """16 hex digits of a SHA-256 over the merges, split pattern and special tokens, which checkpoints
-        record (another tokenizer of the same vocab size would load silently)."""
+        """16 hex digits of a SHA-256 of merges, pattern and specials, which checkpoints record (another tokenizer
+        of the same vocab size would load silently)."""
         h = hashlib.sha256(self.pattern.encode())
         for tok, rank in sorted(self.mergeable_ranks.items(), key=lambda kv: kv[1]):
             h.update(rank.to_bytes(4, "little") + len(tok).to_bytes(4, "little") + tok)
@@ -78,11 +76,11 @@ class Tokenizer:
         os.makedirs(directory, exist_ok=True)
         lines = [f"{base64.b64encode(tok).decode('ascii')} {rank}" for tok, rank in
                  sorted(self.mergeable_ranks.items(), key=lambda kv: kv[1])]
-        atomic_write_bytes(os.path.join(directory, "tokenizer.tiktoken"), ("\n".join(lines) + "\n").encode())
-        atomic_torch_save(self.token_bytes(), os.path.join(directory, "token_bytes.pt"))
+        atomic_write(os.path.join(directory, "tokenizer.tiktoken"), ("\n".join(lines) + "\n").encode())
+        atomic_write(os.path.join(directory, "token_bytes.pt"), lambda f: torch.save(self.token_bytes(), f))
         meta = {"pattern": self.pattern, "special_tokens": self.special_tokens,
                 "checksums": {f: file_checksum(os.path.join(directory, f)) for f in ("tokenizer.tiktoken", "token_bytes.pt")}}
-        atomic_write_bytes(os.path.join(directory, "tokenizer.json"), json.dumps(meta, indent=2).encode())
+        atomic_write(os.path.join(directory, "tokenizer.json"), json.dumps(meta, indent=2).encode())
         self.directory = directory
 
     @classmethod
@@ -91,7 +89,7 @@ class Tokenizer:
         if not (os.path.exists(ranks_path) and os.path.exists(meta_path)):
             raise TokenizerError(f"no tokenizer in {directory}: train one with `python -m scripts.tok_train`, or set "
                                  f"NANOCHAT_BASE_DIR to where one was trained" + base_dir_hint())
-        check_files(directory, ["tokenizer.tiktoken"])
+        check_file(directory, "tokenizer.tiktoken")
         ranks = {}
         with open(ranks_path, "rb") as f:
             for line_no, line in enumerate(f, 1):
@@ -99,12 +97,11 @@ class Tokenizer:
                     try:
                         tok, rank = line.split()
                         ranks[base64.b64decode(tok, validate=True)] = int(rank)
-                    except (ValueError, binascii.Error):
+                    except ValueError:  # binascii.Error too
                         raise TokenizerError(f"{ranks_path} is damaged at line {line_no} (expected `base64 rank`): "
                                              f"{RETRAIN}") from None
         try:
-            with open(meta_path) as f:
-                meta = json.load(f)
+            meta = read_json(meta_path)
             tokenizer = cls(ranks, meta["pattern"], meta["special_tokens"])
         except (ValueError, KeyError, TypeError) as e:  # bad JSON, or merges that do not make a tokenizer
             raise TokenizerError(f"the tokenizer in {directory} is damaged ({type(e).__name__}: {e}): {RETRAIN}") from None
@@ -121,8 +118,8 @@ class Tokenizer:
         return self.special_tokens[name]
 
     def encode(self, text, prepend=None, append=None, num_threads=8):
-        """Encode a string (-> list of ids) or a list of strings (-> list of lists). Special-token text in
-        the input is treated as plain text. prepend/append: an id or a special token's name."""
+        """A string -> ids, a list of strings -> lists of ids; special-token text is plain text. prepend/append: an id
+        or a special token's name."""
         as_ids = lambda t: [] if t is None else [t if isinstance(t, int) else self.special_tokens[t]]
         pre, post = as_ids(prepend), as_ids(append)
         if isinstance(text, str):
@@ -145,18 +142,15 @@ class Tokenizer:
                             dtype=torch.int32)
 
 
-def check_files(directory, names):
-    """The files match the checksums tokenizer.json recorded (a tokenizer from before checksums: no check)."""
+def check_file(directory, name):
+    """The file matches tokenizer.json's checksum (a tokenizer from before checksums: not checked)."""
     try:
-        with open(os.path.join(directory, "tokenizer.json")) as f:
-            checksums = json.load(f).get("checksums", {})
+        checksums = read_json(os.path.join(directory, "tokenizer.json")).get("checksums", {})
     except (OSError, ValueError, AttributeError):
         return  # named by the load itself
-    for name in names:
-        path = os.path.join(directory, name)
-        if name in checksums and file_checksum(path) != checksums[name]:
-            raise TokenizerError(f"{path} no longer matches the checksum saved with it (damaged since it was "
-                                 f"written): {RETRAIN}")
+    if name in checksums and file_checksum(path := os.path.join(directory, name)) != checksums[name]:
+        raise TokenizerError(f"{path} no longer matches the checksum saved with it (damaged since it was written): "
+                             f"{RETRAIN}")
 
 
 def get_tokenizer(directory=None):
@@ -168,7 +162,7 @@ def get_token_bytes(device="cpu", directory=None):
     path = os.path.join(directory, "token_bytes.pt")
     if not os.path.exists(path):
         raise TokenizerError(f"no token_bytes.pt in {directory}: train a tokenizer with `python -m scripts.tok_train`")
-    check_files(directory, ["token_bytes.pt"])
+    check_file(directory, "token_bytes.pt")
     try:
         return torch.load(path, map_location=device, weights_only=True)
     except Exception as e:  # truncated, or not tensors

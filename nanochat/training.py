@@ -1,13 +1,9 @@
 """
-The training core, written once: base_train, the parallel-equivalence tests (tests/parallel_harness.py) and the
-dev tools build the model and step it through `setup` and its Trainer, so the tests check what the product runs.
-setup does the whole order in one function (as torchtitan applies its plan), for a recipe.Setting it checks first:
-build (meta, materialize, init) -> L3 rows allocated from the data (a fresh run) -> fp8 linears -> resumed weights
-into the whole model -> tensor parallelism -> this rank's chunks of the sequence (context parallelism) -> this
-rank's pipeline stage -> attention kernel settled before any trace -> split-K tuned (CUDA) -> data parallelism and
-the optimizer it serves -> the weights cut to what this rank owns (--shard-params) -> the optimizer's state ->
-recompute -> compile. The loop: Schedule (LR, Muon momentum and decay by step) and Trainer (one step, evaluation
-mode, the whole model for CORE, the checkpoint save).
+The training core, written once: base_train, the parallel-equivalence tests and the dev tools build and step the
+model through `setup` and its Trainer, so the tests check what the product runs. setup applies the whole order in
+one function (as torchtitan applies its plan), for a recipe.Setting it checks first: build -> L3 rows allocated ->
+fp8 -> resumed weights -> TP -> CP -> pipeline stage -> experts placed -> attention kernel settled before any trace
+-> split-K tuned -> data parallelism and its optimizer -> weights sharded -> optimizer state -> recompute -> compile.
 """
 
 import os
@@ -36,12 +32,10 @@ from nanochat import checkpoint_manager as ckpt
 
 
 def setup(config, setting, layout, device, dtype, lrs, l3_data=None, after_init=None, resume=None, compile=None):
-    """Build what one training process steps, in the order above; returns its Trainer. setting: the layout, the
-    micro-batch and the savers (recipe.Setting; its fp8 converts the linears where the device takes fp8). lrs:
-    recipe.LearningRates, already scaled. l3_data: (tokenizer, data_dir) to allocate L3's rows from (a fresh run).
-    after_init(model): a hook on the whole initialized model (the tests move the weights off the init point there).
-    resume: (model_state, optim_state or None) of a checkpoint. compile: a torch.compile backend ("inductor"; the
-    tests' aot_eager), or None for eager; the optimizer's updates are compiled too under inductor."""
+    """Build what one training process steps, in the order above; returns its Trainer. lrs: already scaled; l3_data:
+    (tokenizer, data_dir) to allocate L3's rows from (a fresh run); after_init(model): a hook on the initialized model
+    (tests move the weights off the init point); resume: a checkpoint's (model_state, optim_state or None); compile:
+    a torch.compile backend ("inductor", which also compiles the optimizer's updates; the tests' aot_eager) or None."""
     micro_batches = setting.check(config)
     model = build_model(config, device, dtype)
     if config.l3_after_layers and l3_data is not None:
@@ -88,9 +82,8 @@ def setup(config, setting, layout, device, dtype, lrs, l3_data=None, after_init=
         wgrad_splits = splits[0]
         kernels.set_wgrad_splits(model, wgrad_splits)
     groups = param_groups(model, **vars(lrs))
-    # data parallelism over DP x CP (CP ranks hold the same weights, each having seen its share of the tokens); the
-    # optimizer updates what it hands out; sharded weights at one rank are no sharding. Under --ep the experts have a
-    # DataParallel of their own, over the ranks holding the same experts (one per EP group)
+    # data parallelism over DP x CP (same weights, each rank its share of the tokens) says what the optimizer updates;
+    # sharded weights at one rank are no sharding. Under --ep the experts have their own, over the ranks holding them
     rest, experts = split_experts(groups, layout.ep_size > 1)
     sharded = setting.shard_params and layout.dp_cp_group is not None
     dp = DataParallel([params for _, _, params in muon_stacks(rest)],
@@ -117,15 +110,12 @@ def setup(config, setting, layout, device, dtype, lrs, l3_data=None, after_init=
 
 def compile_for_training(model, pipeline, per_block, backend):
     """torch.compile for the training step: the whole model as one graph (returned; the uncompiled module serves
-    checkpoints, sampling and CORE). Under a pipeline, this stage's blocks (with their L3 layers) as one graph and
-    the loss as another, the messages and schedule eager. Overlapped gradient reduction and sharded weights
-    (per_block) need each block's gradients when its backward ends, where one graph yields them all at its end (and
-    sharded weights are gathered between the blocks): each block is then compiled in place, and the loss."""
+    checkpoints, sampling, CORE); under a pipeline, this stage's blocks and the loss as two graphs, the schedule eager;
+    per_block (gradients wanted as each block's backward ends; gathers between blocks): each block compiled in place."""
     if pipeline is None and not per_block:
         return torch.compile(model, dynamic=False, backend=backend)
     if per_block:
-        blocks = pipeline.blocks if pipeline is not None else range(len(model.blocks))
-        for i in blocks:
+        for i in pipeline.blocks if pipeline is not None else range(len(model.blocks)):
             model.blocks[i].compile(dynamic=False, backend=backend)
         print0("note: each block and the loss are compiled separately (overlapped gradient reduction or sharded weights)")
     else:
@@ -136,10 +126,9 @@ def compile_for_training(model, pipeline, per_block, backend):
 
 
 def check_ranks_agree(layout, data_dir, data_listing, ckpt_dir, saves):
-    """Several nodes: every rank must see the same shards (a copy per node or a shared folder), else DP
-    ranks would stride over different lists (raises ConfigError naming the ranks). Checkpoints are written
-    by one rank per stage and read by every rank on resume, so ckpt_dir must be one file system for all:
-    returns a warning naming the hosts that cannot see it (None when they all can, or nothing is saved)."""
+    """Several nodes: every rank must see the same shards, else DP ranks would stride over different lists
+    (ConfigError naming the ranks). Checkpoints are written by one rank per stage and read by all on resume, so
+    ckpt_dir must be one file system: returns a warning naming the hosts that cannot see it, else None."""
     listings = gather_objects((os.uname().nodename, data_dir, data_listing), layout.cpu_group)
     differ = [f"rank {r} ({host}: {d})" for r, (host, d, lst) in enumerate(listings) if lst != listings[0][2]]
     if differ:
@@ -155,12 +144,11 @@ def check_ranks_agree(layout, data_dir, data_listing, ckpt_dir, saves):
     seen = gather_objects((os.uname().nodename, os.path.exists(probe)), layout.cpu_group)
     if layout.rank == 0:  # every rank has looked: the gather above completed
         os.remove(probe)
-    blind = sorted({host for host, ok in seen if not ok})
-    if not blind:
-        return None
-    return (f"WARNING: the checkpoint folder {ckpt_dir} (on {os.uname().nodename}) is not visible from "
-            f"{', '.join(blind)}: checkpoints will be split over the nodes' disks and a resume cannot read them. "
-            f"Point NANOCHAT_BASE_DIR at a shared file system, or copy the checkpoint to every node before resuming.")
+    if blind := sorted({host for host, ok in seen if not ok}):
+        return (f"WARNING: the checkpoint folder {ckpt_dir} (on {os.uname().nodename}) is not visible from "
+                f"{', '.join(blind)}: checkpoints will be split over the nodes' disks and a resume cannot read them. "
+                f"Point NANOCHAT_BASE_DIR at a shared file system, or copy the checkpoint to every node before "
+                f"resuming.")
 
 
 def reads_data(layout):
@@ -170,9 +158,8 @@ def reads_data(layout):
 
 def make_loader(tokenizer, split, batch_size, seq_len, device, layout, data_dir, grad_accum=1, state=None,
                 keep_remainder=False):
-    """This DP rank's (x, y, state) batches. Training prefetches a whole step: a step starts once all its
-    micro-batches are in, so with a shallower queue the GPU would wait at every step for the loader to
-    pack the rest; evaluation takes one batch at a time."""
+    """This DP rank's (x, y, state) batches. Training prefetches a whole step (a step starts once all its
+    micro-batches are in: with less, the GPU would wait each step for the loader); evaluation one batch at a time."""
     train = split == "train"
     return DataLoader(tokenizer, batch_size, seq_len, split, device, data_dir=data_dir, dp_rank=layout.dp_rank,
                       dp_size=layout.dp_size, state=state, prefetch=grad_accum + 1 if train else 2,
@@ -185,9 +172,7 @@ def make_loader(tokenizer, split, batch_size, seq_len, device, layout, data_dir,
 
 @dataclass
 class Schedule:
-    """By step: the LR multiplier (linear warmup, flat, linear warmdown over the last warmdown_ratio of
-    the steps to final_lr_frac), Muon's momentum (0.85 -> 0.97 over 400 steps, then -> 0.90 during the
-    warmdown) and Muon's weight decay (cosine from weight_decay to 0)."""
+    """By step: the LR multiplier, Muon's momentum and Muon's weight decay (the recipe's schedule, recipe.py)."""
     num_iterations: int
     weight_decay: float
     warmup_steps: int = 40
@@ -201,7 +186,7 @@ class Schedule:
         start = self.warmdown_start()
         return max(0.0, (it - start) / max(1, self.num_iterations - start))
 
-    def lr_multiplier(self, it):
+    def lr_multiplier(self, it):  # linear warmup, flat, linear warmdown to final_lr_frac
         if it < self.warmup_steps:
             return (it + 1) / self.warmup_steps
         return 1.0 - self.warmdown_progress(it) * (1.0 - self.final_lr_frac)
@@ -210,13 +195,12 @@ class Schedule:
         top = 0.85 + 0.12 * min(1.0, min(it, self.warmdown_start()) / 400)
         return top + (0.90 - top) * self.warmdown_progress(it)
 
-    def muon_weight_decay(self, it):
+    def muon_weight_decay(self, it):  # cosine to 0
         return self.weight_decay * 0.5 * (1 + math.cos(math.pi * it / self.num_iterations))
 
 
 def next_batches(loader, n):
-    """n micro-batches [(x, y), ...] and the data state after the last one. Pipeline stages that read no
-    data (loader None) pass placeholders: their inputs come from the previous stage."""
+    """n micro-batches [(x, y), ...] and the data state after the last; placeholders on stages that read no data."""
     if loader is None:
         return [(None, None)] * n, None
     items = [next(loader) for _ in range(n)]
@@ -225,10 +209,8 @@ def next_batches(loader, n):
 
 @dataclass
 class Trainer:
-    """What one training process steps, evaluates and saves. model: the uncompiled module (checkpoints,
-    evaluation with fp8, CORE, sampling); train_model: what the step calls (compiled or the same);
-    pipeline: this rank's stage driver, None without pipeline parallelism; dp: the gradient reduction and who
-    updates what (data_parallel.DataParallel), which the optimizer serves."""
+    """What one training process steps, evaluates and saves. model: the uncompiled module (checkpoints, evaluation
+    with fp8, CORE, sampling); train_model: what the step calls (compiled or the same); pipeline: PP driver or None."""
     model: torch.nn.Module
     train_model: torch.nn.Module
     pipeline: object
@@ -244,11 +226,9 @@ class Trainer:
     moe_imbalance: object = None    # after a step with MoE layers: the worst layer's max / mean load (device tensor)
 
     def step(self, batches, schedule, it):
-        """One optimizer step on the micro-batches [(x, y), ...]: forward and backward (through the
-        pipeline's schedule under PP), the LR, momentum and decay of step `it` set, the update, gradients
-        cleared. Every CP rank gets the whole (B, T) micro-batches and the model takes its chunks. Returns (the
-        loss: mean over micro-batches and DP ranks, a device tensor, so nothing here waits for the GPU; the LR
-        multiplier)."""
+        """One optimizer step on the whole (B, T) micro-batches [(x, y), ...] (CP: the model takes its chunks): forward
+        and backward (the pipeline's schedule under PP), step `it`'s LR, momentum and decay, the update. Returns (the
+        loss averaged over micro-batches and DP ranks, a device tensor: nothing waits for the GPU; the LR factor)."""
         with ids_copied_ahead(self.model, [x for x, _ in batches]):  # L3's lookups plan on the host
             if self.pipeline is not None:
                 loss = self.pipeline.train_step(batches, self.dp.prepare_last_backward)
@@ -276,13 +256,11 @@ class Trainer:
         return self.dp.mean_loss(loss), lrm
 
     def signals(self):
-        """Beside the loss, for the step line and metrics.jsonl: the MoE load imbalance (the worst layer's max / mean
-        tokens per expert), if any (a host sync: after the loss's)."""
+        """For the step line and metrics.jsonl: the MoE load imbalance, if any (a host sync, after the loss's)."""
         return {} if self.moe_imbalance is None else {"moe_imbalance": self.moe_imbalance.item()}
 
     def describe(self, print_schedule=False):
-        """What setup built, as lines for the log: the pipeline (and every rank's schedule), split-K, attention, and
-        how the gradients reach their owners."""
+        """What setup built, for the log: pipeline (and schedules), split-K, attention, how gradients reach owners."""
         lines = []
         if self.pipeline is not None:
             lines.append(f"pipeline: {self.pipeline.describe()}")
@@ -325,18 +303,15 @@ class Trainer:
                 loader.close()
 
     def eval_loss(self, x, y):
-        """Per-token losses for bits per byte (inside evaluating()): through the pipeline under PP (None
-        on stages without the head); with fp8 on the uncompiled model: the compiled graph was traced with
-        the fp8 flags on."""
+        """Per-token losses (inside evaluating()): through the pipeline under PP (None on stages without the head);
+        with fp8 on the uncompiled model, as the compiled graph was traced with the fp8 flags on."""
         if self.pipeline is not None:
             return self.pipeline.forward_loss(x, y)
         return (self.model if self.fp8 else self.train_model)(x, y, loss_reduction="none")
 
     def whole_model(self):
-        """The model CORE and sampling run (sequences of any length): this one; under context parallelism the same
-        weights over whole sequences (a shallow copy with the whole-sequence view); under pipeline or sequence
-        parallelism, sharded weights or expert parallelism a gathered whole copy on every rank (whole_model_copy
-        says why), to be freed after."""
+        """The model CORE and sampling run (sequences of any length): under CP a shallow copy seeing whole sequences;
+        under PP, SP, sharded weights or EP a gathered whole copy on every rank (whole_model_copy says why), to free."""
         if self.pipeline is not None or self.setting.sequence_parallel or self.dp.shard_params or self.layout.ep_size > 1:
             return ckpt.whole_model_copy(self.model, self.layout)
         if type(self.model.sequence) is not WholeSequence:
@@ -346,9 +321,8 @@ class Trainer:
         return self.model
 
     def save_checkpoint(self, ckpt_dir, step, data_state, meta, keep_last=-1):
-        """Write the checkpoint of `step` (a collective): whole tensors, one set of files per pipeline stage, then
-        meta_<step>.json with `meta`, every DP rank's data state (None on ranks that read none) and the layout;
-        only the newest keep_last stay (-1: all). Weights that are not finite are never saved (CheckpointError)."""
+        """Write step's checkpoint (a collective): whole tensors, files per stage, then meta_<step>.json (`meta`, every
+        DP rank's data state, the layout); the newest keep_last stay (-1: all). Non-finite weights: CheckpointError."""
         t0 = time.time()
         L = self.layout
         bad = ckpt.nonfinite_tensors(self.model.state_dict())
@@ -361,8 +335,7 @@ class Trainer:
         everything = gather_objects(mine)
         data_states = sorted((s for s in everything if s is not None), key=lambda s: s["dp_rank"]) if L.world_size > 1 \
             else everything
-        # one set of files per pipeline stage and EP rank (the first EP group's: under --ep the first holds the
-        # replicated weights, each its own experts)
+        # a set of files per pipeline stage and EP rank of the first EP group (rank 0: the replicated weights too)
         from nanochat.expert_parallel import is_expert
         writer = L.dp_rank < L.ep_size and L.cp_rank == 0 and L.tp_rank == 0
         part, parts = L.pp_rank * L.ep_size + L.ep_rank, L.pp_size * L.ep_size
@@ -372,8 +345,8 @@ class Trainer:
 
         model_state = ckpt.full_model_state(self.model, keep)
         optim_state = self.optimizer.full_state_dict(keep)
-        # the stage files, then (once all are written) the meta file that marks the step complete, with every file's
-        # checksum; a CheckpointError on a writer (a full disk) stops every rank with its line
+        # the stage files, then the meta file (with every file's checksum) that marks the step complete; a
+        # CheckpointError on a writer (a full disk) stops every rank with its line
         meta = dict(meta, dataloader_states=data_states,
                     layout={"dp": L.dp_size, "cp": L.cp_size, "tp": L.tp_size, "pp": L.pp_size, "ep": L.ep_size})
         written = agreed(lambda: ckpt.save_stage_files(ckpt_dir, step, model_state, optim_state, part, parts),

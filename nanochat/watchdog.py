@@ -2,10 +2,9 @@
 Hang diagnostics: every rank keeps a record (step, phase, when it began, the last collective named). A daemon thread
 reports a phase that outlasts --dist-timeout (the record and every thread's stack, to stderr and
 <report_dir>/rank<R>.txt); at twice the timeout it exits 1 so that torchrun stops the others (a gloo collective may
-wait forever). A failure that ends a rank (failure()) is one short line from the first rank to report it, with the
-traceback in the rank's file: a collective that timed out is a hang (the record and the stacks), one whose peer
-went away says so and no more. On NCCL, enable_flight_recorder() makes PyTorch dump each group's last collectives on
-a timeout; `torchfrtrace <report_dir> -j` names the one where the ranks diverged.
+wait forever). A failure that ends a rank is one short line from the first rank to report it, the traceback in the
+rank's file; a timed-out collective gets the hang report. On NCCL, enable_flight_recorder() makes PyTorch dump each
+group's last collectives on a timeout; `torchfrtrace <report_dir> -j` names the one where the ranks diverged.
 """
 
 import os
@@ -26,8 +25,8 @@ def enable_flight_recorder(report_dir):
 
 
 class Watchdog:
-    """The record of one rank, and the thread that reports a phase outlasting `timeout_s` (None: keep
-    the record only, e.g. in one process, where nothing can wait on another rank)."""
+    """One rank's record, and the thread reporting a phase outlasting `timeout_s` (None: the record only, e.g. in one
+    process, where nothing can wait on another rank)."""
 
     def __init__(self, rank, timeout_s, report_dir, poll_s=None):
         self.rank, self.timeout_s, self.report_dir = rank, timeout_s, report_dir
@@ -46,11 +45,9 @@ class Watchdog:
 
     def phase(self, name, step=None):
         self.phase_name, self.since = name, time.time()
-        if step is not None:
-            self.step = step
+        self.step = self.step if step is None else step
 
-    def collective(self, name):
-        """The script is about to enter the collective `name` (e.g. 'barrier: compile warm-up')."""
+    def collective(self, name):  # about to enter the collective `name` (e.g. 'barrier: compile warm-up')
         self.last_collective = name
 
     def describe(self):
@@ -71,15 +68,15 @@ class Watchdog:
                 os._exit(1)
 
     def fail(self, error, hint=lambda: ""):
-        """Exit 1 on an exception that ends this rank (under torchrun), printing one line if this is the first rank
-        of the run to report (failed_marker, created with O_EXCL; hint(): where to resume); the traceback goes to this
-        rank's file, and a collective that timed out gets the hang report (the record and every thread's stack)."""
-        line = self.failure(error, hint)
-        if line:
+        """Exit 1 on an exception that ends this rank (under torchrun), printing failure()'s line if this is the first
+        rank of the run to report (failed_marker, created with O_EXCL; hint(): where to resume)."""
+        if line := self.failure(error, hint):
             print(f"ERROR: {line}", flush=True)
         sys.exit(1)
 
     def failure(self, error, hint):
+        """The run's one line (None if another rank reported first); the traceback goes to this rank's file, and a
+        collective that timed out gets the hang report (the record and every thread's stack)."""
         text, kind = str(error).strip(), type(error).__name__
         if "timed out" in text.lower() or "timeout" in kind.lower():
             self.report(f"FAILED with {kind} in")

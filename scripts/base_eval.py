@@ -57,8 +57,7 @@ def main():
 def evaluate(args, layout, device):
     if args.max_per_task == 0:
         raise ConfigError("--max-per-task 0 evaluates nothing; give a positive count, or -1 for all items")
-    # everything that can be missing is looked for before the long parts: the bundle first (offline
-    # that fails fast), then the data (check_data opens every shard), the tokenizer and the checkpoint
+    # all that can be missing is looked for before the long parts: the bundle first (offline, fails fast), the data
     bundle = find_eval_bundle(args.eval_bundle, layout) if not args.skip_core else None
     data_dir = check_data(args.data_dir) if not args.skip_bpb else None
     tokenizer = get_tokenizer()

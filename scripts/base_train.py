@@ -1,6 +1,5 @@
 """
-Pretrain a base model. One dial, --depth; the scaling-law formulas pick the rest (nanochat/recipe.py: the flags, the
-recipe, and which settings can run together).
+Pretrain a base model. One dial, --depth; the scaling-law formulas pick the rest (nanochat/recipe.py).
 
     python -m scripts.base_train --depth=12
     torchrun --nproc_per_node=8 -m scripts.base_train --depth=20
@@ -10,10 +9,9 @@ recipe, and which settings can run together).
 Context extension: --stop-at-step N at a short --max-seq-len, then resume from step N with a longer one: the
 schedule, batch, optimizer state and data position go on; the windows follow the new context.
 
-main() reads top to bottom in named phases: the flags, the processes, the plan (tokenizer, data, checkpoint to resume,
-config, recipe, checks), the checkpoint folder taken, the run (setup in training.py, shared with the tests and dev
-tools), the loop (a row of "once in a while" blocks before each step), the summary. Errors the user can fix stop the
-run with one line; a stop request or a data error mid-run saves the step first.
+main() runs named phases: the processes, the plan (everything decided and checked before any work), the checkpoint
+folder taken, the run (training.setup, shared with the tests), the loop ("once in a while" blocks before each step),
+the summary. Errors the user can fix stop with one line; a stop request or a data error mid-run saves first.
 """
 
 import os
@@ -50,13 +48,13 @@ UNTIMED_STEPS = 10  # each launch's first steps include compilation: left out of
 
 
 class Plan:
-    """The tokenizer, data, checkpoint to resume (resume_meta: its meta, else None; new_data: --resume-on-new-data
-    found other shards), config, contexts ([[step, context length from then on], ...]), recipe, setting and
-    micro-batches per step; every flag that cannot run is refused here, before any work; the plan is printed."""
+    """Tokenizer, data, checkpoint to resume (resume_meta or None; new_data: other shards), config, contexts, recipe,
+    setting, micro-batches per step, compile; flags that cannot run are refused here, before any work; printed."""
 
     def __init__(self, args, layout, device):
+        self.compile = (device.type == "cuda") if args.compile < 0 else bool(args.compile)
         print0(f"world {layout.world_size} = {layout.describe()}; device {device_name(device.type)}; compute dtype "
-               f"{get_compute_dtype(device.type)}; compile {(device.type == 'cuda') if args.compile < 0 else bool(args.compile)}")
+               f"{get_compute_dtype(device.type)}; compile {self.compile}")
         if layout.world_size > 1:
             print_rank(layout, f"global rank {layout.rank}")
         self.tokenizer = get_tokenizer()
@@ -89,8 +87,7 @@ class Plan:
             raise ConfigError(error)
         if resume_meta is not None:
             print0(f"resuming from step {args.resume_from_step} of {ckpt_dir}")
-        for line in recipe.describe(args, config, self.setting, self.micro_batches):
-            print0(line)
+        print0(*recipe.describe(args, config, self.setting, self.micro_batches), sep="\n")
 
 
 # -----------------------------------------------------------------------------
@@ -111,13 +108,11 @@ class Run:
             resume = ckpt.load_checkpoint(self.ckpt_dir, args.resume_from_step, "cpu", load_optimizer=not weights_only)[:2]
             if weights_only:
                 print0("the checkpoint holds weights only (no optimizer state): the optimizer starts fresh")
-        use_compile = (device.type == "cuda") if args.compile < 0 else bool(args.compile)
         self.trainer = training.setup(self.config, plan.setting, layout, device, get_compute_dtype(device.type),
                                       self.recipe.learning_rates(args), resume=resume,
                                       l3_data=(plan.tokenizer, plan.data_dir) if meta is None else None,
-                                      compile="inductor" if use_compile else None)
-        for line in self.trainer.describe(args.pp_print_schedule):
-            print0(line)
+                                      compile="inductor" if plan.compile else None)
+        print0(*self.trainer.describe(args.pp_print_schedule), sep="\n")
         print_rank(layout, f"local parameters: {sum(p.numel() for p in self.trainer.model.parameters()):,}")
         # the loop state and data position, fresh or from the checkpoint
         loop = meta["loop_state"] if meta is not None else {}
@@ -146,17 +141,17 @@ class Run:
         self.eval_steps = max(1, eval_tokens // (args.device_batch_size * args.max_seq_len * layout.dp_size)) \
             if eval_tokens > 0 else 0
         self.peak_flops = get_peak_flops(device_name(device.type)) if device.type == "cuda" else None
-        self.log = RunLog(metrics_path(self.ckpt_dir), self.header(use_compile), self.step,
+        self.log = RunLog(metrics_path(self.ckpt_dir), self.header(), self.step,
                           args.wandb_run if args.wandb_run != "dummy" else None, args.tensorboard, enabled=layout.rank == 0)
         # Ctrl-C, SIGTERM or `touch <ckpt_dir>/STOP`: stop at the next step or evaluation batch, save, exit 0
         install_stop_handlers(os.path.join(self.ckpt_dir, "STOP"))
 
-    def header(self, use_compile):
+    def header(self):
         r, L, t = self.recipe, self.layout, self.trainer
         return {"flags": vars(self.args), "model_config": self.config.to_dict(),
                 "layout": {"dp": L.dp_size, "cp": L.cp_size, "tp": L.tp_size, "pp": L.pp_size},
                 "device": device_name(self.device.type), "dtype": str(t.model.compute_dtype).removeprefix("torch."),
-                "compile": use_compile, "attention": t.attention, "fp8": t.fp8, "kernels": kernels.KERNELS.mode,
+                "compile": self.plan.compile, "attention": t.attention, "fp8": t.fp8, "kernels": kernels.KERNELS.mode,
                 "num_iterations": r.num_iterations, "total_batch_size": r.total_batch_size,
                 "grad_accum": self.plan.micro_batches, "flops_per_token": t.flops_per_token, "lr_scale": r.lr_scale,
                 "weight_decay": r.weight_decay}
@@ -165,8 +160,8 @@ class Run:
         return every > 0 and (final or (self.step > 0 and self.step % every == 0))
 
     def train(self):
-        """The loop: at each step boundary the periodic work (before the step: step 0 is the untrained model; the
-        checkpoint comes before CORE and sampling, so a failure there cannot lose the weights), then one step."""
+        """The loop: at each step boundary the periodic work (step 0's on the untrained model; the checkpoint before
+        CORE and sampling, so a failure there cannot lose the weights), then one step."""
         print0(f"training from step {self.step} to {self.recipe.num_iterations}")
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
@@ -196,8 +191,8 @@ class Run:
     # --- once in a while -------------------------------------------------------------
 
     def guarded(self, phase, work):
-        """An evaluation or sampling: if it raises on every rank (a bad validation shard, a bug, memory), this step
-        is saved first, then the run stops with one line (the traceback goes to stderr). A stop request passes."""
+        """An evaluation or sampling that raises on every rank (a bad validation shard, a bug, memory): this step is
+        saved, then the run stops with one line (the traceback to stderr). A stop request passes."""
         error = None
         try:
             work()
@@ -261,22 +256,21 @@ class Run:
 
     # --- one step ------------------------------------------------------------------
 
-    def next_batches(self):
-        """The step's micro-batches; a shard one rank cannot read raises DataError on every rank."""
-        self.watch.phase("data: next batches", self.step)
-        return agreed(lambda: training.next_batches(self.train_loader, self.plan.micro_batches), DataError, self.device)
-
     def train_step(self):
         t0 = time.time()
-        batches, state = self.next_batches()
+        self.watch.phase("data: next batches", self.step)  # a shard one rank cannot read: DataError on every rank
+        batches, state = agreed(lambda: training.next_batches(self.train_loader, self.plan.micro_batches), DataError,
+                                self.device)
         if state is not None:
             self.last_state = state
         self.watch.phase("training step (TP collectives, PP p2p, DP reductions, optimizer all-gathers)", self.step)
         loss, lrm = self.trainer.step(batches, self.schedule, self.step)
         loss = loss.item()  # also synchronizes the device, so dt is honest
         dt = time.time() - t0
-        if not math.isfinite(loss):
-            self.diverged(loss)
+        if not math.isfinite(loss):  # the checkpoints stay: one step's NaN says nothing against weights saved finite
+            saved = f"; {ckpt.intact_hint(self.ckpt_dir)}" if self.args.save_every and self.layout.rank == 0 else ""
+            raise UserError(f"loss is {loss} at step {self.step}; stopping{saved}; if it comes back there, resume from "
+                            f"an earlier step or lower the learning rates")
         norms = self.trainer.optimizer.grad_norms.tolist()  # [global, then each of PARAM_GROUPS]
         watched = {"grad_norm": norms[0], **{f"grad_norm_{g}": norms[i] for g, i in self.grad_norm_slots},
                    **self.trainer.signals()}
@@ -321,25 +315,17 @@ class Run:
         elif self.step % 5000 == 0:
             gc.collect()
 
-    def diverged(self, loss):
-        """A loss that is not finite stops the run; the checkpoints stay (a NaN of one step's data or arithmetic says
-        nothing against weights saved finite), the newest intact one named."""
-        saved = f"; {ckpt.intact_hint(self.ckpt_dir)}" if self.args.save_every and self.layout.rank == 0 else ""
-        raise UserError(f"loss is {loss} at step {self.step}; stopping{saved}; if it comes back there, resume from an "
-                        f"earlier step or lower the learning rates")
-
     # --- the end -------------------------------------------------------------------
 
     def save_before_stopping(self):
-        """A stop request or an error mid-run: this step's checkpoint (unless the run saves nothing); says how to
-        go on."""
+        """A stop request or an error mid-run: this step's checkpoint (unless nothing is saved); says how to go on."""
         if self.args.save_every == 0:
             return f"step {self.step} not saved (--save-every 0)"
         self.save()
         return f"saved step {self.step}: resume with --resume-from-step {self.step}"
 
     def training_time(self):
-        """(seconds, what they are): the steps after each launch's first UNTIMED_STEPS (compilation), else all of them."""
+        """(seconds, what they are): the steps after each launch's first UNTIMED_STEPS (compilation), else all."""
         return (self.total_time, "") if self.total_time > 0 else \
             (self.launch_time, f" ({self.step - self.first_step} steps, compilation included)")
 

@@ -1,7 +1,6 @@
 """
-Export a base-model checkpoint as a Hugging Face folder (nanochat/hf/convert.py lists what it holds) for
-AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True): the fp32 master weights (fp8 training
-included), or bf16 with --dtype bfloat16. --push-to-hub checks the Hub login (`hf auth login` or HF_TOKEN) first.
+Export a checkpoint as a Hugging Face folder (see nanochat/hf/convert.py) for AutoModelForCausalLM (trust_remote_code):
+fp32 master weights (also of fp8 runs) or --dtype bfloat16; --push-to-hub checks the Hub login (`hf auth login`) first.
 
     python -m scripts.export_hf --model-tag d20 --out hf/d20 [--step 5000] [--dtype bfloat16]
     python -m scripts.export_hf --model-tag d20 --out hf/d20 --push-to-hub you/nanochat-d20 [--private]

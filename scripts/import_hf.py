@@ -34,8 +34,7 @@ if os.path.exists(os.path.join(ckpt_dir, f"meta_{step:06d}.json")):
 
 tok_dir = default_tokenizer_dir()
 if os.path.exists(os.path.join(tok_dir, "tokenizer.tiktoken")):
-    mine = get_tokenizer(tok_dir)
-    if (mine.mergeable_ranks, mine.special_tokens, mine.pattern) != (tokenizer.mergeable_ranks, tokenizer.special_tokens, tokenizer.pattern):
+    if get_tokenizer(tok_dir).hash != tokenizer.hash:  # merges, pattern and special tokens
         fail(f"{tok_dir} holds another tokenizer than {args.dir}'s: set NANOCHAT_BASE_DIR to another folder "
              f"(or move that tokenizer away) so that evaluation uses the model's own")
 else:

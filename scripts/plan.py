@@ -37,8 +37,7 @@ def print_setting(config, s, capacity):
     kinds = ["weights", "working copies", "gradients", "optimizer state", "activations", "total"]
     print(f"d{config.n_layer} ({config.n_embd} wide, {config.sequence_len:,} tokens a sequence), {s.describe()}, "
           f"{s.total_batch:,} tokens a step; GiB per rank at its peak:")
-    print("| pipeline rank | " + " | ".join(kinds) + " | fits |")
-    print("|" + " --- |" * (len(kinds) + 2))
+    print("| pipeline rank | " + " | ".join(kinds) + " | fits |\n|" + " --- |" * (len(kinds) + 2))
     for r, parts in enumerate(rank_memory(config, s)):
         print(f"| {r} | " + " | ".join(gib(parts[k]) for k in kinds) +
               f" | {'yes' if parts['total'] <= capacity else 'no'} |")

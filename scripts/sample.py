@@ -38,19 +38,18 @@ try:
     _, device = compute_init(args.device_type)
     tokenizer = get_tokenizer()
     model, meta = load_model(args.model_tag, args.step, device, get_compute_dtype(device.type), tokenizer=tokenizer)
-    model_tag = meta["model_tag"]
 except UserError as e:
     sys.exit(f"ERROR: {e}")
 bos = tokenizer.get_bos_token_id()
-print(f"sampling from {model_tag} step {meta['step']} (temperature {args.temperature}, top-k {args.top_k}, seed {args.seed})")
+print(f"sampling from {meta['model_tag']} step {meta['step']} (temperature {args.temperature}, top-k {args.top_k}, "
+      f"seed {args.seed})")
 
 
 def stdin_prompts():
     while True:
         if sys.stdin.isatty():
             print("prompt> ", end="", flush=True)
-        line = sys.stdin.readline()
-        if not line:
+        if not (line := sys.stdin.readline()):
             return
         if line.strip():
             yield line.rstrip("\n")
@@ -70,7 +69,7 @@ for prompt in args.prompt + (SAMPLE_PROMPTS if args.fixed_prompts else []) or st
         print(f"--- [{i + 1}/{args.num_samples}] {done[-1]}", flush=True)
 
 if args.report:
-    lines = [f"{i}. `{t!r}`" for i, t in enumerate(done, 1)]
-    report.log_section("Base model samples", [{"model tag": model_tag, "step": meta["step"], "temperature": args.temperature,
-                                               "top-k": args.top_k, "seed": args.seed}, "\n".join(lines)])
+    report.log_section("Base model samples", [{"model tag": meta["model_tag"], "step": meta["step"],
+                                               "temperature": args.temperature, "top-k": args.top_k, "seed": args.seed},
+                                              "\n".join(f"{i}. `{t!r}`" for i, t in enumerate(done, 1))])
 compute_cleanup()

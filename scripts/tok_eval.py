@@ -21,8 +21,7 @@ def take_text(files, max_chars):
     docs, n = [], 0
     for doc in iter_documents(files):
         docs.append(doc[:max_chars - n])
-        n += len(docs[-1])
-        if n >= max_chars:
+        if (n := n + len(docs[-1])) >= max_chars:
             break
     return docs
 
@@ -36,8 +35,8 @@ except (DataError, TokenizerError) as e:
 
 
 def reference_encoding(name):
-    """tiktoken's GPT-2/GPT-4 encoding, or None: from its cache (TIKTOKEN_CACHE_DIR), or downloaded when the
-    host answers within seconds (an offline machine can otherwise hang on the download)."""
+    """tiktoken's encoding `name`, or None: cached (TIKTOKEN_CACHE_DIR), or downloaded if the host answers in seconds
+    (an offline machine could otherwise hang on the download)."""
     import socket
     import tiktoken
     try:

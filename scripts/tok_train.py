@@ -8,7 +8,7 @@ import os
 import time
 import argparse
 
-from nanochat.common import HelpWithDefaults, atomic_write_bytes
+from nanochat.common import HelpWithDefaults, atomic_write
 from nanochat.dataset import resolve_data_dir, split_files, iter_documents, DataError
 from nanochat.tokenizer import Tokenizer, TokenizerError, default_tokenizer_dir
 from nanochat import report
@@ -26,7 +26,7 @@ try:
     data_dir = resolve_data_dir(args.data_dir)
     train_files = split_files(data_dir, "train")
     os.makedirs(out_dir, exist_ok=True)  # where the tokenizer goes must take files before anything is trained
-    atomic_write_bytes(os.path.join(out_dir, ".write_probe"), b"")
+    atomic_write(os.path.join(out_dir, ".write_probe"), b"")
     os.remove(os.path.join(out_dir, ".write_probe"))
 except DataError as e:
     raise SystemExit(f"ERROR: {e}")
@@ -75,5 +75,4 @@ report.log_section("Tokenizer training", [
     {"data dir": data_dir, "max chars": args.max_chars, "doc cap": args.doc_cap, "vocab size": args.vocab_size},
     {"chars used": stats["chars"], "docs used": stats["docs"], "train time (s)": round(train_time, 2)},
     {"token bytes min": int(nonzero.min()), "token bytes max": int(nonzero.max()),
-     "token bytes mean": round(nonzero.mean().item(), 3), "special tokens": int((token_bytes == 0).sum())},
-])
+     "token bytes mean": round(nonzero.mean().item(), 3), "special tokens": int((token_bytes == 0).sum())}])

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from nanochat import kernels
 from nanochat.kernels.flash_attention import flash_attention as fa_op, flash_attention_backward
-from nanochat.kernels.sdpa import dense_mask
+from nanochat.kernels.sdpa import band_mask
 
 
 def _probabilities(q, k, window):
@@ -74,7 +74,7 @@ def _inputs(B=2, T=12, Hq=4, Hkv=2, D=16, dtype=torch.float32, device="cpu", see
 def _sdpa(q, k, v, window):
     """What kernels.attention computes without FA4: SDPA over (B, H, T, D) with an explicit causal band."""
     T = q.size(1)
-    mask = dense_mask(T, T, window, q.device)
+    mask = band_mask(T, T, 0, window, q.device)
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
                                          enable_gqa=True)
     return out.transpose(1, 2)

@@ -1,6 +1,5 @@
 """
-The transformers config of an exported model (beside modeling_nanochat.py; imports nothing from nanochat):
-GPTConfig's fields with window_sizes per layer; attribute_map gives the names transformers tools look for.
+The transformers config of an export (imports nothing from nanochat): GPTConfig's fields, window_sizes per layer.
 """
 
 from transformers import PretrainedConfig

@@ -1,12 +1,10 @@
 """
-Between nanochat checkpoints and Hugging Face folders (scripts/export_hf.py, import_hf.py). An export folder holds
+Between nanochat checkpoints and Hugging Face folders (scripts/export_hf.py, import_hf.py). An export holds
 config.json with configuration_nanochat.py and modeling_nanochat.py (trust_remote_code), model.safetensors (sharded
-above MAX_SHARD_SIZE) in nanochat's tensor names, generation_config.json, tokenizer.json, tokenizer_config.json,
-README.md (model card), nanochat_meta.json (the checkpoint's meta: an import resumes there) and checksums.json (every
-other file's, written last: an import refuses a file damaged since).
-
-The tokenizer: every split of every token into two tokens, ordered by the token's rank, is a merge list that merges as
-tiktoken's ranks do; ignore_merges keeps a pre-token that is a token whole, as tiktoken does.
+above MAX_SHARD_SIZE, nanochat's tensor names), generation_config.json, tokenizer.json, tokenizer_config.json,
+README.md (model card), nanochat_meta.json (the checkpoint's meta: an import resumes there) and checksums.json (written
+last: an import refuses a file damaged since). The tokenizer's merges, every split of every token into two tokens by
+the token's rank, merge as tiktoken's ranks do; ignore_merges keeps a pre-token that is a token whole, as tiktoken does.
 """
 
 import os
@@ -14,10 +12,11 @@ import json
 import errno
 import math
 import shutil
+from pathlib import Path
 
 import torch
 
-from nanochat.common import UserError, file_checksum
+from nanochat.common import UserError, file_checksum, read_json
 from nanochat.gpt import GPTConfig, GPT, window_sizes, ROTARY_BASE, SOFTCAP
 from nanochat.tokenizer import Tokenizer, SPECIAL_TOKENS
 
@@ -44,11 +43,9 @@ def hf_tokenizer(tok: Tokenizer):
     as_str = lambda b: "".join(byte_char[x] for x in b)
     ranks = tok.mergeable_ranks
     vocab = {as_str(b): r for b, r in ranks.items()}
-    merges = []
-    for token, rank in ranks.items():
-        splits = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in ranks and token[i:] in ranks]
-        merges += [(rank, ranks[l], ranks[r], as_str(l), as_str(r)) for l, r in splits]
-    merges.sort()
+    splits = ((rank, token[:i], token[i:]) for token, rank in ranks.items() for i in range(1, len(token)))
+    merges = sorted((rank, ranks[l], ranks[r], as_str(l), as_str(r)) for rank, l, r in splits
+                    if l in ranks and r in ranks)
     hf = HFTokenizer(models.BPE(vocab, [(l, r) for *_, l, r in merges], ignore_merges=True))
     hf.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(tok.pattern), behavior="isolated", invert=False),
@@ -71,8 +68,7 @@ def tokenizer_from_hf(directory):
     if not os.path.exists(path):
         raise ConvertError(f"no tokenizer.json in {directory}")
     try:
-        with open(path, encoding="utf-8") as f:
-            spec = json.load(f)
+        spec = read_json(path)
         char_byte = {c: b for b, c in bytes_to_unicode().items()}
         ranks = {bytes(char_byte[c] for c in s): i for s, i in spec["model"]["vocab"].items()}
         specials = {t["content"]: t["id"] for t in spec["added_tokens"]}
@@ -87,13 +83,10 @@ def tokenizer_from_hf(directory):
 
 def verify_export(directory):
     """Every file checksums.json lists matches it (an export from before checksums: nothing to check)."""
-    path = os.path.join(directory, "checksums.json")
-    if os.path.exists(path):
-        with open(path) as f:
-            for name, saved in json.load(f).items():
-                if not os.path.exists(file := os.path.join(directory, name)) or file_checksum(file) != saved:
-                    raise ConvertError(f"{file} is missing or no longer matches the checksum the export saved: "
-                                       f"export the checkpoint again")
+    for name, saved in read_json(os.path.join(directory, "checksums.json"), {}).items():
+        if not os.path.exists(file := os.path.join(directory, name)) or file_checksum(file) != saved:
+            raise ConvertError(f"{file} is missing or no longer matches the checksum the export saved: "
+                               f"export the checkpoint again")
 
 
 def check_state(state, config, source):
@@ -204,19 +197,16 @@ def export(model_state, meta, tok: Tokenizer, out_dir, dtype=torch.float32, core
                  "weight_map": split.tensor_to_filename}
         texts.append(("model.safetensors.index.json", json.dumps(index, indent=2, sort_keys=True)))
     for name, text in texts:
-        with open(os.path.join(out_dir, name), "w") as f:
-            f.write(text)
-    umask = os.umask(0)
-    os.umask(umask)
+        Path(out_dir, name).write_text(text)
     for filename, names in split.filename_to_tensors.items():
+        path = os.path.join(out_dir, filename)
         try:
-            save_file({n: state[n] for n in names}, os.path.join(out_dir, filename), metadata={"format": "pt"})
+            save_file({n: state[n] for n in names}, path, metadata={"format": "pt"})
         except SafetensorError as e:  # safetensors' own type over the OS's error (a full disk)
-            raise OSError(errno.EIO, str(e).splitlines()[0], os.path.join(out_dir, filename)) from e
-        os.chmod(os.path.join(out_dir, filename), 0o666 & ~umask)  # safetensors writes 0600; readable as the rest
+            raise OSError(errno.EIO, str(e).splitlines()[0], path) from e
+        shutil.copymode(os.path.join(out_dir, "config.json"), path)  # safetensors writes 0600: readable as the rest
     checksums = {name: file_checksum(os.path.join(out_dir, name)) for name in sorted(os.listdir(out_dir))}
-    with open(os.path.join(out_dir, "checksums.json"), "w") as f:
-        json.dump(checksums, f, indent=2)
+    Path(out_dir, "checksums.json").write_text(json.dumps(checksums, indent=2))
     return sorted(split.filename_to_tensors)
 
 
@@ -229,15 +219,10 @@ def load_export(directory):
         if not os.path.exists(path):
             raise ConvertError(f"no config.json in {directory}: pass a folder written by scripts.export_hf")
         verify_export(directory)
-        with open(path) as f:
-            cfg = json.load(f)
+        cfg = read_json(path)
         if cfg.get("model_type") != "nanochat":
             raise ConvertError(f"{path} has model_type {cfg.get('model_type')!r}; only nanochat exports import")
-        meta_path = os.path.join(directory, "nanochat_meta.json")
-        meta = {}
-        if os.path.exists(meta_path):
-            with open(meta_path) as f:
-                meta = json.load(f)
+        meta = read_json(os.path.join(directory, "nanochat_meta.json"), {})
         # the GPTConfig: the original window pattern (nanochat_meta.json) when it agrees, else spelled out per layer
         fields = {k: cfg[k] for k in ("sequence_len", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd")}
         if cfg.get("l3_after_layers"):
@@ -254,8 +239,7 @@ def load_export(directory):
                                f"(S = {window_sizes(GPTConfig(**fields, window_pattern='S'))[0]} tokens, L = {seq})")
         index = os.path.join(directory, "model.safetensors.index.json")
         if os.path.exists(index):
-            with open(index) as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
+            files = sorted(set(read_json(index)["weight_map"].values()))
         elif os.path.exists(os.path.join(directory, "model.safetensors")):
             files = ["model.safetensors"]
         else:

@@ -1,7 +1,6 @@
 """
-nanochat's GPT for transformers (AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)): plain
-PyTorch and transformers, importing nothing from nanochat, with nanochat/gpt.py's math (equal fp32 logits):
-
+nanochat's GPT for transformers (AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)), importing nothing
+from nanochat, with nanochat/gpt.py's math (equal fp32 logits) and parameter names:
 - token embedding, RMSNorm (no weight), smear: x[t] += smear_lambda * sigmoid(smear_gate(x[t][:24])) * x[t-1]
 - blocks: x = resid_lambda * x + x0_lambda * x0; x += attn(norm(x)); x += mlp(norm(x)), MLP = relu(.)^2
 - attention: rotary (base 1e5, pairs (i, i + D/2)), then RMSNorm of q and k scaled by 1.2, GQA, causal with a
@@ -10,9 +9,8 @@ PyTorch and transformers, importing nothing from nanochat, with nanochat/gpt.py'
 - optional L3 layers after some blocks: x += W_mix [LayerNorm(W_up(V_t^T softmax(K_t x))) ; x]
 - backout: subtract backout_lambda * (the input of block n_layer // 2) before the final norm
 - untied lm_head; logits 15 * tanh(raw / 15) in fp32
-
-Parameter names are nanochat's own. SDPA takes the windows and padding (left or right) as one boolean mask; a
-token after padding smears in zeros; generate passes the token before the first new one as smear_prev_ids.
+SDPA takes the windows and padding (left or right) as one boolean mask; a token after padding smears in zeros;
+generate passes the token before the first new one as smear_prev_ids.
 """
 
 import torch
@@ -49,8 +47,7 @@ def rotary(positions, head_dim, base, dtype):
 
 
 def rotary_norm(x, cos, sin):
-    d = x.shape[-1] // 2
-    x1, x2 = x[..., :d], x[..., d:]
+    x1, x2 = x.chunk(2, dim=-1)
     r = torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1)
     return F.rms_norm(r, (x.size(-1),), eps=torch.finfo(torch.float32).eps) * QK_SCALE
 
@@ -83,8 +80,7 @@ class CausalSelfAttention(nn.Module):
         if ve is not None:
             gate = 2 * torch.sigmoid(self.ve_gate(x[..., :VE_GATE_CHANNELS]))
             v = v + gate.unsqueeze(-1) * ve.view(B, T, -1, self.head_dim)
-        q, k = rotary_norm(q, cos, sin), rotary_norm(k, cos, sin)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q, k, v = rotary_norm(q, cos, sin).transpose(1, 2), rotary_norm(k, cos, sin).transpose(1, 2), v.transpose(1, 2)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
         # no mask: full context, no cache, no padding
@@ -121,8 +117,8 @@ class Block(nn.Module):
 
 
 class L3Layer(nn.Module):
-    """Large Lookup Layer: token t reads its own rows bounds[t]:bounds[t+1] of the table (keys and values) by
-    attention with the hidden state. Gathered padded to the longest row range, in chunks of positions."""
+    """Large Lookup Layer: token t attends with the hidden state over its rows bounds[t]:bounds[t+1] of the table
+    (keys and values), gathered padded to the longest row range, in chunks of positions."""
 
     def __init__(self, config):
         super().__init__()
@@ -228,20 +224,16 @@ class NanochatForCausalLM(PreTrainedModel, GenerationMixin):
             plain = attention_mask is None and past_len == 0 and window >= T
             if not plain and window not in masks:
                 masks[window] = attention_mask_4d(T, past_len, window, attention_mask, x.device)
-            if i == self.backout_layer:
-                x_mid = x
+            x_mid = x if i == self.backout_layer else x_mid
             x = block(x, x0, input_ids, cos, sin, None if plain else masks[window], cache)
             if str(i) in self.l3:
                 x = x + self.l3[str(i)](x, input_ids)
         x = x - self.backout_lambda.to(x.dtype) * x_mid
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
-        raw = self.lm_head(norm(x))
-        logits = cfg.softcap * torch.tanh(raw.float() / cfg.softcap)
-        loss = None
-        if labels is not None:  # transformers' convention: labels are the inputs, shifted here
-            loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1),
-                                   ignore_index=-100)
+        logits = cfg.softcap * torch.tanh(self.lm_head(norm(x)).float() / cfg.softcap)
+        loss = None if labels is None else F.cross_entropy(  # labels are the inputs (transformers' convention): shift
+            logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1), ignore_index=-100)
         return CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_FIELD: cache if use_cache else None})
 
     def prepare_inputs_for_generation(self, input_ids, **kwargs):

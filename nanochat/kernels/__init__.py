@@ -1,8 +1,6 @@
 """
-The fast kernels behind one facade, and the one switch that turns them all off.
-
-gpt.py (and fp8.py for its MLP) write every op as its reference PyTorch math and ask here first, as nanoGPT asks
-`self.flash`: where a kernel takes the op's inputs it runs, elsewhere the math written below the question.
+The fast kernels behind one facade, and the one switch that turns them all off. gpt.py (and fp8.py for its MLP)
+write every op as its reference PyTorch math and ask here first, as nanoGPT asks `self.flash`.
 
     op                 the reference math                        the kernel (mode "auto", where it applies)
     Linear             F.linear (Linear below)                   split-K weight gradient, per tuned shape (splitk.py)
@@ -16,10 +14,9 @@ gpt.py (and fp8.py for its MLP) write every op as its reference PyTorch math and
     soft-capped loss   gpt.SoftcapCrossEntropy                   lm_head matmul + Triton loss (softcap_ce.py)
     MoE experts        moe.looped_experts: expert by expert       moe.grouped_experts (torch._grouped_mm), bf16, SM90+
 
-The switch is KERNELS.mode, "auto" (default) or "reference", from NANOCHAT_KERNELS and the scripts' --kernels (which
-wins); "reference" answers every question with no, so the math runs as written on every device. It is read at each
-call: set it before building and compiling the model. The reference attention is SDPA as PyTorch dispatches it (a
-hand-written softmax's (T, T) scores would not fit a training batch).
+KERNELS.mode: "auto" (default) or "reference" (every answer no), from NANOCHAT_KERNELS or --kernels (which wins);
+read at each call: set it before building and compiling. The reference attention is SDPA as PyTorch dispatches it
+(a hand-written softmax's (T, T) scores would not fit).
 """
 
 import os
@@ -35,33 +32,32 @@ MODES = ("auto", "reference")
 
 
 class Kernels:
-    """The switch, and what the fast paths settle before torch.compile traces the model (deciding inside a trace
-    is slow and fragile): where FlashAttention-4 runs, FlexAttention's block masks at the training length."""
+    """The switch, and what the fast paths settle before torch.compile traces (deciding in a trace is slow and
+    fragile): where FlashAttention-4 runs, FlexAttention's block masks at the training length."""
 
-    def __init__(self, mode):
-        self.mode = self.check(mode, "NANOCHAT_KERNELS=")
+    def __init__(self):
+        self.mode = "auto"
         self.fa4_devices = {}  # device -> whether FlashAttention-4 runs there
         self.block_masks = {}  # (T, window, device) -> BlockMask
-
-    @staticmethod
-    def check(mode, source):
-        if mode not in MODES:
-            raise ConfigError(f"{source}{mode!r}: use one of {', '.join(MODES)}")
-        return mode
 
     @property
     def on(self):
         return self.mode == "auto"
 
 
-KERNELS = Kernels(os.environ.get("NANOCHAT_KERNELS", "auto"))
+KERNELS = Kernels()
 
 
-def set_mode(name):
-    """--kernels: "auto" or "reference"; None keeps NANOCHAT_KERNELS (default auto)."""
+def set_mode(name, source="--kernels "):
+    """--kernels (NANOCHAT_KERNELS at import): "auto" or "reference"; None keeps the mode."""
     if name is not None:
-        KERNELS.mode = Kernels.check(name, "--kernels ")
+        if name not in MODES:
+            raise ConfigError(f"{source}{name!r}: use one of {', '.join(MODES)}")
+        KERNELS.mode = name
     return KERNELS.mode
+
+
+set_mode(os.environ.get("NANOCHAT_KERNELS", "auto"), "NANOCHAT_KERNELS=")
 
 
 # ---- Linear (split-K weight gradient) ----
@@ -82,8 +78,7 @@ class Linear(nn.Linear):
         return splitk.SplitWeightGradLinear.apply(x, w, split)
 
 
-def tunable_linears(model):
-    # not the lm_head: the loss computes its weight gradient itself (head_loss)
+def tunable_linears(model):  # not the lm_head: the loss computes its weight gradient itself (head_loss)
     return [m for m in model.modules() if type(m) is Linear and min(m.weight.shape) >= 128
             and m is not getattr(model, "lm_head", None)]
 
@@ -149,9 +144,9 @@ def attention_block_backward(dout, q, k, v, out, lse, offset, window, backend="c
                                                                     offset, window, backend))
 
 
-# what --recompute selective keeps rather than runs again in the backward (gpt.Block): the outputs of the ops that
-# cost the most to recompute per byte kept, attention (every path above but FlexAttention, a higher-order op) and
-# the fused ReLU^2 product (bf16 or fp8). The unfused MLP (TP, reference mode, CPU) has no one op to keep.
+# what --recompute selective keeps rather than reruns (gpt.Block): the outputs that cost most to recompute per byte,
+# attention's (every path but FlexAttention, a higher-order op) and the fused ReLU^2 product's (bf16 or fp8); the
+# unfused MLP (TP, reference mode, CPU) has no one op to keep
 SELECTIVE_KEEPS = (
     torch.ops.nanochat.flash_attention.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
@@ -172,8 +167,8 @@ def takes_cudnn(q, window):  # cuDNN through SDPA: the full context on CUDA
 
 
 def flex_block_mask(q, window):
-    """FlexAttention's block mask for this window at q's length, where prepare_attention built one (CUDA, the
-    training length); None elsewhere (other lengths, CORE's, take the reference instead of recompiling)."""
+    """FlexAttention's block mask for this window at q's length where prepare_attention built one (CUDA, training
+    length), else None: other lengths (CORE's) take the reference rather than recompile."""
     return KERNELS.block_masks.get((q.size(2), window, str(q.device)))
 
 
@@ -193,9 +188,14 @@ def attention(q, k, v, window):
 
 # ---- the MLP, rotary + QK-norm, the head's loss: a question, then the kernel ----
 
+def takes(kernel, x):
+    """Whether a kernel module (relu_square_mm: the fp8 MLP too; rotary; softcap_ce: the head's loss) takes x."""
+    return KERNELS.on and kernel.supported(x)
+
+
 def takes_fused_mlp(x, c_fc, c_proj):
     """The plain Linears only: tensor parallelism's take the module path; fp8 replaces the whole MLP (Fp8MLP)."""
-    return KERNELS.on and type(c_fc) is Linear and type(c_proj) is Linear and relu_square_mm.supported(x)
+    return type(c_fc) is Linear and type(c_proj) is Linear and takes(relu_square_mm, x)
 
 
 def fused_mlp(x, c_fc, c_proj):
@@ -209,16 +209,8 @@ def relu_square(h):
     return relu_square_mm.ReluSquare.apply(h)
 
 
-def takes_fp8_mlp(x):
-    return KERNELS.on and relu_square_mm.supported(x)
-
-
 fc_relu_square_fp8 = relu_square_mm.fc_relu_square_fp8
 relu_square_input_grad_fp8 = relu_square_mm.relu_square_input_grad_fp8
-
-
-def takes_rotary_norm(x):
-    return KERNELS.on and rotary.supported(x)
 
 
 def rotary_norm(x, cos, sin, scale):
@@ -228,10 +220,6 @@ def rotary_norm(x, cos, sin, scale):
 def takes_grouped_mm(x):
     """MoE's experts as two grouped matmuls (moe.grouped_experts): bf16 on SM90+, where torch.compile takes them."""
     return KERNELS.on and x.is_cuda and x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
-
-
-def takes_head_loss(x):
-    return KERNELS.on and softcap_ce.supported(x)
 
 
 def head_losses(x, weight, targets, cap):

@@ -1,12 +1,11 @@
 """
 FlashAttention-4 for training on Hopper and Blackwell: the optional `flash-attn-4` package's kernels (CuTe DSL,
-compiled on first use) behind one custom op, one node in torch.compile's graph. Sliding windows run natively (tiles
-outside the band are skipped), in the (B, T, H, D) layout the projections produce. CUDA only; the tests register the
-math as its CPU kernel (tests/test_flash_attention.py: plumbing checks).
+compiled on first use) as one custom op, one node in torch.compile's graph. Sliding windows run natively (tiles
+outside the band skipped), in the projections' (B, T, H, D) layout. CUDA only (tests register the math on CPU).
 
     out, lse = flash_attention(q, k, v, window)     q: (B, T, Hq, D), k/v: (B, T, Hkv, D), bf16
     out: causal attention, each query seeing at most `window` keys (itself included); lse (B, Hq, T), fp32: each
-    query's log-sum-exp of scaled scores, which the backward needs.
+    query's log-sum-exp of scaled scores, for the backward.
 """
 
 import functools

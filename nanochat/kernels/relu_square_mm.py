@@ -4,15 +4,12 @@ The MLP's ReLU^2 inside its matmuls (CUDA: Triton, with Hopper's TMA loads and s
     forward:   y  = relu(x @ W_fc^T)^2              c_fc's product, ReLU^2 in its epilogue
     backward:  dh = (dy @ W_proj) * 2 sqrt(y)        c_proj's input gradient, ReLU^2's backward in its epilogue
 
-As separate kernels, ReLU^2 costs one more pass over the (tokens, 4C) activation each way: time, and power at the
-GPUs' power limit (dev/LOG.md, 2026-11-22). The epilogue works on the fp32 accumulator in registers; the backward
-needs only y (relu(h) = sqrt(y)), which c_proj keeps anyway. With fp8 operands (fp8.Fp8MLP) the kernel scales the
-accumulator by the operands' inverse scales, stores 16-bit values and returns their amax for the next fp8 cast.
-Persistent: one program per SM walks the output tiles, grouped along M so that concurrent tiles share A's rows in L2.
-
-Where the kernels do not apply (CPU, no Triton, shapes TMA cannot describe, tensor parallelism's Linears) the MLP runs
-ReluSquare between its Linears: relu(h)^2 keeping only its output for the backward. The reference (kernels off) is
-gpt.py's F.relu(h).square(). Tests run the kernels in Triton's interpreter.
+Separate, ReLU^2 costs one more pass over the (tokens, 4C) activation each way: time, and power at the power limit
+(dev/LOG.md, 2026-11-22). The backward needs only y (relu(h) = sqrt(y)), which c_proj keeps anyway. With fp8
+operands (fp8.Fp8MLP) the accumulator is scaled by the operands' inverse scales, and the amax of the stored 16-bit
+values returned for the next cast. Persistent: one program per SM walks the output tiles, grouped along M so that
+concurrent tiles share A's rows in L2. Elsewhere (CPU, no Triton, shapes TMA cannot describe, TP's Linears) the MLP
+runs ReluSquare between its Linears. Tests run the kernels in Triton's interpreter.
 """
 
 import torch
@@ -37,8 +34,8 @@ CONFIGS = {(RELU_SQUARE, False): (128, 256, 64, 8, 3, 8), (RELU_SQUARE_GRAD, Fal
 if triton is not None:
     @triton.jit
     def _finish(acc, c_desc, y_desc, scale, amax_ptr, off_m, off_n, EPILOGUE: tl.constexpr, FP8: tl.constexpr):
-        """The epilogue on an fp32 tile of A @ B, stored at (off_m, off_n). FP8: `scale` undoes both operands'
-        scales; the largest |value| stored goes to amax_ptr."""
+        """The epilogue on an fp32 tile of A @ B, stored at (off_m, off_n). FP8: `scale` undoes the operands' scales;
+        the largest |value| stored goes to amax_ptr."""
         if FP8:
             acc = acc * scale
         if EPILOGUE == 0:  # RELU_SQUARE
@@ -99,8 +96,7 @@ def _launch(a, b, epilogue, y=None, config=None, scale=None, out_dtype=None):
 
 
 def supported(x):
-    """Whether the kernels take the activations x (..., C): CUDA with Triton, 16-bit, rows a multiple of 16 bytes
-    as TMA needs (the weights, (4C, C) and (C, 4C), follow)."""
+    """Whether the kernels take x (..., C): CUDA, Triton, 16-bit, rows a multiple of 16 bytes for TMA (weights too)."""
     return triton is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.size(-1) % 8 == 0
 
 
@@ -150,8 +146,8 @@ relu_square_input_grad_fp8.register_fake(lambda dy8, w_proj8_t, y, scale: (
 # ---- the MLP around the kernels, and without them ----
 
 class FusedMLP(torch.autograd.Function):
-    """c_proj(relu(c_fc(x))^2) for x (tokens, C); keeps what the unfused path keeps, x and y = relu(h)^2, and splits
-    the weight gradients as the Linears would."""
+    """c_proj(relu(c_fc(x))^2) for x (tokens, C); keeps what the unfused path keeps (x, y = relu(h)^2) and splits the
+    weight gradients as the Linears would."""
 
     @staticmethod
     def forward(ctx, x, w_fc, w_proj, fc_split, proj_split):

@@ -1,11 +1,7 @@
 """
-Rotary positions, then QK-norm, as one custom op on CUDA (gpt.py's rotary_norm is the math):
-
-    r = rotate(x, cos, sin)            pairs (x_i, x_{i+D/2}) -> (x_i c + x_{i+D/2} s, x_{i+D/2} c - x_i s)
-    y = scale * r / sqrt(mean(r^2) + eps)      per head vector of D values; eps = float32's epsilon
-
-Two Triton kernels, fewer passes over memory than Inductor's (dev/LOG.md, 2026-11-21): the forward reads x, writes
-y; the backward reads x and dy, writes dx, recomputing r and the norm in registers (n = r * rstd, g = scale * dy):
+Rotary positions then QK-norm as one custom op on CUDA (gpt.rotary_norm is the math): y = scale * rms_norm(r),
+r = rotate(x), in two Triton kernels with fewer passes over memory than Inductor's (dev/LOG.md, 2026-11-21). The
+backward recomputes r and the norm in registers (n = r * rstd, g = scale * dy):
     dr = rstd * (g - n * mean(g * n)),   dx = rotate^T(dr): (dr_i c - dr_{i+D/2} s, dr_i s + dr_{i+D/2} c)
 """
 

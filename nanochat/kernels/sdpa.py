@@ -8,7 +8,6 @@ most `window` keys (itself included); S > T when decoding with a KV cache (the q
   log-sum-exp, and its backward from the merged output and log-sum-exp (the section below says which blocks)
 """
 
-
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel, SDPBackend
@@ -20,19 +19,14 @@ def band_mask(T, S, offset, window, device):
     return (distance >= 0) & (distance < window)
 
 
-def dense_mask(T, S, window, device):
-    """Boolean (T, S) mask: causal and at most `window` tokens back; the queries are the last T of the S keys."""
-    return band_mask(T, S, S - T, window, device)
-
-
 def expand_heads(q, k, v):
-    """k/v with as many heads as q (GQA): cuDNN, flash and the reference blocks want equal counts."""
+    """k/v with as many heads as q (GQA), as cuDNN, flash and the reference blocks want."""
     g = q.size(1) // k.size(1)
     return (k, v) if g == 1 else (k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1))
 
 
 def sum_heads(kv_heads, dq, dk, dv):
-    """(dq, dk, dv) with dk/dv of expanded heads summed back over the query heads that shared a kv head."""
+    """(dq, dk, dv), dk/dv of expanded heads summed back over the query heads that shared a kv head."""
     if kv_heads != dk.size(1):
         dk, dv = (t.unflatten(1, (kv_heads, -1)).sum(2) for t in (dk, dv))
     return dq, dk, dv
@@ -43,7 +37,7 @@ def reference_attention(q, k, v, window):
     gqa = q.size(1) != k.size(1)
     if window >= S and T == S:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=dense_mask(T, S, window, q.device), enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=band_mask(T, S, S - T, window, q.device), enable_gqa=gqa)
 
 
 def cudnn_attention(q, k, v):
@@ -67,8 +61,8 @@ _flex = None  # FlexAttention compiled, by prepare_flex
 
 
 def prepare_flex():
-    """FlexAttention only runs fast compiled (and once compiled, also inside an eager model). Compiled here, before any
-    trace (kernels.prepare_attention): a cached builder called from a traced model makes Dynamo warn at every start."""
+    """FlexAttention runs fast only compiled (then also in an eager model). Compiled here, before any trace
+    (kernels.prepare_attention): a cached builder called from a traced model makes Dynamo warn at every start."""
     global _flex
     if _flex is None:
         from torch.nn.attention.flex_attention import flex_attention as flex
@@ -81,10 +75,10 @@ def flex_attention(q, k, v, mask):
 
 # --- one block of the ring (context_parallel.py): q (B, H, T, D), k/v (B, H, S, D) with equal head counts ----------
 # cuDNN through PyTorch (or its flash kernel, for comparison) returns the log-sum-exp and takes it back in the
-# backward, for the three masks of a block when the window is whole chunks (the recipe's, a quarter of the context, is
-# N/2 chunks at CP N): the causal triangle, none, and the strict upper triangle (key j seen by query i iff j > i: keys
-# one window back), the reversed causal triangle less a row and a column. Other bands take the reference math:
-# PyTorch's memory-efficient kernel takes a bias mask but gave NaNs and wrong gradients on rows that see no key.
+# backward, for a block's three masks when the window is whole chunks (the recipe's quarter context is N/2 chunks at
+# CP N): the causal triangle, none, and the strict upper triangle (query i sees key j iff j > i: keys one window back),
+# the reversed causal triangle less a row and a column. Other bands take the reference math: PyTorch's
+# memory-efficient kernel takes a bias mask but gave NaNs and wrong gradients on rows that see no key.
 
 
 def block_kind(T, S, offset, window):
@@ -136,8 +130,8 @@ def block_attention(q, k, v, offset, window, backend="cudnn"):
 
 
 def block_attention_backward(dout, q, k, v, out, lse, offset, window, backend="cudnn"):
-    """(dq, dk, dv) of one block, given the merged output and log-sum-exp over all blocks: with them the kernel's
-    softmax is already the whole row's, so the block's share of each gradient comes out directly."""
+    """(dq, dk, dv) of one block from the merged output and log-sum-exp over all blocks: the kernel's softmax is
+    then the whole row's, so the block's share of each gradient comes out directly."""
     kind = block_kind(q.size(2), k.size(2), offset, window)
     if kind != "upper":
         return _backward(dout, q, k, v, out, lse, kind == "causal", backend)

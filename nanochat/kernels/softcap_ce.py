@@ -1,14 +1,13 @@
 """
-The training loss as one function on CUDA: the lm_head matmul, then the soft-capped cross-entropy (gpt.py's
-SoftcapCrossEntropy is the math), around one Triton kernel.
+The training loss on CUDA: the lm_head matmul, then the soft-capped cross-entropy (gpt.SoftcapCrossEntropy is the
+math) in one Triton kernel.
 
     raw = x @ W^T                      z = cap * tanh(raw / cap)          loss_i = logsumexp(z_i) - z_i[t_i]
     d loss_i / d raw_ij = (softmax(z_i)_j - [j == t_i]) * (1 - (z_ij / cap)^2)
 
-Each program takes one row of the (N, V) logits: one read for the logsumexp (|z| <= cap, so exp(z - cap) never
-overflows: one sum, no running maximum) and the loss; when a gradient is wanted, a second read writes d loss_i / d raw_i
-over the row, in the forward. The backward only scales the two small products by the incoming gradient; no fp32 copy
-of the logits is stored (dev/LOG.md, 2026-11-21). Tests: against gpt.py's math, in Triton's interpreter.
+One program per row of the (N, V) logits: one read for the logsumexp (|z| <= cap: exp(z - cap) cannot overflow, so
+no running maximum) and the loss; when a gradient is wanted, a second read overwrites the row with d loss_i / d raw_i.
+The backward only scales the two small products: no fp32 copy of the logits is stored (dev/LOG.md, 2026-11-21).
 """
 
 import torch
