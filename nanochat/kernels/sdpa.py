@@ -96,6 +96,9 @@ BLOCK_BACKENDS = ("cudnn", "flash")  # the kernel of the blocks (dev.bench_kerne
 
 
 def _forward(q, k, v, causal, backend):
+    # contiguous: PyTorch's cuDNN attention (2.11) keys its plans on less than every stride, and one made for a layout
+    # gave wrong results on another of the same shape (the CP tests' blocks in a row; contiguous dout alone: still)
+    q, k, v = (t.contiguous() for t in (q, k, v))
     if backend == "cudnn":
         out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal)[:2]
     else:
@@ -104,6 +107,7 @@ def _forward(q, k, v, causal, backend):
 
 
 def _backward(dout, q, k, v, out, lse, causal, backend):
+    dout, q, k, v, out = (t.contiguous() for t in (dout, q, k, v, out))  # as in _forward
     no_rng, T, S = torch.empty((), dtype=torch.long, device=q.device), q.size(2), k.size(2)
     # None below: no bias, no cumulative sequence lengths (not the variable-length kernels)
     if backend == "cudnn":
