@@ -380,19 +380,15 @@ def whole_model_copy(model, layout):
     from nanochat.expert_parallel import is_expert
     device = next(model.parameters()).device
     state = full_model_state(model)
-    first_of_ep_group = layout.dp_rank - layout.ep_rank
-    for group, size, rank, peer, shares in (
-            (layout.pp_group, layout.pp_size, layout.pp_rank, lambda s: layout.peer(pp=s), lambda name: True),
-            (layout.ep_group, layout.ep_size, layout.ep_rank, lambda e: layout.peer(dp=first_of_ep_group + e),
-             is_expert)):
-        if size == 1:
+    for group, shares in ((layout.pp_group, lambda name: True), (layout.ep_group, is_expert)):
+        if group is None:  # a size of 1
             continue
         mine = {n: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in state.items() if shares(n)}
         for r, tensors in enumerate(gather_objects(mine, group)):  # per rank: name -> (shape, dtype) of what it holds
             for name, (shape, dtype) in tensors.items():
-                t = state[name].to(device) if r == rank else \
+                t = state[name].to(device) if r == dist.get_rank(group) else \
                     torch.empty(shape, dtype=getattr(torch, dtype), device=device)
-                dist.broadcast(t, src=peer(r), group=group)
+                dist.broadcast(t, src=dist.get_global_rank(group, r), group=group)
                 state[name] = t
     full = build_model(model.config, device, model.compute_dtype)
     load_model_state(full, state)

@@ -40,8 +40,7 @@ from nanochat.kernels.sdpa import band_mask, expand_heads, sum_heads
 CONTEXTS = []  # every ContextParallel made in this process; the custom ops name theirs by index
 
 
-def rank_chunks(rank, size):
-    """The chunks rank `rank` of `size` holds (head-tail)."""
+def rank_chunks(rank, size):  # head-tail
     return rank, 2 * size - 1 - rank
 
 
@@ -270,8 +269,7 @@ class ContextParallel(WholeSequence):
         whole = self._in_order(gathered, work)
         for a, chunk in enumerate(self.chunks):
             for lo, hi, offset in self.key_spans(chunk, window)[1:]:
-                merged[a] = merge(merged[a], *block_attention(qs[a], whole[0][..., lo:hi, :], whole[1][..., lo:hi, :],
-                                                              offset, window))
+                merged[a] = merge(merged[a], *block_attention(qs[a], *whole[..., lo:hi, :], offset, window))
         return torch.cat([m[0] for m in merged], dim=2).to(q.dtype), torch.cat([m[1] for m in merged], dim=2)
 
     def gather_backward(self, dout, q, k, v, out, lse, window):
@@ -284,9 +282,9 @@ class ContextParallel(WholeSequence):
         dqs = self._halves(dq)
         for a, chunk in enumerate(self.chunks):
             for lo, hi, offset in self.key_spans(chunk, window)[1:]:
-                grads = block_attention_backward(douts[a], qs[a], whole[0][..., lo:hi, :], whole[1][..., lo:hi, :],
-                                                 outs[a], lses[a], offset, window)
-                for total, grad in zip((dqs[a], dwhole[0][..., lo:hi, :], dwhole[1][..., lo:hi, :]), grads):
+                grads = block_attention_backward(douts[a], qs[a], *whole[..., lo:hi, :], outs[a], lses[a], offset,
+                                                 window)
+                for total, grad in zip((dqs[a], *dwhole[..., lo:hi, :]), grads):
                     total.add_(grad)
         del whole  # so that beside the fp32 gradients there is one sequence's K/V or their compute-dtype gradients
         # summed over CP in K/V's dtype: half fp32's bytes, each rank's share rounded once before the sum

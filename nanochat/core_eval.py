@@ -192,10 +192,8 @@ def render_item(task, records, idx):
     return [prefix + context + continuation for context, continuation in options], prefix + options[0][0], gold
 
 
-def common_prefix_len(seqs):
-    m = min(len(s) for s in seqs)
-    same = np.all([s[:m] == seqs[0][:m] for s in seqs], axis=0)
-    return m if same.all() else int(np.argmin(same))
+def common_prefix_len(seqs):  # of token arrays (commonprefix takes any sequences, not only paths)
+    return len(os.path.commonprefix([s.tolist() for s in seqs]))
 
 
 def continuation_starts(task_type, rows, context=None):
@@ -216,16 +214,13 @@ PreparedItem = namedtuple("PreparedItem", ["rows", "starts", "gold"])  # int32 a
 
 def prepare_items(task, records, indices, tokenizer, max_len):
     rendered = [render_item(task, records, i) for i in indices]
-    texts = [t for option_texts, _, _ in rendered for t in option_texts]
-    lm = task.task_type == "language_modeling"
-    texts += [context for _, context, _ in rendered] if lm else []
-    ids = [np.asarray(x, dtype=np.int32) for x in tokenizer.encode(texts, prepend=tokenizer.get_bos_token_id())]
-    items, pos = [], 0
-    for i, (option_texts, _, gold) in enumerate(rendered):
-        rows = ids[pos:pos + len(option_texts)]
-        pos += len(option_texts)
-        context = ids[len(indices) + i] if lm else None  # LM items have one option: contexts follow all rows
-        starts = continuation_starts(task.task_type, rows, context)
+    lm = task.task_type == "language_modeling"  # then each row is followed by its context (no continuation)
+    texts = [t for option_texts, context, _ in rendered for t in option_texts + ([context] if lm else [])]
+    ids = iter([np.asarray(x, dtype=np.int32) for x in tokenizer.encode(texts, prepend=tokenizer.get_bos_token_id())])
+    items = []
+    for option_texts, _, gold in rendered:
+        rows = [next(ids) for _ in option_texts]
+        starts = continuation_starts(task.task_type, rows, next(ids) if lm else None)
         # keep the last max_len tokens: a continuation longer than the window loses its first tokens
         cut = [max(0, len(r) - max_len) for r in rows]
         items.append(PreparedItem([r[c:] for r, c in zip(rows, cut)], [max(1, s - c) for s, c in zip(starts, cut)], gold))
@@ -272,7 +267,7 @@ def evaluate_task(model, tokenizer, task, records, device, max_per_task=-1, layo
                   batch_tokens=DEFAULT_BATCH_TOKENS, cache=None):
     """(accuracy, items) over the first max_per_task items (-1: all), strided over DP ranks; `cache` (a dict) keeps
     the tokenized items for the next call (training evaluates them again and again)."""
-    n = len(records) if max_per_task is None or max_per_task < 0 else min(max_per_task, len(records))
+    n = len(records) if max_per_task < 0 else min(max_per_task, len(records))
     dp_rank, dp_size = (layout.dp_rank, layout.dp_size) if layout is not None else (0, 1)
     max_len = model.config.sequence_len
     key = (tokenizer, task, n, dp_rank, dp_size, max_len)  # the tokenizer by identity
@@ -312,14 +307,13 @@ def core_score(results):  # the mean centered accuracy over the tasks that ran
     return sum(r["centered"] for r in results.values()) / len(results)
 
 
-def evaluate_core(model, tokenizer, device, bundle_dir, max_per_task=-1, layout=None,
-                  batch_tokens=DEFAULT_BATCH_TOKENS, cache=None):
+def evaluate_core(model, tokenizer, device, bundle_dir, max_per_task=-1, layout=None, cache=None):
     """Every task of the bundle with a data file: {"core", "tasks_run", "tasks_total", "missing": [labels],
     "results": {label: {"accuracy", "centered", "items", "seconds"}}}."""
     tasks, missing = load_bundle(bundle_dir)
     if not tasks:
         raise EvalBundleError(f"none of the tasks in {bundle_dir}/core.yaml has its data file under eval_data/")
-    subset = "all items" if max_per_task is None or max_per_task < 0 else f"the first {max_per_task} items"
+    subset = "all items" if max_per_task < 0 else f"the first {max_per_task} items"
     print0(f"CORE: {len(tasks)} tasks from {bundle_dir}, {subset} of each"
            + (f"; no data file for {len(missing)}: {', '.join(missing)}" if missing else ""))
     records_by_path = cache.setdefault("records", {}) if cache is not None else {}
@@ -331,7 +325,7 @@ def evaluate_core(model, tokenizer, device, bundle_dir, max_per_task=-1, layout=
         if task.path not in records_by_path:
             records_by_path[task.path] = load_records(task)
         accuracy, n = evaluate_task(model, tokenizer, task, records_by_path[task.path], device, max_per_task, layout,
-                                    batch_tokens, cache)
+                                    cache=cache)
         r = results[task.label] = {"accuracy": accuracy, "centered": centered_accuracy(accuracy, task.baseline),
                                    "items": n, "seconds": time.time() - t0}
         print0(f"  {task.label:<34} {n:>6} items | accuracy {accuracy:.4f} | centered {r['centered']:+.4f} | {r['seconds']:.1f}s")

@@ -27,7 +27,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from nanochat.distributed import all_gather_single, reduce_scatter_single
+from nanochat.distributed import all_gather_single, reduce_scatter_single, wait_for
 
 
 class RoundRobin:
@@ -100,7 +100,7 @@ class DataParallel:
             self.adamw_buckets.append(GradBucket("flat", small, self._reduce_flat))
         self.buckets = [b for stack in self.muon_buckets for b in stack] + self.adamw_buckets
         self.overlap = overlap and self.size > 1 and not shard_params  # sharded: each module's gradients go at once
-        self._armed, self._launch_order, self._first_ready, self._next_launch = False, None, [], 0
+        self._armed, self._launch_order, self._first_ready = False, None, []
         self.launched_in_backward = 0  # buckets the last step's backward launched (for logs and tests)
         if self.overlap:
             self._bucket_of = {p: b for b in self.buckets for p in b.params}
@@ -152,7 +152,7 @@ class DataParallel:
         if not self.overlap:
             return
         self.finish_step()  # every bucket reset
-        self._armed, self._next_launch, self._first_ready, self.launched_in_backward = True, 0, [], 0
+        self._armed, self._first_ready, self.launched_in_backward = True, [], 0
 
     @torch.no_grad()
     def _grad_ready(self, p):
@@ -166,10 +166,9 @@ class DataParallel:
         if self._launch_order is None:  # the first overlapped backward only records the order
             self._first_ready.append(b)
             return
-        order = self._launch_order
-        while self._next_launch < len(order) and order[self._next_launch].remaining <= 0:
-            order[self._next_launch].start()
-            self._next_launch += 1
+        order = self._launch_order  # launched in order: the first launched_in_backward of them
+        while self.launched_in_backward < len(order) and order[self.launched_in_backward].remaining <= 0:
+            order[self.launched_in_backward].start()
             self.launched_in_backward += 1
 
     def _agree_on_launch_order(self):
@@ -246,5 +245,4 @@ class DataParallel:
 
     def gather_row_state(self, local):
         full, work = self.gather_rows(local)
-        work.wait()
-        return full
+        return wait_for([work], full)

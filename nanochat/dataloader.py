@@ -41,9 +41,15 @@ class BestFitPacker:
         self.buffer_docs = max(1, min(buffer_docs, rows_per_rank // 2))
         # the buffer: lengths sorted ascending, with the token arrays and references in the same order
         self.lengths, self.docs, self.refs = [], [], []
-        self.g, self.epoch, self.tokens_in, self.tokens_cropped = dp_rank, 1, 0, 0
-        if state is not None:
-            self._restore(state)
+        state = state or {"g": dp_rank, "buffer": []}  # fresh: this rank's first row group next, nothing buffered
+        self.g, self.epoch = state["g"], state.get("epoch", 1)
+        self.tokens_in, self.tokens_cropped = state.get("tokens_in", 0), state.get("tokens_cropped", 0)
+        buffer = state["buffer"]  # rebuilt: its documents tokenized again, a row group at a time
+        tokenized = {g: self._tokenize_rows(g, [r for h, r, _ in buffer if h == g]) for g in {g for g, _, _ in buffer}}
+        for g, row, offset in buffer:  # saved in sorted order: re-inserting keeps ties in order
+            full = tokenized[g][row]
+            tokens = full if offset == 0 else np.concatenate([[self.bos], full[1 + offset:]]).astype(np.int32)
+            self._insert(tokens, (g, row, offset))
 
     def _tokenize_rows(self, g, rows=None):
         """{row: int32 array of [bos] + tokens} for row group g (all rows with text, or the given ones)."""
@@ -100,16 +106,6 @@ class BestFitPacker:
         return {"g": self.g, "buffer": [list(r) for r in self.refs], "dp_rank": self.dp_rank, "dp_size": self.dp_size,
                 "epoch": self.epoch, "tokens_in": self.tokens_in, "tokens_cropped": self.tokens_cropped}
 
-    def _restore(self, state):
-        self.g, self.epoch = state["g"], state.get("epoch", 1)
-        self.tokens_in, self.tokens_cropped = state.get("tokens_in", 0), state.get("tokens_cropped", 0)
-        buffer = state["buffer"]
-        tokenized = {g: self._tokenize_rows(g, [r for h, r, _ in buffer if h == g]) for g in {g for g, _, _ in buffer}}
-        for g, row, offset in buffer:  # saved in sorted order: re-inserting keeps ties in order
-            full = tokenized[g][row]
-            tokens = full if offset == 0 else np.concatenate([[self.bos], full[1 + offset:]]).astype(np.int32)
-            self._insert(tokens, (g, row, offset))
-
     @property
     def crop_fraction(self):
         return self.tokens_cropped / max(1, self.tokens_in)
@@ -133,12 +129,12 @@ def reshard_states(states, new_dp_size):
 
 class DataLoader:
     """Yields (inputs, targets, state after this batch) forever, (B, T) int64 on `device`. A thread packs the
-    next batches while the model computes; close() (also at exit) stops it between native calls."""
+    next `prefetch` batches while the model computes; close() (also at exit) stops it between native calls."""
 
     def __init__(self, tokenizer, B, T, split, device, data_dir=None, dp_rank=0, dp_size=1, state=None,
                  keep_remainder=False, prefetch=2, buffer_docs=512):
-        self.packer = BestFitPacker(tokenizer, B, T, split, data_dir, dp_rank, dp_size,
-                                    buffer_docs=buffer_docs, keep_remainder=keep_remainder, state=state)
+        self.packer = BestFitPacker(tokenizer, B, T, split, data_dir, dp_rank, dp_size, buffer_docs=buffer_docs,
+                                    keep_remainder=keep_remainder, state=state)
         self.device = torch.device(device)
         self.queue = queue.Queue(maxsize=prefetch)
         self.stats = {"epoch": self.packer.epoch, "crop_fraction": self.packer.crop_fraction}  # until a batch arrives

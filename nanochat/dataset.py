@@ -44,7 +44,7 @@ def resolve_data_dir(data_dir=None, allow_sample=True, quiet=False):
     if list_parquet_files(data_dir):
         return data_dir
     if explicit and not os.path.isdir(data_dir):
-        source = "--data-dir" if data_dir == explicit and not os.environ.get("NANOCHAT_DATA_DIR") else "NANOCHAT_DATA_DIR"
+        source = "NANOCHAT_DATA_DIR" if os.environ.get("NANOCHAT_DATA_DIR") else "--data-dir"
         raise DataError(f"the data folder {data_dir} does not exist ({source}): fix the path, or download shards "
                         f"with `python -m nanochat.dataset -n 8`")
     if explicit or not allow_sample:
@@ -135,12 +135,11 @@ def listing_changes(saved, now):
 
 
 def read_row_group(path, index):
-    pf = _open(path)
+    pf = _open(path)  # outside the try: its own errors say more
     try:
-        table = pf.read_row_group(index, columns=["text"])
+        return pf.read_row_group(index, columns=["text"]).column("text").to_pylist()
     except Exception as e:
         raise DataError(f"cannot read row group {index} of {path} ({type(e).__name__}: {e}); the file may be corrupt") from None
-    return table.column("text").to_pylist()
 
 
 def iter_documents(files, start=0, step=1):  # documents of row groups start, start+step, ... (one pass)

@@ -84,7 +84,6 @@ class Layout:
 
 
 def grid_rank(layout, dp, cp, tp, pp):
-    """Global rank of the process at (dp, cp, tp, pp)."""
     return ((pp * layout.dp_size + dp) * layout.cp_size + cp) * layout.tp_size + tp
 
 
@@ -224,7 +223,7 @@ def gather_objects(obj, group=None):
 def agree_on_error(message, device):
     """A collective: every rank passes its error message or None, and gets the first failing rank's (None: none
     failed), so that all stop together rather than wait for the failed peer in their next collective until timeout."""
-    if not dist.is_initialized() or all_reduce_max(float(message is not None), device) == 0:
+    if device is None or not dist.is_initialized() or all_reduce_max(float(message is not None), device) == 0:
         return message
     return next(m for m in gather_objects(message) if m is not None)
 
@@ -238,8 +237,6 @@ def agreed(work, error_type, device, mine=True):
             result = work()
     except error_type as e:
         error = str(e)
-    if device is not None:
-        error = agree_on_error(error, device)
-    if error is not None:
+    if (error := agree_on_error(error, device)) is not None:
         raise error_type(error)
     return result

@@ -92,9 +92,9 @@ def norm(x):
     return F.rms_norm(x, (x.size(-1),))
 
 
-def rotary_tables(seq_len, head_dim, base=ROTARY_BASE, device=None):
+def rotary_tables(seq_len, head_dim, device=None):
     """cos and sin of position * frequency, (1, seq_len, 1, head_dim/2) in fp32."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+    inv_freq = 1.0 / (ROTARY_BASE ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
     freqs = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)
     return freqs.cos()[None, :, None, :], freqs.sin()[None, :, None, :]
 
@@ -209,7 +209,6 @@ class Block(nn.Module):
 
     def __init__(self, config, layer_idx):
         super().__init__()
-        self.layer_idx = layer_idx
         self.attn = CausalSelfAttention(config, layer_idx)
         self.mlp = MoE(config, MLP) if layer_idx in moe_layers(config) else MLP(config)
         self.resid_lambda = nn.Parameter(torch.empty(()))

@@ -41,6 +41,9 @@ NORMUON_BETA2 = 0.95
 NORMUON_EPS = 1e-10
 
 
+PARAM_GROUPS = ("embeddings", "lm_head", "scalars", "matrices", "l3_tables", "moe_routers", "moe_experts")  # its order
+
+
 def param_groups(model, embedding_lr, unembedding_lr, matrix_lr, scalar_lr, weight_decay):
     """Each parameter's update rule and LR; the embeddings' and lm_head's AdamW LRs scale with (model_dim/768)^-0.5
     (tuned at d12); MoE routers take the lm_head's (moe.py says why)."""
@@ -48,35 +51,28 @@ def param_groups(model, embedding_lr, unembedding_lr, matrix_lr, scalar_lr, weig
     from nanochat.moe import expert_parameters
     table_ids = {id(p) for layer in model.l3.values() for p in layer.table_parameters()}
     expert_ids = {id(p) for p in expert_parameters(model)}
-    embeds, unembed, scalars, matrices, tables, routers, experts = [], [], [], [], [], [], []
+    params = {group: [] for group in PARAM_GROUPS}
     for name, p in model.named_parameters():
         if name == "lm_head.weight":
-            unembed.append(p)
+            params["lm_head"].append(p)
         elif name == "wte.weight" or name.endswith("value_embed.weight"):
-            embeds.append(p)
+            params["embeddings"].append(p)
         elif id(p) in table_ids:
-            tables.append(p)
+            params["l3_tables"].append(p)
         elif name.endswith("mlp.router.weight"):
-            routers.append(p)
+            params["moe_routers"].append(p)
         elif id(p) in expert_ids:  # MoE's routed experts
-            experts.append(p)
-        elif p.ndim == 2 and (name.startswith("blocks.") or name.startswith("l3.")):
-            matrices.append(p)
+            params["moe_experts"].append(p)
+        elif p.ndim == 2 and name.startswith(("blocks.", "l3.")):
+            params["matrices"].append(p)
         else:  # lambdas, smear gate, L3 norms
-            scalars.append(p)
-
-    def adamw(name, params, lr):
-        return dict(name=name, kind="adamw", params=params, lr=lr, betas=(0.8, 0.95), eps=1e-10, weight_decay=0.0)
-    groups = [adamw("embeddings", embeds, embedding_lr * dim_scale), adamw("lm_head", unembed, unembedding_lr * dim_scale),
-              adamw("scalars", scalars, scalar_lr),
-              dict(name="matrices", kind="muon", params=matrices, lr=matrix_lr, momentum=0.95, weight_decay=weight_decay),
-              adamw("l3_tables", tables, embedding_lr * dim_scale),  # L3's tables, if any
-              adamw("moe_routers", routers, unembedding_lr * dim_scale),  # MoE's, if any
-              dict(name="moe_experts", kind="muon", params=experts, lr=matrix_lr, momentum=0.95, weight_decay=weight_decay)]
-    return [g for g in groups if g["params"]]
-
-
-PARAM_GROUPS = ("embeddings", "lm_head", "scalars", "matrices", "l3_tables", "moe_routers", "moe_experts")  # its order
+            params["scalars"].append(p)
+    adamw = dict(kind="adamw", betas=(0.8, 0.95), eps=1e-10, weight_decay=0.0)
+    muon = dict(kind="muon", lr=matrix_lr, momentum=0.95, weight_decay=weight_decay)
+    rules = {"embeddings": dict(adamw, lr=embedding_lr * dim_scale), "scalars": dict(adamw, lr=scalar_lr),
+             "lm_head": dict(adamw, lr=unembedding_lr * dim_scale), "matrices": muon}
+    rules |= {"l3_tables": rules["embeddings"], "moe_routers": rules["lm_head"], "moe_experts": muon}  # if any
+    return [dict(rules[group], name=group, params=params[group]) for group in PARAM_GROUPS if params[group]]
 
 
 def split_experts(groups, expert_parallel):
@@ -173,10 +169,9 @@ class MuonAdamW(torch.optim.Optimizer):
         self.adamw_group = {p: g for g in self.param_groups if g["kind"] == "adamw" for p in g["params"]}
         self.dps = [dp] + ([expert_dp] if expert_dp is not None else [])
         # (its DataParallel, its index there, the stack)
-        self.muon_stacks = []
-        for d, mine in zip(self.dps, split_experts(self.param_groups, expert_dp is not None)):
-            self.muon_stacks += [(d, s, MuonStack(group, shape, params, owner)) for s, ((group, shape, params), owner)
-                                 in enumerate(zip(muon_stacks(mine), d.owners))]
+        self.muon_stacks = [(d, s, MuonStack(group, shape, params, owner))
+                            for d, mine in zip(self.dps, split_experts(self.param_groups, expert_dp is not None))
+                            for s, ((group, shape, params), owner) in enumerate(zip(muon_stacks(mine), d.owners))]
         if compile:  # a graph per shape: past torch's 8 per function one would run eagerly (MoE + L3 at d20: 9 shapes)
             limit = len(self.muon_stacks) + len(self.adamw_group)
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
@@ -199,7 +194,7 @@ class MuonAdamW(torch.optim.Optimizer):
         W, sharded = self.dp.size, self.dp.shard_params
         for d in self.dps:
             d.launch_remaining()
-        pending = []  # (what to apply, its all-gather's result, the work to wait for)
+        pending = []  # (what applies it, its all-gather's result, the work to wait for)
         # the gradient norm per group, from the reduced gradients held anyway: the squares of what this rank alone
         # holds (its Muon matrices and AdamW rows; the rest on DP rank 0, and TP rank 0 where whole)
         squares = torch.zeros(len(PARAM_GROUPS), dtype=torch.float32, device=self.param_groups[0]["params"][0].device)
@@ -219,7 +214,7 @@ class MuonAdamW(torch.optim.Optimizer):
             if sharded:  # only this rank holds the matrices it owns: nothing to send
                 stack.apply_owned(update.to(self.compute_dtype))
             else:
-                pending.append((stack, *d.gather_muon_updates(s, update.to(self.compute_dtype))))
+                pending.append((stack.apply, *d.gather_muon_updates(s, update.to(self.compute_dtype))))
         # AdamW, bucket by bucket: this rank's rows (then all-gathered) or the whole tensor
         for p, g in self.dp.reduced_adamw_grads():
             tp.reduce_partial_grad(p, g)
@@ -235,19 +230,16 @@ class MuonAdamW(torch.optim.Optimizer):
             target = self.dp.rows_held(p) if self.dp.owns_rows(p) else p.data
             self._adamw_update(target, g, state["exp_avg"], state["exp_avg_sq"], *args)
             if self.dp.owns_rows(p) and not sharded:
-                pending.append((p, *self.dp.gather_rows(target)))
+                pending.append((p.data.copy_, *self.dp.gather_rows(target)))
         for d in self.dps:
             d.finish_step()
         if dist.is_initialized():  # every rank's part: DP ranks, TP shards, pipeline stages
             dist.all_reduce(squares)
         self.grad_norms = torch.cat([squares.sum().sqrt().view(1), squares.sqrt()])
-        for target, full, work in pending:
+        for apply, full, work in pending:
             if work is not None:
                 work.wait()
-            if isinstance(target, MuonStack):
-                target.apply(full)
-            else:
-                target.data.copy_(full)
+            apply(full)
 
     def held_bytes(self):
         """Bytes this rank holds: the weights, the last step's gradients (before clearing), the optimizer state."""

@@ -98,7 +98,6 @@ class Pipeline:
             model.wte = model.smear_gate = model.smear_lambda = None
         if self.stage != p - 1:
             model.lm_head = model.backout_lambda = None
-        self.dtype, self.n_embd = model.compute_dtype, model.config.n_embd
         # the residual stream holds 1/tp of the tokens under sequence parallelism, and 1/cp of each sequence under CP
         self.seq_shards = (layout.tp_size if setting.sequence_parallel else 1) * layout.cp_size
         self.device = next(model.parameters()).device
@@ -135,8 +134,8 @@ class Pipeline:
 
     def _empty(self):
         """A buffer for x, x0, x_mid or their gradients: (B, T / seq_shards, D)."""
-        B, T = self.micro_batch_size, self.model.config.sequence_len
-        return torch.empty((B, T // self.seq_shards, self.n_embd), dtype=self.dtype, device=self.device)
+        B, T, D = self.micro_batch_size, self.model.config.sequence_len, self.model.config.n_embd
+        return torch.empty((B, T // self.seq_shards, D), dtype=self.model.compute_dtype, device=self.device)
 
     def _recv(self, action):
         """Post the receive of another rank's output `action` (the input of one of this rank's actions)."""
@@ -167,15 +166,14 @@ class Pipeline:
     def forward(self, i, c, inputs):
         """Micro-batch i through chunk c (chunk 0 embeds the ids): (Residual, idx), or the last chunk's loss."""
         chunk = self.chunks[c]
-        for t in [] if chunk.first else carried(inputs[0], chunk.receives_mid):
+        received = self._saved_inputs[i, c] = [] if chunk.first else carried(inputs[0], chunk.receives_mid)
+        for t in received:
             t.requires_grad_(True)
-        self._saved_inputs[i, c] = inputs  # None for chunk 0
         h, idx = self._through(chunk, self.xs[i], inputs)
         if chunk.last:
             loss = self.model.head(h, self.ys[i])
             self.total_loss += loss.detach()
-        out = loss / self.num_microbatches if chunk.last else (h, idx)
-        self._saved_outputs[i, c] = out
+        out = self._saved_outputs[i, c] = loss / self.num_microbatches if chunk.last else (h, idx)
         return out
 
     def _through(self, chunk, x, inputs):
@@ -185,9 +183,8 @@ class Pipeline:
 
     def backward(self, i, c, grads):
         """Micro-batch i back through chunk c from its outputs' gradients (the last chunk: its loss): its inputs'."""
-        chunk, out, inputs = self.chunks[c], self._saved_outputs.pop((i, c)), self._saved_inputs.pop((i, c))
+        chunk, out, received = self.chunks[c], self._saved_outputs.pop((i, c)), self._saved_inputs.pop((i, c))
         outputs, grads = ([out], None) if chunk.last else (carried(out[0], chunk.sends_mid), grads)
-        received = [] if chunk.first else carried(inputs[0], chunk.receives_mid)
         torch.autograd.backward(outputs, grads)
         return None if chunk.first else [t.grad for t in received]
 

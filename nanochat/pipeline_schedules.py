@@ -28,11 +28,9 @@ def stage_actions(schedule, p, m, rank, virtual=1):
         return _interleaved(p, m, virtual, rank)
     warmup = min(p - rank - 1, m)
     acts = [("F", i, rank) for i in range(warmup)]  # warm-up: fill the pipeline
-    for b in range(m):  # steady state: one forward, one backward
-        if warmup + b < m:
-            acts.append(("F", warmup + b, rank))
-        acts.append(("B", b, rank))
-    return acts
+    for b in range(m - warmup):  # steady state: one forward, one backward
+        acts += [("F", warmup + b, rank), ("B", b, rank)]
+    return acts + [("B", b, rank) for b in range(m - warmup, m)]  # cool-down: drain it
 
 
 def _interleaved(p, m, V, rank):

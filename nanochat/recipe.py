@@ -171,11 +171,10 @@ def check_loop_flags(args, resume_meta):
             raise ConfigError("resuming with other settings than the saved run: " +
                               ", ".join(f"--{k.replace('_', '-')} was {a}, now {b}" for k, (a, b) in changed.items()) +
                               ". Pass the same flags as the original run (its command is in meta_*.json, user_config).")
-        config = resume_meta["model_config"]
-        saved = saved or {"depth": config["n_layer"], "window_pattern": config["window_pattern"]}  # imported weights
-        default = vars(parse_args([]))
-        # a flag an older run's user_config does not name had its default then (e.g. no MoE)
-        known = dict(default, **saved) if resume_meta.get("user_config") else saved
+        default, config = vars(parse_args([])), resume_meta["model_config"]
+        # a flag an older run's user_config does not name had its default then (e.g. no MoE); imported weights have none
+        imported = dict(depth=config["n_layer"], window_pattern=config["window_pattern"])
+        known = dict(default, **saved) if saved else imported
         differ = {k: (known[k], now[k]) for k in MODEL_FLAGS if k in known and known[k] != now[k]}
         if given := {k: ab for k, ab in differ.items() if now[k] != default[k]}:
             raise ConfigError("resuming with another model than the checkpoint's: " +
@@ -246,8 +245,7 @@ class Recipe:
     lr_scale: float
     weight_decay: float         # Muon's, after scaling
     flops_per_token: float      # of the config on the meta device (L3 assumed at k_max rows per token)
-    num_scaling_params: int
-    param_counts: dict
+    param_counts: dict          # gpt.parameter_counts
 
     def learning_rates(self, args):
         s = self.lr_scale
@@ -263,7 +261,7 @@ class Recipe:
                 (f" | {counts['active']:,} active" if config.l3_after_layers or config.moe_experts else ""),
                 f"FLOPs per token: {self.flops_per_token:.4e}",
                 f"horizon: {self.tokens:,} tokens = {self.num_iterations:,} steps x {self.total_batch_size:,} tokens "
-                f"(from {self.horizon_source}); tokens/scaling param = {self.tokens / self.num_scaling_params:.2f}; "
+                f"(from {self.horizon_source}); tokens/scaling param = {self.tokens / counts['scaling']:.2f}; "
                 f"D_ref = {self.d_ref:,.0f}",
                 f"batch: {self.total_batch_size:,} tokens = {setting.device_batch} x {config.sequence_len} x dp "
                 f"{setting.dp} x grad accum {micro_batches}" +
@@ -297,7 +295,7 @@ def derive_recipe(args, config, start_len=None):
     tokens = num_iterations * batch
     lr_scale = math.sqrt(batch / B_REF)
     return Recipe(num_iterations, batch, tokens, d_ref, source, lr_scale, args.weight_decay * lr_scale * (d_ref / tokens),
-                  flops_per_token, num_scaling_params, model.parameter_counts())
+                  flops_per_token, model.parameter_counts())
 
 
 def context_lengths(config, resume_meta):
@@ -351,8 +349,7 @@ class Setting:
                    device_batch=args.device_batch_size, total_batch=total_batch, recompute=args.recompute, fp8=args.fp8)
 
     def describe(self):
-        parts = [f"dp {self.dp}"] + [f"{k} {v}" for k, v in (("cp", self.cp), ("tp", self.tp), ("pp", self.pp),
-                                                             ("ep", self.ep)) if v > 1]
+        parts = [f"dp {self.dp}"] + [f"{d} {n}" for d in ("cp", "tp", "pp", "ep") if (n := getattr(self, d)) > 1]
         if self.pp > 1:
             parts.append(self.pp_schedule + (f" V={self.pp_virtual}" if self.pp_virtual > 1 else ""))
         parts += [f for f, on in (("sp", self.sequence_parallel), ("sharded", self.shard_params),

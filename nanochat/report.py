@@ -56,14 +56,12 @@ def _format_value(v):
 def log_section(title, items):
     """Write one stage's section (rank 0 only): dicts become `- key: value` lines, strings stay as they are."""
     if get_rank() != 0:
-        return None
+        return
     lines = [f"## {title}", f"_timestamp: {datetime.datetime.now():%Y-%m-%d %H:%M:%S}_", ""]
     for item in items:
         lines += [f"- {k}: {_format_value(v)}" for k, v in item.items()] if isinstance(item, dict) else [str(item)]
         lines.append("")
-    path = os.path.join(report_dir(), f"{slug(title)}.md")
-    Path(path).write_text("\n".join(lines) + "\n")
-    return path
+    Path(report_dir(), f"{slug(title)}.md").write_text("\n".join(lines) + "\n")
 
 
 def environment():
@@ -136,12 +134,12 @@ def plot_loss_curve(metrics, png_path):
 
 def generate():
     d = report_dir()
-    files = {f[:-3]: os.path.join(d, f) for f in os.listdir(d) if f.endswith(".md") and f != "report.md"}
-    ordered = [slug(t) for t in SECTION_ORDER if slug(t) in files]
-    ordered += sorted(k for k in files if k not in ordered)
+    sections = {f[:-3]: Path(d, f).read_text() for f in os.listdir(d) if f.endswith(".md") and f != "report.md"}
+    ordered = [slug(t) for t in SECTION_ORDER if slug(t) in sections]
+    ordered += sorted(k for k in sections if k not in ordered)
     out = ["# nanochat run report", "", f"_generated: {datetime.datetime.now().strftime('%Y-%m-%d %H:%M:%S')}_", ""]
     # per section, its `- key: value` lines (values as written)
-    pairs = {k: dict(re.findall(r"^- ([^:\n]+): (.*)$", Path(path).read_text(), re.M)) for k, path in files.items()}
+    pairs = {k: dict(re.findall(r"^- ([^:\n]+): (.*)$", text, re.M)) for k, text in sections.items()}
     train = pairs.get("base-model-training", {})
     rows = [(label, pairs[slug(section)][key]) for section, keys in SUMMARY_KEYS.items() for key, label in keys
             if key in pairs.get(slug(section), {})]
@@ -154,12 +152,12 @@ def generate():
         rows.append((f"cost at ${GPU_HOUR_USD:.2f}/GPU-hour (NANOCHAT_GPU_HOUR_USD)",
                      f"${wall / 3600 * n_gpus * GPU_HOUR_USD:.2f} ({n_gpus} GPUs)" if n_gpus else "$0.00 (CPU run)"))
     out += ["## Summary", "", "| metric | value |", "| --- | --- |"] + [f"| {k} | {v} |" for k, v in rows] + [""]
-    if absent := [t for t in SECTION_ORDER if slug(t) not in files]:
+    if absent := [t for t in SECTION_ORDER if slug(t) not in sections]:
         out += [f"Not in this report (the stage did not run, or did not finish): {', '.join(absent)}.", ""]
     if (metrics := train.get("metrics")) and os.path.exists(metrics):
         note = plot_loss_curve(metrics, os.path.join(d, "loss_curve.png"))
         out += ["## Loss curve", "", note if note else "![loss curve](loss_curve.png)", ""]
-    out += [Path(files[key]).read_text() for key in ordered]
+    out += [sections[key] for key in ordered]
     path = os.path.join(d, "report.md")
     Path(path).write_text("\n".join(out))
     return path

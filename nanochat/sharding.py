@@ -52,7 +52,6 @@ def whole_over_dp(t, p):
 
 
 def embedding_types():
-    """The modules whose weight is a lookup table."""
     from nanochat.tensor_parallel import ColumnParallelEmbedding, VocabParallelEmbedding
     return (nn.Embedding, ColumnParallelEmbedding, VocabParallelEmbedding)
 
@@ -90,7 +89,6 @@ class Gathered:
     def fill(self, which):
         """Post the gathers of wholes[i], i in `which`. Refilling a tensor autograd saved is no change (the same values
         again), so its version counter is kept from here until wait() (gloo writes the results when they arrive)."""
-        which = list(which)
         if not which:
             return
         self.versions = torch.autograd._unsafe_preserve_version_counter(tuple(self.wholes[i] for i in which))
@@ -102,7 +100,6 @@ class Gathered:
         if self.works:
             self.versions.__exit__(None, None, None)
         self.works = []
-        return self.wholes
 
     def release(self, which=None):
         """Free the whole tensors' storage (all, or `which`); the tensors stay, empty, for autograd."""
@@ -162,15 +159,14 @@ class ShardedWeights:
         self.group, self.rank, self.keep, self.dtype = dp.group, dp.rank, keep_gathered, model.compute_dtype
         owner = {p: stack_owner.owner(i) for params, stack_owner in zip(dp.muon_stacks, dp.owners)
                  for i, p in enumerate(params)}
-        with torch.no_grad():
-            for p in model.parameters():
-                if not (p in owner or dp.owns_rows(p)):
-                    continue  # the small AdamW tensors stay whole on every rank
-                p.dp_shape, p.dp_group, p.dp_owner = tuple(p.shape), self.group, owner.get(p)
-                if p.dp_owner is None:
-                    p.data = dp.my_rows(p.data).clone()
-                elif p.dp_owner != self.rank:
-                    p.data = p.data.new_empty(0)
+        for p in model.parameters():
+            if not (p in owner or dp.owns_rows(p)):
+                continue  # the small AdamW tensors stay whole on every rank
+            p.dp_shape, p.dp_group, p.dp_owner = tuple(p.shape), self.group, owner.get(p)
+            if p.dp_owner is None:
+                p.data = dp.my_rows(p.data).clone()
+            elif p.dp_owner != self.rank:
+                p.data = p.data.new_empty(0)
         self.units = {}     # module -> Unit
         self.next = {}      # unit -> the unit called after it last time (whose gathering a call posts ahead)
         self.last = None
@@ -234,7 +230,7 @@ class ShardedWeights:
         unit = gathered.unit
         if unit.recomputes:
             unit.swap(unit.params)
-        earlier = len(self.sent)
+        earlier, self.sent = self.sent, []
         for p, grad in zip(unit.params, grads):  # g: a fresh fp32 buffer, the collective sums into it
             g = (torch.zeros(p.dp_shape, device=p.device) if grad is None
                  else grad.to(torch.float32, copy=True).contiguous())
@@ -248,8 +244,7 @@ class ShardedWeights:
             self.sent.append((p, landing, work, g))
         gathered.release()
         gathered.done, gathered.wholes, gathered.previous, gathered.output, self.chain = True, [], None, None, None
-        self.land(self.sent[:earlier])
-        self.sent = self.sent[earlier:]
+        self.land(earlier)
 
     @staticmethod
     def land(sent):

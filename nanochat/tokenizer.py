@@ -37,13 +37,13 @@ def default_tokenizer_dir():
 class Tokenizer:
     """A tiktoken Encoding plus the few conveniences training needs."""
 
-    def __init__(self, mergeable_ranks: dict, pattern: str, special_tokens: dict):
+    def __init__(self, mergeable_ranks: dict, pattern: str, special_tokens: dict, directory=None):
         import tiktoken
         self.mergeable_ranks, self.pattern, self.special_tokens = mergeable_ranks, pattern, special_tokens
         self.enc = tiktoken.Encoding(name="nanochat", pat_str=pattern, mergeable_ranks=mergeable_ranks,
                                      special_tokens=special_tokens)
         self.bos_token_id = special_tokens["<|bos|>"]
-        self.directory = None  # the folder it was loaded from or saved to
+        self.directory = directory  # the folder it was loaded from or saved to
 
     @property
     def hash(self):
@@ -102,11 +102,9 @@ class Tokenizer:
                                              f"{RETRAIN}") from None
         try:
             meta = read_json(meta_path)
-            tokenizer = cls(ranks, meta["pattern"], meta["special_tokens"])
+            return cls(ranks, meta["pattern"], meta["special_tokens"], directory)
         except (ValueError, KeyError, TypeError) as e:  # bad JSON, or merges that do not make a tokenizer
             raise TokenizerError(f"the tokenizer in {directory} is damaged ({type(e).__name__}: {e}): {RETRAIN}") from None
-        tokenizer.directory = directory
-        return tokenizer
 
     def get_vocab_size(self):
         return self.enc.n_vocab

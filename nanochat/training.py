@@ -10,6 +10,7 @@ import os
 import copy
 import math
 import time
+import itertools
 import contextlib
 from dataclasses import dataclass, field
 
@@ -101,11 +102,10 @@ def setup(config, setting, layout, device, dtype, lrs, l3_data=None, after_init=
     for block in model.blocks:
         if isinstance(block, Block):  # a pipeline stage holds Identities in place of the others' blocks
             block.recompute = setting.recompute
-    per_block = dp.overlap or sharded  # gradients wanted as each block's backward ends
-    train_model = model if compile is None else compile_for_training(model, pipeline, per_block, compile)
+    train_model = model if compile is None else compile_for_training(model, pipeline, dp.overlap or sharded, compile)
     return Trainer(model, train_model, pipeline, optimizer, dp, layout, setting,
                    fp8=any(getattr(m, "fp8", False) for m in model.modules()), flops_per_token=flops_per_token,
-                   attention=attention, wgrad_splits=wgrad_splits, micro_batches=micro_batches)
+                   attention=attention, wgrad_splits=wgrad_splits)
 
 
 def compile_for_training(model, pipeline, per_block, backend):
@@ -128,14 +128,14 @@ def compile_for_training(model, pipeline, per_block, backend):
 def check_ranks_agree(layout, data_dir, data_listing, ckpt_dir, saves):
     """Several nodes: every rank must see the same shards, else DP ranks would stride over different lists
     (ConfigError naming the ranks). Checkpoints are written by one rank per stage and read by all on resume, so
-    ckpt_dir must be one file system: returns a warning naming the hosts that cannot see it, else None."""
+    ckpt_dir must be one file system: prints a warning naming the hosts that cannot see it."""
     listings = gather_objects((os.uname().nodename, data_dir, data_listing), layout.cpu_group)
     differ = [f"rank {r} ({host}: {d})" for r, (host, d, lst) in enumerate(listings) if lst != listings[0][2]]
     if differ:
         raise ConfigError(f"the data differs between ranks: {', '.join(differ)} do not see the shards of rank 0 "
                           f"({listings[0][0]}: {listings[0][1]}); give every node the same shards (a copy or a shared folder)")
     if not saves:
-        return None
+        return
     probe = os.path.join(ckpt_dir, f".shared_probe_{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}")
     if layout.rank == 0:
         os.makedirs(ckpt_dir, exist_ok=True)
@@ -145,10 +145,10 @@ def check_ranks_agree(layout, data_dir, data_listing, ckpt_dir, saves):
     if layout.rank == 0:  # every rank has looked: the gather above completed
         os.remove(probe)
     if blind := sorted({host for host, ok in seen if not ok}):
-        return (f"WARNING: the checkpoint folder {ckpt_dir} (on {os.uname().nodename}) is not visible from "
-                f"{', '.join(blind)}: checkpoints will be split over the nodes' disks and a resume cannot read them. "
-                f"Point NANOCHAT_BASE_DIR at a shared file system, or copy the checkpoint to every node before "
-                f"resuming.")
+        print0(f"WARNING: the checkpoint folder {ckpt_dir} (on {os.uname().nodename}) is not visible from "
+               f"{', '.join(blind)}: checkpoints will be split over the nodes' disks and a resume cannot read them. "
+               f"Point NANOCHAT_BASE_DIR at a shared file system, or copy the checkpoint to every node before "
+               f"resuming.")
 
 
 def reads_data(layout):
@@ -158,12 +158,10 @@ def reads_data(layout):
 
 def make_loader(tokenizer, split, batch_size, seq_len, device, layout, data_dir, grad_accum=1, state=None,
                 keep_remainder=False):
-    """This DP rank's (x, y, state) batches. Training prefetches a whole step (a step starts once all its
-    micro-batches are in: with less, the GPU would wait each step for the loader); evaluation one batch at a time."""
-    train = split == "train"
+    """This DP rank's (x, y, state) batches, prefetching a whole step (a step starts once all its micro-batches are in:
+    with less, the GPU would wait each step for the loader); evaluation (grad_accum 1): one batch at a time."""
     return DataLoader(tokenizer, batch_size, seq_len, split, device, data_dir=data_dir, dp_rank=layout.dp_rank,
-                      dp_size=layout.dp_size, state=state, prefetch=grad_accum + 1 if train else 2,
-                      keep_remainder=keep_remainder and train)
+                      dp_size=layout.dp_size, state=state, prefetch=grad_accum + 1, keep_remainder=keep_remainder)
 
 
 # -----------------------------------------------------------------------------
@@ -222,7 +220,6 @@ class Trainer:
     flops_per_token: float = 0.0    # of the whole model, before it was cut up
     attention: str = ""             # the kernel that trains, and split-K per weight shape (for the log)
     wgrad_splits: dict = field(default_factory=dict)
-    micro_batches: int = 1          # per step (gradient accumulation)
     moe_imbalance: object = None    # after a step with MoE layers: the worst layer's max / mean load (device tensor)
 
     def step(self, batches, schedule, it):
@@ -294,13 +291,11 @@ class Trainer:
         """Bits per byte over `steps` batches of the validation shard, in evaluation mode."""
         L, batch, T = self.layout, self.setting.device_batch, self.model.config.sequence_len
         device = next(self.model.parameters()).device
-        loader = make_loader(tokenizer, "val", batch, T, device, L, data_dir) if reads_data(L) else iter(lambda: (None, None), 0)
-        try:
-            with self.evaluating():
-                return evaluate_bpb(self.eval_loss, loader, steps, token_bytes, L, label="val bpb")
-        finally:
-            if reads_data(L):
-                loader.close()
+        # a middle pipeline stage reads no data: placeholders (a generator, which closing() closes too)
+        loader = make_loader(tokenizer, "val", batch, T, device, L, data_dir) if reads_data(L) else \
+            ((None, None) for _ in itertools.count())
+        with contextlib.closing(loader), self.evaluating():
+            return evaluate_bpb(self.eval_loss, loader, steps, token_bytes, L, label="val bpb")
 
     def eval_loss(self, x, y):
         """Per-token losses (inside evaluating()): through the pipeline under PP (None on stages without the head);
@@ -339,10 +334,7 @@ class Trainer:
         from nanochat.expert_parallel import is_expert
         writer = L.dp_rank < L.ep_size and L.cp_rank == 0 and L.tp_rank == 0
         part, parts = L.pp_rank * L.ep_size + L.ep_rank, L.pp_size * L.ep_size
-
-        def keep(name):  # what this rank writes: nothing, everything, or (EP ranks past the first) its experts
-            return writer and (L.ep_rank == 0 or is_expert(name))
-
+        keep = lambda name: writer and (L.ep_rank == 0 or is_expert(name))  # EP ranks past the first: their experts
         model_state = ckpt.full_model_state(self.model, keep)
         optim_state = self.optimizer.full_state_dict(keep)
         # the stage files, then the meta file (with every file's checksum) that marks the step complete; a

@@ -36,10 +36,10 @@ class Watchdog:
         # the first rank of this run to fail creates it and prints the run's one line; one left by an earlier run
         # under the same id (torchrun's default --rdzv-id is "none") is removed at start, once per node
         self.failed_marker = os.path.join(report_dir, f"failed_{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}")
-        if timeout_s is not None and os.environ.get("LOCAL_RANK", "0") == "0":
-            with contextlib.suppress(OSError):
-                os.remove(self.failed_marker)
         if timeout_s is not None:
+            if os.environ.get("LOCAL_RANK", "0") == "0":
+                with contextlib.suppress(OSError):
+                    os.remove(self.failed_marker)
             self._poll_s = poll_s or min(10.0, max(0.5, timeout_s / 10))
             threading.Thread(target=self._watch, name="nanochat-watchdog", daemon=True).start()
 

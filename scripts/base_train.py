@@ -62,8 +62,7 @@ class Plan:
         self.data_listing = shard_listing(data_dir)
         self.ckpt_dir = ckpt_dir = ckpt.checkpoint_dir(args.model_tag or f"d{args.depth}")
         if layout.world_size > 1:  # several nodes: the same shards on every rank, one checkpoint folder for all
-            if warning := training.check_ranks_agree(layout, data_dir, self.data_listing, ckpt_dir, saves=args.save_every != 0):
-                print0(warning)
+            training.check_ranks_agree(layout, data_dir, self.data_listing, ckpt_dir, saves=args.save_every != 0)
         self.resume_meta = resume_meta = None
         self.new_data = False
         if args.resume_from_step == "latest":
@@ -357,10 +356,10 @@ class Run:
         r, layout = self.recipe, self.layout
         crop = self.train_loader.stats["crop_fraction"] if self.train_loader is not None else None
         measured = lambda v: float(v) if v is not None and math.isfinite(v) else "not measured"
-        return {"parameters": r.param_counts["total"], "scaling parameters": r.num_scaling_params,
+        return {"parameters": r.param_counts["total"], "scaling parameters": r.param_counts["scaling"],
                 "FLOPs per token": f"{r.flops_per_token:.4e}", "total batch size": r.total_batch_size,
                 "iterations": r.num_iterations, "tokens trained": r.tokens,
-                "tokens per scaling param": round(r.tokens / r.num_scaling_params, 2),
+                "tokens per scaling param": round(r.tokens / r.param_counts["scaling"], 2),
                 "training FLOPs": f"{r.flops_per_token * r.tokens:.4e}", "Muon weight decay": r.weight_decay,
                 "LR scale": r.lr_scale, "layout": layout.describe(),
                 "gpus used": layout.world_size if self.device.type == "cuda" else 0,

@@ -29,7 +29,6 @@ parser.add_argument("--push-to-hub", type=str, default=None, metavar="REPO", hel
 parser.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
 args = parser.parse_args()
 
-api = None
 if args.push_to_hub:  # before any work: an export that then cannot be uploaded wastes the time it took
     from huggingface_hub import HfApi
     api = HfApi()
@@ -71,7 +70,7 @@ size = sum(os.path.getsize(os.path.join(args.out, f)) for f in os.listdir(args.o
 print(f"exported {model_tag} step {step} to {args.out}: {len(files)} weight file(s), {size / 2**20:,.1f} MiB, "
       f"{time.time() - t0:.1f}s")
 
-if api is not None:
+if args.push_to_hub:
     api.create_repo(args.push_to_hub, private=args.private, exist_ok=True, repo_type="model")
     api.upload_folder(folder_path=args.out, repo_id=args.push_to_hub, repo_type="model",
                       commit_message=f"nanochat {model_tag} step {step}")

@@ -68,8 +68,7 @@ def print_comparison(depths, gpu_names, gpus, rest, vocab_size):
     """The largest device batch of each depth on each GPU: unsharded and sharded, TP 1 and 2, DP over the rest."""
     columns = [("unsharded", 1, False), ("sharded", 1, True), ("TP 2", 2, False), ("TP 2 sharded", 2, True)]
     print(f"largest device batch (and the worst rank's peak in GiB) on {gpus} GPUs, recipe batch, no recompute:")
-    print("| model | GPU | " + " | ".join(c[0] for c in columns) + " |")
-    print("|" + " --- |" * (len(columns) + 2))
+    print("| model | GPU | " + " | ".join(c[0] for c in columns) + " |\n|" + " --- |" * (len(columns) + 2))
     for depth in depths:
         for name in gpu_names:
             cells = []

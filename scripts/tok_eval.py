@@ -34,26 +34,25 @@ except (DataError, TokenizerError) as e:
     raise SystemExit(f"ERROR: {e}")
 
 
-def reference_encoding(name):
-    """tiktoken's encoding `name`, or None: cached (TIKTOKEN_CACHE_DIR), or downloaded if the host answers in seconds
-    (an offline machine could otherwise hang on the download)."""
+def reference_encoder(name):
+    """The batch encoder of tiktoken's encoding `name`, or None: cached (TIKTOKEN_CACHE_DIR), or downloaded if the host
+    answers in seconds (an offline machine could otherwise hang on the download)."""
     import socket
     import tiktoken
     try:
         if not os.environ.get("TIKTOKEN_CACHE_DIR"):
             socket.create_connection(("openaipublic.blob.core.windows.net", 443), timeout=3).close()
-        return tiktoken.get_encoding(name)
+        return tiktoken.get_encoding(name).encode_ordinary_batch
     except Exception:
         return None
 
 
-encoders = {"ours": lambda docs: tokenizer.encode(docs)}
+encoders = {"ours": tokenizer.encode}
 for name, tiktoken_name in [("gpt2", "gpt2"), ("gpt4", "cl100k_base")]:
-    enc = reference_encoding(tiktoken_name)
-    if enc is None:
+    if (encode := reference_encoder(tiktoken_name)) is None:
         print(f"skipped {name} ({tiktoken_name}): tiktoken cannot load it here (offline and not cached)")
     else:
-        encoders[name] = lambda docs, enc=enc: enc.encode_ordinary_batch(docs)
+        encoders[name] = encode
 
 rows, flat = ["| split | encoding | bytes | tokens | bytes/token |", "| --- | --- | --- | --- | --- |"], {}
 print(f"{'split':<6} {'encoding':<8} {'bytes':>12} {'tokens':>11} {'bytes/token':>12}")

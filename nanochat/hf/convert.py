@@ -23,6 +23,7 @@ from nanochat.tokenizer import Tokenizer, SPECIAL_TOKENS
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODEL_FILES = ["configuration_nanochat.py", "modeling_nanochat.py"]
 MAX_SHARD_SIZE = "4GB"
+SHAPE_FIELDS = ("sequence_len", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd")  # GPTConfig's = config.json's
 
 
 class ConvertError(UserError):
@@ -170,10 +171,8 @@ def export(model_state, meta, tok: Tokenizer, out_dir, dtype=torch.float32, core
     l3 = dict(l3_after_layers=list(config.l3_after_layers), l3_d_up=config.l3_d_up or 4 * config.n_embd,
               l3_n_emb=config.l3_n_emb or default_n_emb(config.vocab_size, config.l3_k_max),
               l3_k_max=config.l3_k_max) if config.l3_after_layers else {}
-    hf = NanochatConfig(vocab_size=config.vocab_size, sequence_len=config.sequence_len, n_layer=config.n_layer,
-                        n_head=config.n_head, n_kv_head=config.n_kv_head, n_embd=config.n_embd,
-                        window_sizes=window_sizes(config), rotary_base=ROTARY_BASE, softcap=SOFTCAP,
-                        bos_token_id=bos, eos_token_id=bos, pad_token_id=bos, **l3)
+    hf = NanochatConfig(**{k: getattr(config, k) for k in SHAPE_FIELDS}, **l3, window_sizes=window_sizes(config),
+                        rotary_base=ROTARY_BASE, softcap=SOFTCAP, bos_token_id=bos, eos_token_id=bos, pad_token_id=bos)
     hf.architectures = ["NanochatForCausalLM"]
     hf.auto_map = {"AutoConfig": "configuration_nanochat.NanochatConfig",
                    "AutoModelForCausalLM": "modeling_nanochat.NanochatForCausalLM"}
@@ -224,17 +223,16 @@ def load_export(directory):
             raise ConvertError(f"{path} has model_type {cfg.get('model_type')!r}; only nanochat exports import")
         meta = read_json(os.path.join(directory, "nanochat_meta.json"), {})
         # the GPTConfig: the original window pattern (nanochat_meta.json) when it agrees, else spelled out per layer
-        fields = {k: cfg[k] for k in ("sequence_len", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd")}
+        fields = {k: cfg[k] for k in SHAPE_FIELDS}
         if cfg.get("l3_after_layers"):
             fields.update(l3_after_layers=tuple(cfg["l3_after_layers"]), l3_n_emb=cfg["l3_n_emb"],
                           l3_d_up=cfg["l3_d_up"], l3_k_max=cfg["l3_k_max"])
-        pattern, seq = meta.get("model_config", {}).get("window_pattern"), cfg["sequence_len"]
-        patterns = ([pattern] if pattern else []) + ["".join("S" if w < seq else "L" for w in cfg["window_sizes"])]
-        for p in patterns:
-            config = GPTConfig(**fields, window_pattern=p)
-            if window_sizes(config) == list(cfg["window_sizes"]):
-                break
-        else:
+        seq, sizes = cfg["sequence_len"], list(cfg["window_sizes"])
+        spelled = "".join("S" if w < seq else "L" for w in sizes)
+        config = GPTConfig(**fields, window_pattern=meta.get("model_config", {}).get("window_pattern") or spelled)
+        if window_sizes(config) != sizes:
+            config = GPTConfig(**fields, window_pattern=spelled)
+        if window_sizes(config) != sizes:
             raise ConvertError(f"window_sizes {cfg['window_sizes']} in config.json are not a nanochat window pattern "
                                f"(S = {window_sizes(GPTConfig(**fields, window_pattern='S'))[0]} tokens, L = {seq})")
         index = os.path.join(directory, "model.safetensors.index.json")

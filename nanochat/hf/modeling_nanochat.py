@@ -65,13 +65,10 @@ class Linear(nn.Linear):
 class CausalSelfAttention(nn.Module):
     def __init__(self, config, layer_idx):
         super().__init__()
-        self.layer_idx = layer_idx
-        self.head_dim = config.n_embd // config.n_head
-        d, hd = config.n_embd, self.head_dim
-        self.c_q = Linear(d, config.n_head * hd)
-        self.c_k = Linear(d, config.n_kv_head * hd)
-        self.c_v = Linear(d, config.n_kv_head * hd)
-        self.c_proj = Linear(config.n_head * hd, d)
+        self.layer_idx, self.head_dim = layer_idx, config.n_embd // config.n_head
+        d, q_dim, kv_dim = config.n_embd, config.n_head * self.head_dim, config.n_kv_head * self.head_dim
+        self.c_q, self.c_k, self.c_v = Linear(d, q_dim), Linear(d, kv_dim), Linear(d, kv_dim)
+        self.c_proj = Linear(q_dim, d)
         self.ve_gate = Linear(VE_GATE_CHANNELS, config.n_kv_head) if has_value_embed(layer_idx, config.n_layer) else None
 
     def forward(self, x, ve, cos, sin, mask, cache):
@@ -168,6 +165,7 @@ class NanochatForCausalLM(PreTrainedModel, GenerationMixin):
     base_model_prefix = "nanochat"
     _no_split_modules = ["Block"]
     _supports_sdpa = True
+    _input_embed_layer = "wte"  # get_input_embeddings(); get_output_embeddings() finds lm_head by its name
 
     def _init_weights(self, module):
         """The weights always come from a checkpoint; nothing is trained from this init."""
@@ -181,14 +179,7 @@ class NanochatForCausalLM(PreTrainedModel, GenerationMixin):
         self.backout_lambda = nn.Parameter(torch.zeros(()))
         self.lm_head = Linear(config.n_embd, config.vocab_size)
         self.l3 = nn.ModuleDict({str(i): L3Layer(config) for i in config.l3_after_layers})
-        self.backout_layer = config.n_layer // 2
         self.post_init()
-
-    def get_input_embeddings(self):
-        return self.wte
-
-    def get_output_embeddings(self):
-        return self.lm_head
 
     def embed(self, idx, smear_prev_ids, prev_valid):
         x = norm(self.wte(idx))
@@ -218,14 +209,13 @@ class NanochatForCausalLM(PreTrainedModel, GenerationMixin):
         prev_valid = F.pad(attention_mask[:, :S], (1, 0))[:, past_len:S] if attention_mask is not None else None
         x0 = x = self.embed(input_ids, smear_prev_ids, prev_valid)
         cos, sin = rotary(torch.arange(past_len, S, device=x.device), cfg.n_embd // cfg.n_head, cfg.rotary_base, x.dtype)
-        masks, x_mid = {}, None  # one mask per window size; x_mid: the input of the backout layer
+        plain = attention_mask is None and past_len == 0  # with a window >= T: no mask, SDPA's causal path
+        masks = {w: None if plain and w >= T else attention_mask_4d(T, past_len, w, attention_mask, x.device)
+                 for w in set(cfg.window_sizes)}  # one per window size
+        x_mid = None  # the input of block n_layer // 2, for the backout
         for i, block in enumerate(self.blocks):
-            window = cfg.window_sizes[i]
-            plain = attention_mask is None and past_len == 0 and window >= T
-            if not plain and window not in masks:
-                masks[window] = attention_mask_4d(T, past_len, window, attention_mask, x.device)
-            x_mid = x if i == self.backout_layer else x_mid
-            x = block(x, x0, input_ids, cos, sin, None if plain else masks[window], cache)
+            x_mid = x if i == cfg.n_layer // 2 else x_mid
+            x = block(x, x0, input_ids, cos, sin, masks[cfg.window_sizes[i]], cache)
             if str(i) in self.l3:
                 x = x + self.l3[str(i)](x, input_ids)
         x = x - self.backout_lambda.to(x.dtype) * x_mid

@@ -180,8 +180,7 @@ def attention(q, k, v, window):
             return out.transpose(1, 2)
         if takes_cudnn(q, window):
             return sdpa.cudnn_attention(q, k, v)
-        mask = flex_block_mask(q, window)
-        if mask is not None:
+        if (mask := flex_block_mask(q, window)) is not None:
             return sdpa.flex_attention(q, k, v, mask)
     return sdpa.reference_attention(q, k, v, window)
 
