@@ -358,7 +358,8 @@ def load_model_state(model, full_state):
 
 
 def full_model_state(model, keep=lambda name: True):
-    """Full CPU tensors by name, those passing `keep`; a collective over TP and DP (sharded weights): every rank."""
+    """Full CPU tensors by name, those passing `keep`; a collective over TP and DP (sharded weights) that every rank
+    joins."""
     from nanochat import tensor_parallel as tp
     from nanochat.sharding import whole_over_dp
     own = {**dict(model.named_parameters()), **dict(model.named_buffers())}
@@ -373,7 +374,8 @@ def full_model_state(model, keep=lambda name: True):
 def whole_model_copy(model, layout):
     """A whole copy of a TP, PP, EP or sharded model on every rank, for CORE and sampling (any sequence length, which
     PP's fixed-shape messages and SP's equal split cannot take; calls an EP group's ranks do not make together).
-    Collectives: full_model_state's; over the PP (then EP) group, gather_objects (who holds what), a broadcast each."""
+    Collectives: full_model_state's; over the PP (then EP) group, gather_objects (who holds what), one broadcast a
+    tensor."""
     import torch.distributed as dist
     from nanochat.distributed import gather_objects
     from nanochat.gpt import build_model

@@ -266,7 +266,7 @@ class ContextParallel(WholeSequence):
         gathered, work = self._post_gather(kv)
         merged = [merge(None, *block_attention(qa, ka, va, 0, window))
                   for qa, ka, va in zip(qs, self._halves(kv[0]), self._halves(kv[1]))]
-        whole = self._in_order(gathered, work)
+        whole = self._in_order(gathered, work)  # (K, V) stacked: whole[..., lo:hi, :] unpacks to a K and a V span
         for a, chunk in enumerate(self.chunks):
             for lo, hi, offset in self.key_spans(chunk, window)[1:]:
                 merged[a] = merge(merged[a], *block_attention(qs[a], *whole[..., lo:hi, :], offset, window))
@@ -284,7 +284,7 @@ class ContextParallel(WholeSequence):
             for lo, hi, offset in self.key_spans(chunk, window)[1:]:
                 grads = block_attention_backward(douts[a], qs[a], *whole[..., lo:hi, :], outs[a], lses[a], offset,
                                                  window)
-                for total, grad in zip((dqs[a], *dwhole[..., lo:hi, :]), grads):
+                for total, grad in zip((dqs[a], *dwhole[..., lo:hi, :]), grads):  # views: added in place
                     total.add_(grad)
         del whole  # so that beside the fp32 gradients there is one sequence's K/V or their compute-dtype gradients
         # summed over CP in K/V's dtype: half fp32's bytes, each rank's share rounded once before the sum

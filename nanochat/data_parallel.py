@@ -63,7 +63,7 @@ class GradBucket:
         self.reset()
 
     def reset(self):
-        self.remaining = len(self.params)  # members whose gradient is not final yet (overlap only; none: ready)
+        self.remaining = len(self.params)  # members whose gradient is not final yet (overlap only; 0: ready to launch)
         self.launched = False
         self.work = self.result = None  # the collective in flight; what the step reads once it is done
 

@@ -45,7 +45,8 @@ class BestFitPacker:
         self.g, self.epoch = state["g"], state.get("epoch", 1)
         self.tokens_in, self.tokens_cropped = state.get("tokens_in", 0), state.get("tokens_cropped", 0)
         buffer = state["buffer"]  # rebuilt: its documents tokenized again, a row group at a time
-        tokenized = {g: self._tokenize_rows(g, [r for h, r, _ in buffer if h == g]) for g in {g for g, _, _ in buffer}}
+        groups = {g for g, _, _ in buffer}
+        tokenized = {g: self._tokenize_rows(g, [r for h, r, _ in buffer if h == g]) for g in groups}
         for g, row, offset in buffer:  # saved in sorted order: re-inserting keeps ties in order
             full = tokenized[g][row]
             tokens = full if offset == 0 else np.concatenate([[self.bos], full[1 + offset:]]).astype(np.int32)

@@ -39,12 +39,12 @@ _notice_shown = False
 
 def resolve_data_dir(data_dir=None, allow_sample=True, quiet=False):
     """A named folder (argument or NANOCHAT_DATA_DIR) must hold shards; an empty default falls back to the sample."""
+    source = "--data-dir" if data_dir else "NANOCHAT_DATA_DIR"  # the flag wins over the variable
     explicit = data_dir or os.environ.get("NANOCHAT_DATA_DIR")
     data_dir = explicit or default_data_dir()
     if list_parquet_files(data_dir):
         return data_dir
     if explicit and not os.path.isdir(data_dir):
-        source = "NANOCHAT_DATA_DIR" if os.environ.get("NANOCHAT_DATA_DIR") else "--data-dir"
         raise DataError(f"the data folder {data_dir} does not exist ({source}): fix the path, or download shards "
                         f"with `python -m nanochat.dataset -n 8`")
     if explicit or not allow_sample:

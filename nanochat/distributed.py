@@ -54,7 +54,8 @@ class Layout:
     # each pair of neighbours gets its own, and a late message to one neighbour does not hold up the other's
     pp_next_group: object = None
     pp_prev_group: object = None
-    # expert parallelism (expert_parallel.py): EP groups of ep_size consecutive DP ranks; expert-DP: same experts
+    # expert parallelism (expert_parallel.py): EP groups of ep_size consecutive DP ranks; expert-DP: the ranks holding
+    # the same experts
     ep_rank: int = 0
     ep_size: int = 1
     ep_group: object = None
@@ -222,7 +223,8 @@ def gather_objects(obj, group=None):
 
 def agree_on_error(message, device):
     """A collective: every rank passes its error message or None, and gets the first failing rank's (None: none
-    failed), so that all stop together rather than wait for the failed peer in their next collective until timeout."""
+    failed), so that all stop together rather than wait for the failed peer in their next collective until timeout.
+    device None: this rank's own message, no collective."""
     if device is None or not dist.is_initialized() or all_reduce_max(float(message is not None), device) == 0:
         return message
     return next(m for m in gather_objects(message) if m is not None)

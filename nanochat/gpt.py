@@ -100,7 +100,8 @@ def rotary_tables(seq_len, head_dim, device=None):
 
 
 def rotary_norm(x, cos, sin):
-    """1.2 * rms_norm(rotate(x)), x (B, T, H, D), cos/sin (1, T, 1, D/2): each pair (x_i, x_{i+D/2}) turned."""
+    """1.2 * rms_norm(rotate(x)), x (B, T, H, D), cos/sin (1, T, 1, D/2): each pair (x_i, x_{i+D/2}) turned by its
+    position's angle."""
     if kernels.takes(kernels.rotary, x):
         return kernels.rotary_norm(x, cos, sin, QK_SCALE)
     d = x.size(-1) // 2
@@ -127,8 +128,9 @@ def reduce_losses(losses, targets, reduction):
 class WholeSequence:
     """Which tokens of the (B, T) sequences this rank holds (here all) and what the model asks of them, as KVCache and
     ContextParallel answer it: local(t), this rank's tokens; rotary, the tables at their positions; previous, each
-    token's previous token's embedding for the smear (zeros first; embed(ids) embeds ids); attend, over the keys a
-    query may see; loss, over the tokens that count; advance, after T tokens; selective_keeps: --recompute keeps."""
+    token's previous token's embedding for the smear (zeros before the first; embed(ids) embeds ids); attend, over
+    the keys a query may see; loss, over the tokens that count; advance, after T tokens; selective_keeps, the outputs
+    --recompute selective also keeps."""
 
     selective_keeps = ()
 

@@ -286,7 +286,8 @@ def on_host(t):
 
 
 def lookup_blocked(x, ids, table, bounds, block=L3_BLOCK_POSITIONS, chunk_bytes=L3_CHUNK_BYTES, window=None):
-    """x (N, d), ids (N,) -> h (N, d); ids, bounds on the host (or copied there); window >= k_max (None: bounds')."""
+    """x (N, d), ids (N,) -> h (N, d); ids, bounds on the host (or copied there); window >= k_max (None: from
+    bounds)."""
     ids, bounds = on_host(ids), on_host(bounds)
     if window is None:
         window = int((bounds[1:] - bounds[:-1]).max())

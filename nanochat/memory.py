@@ -97,7 +97,8 @@ def _meta_model(config, s):
 def rank_memory(config, s):
     """Per pipeline rank (DP rank 0, owning the most under sharding), its bytes at the training peak: {"weights",
     "working copies", "gradients", "optimizer state", "activations", "total", "gathered"}; not counted: the step's
-    temporaries, CORE's and sampling's model copy under PP, SP or sharding (4 B/param). Setting.check's ConfigError."""
+    temporaries, CORE's and sampling's model copy under PP, SP or sharding (4 B/param). ConfigError where
+    Setting.check fails."""
     from nanochat.optim import muon_stacks, param_groups
     from nanochat.pipeline_parallel import block_costs, split_stages
     from nanochat.pipeline_schedules import stage_actions, peak_in_flight
@@ -180,7 +181,8 @@ def worst_rank_peak(config, s):
 
 
 def largest_batch(config, s, capacity):
-    """(the largest power-of-two device batch that fits every rank in `capacity` bytes, the worst peak); (0, None)."""
+    """(the largest power-of-two device batch that fits every rank in `capacity` bytes, the worst peak); (0, None)
+    if none fits."""
     best = (0, None)
     for b in (2 ** i for i in range(12)):
         try:

@@ -170,10 +170,12 @@ class Pipeline:
         for t in received:
             t.requires_grad_(True)
         h, idx = self._through(chunk, self.xs[i], inputs)
+        out = (h, idx)
         if chunk.last:
             loss = self.model.head(h, self.ys[i])
             self.total_loss += loss.detach()
-        out = self._saved_outputs[i, c] = loss / self.num_microbatches if chunk.last else (h, idx)
+            out = loss / self.num_microbatches
+        self._saved_outputs[i, c] = out
         return out
 
     def _through(self, chunk, x, inputs):
@@ -182,7 +184,8 @@ class Pipeline:
         return self.model.run_blocks(h, idx, chunk.start, chunk.end), idx
 
     def backward(self, i, c, grads):
-        """Micro-batch i back through chunk c from its outputs' gradients (the last chunk: its loss): its inputs'."""
+        """Micro-batch i back through chunk c from its outputs' gradients (the last chunk: its loss); returns its
+        inputs' gradients."""
         chunk, out, received = self.chunks[c], self._saved_outputs.pop((i, c)), self._saved_inputs.pop((i, c))
         outputs, grads = ([out], None) if chunk.last else (carried(out[0], chunk.sends_mid), grads)
         torch.autograd.backward(outputs, grads)

@@ -180,7 +180,9 @@ class ShardedWeights:
 
     def run(self, module, fn, *args):
         """fn(*args) with `module`'s whole weights in place (module docstring), arranging the backward's part."""
-        unit = self.units[module] = self.units.get(module) or Unit(module)
+        if module not in self.units:
+            self.units[module] = Unit(module)
+        unit = self.units[module]
         if self.last is not None:
             self.next[self.last] = unit
         self.last = unit
@@ -226,7 +228,8 @@ class ShardedWeights:
             gathered.unit.swap(gathered.wholes)
 
     def send_gradients(self, gathered, grads):
-        """After a module's backward: gradients sent home, weights freed, the previous one's landed (two alive, max)."""
+        """After a module's backward: gradients sent home, weights freed, the previous module's sends land (two
+        modules' at most in flight)."""
         unit = gathered.unit
         if unit.recomputes:
             unit.swap(unit.params)

@@ -150,7 +150,7 @@ def _linear(module, x):
 
 
 class ColumnParallelLinear(nn.Module):
-    """W cut along its outputs (rows), which stay sharded; the lm_head's enters the TP region itself (`enter`)."""
+    """W cut along its outputs (rows), which stay sharded; as the lm_head it enters the TP region itself (`enter`)."""
 
     def __init__(self, linear, layout, enter=None):
         super().__init__()

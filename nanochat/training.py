@@ -161,7 +161,8 @@ def make_loader(tokenizer, split, batch_size, seq_len, device, layout, data_dir,
     """This DP rank's (x, y, state) batches, prefetching a whole step (a step starts once all its micro-batches are in:
     with less, the GPU would wait each step for the loader); evaluation (grad_accum 1): one batch at a time."""
     return DataLoader(tokenizer, batch_size, seq_len, split, device, data_dir=data_dir, dp_rank=layout.dp_rank,
-                      dp_size=layout.dp_size, state=state, prefetch=grad_accum + 1, keep_remainder=keep_remainder)
+                      dp_size=layout.dp_size, state=state, prefetch=grad_accum + 1,
+                      keep_remainder=keep_remainder and split == "train")
 
 
 # -----------------------------------------------------------------------------

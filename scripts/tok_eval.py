@@ -21,7 +21,8 @@ def take_text(files, max_chars):
     docs, n = [], 0
     for doc in iter_documents(files):
         docs.append(doc[:max_chars - n])
-        if (n := n + len(docs[-1])) >= max_chars:
+        n += len(docs[-1])
+        if n >= max_chars:
             break
     return docs
 

@@ -77,6 +77,11 @@ def test_bundled_sample_fallback(tmp_path, capsys, monkeypatch):
         resolve_data_dir(str(tmp_path / "empty"))
     with pytest.raises(DataError, match=r"the data folder .*nowhere does not exist \(--data-dir\)"):
         resolve_data_dir(str(tmp_path / "nowhere"))
+    monkeypatch.setenv("NANOCHAT_DATA_DIR", str(tmp_path / "elsewhere"))  # the flag wins, and its name is the one told
+    with pytest.raises(DataError, match=r"the data folder .*nowhere does not exist \(--data-dir\)"):
+        resolve_data_dir(str(tmp_path / "nowhere"))
+    with pytest.raises(DataError, match=r"the data folder .*elsewhere does not exist \(NANOCHAT_DATA_DIR\)"):
+        resolve_data_dir()
 
 
 def test_shards_of_empty_strings_are_refused(tmp_path):

@@ -10,10 +10,12 @@ import json
 import time
 import errno
 import signal
+import types
 import shutil
 import subprocess
 import sys
 
+import pytest
 
 from conftest import run_script, run_losses, ckpt_dir, errors, REPO, TINY_RUN
 from nanochat import checkpoint_manager as ckpt
@@ -109,6 +111,21 @@ def test_a_folder_that_cannot_be_written_stops_the_run_before_its_first_step(env
     p = run_script("scripts.tok_train", ["--vocab-size", "300", "--max-chars", "10000"],
                    dict(env, NANOCHAT_BASE_DIR=str(tmp_path / "ro")), check=False)
     assert p.returncode == 1 and "ERROR: cannot write" in p.stderr and "training a" not in p.stdout
+
+
+def test_a_start_over_that_cannot_move_the_files_is_one_line_and_frees_the_folder(tmp_path, monkeypatch):
+    """--start-over whose move into replaced_<time>/ fails: the "cannot write" line, and the lock is released."""
+    folder = tmp_path / "tag"
+    folder.mkdir()
+    (folder / "metrics.jsonl").write_text("{}\n")
+
+    def refuse(src, dst):
+        raise PermissionError(errno.EACCES, "Permission denied", dst)
+    monkeypatch.setattr(ckpt.os, "replace", refuse)
+    refused = r"^cannot write .*/replaced_[\d-]+/metrics\.jsonl \(Permission denied\)"
+    with pytest.raises(ckpt.CheckpointError, match=refused):
+        ckpt.lock_run(types.SimpleNamespace(rank=0), None, str(folder), fresh=True, start_over=True)
+    assert not (folder / "run.lock").exists()
 
 
 def test_a_refused_rename_and_a_small_disk_are_one_line_and_leave_nothing(env, monkeypatch):

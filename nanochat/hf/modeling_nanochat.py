@@ -214,7 +214,8 @@ class NanochatForCausalLM(PreTrainedModel, GenerationMixin):
                  for w in set(cfg.window_sizes)}  # one per window size
         x_mid = None  # the input of block n_layer // 2, for the backout
         for i, block in enumerate(self.blocks):
-            x_mid = x if i == cfg.n_layer // 2 else x_mid
+            if i == cfg.n_layer // 2:
+                x_mid = x
             x = block(x, x0, input_ids, cos, sin, masks[cfg.window_sizes[i]], cache)
             if str(i) in self.l3:
                 x = x + self.l3[str(i)](x, input_ids)

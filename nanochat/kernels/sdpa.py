@@ -97,7 +97,7 @@ BLOCK_BACKENDS = ("cudnn", "flash")  # the kernel of the blocks (dev.bench_kerne
 
 def _forward(q, k, v, causal, backend):
     # contiguous: PyTorch's cuDNN attention (2.11) keys its plans on less than every stride, and one made for a layout
-    # gave wrong results on another of the same shape (the CP tests' blocks in a row; contiguous dout alone: still)
+    # gave wrong results on another of the same shape (seen running the CP block tests in a row; dout alone: not enough)
     q, k, v = (t.contiguous() for t in (q, k, v))
     if backend == "cudnn":
         out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal)[:2]

@@ -1,6 +1,6 @@
 """
-The training loss on CUDA: the lm_head matmul, then the soft-capped cross-entropy (gpt.SoftcapCrossEntropy is the
-math) in one Triton kernel.
+The training loss on CUDA as one function: the lm_head matmul, then the soft-capped cross-entropy in one Triton kernel
+(gpt.SoftcapCrossEntropy is the math).
 
     raw = x @ W^T                      z = cap * tanh(raw / cap)          loss_i = logsumexp(z_i) - z_i[t_i]
     d loss_i / d raw_ij = (softmax(z_i)_j - [j == t_i]) * (1 - (z_ij / cap)^2)
