@@ -168,7 +168,8 @@ def measure_blocks(config, tree, args, gpus):
     cmd = [sys.executable, "-m", "dev.pipeline_sim", "--measure", str(config.depth), "--batch", str(config.device_batch),
            "--seq", "2048", "--compile", "inductor", "--out", path]
     print(f"== {os.path.basename(tree)}: block times of d{config.depth} on GPU {gpus[0]}", flush=True)
-    job = runs.Job(cmd, tree, runs.process_env(runs.data_env(args), gpus[:1]), [], BLOCK_TIMES, path.replace(".json", ".log"), args.timeout, None)
+    env = runs.process_env(runs.data_env(args), gpus[:1])
+    job = runs.Job(cmd, tree, env, [], BLOCK_TIMES, path.replace(".json", ".log"), args.timeout, None)
     job.blocks_path = path
     return job
 

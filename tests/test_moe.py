@@ -196,5 +196,6 @@ def test_moe_in_fp8_under_expert_and_tensor_parallelism_follows_one_process():
     config = {**FP8, **MOE}  # two blocks: block 1 a mixture of experts
     reference = run_layout(steps=4, config_overrides=config, fp8=True)
     assert_same_fp8_run(run_layout(dp=2, ep=2, steps=4, config_overrides=config, fp8=True), reference)
-    # TP 2 with SP: the replicated shared expert's fp8 products are whole (its tp_partial_grad group only sums its gradient)
+    # TP 2 with SP: the replicated shared expert's fp8 products are whole (its tp_partial_grad group only sums its
+    # gradient)
     assert_same_fp8_run(run_layout(tp=2, sequence_parallel=True, steps=4, config_overrides=config, fp8=True), reference)
