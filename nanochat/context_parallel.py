@@ -3,11 +3,11 @@ Context parallelism: each sequence of a micro-batch cut along its length over th
 sequences whose activations one GPU cannot hold. A ContextParallel is the model's sequence view (gpt.WholeSequence
 at `model.sequence`, set by training.setup); CORE and sampling run the same weights over whole sequences.
 
-Collectives, over the CP group, per attention layer (--cp-exchange all-gather, the default):
+Collectives, over the CP group, per attention layer (--cp-exchange all-gather, the default above CP 2):
   all_gather         forward: every rank's K/V (one tensor), while this rank's diagonal blocks run
   all_gather         backward: the same again (not kept from the forward: a whole sequence's K/V per layer)
   reduce_scatter     backward: dK/dV of the whole sequence (in K/V's dtype) -> this rank's, behind its diagonals
-or with --cp-exchange ring (point to point):
+or with --cp-exchange ring (point to point; the default at CP 2):
   batch_isend_irecv  forward, per ring step s: this rank's K/V (one tensor) to rank r+s, rank r-s's into a buffer
   batch_isend_irecv  backward, per step: the same K/V; then the dK/dV of rank r-s's block sent home to it, and this
                      block's received from rank r+s
@@ -24,7 +24,8 @@ merge by their log-sum-exp, in fp32. The all-gather runs each query chunk over a
 the ring, only pairs of chunks where some key is visible (never the future, never `window` or more back), each
 block sent straight to the rank that needs it (on NVLink a shift by s costs what a shift by one does) and its dK/dV
 straight home. On four H200s at 32K tokens, SSSL, CP 4, the all-gather trained 1.08x as fast as the ring at d12 and
-d20 (the ring's N-1 dependent steps in fewer, larger kernels); at CP 2 the ring was 1.03x as fast (dev/LOG.md).
+d20 (the ring's N-1 dependent steps in fewer, larger kernels); at CP 2 the ring was 1.03x as fast (d12, twice;
+dev/LOG.md), hence the defaults.
 """
 
 import torch

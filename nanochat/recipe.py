@@ -110,9 +110,9 @@ def parse_args(argv=None):
     add("--pp", type=int, default=1, help="pipeline-parallel degree")
     add("--cp", type=int, default=1, help="context-parallel degree: each sequence split over this many ranks "
                                           "(head-tail chunks; nanochat/context_parallel.py)")
-    add("--cp-exchange", type=str, default="all-gather", choices=("all-gather", "ring"),
-        help="how --cp ranks share K/V: one all-gather per layer (faster at CP 4), or a ring of point-to-point steps "
-             "that skips ranks a sliding window never reaches (less memory)")
+    add("--cp-exchange", type=str, default=None, choices=("all-gather", "ring"),
+        help="how --cp ranks share K/V: one all-gather per layer, or a ring of point-to-point steps that skips ranks a "
+             "sliding window never reaches (less memory); default: the faster measured, the ring at CP 2, else all-gather")
     add("--ep", type=int, default=1, help="expert-parallel degree: each MoE layer's experts spread over this many DP "
                                           "ranks (nanochat/expert_parallel.py)")
     add("--pp-schedule", default="1f1b", choices=SCHEDULES, help="pipeline schedule (nanochat/pipeline_schedules.py)")
@@ -327,7 +327,7 @@ class Setting:
     tp: int = 1
     pp: int = 1
     cp: int = 1
-    cp_exchange: str = "all-gather"
+    cp_exchange: str | None = None  # None: the faster measured (four and two H200s, 32K; dev/LOG.md), see below
     pp_schedule: str = "1f1b"
     pp_virtual: int = 1
     ep: int = 1
@@ -340,6 +340,10 @@ class Setting:
     recompute: str = "none"
     fp8: bool = False
     compute_bytes: int = 2  # of the compute dtype: bf16 on GPUs (4: fp32, as on a CPU); for the planner
+
+    def __post_init__(self):
+        if self.cp_exchange is None:
+            self.cp_exchange = "ring" if self.cp == 2 else "all-gather"
 
     @classmethod
     def from_args(cls, args, dp, total_batch, overlap_grad_reduce=False):
