@@ -147,6 +147,8 @@ def rank_memory(config, s):
             if group["name"] == "moe_experts" and s.ep > 1:  # a rank holds its EP rank's experts; they are shared out
                 held = len(params) // s.ep                   # over the ranks holding the same ones
                 owned = RoundRobin(held, s.dp // s.ep, 0).rounds
+            if getattr(params[0], "tp_dim", None) is not None:  # TP ranks share the rounds out (tensor_parallel)
+                owned = math.ceil(owned / s.tp)
             weights += held * params[0].numel() * 4
             state += owned * (math.prod(full_shape) + full_shape[0]) * 4  # momentum, NorMuon's per-row moment
             sharded |= {id(p) for p in params}

@@ -128,12 +128,13 @@ class MuonStack:
 
     def __init__(self, group, shape, params, owner):
         self.group, self.shape, self.params, self.owner = group, shape, params, owner
+        self.held = tp.rounds_held(owner.rounds, params[0])  # under TP: this rank's share of the rounds
         device = params[0].device
-        self.momentum = torch.zeros((owner.rounds, *shape), dtype=torch.float32, device=device)
-        self.second = torch.zeros((owner.rounds, shape[0], 1), dtype=torch.float32, device=device)
+        self.momentum = torch.zeros((len(self.held), *shape), dtype=torch.float32, device=device)
+        self.second = torch.zeros((len(self.held), shape[0], 1), dtype=torch.float32, device=device)
 
     def apply(self, updates):
-        """Step 6 on every matrix of the stack (this rank's TP shard of it), from the all-gathered updates."""
+        """Step 6 on every matrix of the stack (this rank's TP shard of it), from the all-gathered updates (shards)."""
         for i, p in enumerate(self.params):
             self._apply(p, updates[self.owner.slot(i)])
 
@@ -145,7 +146,7 @@ class MuonStack:
 
     def _apply(self, p, update):  # on one matrix or its TP shard
         shape_scale = max(1.0, self.shape[0] / self.shape[1]) ** 0.5  # from the full shape, not the shard
-        u, w, lr = tp.local_shard(update, p).float(), p.data, self.group["lr"]
+        u, w, lr = update.float(), p.data, self.group["lr"]
         w.sub_(lr * shape_scale * u + lr * self.group["weight_decay"] * ((u * w) > 0) * w)
 
 
@@ -201,20 +202,23 @@ class MuonAdamW(torch.optim.Optimizer):
         # Muon, stack by stack as rounds land: steps 1-5 on this rank's whole matrices, updates sent in compute dtype
         for d, s, stack in self.muon_stacks:
             grads = d.reduced_muon_grads(s)
-            p0 = stack.params[0]
-            if tp.is_sharded(p0):
-                grads = torch.stack([tp.gather_full(grads[j], p0) for j in range(stack.owner.rounds)])
+            p0, cut = stack.params[0], tp.is_sharded(stack.params[0])
+            if cut:  # this TP rank's share of the rounds, whole
+                grads = tp.whole_rounds(grads, p0)
             tp.reduce_partial_grad(p0, grads)  # replicated matrices under sequence parallelism (L3): sum over TP
             if W > 1:  # the sum over every DP rank's tokens (an expert's: over its ranks, which saw all the tokens)
                 grads.div_(W)
-            if self.counts_replicated:
+            if self.counts_replicated or cut:
                 squares[PARAM_GROUPS.index(stack.group["name"])] += grads.float().square().sum()
             momentum = torch.tensor(stack.group["momentum"], dtype=torch.float32)
             update = self._muon_update(grads, stack.momentum, stack.second, momentum, self.compute_dtype)
+            update = update.to(self.compute_dtype)
+            if cut:  # back to this rank's shard of every round's update
+                update = tp.shard_rounds(update, p0, stack.owner.rounds)
             if sharded:  # only this rank holds the matrices it owns: nothing to send
-                stack.apply_owned(update.to(self.compute_dtype))
+                stack.apply_owned(update)
             else:
-                pending.append((stack.apply, *d.gather_muon_updates(s, update.to(self.compute_dtype))))
+                pending.append((stack.apply, *d.gather_muon_updates(s, update)))
         # AdamW, bucket by bucket: this rank's rows (then all-gathered) or the whole tensor
         for p, g in self.dp.reduced_adamw_grads():
             tp.reduce_partial_grad(p, g)
@@ -263,7 +267,8 @@ class MuonAdamW(torch.optim.Optimizer):
                 if keep(self.names[p]):
                     out.setdefault(self.names[p], {})[key] = full.cpu()
         for d, s, stack in self.muon_stacks:
-            momentum, second = d.gather_stack_state(s, stack.momentum), d.gather_stack_state(s, stack.second)
+            momentum, second = (d.gather_stack_state(s, tp.gather_rounds(t, stack.params[0], stack.owner.rounds))
+                                for t in (stack.momentum, stack.second))
             for i, p in enumerate(stack.params):
                 if keep(self.names[p]):
                     out[self.names[p]] = {"momentum": momentum[i].cpu(), "second": second[i].cpu()}
@@ -283,8 +288,8 @@ class MuonAdamW(torch.optim.Optimizer):
                 t = tp.local_shard(params[name][key], p)
                 state[key].copy_(self.dp.my_rows(t) if self.dp.owns_rows(p) else t)
         for _, _, stack in self.muon_stacks:
-            for j in range(stack.owner.rounds):
-                if (i := stack.owner.owned(j)) is not None:
+            for h, j in enumerate(stack.held):
+                if j < stack.owner.rounds and (i := stack.owner.owned(j)) is not None:
                     entry = params[self.names[stack.params[i]]]
-                    stack.momentum[j].copy_(entry["momentum"])
-                    stack.second[j].copy_(entry["second"])
+                    stack.momentum[h].copy_(entry["momentum"])
+                    stack.second[h].copy_(entry["second"])

@@ -4,7 +4,9 @@ Tensor parallelism (Megatron-style) as small explicit pieces, applied to an init
 Collectives, all over the TP group:
   all_reduce           f's backward, g's forward (leaving a region without SP), the vocab-parallel embedding
   all_gather           entering a region with SP (tokens); whole logits for evaluation (vocab); shards -> whole
-                       tensors for Muon and checkpoints (gather_full)
+                       tensors for checkpoints (gather_full), and Muon's state of every round (gather_rounds)
+  all_to_all           in the step: each Muon matrix's shards to the TP rank that runs its update whole, and the
+                       update's shards back (whole_rounds, shard_rounds): TP ranks share Muon's work, not repeat it
   reduce_scatter       leaving a region with SP (tokens)
   all_reduce MAX, SUM  the vocab-parallel loss: the logits' max, the sum of exponentials, the target's logit
   all_reduce SUM       under SP, in the step: replicated parameters' partial gradients (reduce_partial_grad), and
@@ -24,12 +26,15 @@ What is cut how (a region starts with `region_enter` at the model's `tp_enter` h
 A sharded parameter carries `tp_dim` (the dim it is cut along), `tp_group` and `tp_size`.
 """
 
+import math
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+from nanochat.distributed import all_gather_single
 from nanochat.gpt import softcap, reduce_losses
 from nanochat.fp8 import fp8_linear
 from nanochat.moe import MoE, moe_modules
@@ -60,6 +65,43 @@ def gather_full(t, p):
 def local_shard(t, p):
     """This rank's slice of a full tensor `t` shaped like the whole of p."""
     return _my_chunk(t, p.tp_dim, p.tp_group) if is_sharded(p) else t
+
+
+# Muon updates whole matrices. A stack's rounds (R matrices this DP rank updates, data_parallel.RoundRobin) are shared
+# out over the TP ranks, ceil(R / tp) each, contiguous: each rank runs Muon on its rounds whole and holds their state.
+
+def rounds_held(rounds, p):
+    """The round indices this TP rank updates whole (past `rounds`: padding); all of them where p is not cut."""
+    if not is_sharded(p):
+        return range(rounds)
+    per = math.ceil(rounds / p.tp_size)
+    return range(dist.get_rank(p.tp_group) * per, (dist.get_rank(p.tp_group) + 1) * per)
+
+
+def whole_rounds(shards, p):
+    """(R, *shard) gradients of every round -> this rank's rounds whole, (per, *full): one all-to-all."""
+    per = len(rounds_held(shards.size(0), p))
+    padded = torch.cat([shards, shards.new_zeros((per * p.tp_size - shards.size(0), *shards.shape[1:]))])
+    received = torch.empty_like(padded)  # chunk k: rank k's shards of this rank's rounds
+    dist.all_to_all_single(received, padded, group=p.tp_group)
+    return torch.cat(received.chunk(p.tp_size), dim=p.tp_dim + 1)
+
+
+def shard_rounds(whole, p, rounds):
+    """The way back: this rank's (per, *full) updates -> its shard of every round's update, (rounds, *shard)."""
+    sent = torch.cat(whole.chunk(p.tp_size, dim=p.tp_dim + 1))  # chunk k: rank k's shard of this rank's rounds
+    received = torch.empty_like(sent)  # chunk k: this rank's shard of rank k's rounds
+    dist.all_to_all_single(received, sent, group=p.tp_group)
+    return received[:rounds]
+
+
+def gather_rounds(held, p, rounds):
+    """Every TP rank's (per, ...) state -> that of all `rounds` (for checkpoints)."""
+    if not is_sharded(p):
+        return held
+    full = held.new_empty((held.size(0) * p.tp_size, *held.shape[1:]))
+    all_gather_single(full, held.contiguous(), group=p.tp_group)
+    return full[:rounds]
 
 
 def reduce_partial_grad(p, grad):

@@ -54,7 +54,11 @@ def test_dp4(reference):  # one matrix of every Muon round per rank, one micro-b
 
 
 def test_dp2_tp2(reference):
-    assert_same_run(run_layout(dp=2, tp=2), reference)
+    """Also what each rank held: Muon's state of a cut matrix on one TP rank only (the planner's count, exact)."""
+    from test_plan import assert_planned
+    run = run_layout(dp=2, tp=2)
+    assert_same_run(run, reference)
+    assert_planned(run, dp=2, tp=2)
 
 
 @pytest.mark.parametrize("layout", [dict(dp=2), dict(dp=2, pp=2)], ids=["dp2", "dp2_pp2"])
