@@ -11,9 +11,10 @@ dev/LOG.md 2026-11-21); tests check it against torchao's Float8Linear.
 - _Fp8MLP fuses ReLU^2 into the products (relu_square_mm.py's kernels, else the math below): y = relu(x W_fc^T)^2
   and dh = (dout W_proj) * 2 sqrt(y), each with its amax for the next cast. Each matmul takes both operands K-major
   (Hopper's fp8 rule), so the backward makes transposed fp8 copies.
-- Under TP a shard's amax is not the whole tensor's: the weights, the row-parallel input and the column-parallel
-  output gradient take the global amax (to_fp8's `group`: an all-reduce MAX of one fp32), so each element is cast
-  as at TP=1 and a run reproduces at another layout (tests/test_fp8_parallel.py).
+- Under TP each shard is cast with its own amax, with no collective: a shard's scale is at least as fine as the
+  whole tensor's, so TP trains in fp8 as well as one GPU does, on other roundings (tests/test_fp8_parallel.py). The
+  whole tensor's amax (an all-reduce per cast, ~2,000 syncs of the ranks a d32 step) made TP 2 in fp8 slower than
+  one GPU in fp8 (dev/LOG.md, 2026-11-27).
 """
 
 import importlib.util
@@ -21,7 +22,6 @@ from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
-import torch.distributed._functional_collectives as funcol
 
 from nanochat import kernels
 from nanochat.kernels import Linear
@@ -84,18 +84,12 @@ def bf16_linears(model):
 
 # ---- casts and products ----
 
-def to_fp8(t, dtype, amax=None, group=None):
-    """torchao's tensorwise cast: t * scale saturated to dtype, scale = dtype's max / amax(t) in fp32 (the whole
-    tensor's when t is a shard over `group`). Returns the fp8 data and 1 / scale, which undoes it in a product."""
+def to_fp8(t, dtype, amax=None):
+    """torchao's tensorwise cast: t * scale saturated to dtype, scale = dtype's max / amax(t) in fp32. Returns the fp8
+    data and 1 / scale, which undoes it in a product."""
     from torchao.float8.float8_utils import amax_to_scale, to_fp8_saturated
-    amax = global_amax(t.abs().max() if amax is None else amax, group)
-    scale = amax_to_scale(amax, dtype)
+    scale = amax_to_scale(t.abs().max() if amax is None else amax, dtype)
     return to_fp8_saturated(t.float() * scale, dtype), scale.reciprocal()
-
-
-def global_amax(amax, group):
-    """The largest of every rank's amax over the group, if any (functional: it traces under torch.compile)."""
-    return amax if group is None else funcol.wait_tensor(funcol.all_reduce(amax, "max", group))
 
 
 def scaled_mm(a, b, a_inv, b_inv, out_dtype):
@@ -106,33 +100,32 @@ def scaled_mm(a, b, a_inv, b_inv, out_dtype):
 # ---- the linear ----
 
 class _Fp8Linear(torch.autograd.Function):
-    """x (M, K) @ w (N, K)^T; the groups: over which x, w and the output gradient are sharded (None: whole)."""
+    """x (M, K) @ w (N, K)^T."""
 
     @staticmethod
-    def forward(ctx, x, w, x_group, w_group, dout_group):
-        x8, x_inv = to_fp8(x, E4M3, group=x_group)
-        w8, w_inv = to_fp8(w, E4M3, group=w_group)
+    def forward(ctx, x, w):
+        x8, x_inv = to_fp8(x, E4M3)
+        w8, w_inv = to_fp8(w, E4M3)
         ctx.save_for_backward(x8, x_inv, w8, w_inv)
-        ctx.dout_group, ctx.w_dtype = dout_group, w.dtype
+        ctx.w_dtype = w.dtype
         return scaled_mm(x8, w8, x_inv, w_inv, x.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
         x8, x_inv, w8, w_inv = ctx.saved_tensors
-        dout8, dout_inv = to_fp8(grad_out, E5M2, group=ctx.dout_group)
+        dout8, dout_inv = to_fp8(grad_out, E5M2)
         grad_x = scaled_mm(dout8, w8.t().contiguous(), dout_inv, w_inv, grad_out.dtype)
         grad_w = scaled_mm(dout8.t().contiguous(), x8.t().contiguous(), dout_inv, x_inv, ctx.w_dtype)
-        return grad_x, grad_w, None, None, None
+        return grad_x, grad_w
 
 
 def fp8_linear(x, weight):
-    """x @ weight^T in tensorwise fp8, for a whole weight or a TP shard (tp_dim 0: column-, 1: row-parallel). Token
-    counts not a multiple of 16 (as fp8 products need; training's B x 2048 always is) take F.linear."""
+    """x @ weight^T in tensorwise fp8, for a whole weight or a TP shard. Token counts not a multiple of 16 (as fp8
+    products need; training's B x 2048 always is) take F.linear."""
     rows = x.reshape(-1, x.size(-1))
     if rows.size(0) % 16:
         return F.linear(x, weight.to(x.dtype))
-    group, dim = getattr(weight, "tp_group", None), getattr(weight, "tp_dim", None)
-    out = _Fp8Linear.apply(rows, weight, group if dim == 1 else None, group, group if dim == 0 else None)
+    out = _Fp8Linear.apply(rows, weight)
     return out.view(*x.shape[:-1], out.size(-1))
 
 
@@ -158,18 +151,17 @@ def relu_square_input_grad(dy8, w_proj8_t, y, scale, use_kernels):
 
 
 class _Fp8MLP(torch.autograd.Function):
-    """The MLP on x (M, C); group: the TP group W_fc, W_proj, y and dh are shards over (None: whole)."""
+    """The MLP on x (M, C) (under TP: on this rank's shards of W_fc and W_proj, whose partial sum it returns)."""
 
     @staticmethod
-    def forward(ctx, x, w_fc, w_proj, use_kernels, group):
+    def forward(ctx, x, w_fc, w_proj, use_kernels):
         x8, x_inv = to_fp8(x, E4M3)
-        w_fc8, w_fc_inv = to_fp8(w_fc, E4M3, group=group)
+        w_fc8, w_fc_inv = to_fp8(w_fc, E4M3)
         y, y_amax = fc_relu_square(x8, w_fc8, x_inv * w_fc_inv, x.dtype, use_kernels)
-        y_amax = global_amax(y_amax, group)
         y8, y_inv = to_fp8(y, E4M3, y_amax)
-        w_proj8, w_proj_inv = to_fp8(w_proj, E4M3, group=group)
+        w_proj8, w_proj_inv = to_fp8(w_proj, E4M3)
         ctx.save_for_backward(x8, x_inv, w_fc8, w_fc_inv, w_proj8, w_proj_inv, y, y_amax)
-        ctx.use_kernels, ctx.w_dtype, ctx.group = use_kernels, w_fc.dtype, group
+        ctx.use_kernels, ctx.w_dtype = use_kernels, w_fc.dtype
         return scaled_mm(y8, w_proj8, y_inv, w_proj_inv, x.dtype)
 
     @staticmethod
@@ -178,12 +170,12 @@ class _Fp8MLP(torch.autograd.Function):
         dout8, dout_inv = to_fp8(grad_out, E5M2)
         grad_h, grad_h_amax = relu_square_input_grad(dout8, w_proj8.t().contiguous(), y, dout_inv * w_proj_inv,
                                                      ctx.use_kernels)
-        dh8, dh_inv = to_fp8(grad_h, E5M2, grad_h_amax, ctx.group)
+        dh8, dh_inv = to_fp8(grad_h, E5M2, grad_h_amax)
         grad_x = scaled_mm(dh8, w_fc8.t().contiguous(), dh_inv, w_fc_inv, grad_out.dtype)
         grad_w_fc = scaled_mm(dh8.t().contiguous(), x8.t().contiguous(), dh_inv, x_inv, ctx.w_dtype)
-        y8, y_inv = to_fp8(y, E4M3, y_amax)  # c_proj's input again, cast as in the forward (global amax saved)
+        y8, y_inv = to_fp8(y, E4M3, y_amax)  # c_proj's input again, cast as in the forward (its amax saved)
         grad_w_proj = scaled_mm(dout8.t().contiguous(), y8.t().contiguous(), dout_inv, y_inv, ctx.w_dtype)
-        return grad_x, grad_w_fc, grad_w_proj, None, None
+        return grad_x, grad_w_fc, grad_w_proj, None
 
 
 class Fp8MLP(MLP):
@@ -194,7 +186,6 @@ class Fp8MLP(MLP):
         rows = x.reshape(-1, x.size(-1))
         if not self.fp8 or rows.size(0) % 16:
             return super().product(x)
-        group = getattr(self.c_fc.weight, "tp_group", None)
-        out = _Fp8MLP.apply(rows, self.c_fc.weight, self.c_proj.weight, kernels.takes(kernels.relu_square_mm, x),
-                            group).view_as(x)
-        return out if group is None else self.c_proj.reduce(out)
+        out = _Fp8MLP.apply(rows, self.c_fc.weight, self.c_proj.weight,
+                            kernels.takes(kernels.relu_square_mm, x)).view_as(x)
+        return self.c_proj.reduce(out) if hasattr(self.c_proj, "reduce") else out

@@ -11,7 +11,6 @@ Collectives, all over the TP group:
   all_reduce MAX, SUM  the vocab-parallel loss: the logits' max, the sum of exponentials, the target's logit
   all_reduce SUM       under SP, in the step: replicated parameters' partial gradients (reduce_partial_grad), and
                        MoE layers' expert loads (moe.after_step)
-  all_reduce MAX       fp8's global amax of sharded tensors (fp8.py)
 
 What is cut how (a region starts with `region_enter` at the model's `tp_enter` hook, ends in the row-parallel linear):
 - attention: q/k/v column-parallel (n_head/tp query, n_kv_head/tp kv heads a rank), the output projection row-parallel,

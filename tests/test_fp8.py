@@ -102,7 +102,7 @@ def run_mlp(mlp, x, dout, dtype, forward=None):
 
 def fused_forward(mlp, kernels):
     """_Fp8MLP on mlp's weights, with the Triton products or the PyTorch ones."""
-    return lambda x: _Fp8MLP.apply(x, mlp.c_fc.weight, mlp.c_proj.weight, kernels, None)
+    return lambda x: _Fp8MLP.apply(x, mlp.c_fc.weight, mlp.c_proj.weight, kernels)
 
 
 def fp8_mlp(mlp):

@@ -1,8 +1,7 @@
 """fp8 under tensor and pipeline parallelism (CPU, gloo, fp8 forced: torch._scaled_mm's CPU path).
 
-Two levels. The sharded fp8 products against the whole ones, in two processes: with the global amax
-(fp8.py) every shard is cast exactly as the whole tensor is, so outputs and gradients agree up to the
-order of the sharded sums. Then training runs (tests/parallel_harness.py): fp8 at TP=2, with sequence
+Two levels. The sharded fp8 products against the whole ones, in two processes: each shard cast with its own
+amax (fp8.py), they are as close to the exact products as the whole ones. Then training runs (tests/parallel_harness.py): fp8 at TP=2, with sequence
 parallelism and at PP=2 against fp8 at TP=1, a checkpoint saved at TP=2 resumed at TP=1, and evaluation
 under TP in bf16. How close two fp8 runs can be is set by fp8 itself; see assert_same_fp8_run."""
 
@@ -34,7 +33,7 @@ def _sharded_products(rank, world, port):
     TP=2 on the same input and output gradient, and compares."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     torch.set_num_threads(1)
-    from nanochat.fp8 import convert_to_fp8, to_fp8, E4M3
+    from nanochat.fp8 import convert_to_fp8, bf16_linears
     from nanochat.gpt import GPTConfig, MLP
     from nanochat.kernels import Linear
     from nanochat.tensor_parallel import region_enter, ColumnParallelLinear, RowParallelLinear
@@ -57,12 +56,9 @@ def _sharded_products(rank, world, port):
         grads = {n: p.grad.clone() for n, p in whole.named_parameters()}
         return out.detach(), xr.grad, grads
 
+    with bf16_linears(whole):  # fp8 off: the exact products
+        exact_out, exact_dx, exact_grads = run(whole.c_in, whole.c_out, whole.mlp, torch.nn.Identity())
     ref_out, ref_dx, ref_grads = run(whole.c_in, whole.c_out, whole.mlp, torch.nn.Identity())
-    # a shard's cast is the whole tensor's cast, cut: scale from the global amax
-    w = whole.c_in.weight.detach()
-    w8, w_inv = to_fp8(w, E4M3)
-    shard8, shard_inv = to_fp8(w.chunk(world)[rank], E4M3, group=group)
-    assert torch.equal(shard8.float(), w8.float().chunk(world)[rank]) and torch.equal(shard_inv, w_inv)
     # shard as parallelize does (the MLP keeps its module, its linears and entry become TP's)
     c_in, c_out = ColumnParallelLinear(whole.c_in, layout), RowParallelLinear(whole.c_out, layout, False)
     assert c_in.fp8 and c_out.fp8
@@ -71,18 +67,17 @@ def _sharded_products(rank, world, port):
     mlp.c_fc, mlp.c_proj = ColumnParallelLinear(mlp.c_fc, layout), RowParallelLinear(mlp.c_proj, layout, False)
     whole.c_in, whole.c_out = c_in, c_out
     out, dx, grads = run(c_in, c_out, mlp, region_enter(group, False))
-    # equal but for the order of the sharded sums (fp32 rounding, ~1e-7), which can move the odd fp8
-    # rounding of an element by one step; local scales would put every element's rounding off (~1e-2)
-    assert rel_err(out, ref_out) < 1e-5, rel_err(out, ref_out)
-    assert rel_err(dx, ref_dx) < 1e-5, rel_err(dx, ref_dx)
-    for name, grad in grads.items():
-        param = dict(whole.named_parameters())[name]
-        ref = ref_grads[name].chunk(world, dim=param.tp_dim)[rank]
-        assert rel_err(grad, ref) < 1e-5, (name, rel_err(grad, ref))
+    # each shard cast with its own amax: other roundings than the whole tensor's, none coarser. So against the exact
+    # (fp32) products the sharded ones are as close as the whole fp8 ones (measured: 1.0-1.4x their error, which is
+    # 2-7%); a shard cast with another's scale, or a partial sum not summed, would be off by ~100%
+    for mine, whole_fp8, exact in [(out, ref_out, exact_out), (dx, ref_dx, exact_dx)] + [
+            (g, ref_grads[n].chunk(world, dim=dict(whole.named_parameters())[n].tp_dim)[rank],
+             exact_grads[n].chunk(world, dim=dict(whole.named_parameters())[n].tp_dim)[rank]) for n, g in grads.items()]:
+        assert rel_err(mine, exact) < 2 * rel_err(whole_fp8, exact) < 0.2, (rel_err(mine, exact), rel_err(whole_fp8, exact))
     dist.destroy_process_group()
 
 
-def test_sharded_fp8_products_equal_the_whole_ones():
+def test_sharded_fp8_products_are_as_close_as_the_whole_ones():
     spawn(_sharded_products, (2, _free_port()), 2)
 
 
@@ -100,18 +95,14 @@ def fp8_tp2():
     return run_layout(tp=2, steps=4, config_overrides=FP8, fp8=True)
 
 
-def assert_same_fp8_run(run, ref, first=None):
-    """Two fp8 runs that differ only in the order of some fp32 sums. The first forward (same weights) is
-    equal but for a few fp8 roundings moved by one step (measured 7e-7 at TP=2; 1e-5 allows for another
-    CPU's sums). From then on each fp8 rounding a difference moves makes more differences, until the two
-    runs differ as any two fp8 runs with other rounding do: within fp8's own noise, 1e-3 of the loss in
-    these 4 steps (fp8 against fp32 differs by 1.3e-4 at step 3 and 1.4e-3 at step 4). Parameters: Adam's
-    first steps are lr x sign(gradient), so an element whose gradient is near zero steps either way on a
-    rounding (up to 2 lr per step in its max); the relative norm of each tensor's difference measures the rest
-    (measured <= 0.13 for the value-embedding gate; fp8 against fp32 differs by 0.18), bounded by 0.25."""
+def assert_same_fp8_run(run, ref):
+    """Two fp8 runs on other roundings (a TP shard is cast with its own amax, a DP or CP rank's activations with
+    theirs): within fp8's own noise, 1e-3 of the loss in these 4 steps (fp8 against fp32 differs by 1.3e-4 at step 3
+    and 1.4e-3 at step 4). Parameters: Adam's first steps are lr x sign(gradient), so an element whose gradient is
+    near zero steps either way on a rounding (up to 2 lr per step in its max); the relative norm of each tensor's
+    difference measures the rest (measured <= 0.13 for the value-embedding gate; fp8 against fp32 differs by 0.18),
+    bounded by 0.25."""
     assert len(run["losses"]) == len(ref["losses"])
-    if first is not None:
-        assert abs(run["losses"][0] - ref["losses"][0]) / ref["losses"][0] <= first, (run["losses"], ref["losses"])
     for a, b in zip(run["losses"], ref["losses"]):
         assert abs(a - b) / b <= 1e-3, (run["losses"], ref["losses"])
     assert run["params"].keys() == ref["params"].keys()
@@ -128,12 +119,12 @@ def test_fp8_reference_learns_and_differs_from_fp32(fp8_reference):
 
 
 def test_fp8_tp2(fp8_reference, fp8_tp2):
-    assert_same_fp8_run(fp8_tp2, fp8_reference, first=1e-5)
+    assert_same_fp8_run(fp8_tp2, fp8_reference)
 
 
 def test_fp8_tp2_sequence_parallel(fp8_reference):
     assert_same_fp8_run(run_layout(tp=2, sequence_parallel=True, steps=4, config_overrides=FP8, fp8=True),
-                        fp8_reference, first=1e-5)
+                        fp8_reference)
 
 
 def test_fp8_pp2_is_exact(fp8_reference):  # 2 blocks: too few for interleaving
@@ -148,7 +139,7 @@ def test_fp8_checkpoint_tp2_resumes_at_tp1(fp8_tp2):
     """The checkpoint fp8_tp2 saved after 2 of its 4 steps, resumed at TP=1 in fp8: the last 2 steps as
     fp8 runs agree (assert_same_fp8_run)."""
     resumed = run_layout(steps=4, resume_from=os.path.join(fp8_tp2["dir"], "ckpt"), config_overrides=FP8, fp8=True)
-    assert_same_fp8_run(resumed, dict(fp8_tp2, losses=fp8_tp2["losses"][2:]), first=1e-5)
+    assert_same_fp8_run(resumed, dict(fp8_tp2, losses=fp8_tp2["losses"][2:]))
 
 
 def test_fp8_evaluation_under_tp_runs_in_bf16(fp8_tp2):
