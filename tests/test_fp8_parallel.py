@@ -1,9 +1,10 @@
 """fp8 under tensor and pipeline parallelism (CPU, gloo, fp8 forced: torch._scaled_mm's CPU path).
 
 Two levels. The sharded fp8 products against the whole ones, in two processes: each shard cast with its own
-amax (fp8.py), they are as close to the exact products as the whole ones. Then training runs (tests/parallel_harness.py): fp8 at TP=2, with sequence
-parallelism and at PP=2 against fp8 at TP=1, a checkpoint saved at TP=2 resumed at TP=1, and evaluation
-under TP in bf16. How close two fp8 runs can be is set by fp8 itself; see assert_same_fp8_run."""
+amax (fp8.py), they are as close to the exact products as the whole ones. Then training runs
+(tests/parallel_harness.py): fp8 at TP=2, with sequence parallelism and at PP=2 against fp8 at TP=1, a
+checkpoint saved at TP=2 resumed at TP=1, and evaluation under TP in bf16. How close two fp8 runs can be is
+set by fp8 itself; see assert_same_fp8_run."""
 
 import os
 from types import SimpleNamespace
@@ -70,10 +71,12 @@ def _sharded_products(rank, world, port):
     # each shard cast with its own amax: other roundings than the whole tensor's, none coarser. So against the exact
     # (fp32) products the sharded ones are as close as the whole fp8 ones (measured: 1.0-1.4x their error, which is
     # 2-7%); a shard cast with another's scale, or a partial sum not summed, would be off by ~100%
+    dims = {n: p.tp_dim for n, p in whole.named_parameters()}
+    shard = lambda t, n: t.chunk(world, dim=dims[n])[rank]
     for mine, whole_fp8, exact in [(out, ref_out, exact_out), (dx, ref_dx, exact_dx)] + [
-            (g, ref_grads[n].chunk(world, dim=dict(whole.named_parameters())[n].tp_dim)[rank],
-             exact_grads[n].chunk(world, dim=dict(whole.named_parameters())[n].tp_dim)[rank]) for n, g in grads.items()]:
-        assert rel_err(mine, exact) < 2 * rel_err(whole_fp8, exact) < 0.2, (rel_err(mine, exact), rel_err(whole_fp8, exact))
+            (g, shard(ref_grads[n], n), shard(exact_grads[n], n)) for n, g in grads.items()]:
+        errors = rel_err(mine, exact), rel_err(whole_fp8, exact)
+        assert errors[0] < 2 * errors[1] < 0.2, errors
     dist.destroy_process_group()
 
 

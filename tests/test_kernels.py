@@ -51,7 +51,7 @@ def fake_kernels(monkeypatch, calls, available=True, fa4=True):
         logits = gpt.softcap(x.reshape(-1, x.size(-1)) @ weight.t())
         return F.cross_entropy(logits, targets.reshape(-1), ignore_index=-1, reduction="none")
 
-    def fp8_mlp(x, w_fc, w_proj, use_kernels, group):
+    def fp8_mlp(x, w_fc, w_proj, use_kernels):
         calls.append(f"fp8 kernels={use_kernels}")
         return fused_mlp(x, w_fc, w_proj, 1, 1)
 

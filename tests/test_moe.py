@@ -10,7 +10,8 @@ import functools
 
 import torch.nn.functional as F
 
-from nanochat.moe import MoE, after_step, expert_dim, grouped_experts, looped_experts, mixture, pairs_per_expert
+from nanochat.moe import (MOE_BIAS_RATE, MoE, after_step, expert_dim, grouped_experts, looped_experts, mixture,
+                          pairs_per_expert)
 from nanochat.recipe import parse_args, model_config, check_loop_flags, Setting
 from nanochat.common import ConfigError
 from parallel_harness import CONFIG, run_layout
@@ -197,5 +198,10 @@ def test_moe_in_fp8_under_expert_and_tensor_parallelism_follows_one_process():
     reference = run_layout(steps=4, config_overrides=config, fp8=True)
     assert_same_fp8_run(run_layout(dp=2, ep=2, steps=4, config_overrides=config, fp8=True), reference)
     # TP 2 with SP: the replicated shared expert's fp8 products are whole (its tp_partial_grad group only sums its
-    # gradient)
-    assert_same_fp8_run(run_layout(tp=2, sequence_parallel=True, steps=4, config_overrides=config, fp8=True), reference)
+    # gradient). The routing bias moves by +-rate a step on a comparison of loads, which other fp8 roundings (TP's
+    # shards cast with their own amax) can flip: each element within two flipped steps (4 x rate; measured one;
+    # 4 steps can part it by 8 x rate)
+    tp2 = run_layout(tp=2, sequence_parallel=True, steps=4, config_overrides=config, fp8=True)
+    bias = "blocks.1.mlp.bias"
+    assert (tp2["params"].pop(bias) - reference["params"][bias]).abs().max() <= 4 * MOE_BIAS_RATE + 1e-6
+    assert_same_fp8_run(tp2, dict(reference, params={n: p for n, p in reference["params"].items() if n != bias}))
