@@ -45,8 +45,8 @@ CUDA events (the median of --repeats calls). One subcommand per kernel:
                   row shard, the MLP's shard n_embd -> 4 n_embd / tp -> n_embd), forward + backward, compiled
                   as training compiles them (the fp8 casts and amaxes fuse only under torch.compile). fp8 is
                   fp8.Fp8Linear and fp8.Fp8MLP (ReLU^2 inside the products), bf16 kernels.Linear and gpt.MLP (its
-                  fused ReLU^2 kernels); weights fp32 as in training, activations bf16. One GPU has no TP group,
-                  so the global-amax all-reduces fp8 adds under TP (fp8.py) are not in these times.
+                  fused ReLU^2 kernels); weights fp32 as in training, activations bf16. Under TP each shard is
+                  cast with its own amax (fp8.py), as here: one GPU times a rank's work.
 
     python -m dev.bench_kernels attention --depth 20 --device-batch-size 32
     python -m dev.bench_kernels matmul --depth 20 --device-batch-size 32

@@ -35,7 +35,7 @@ The configurations, one set per call:
     python -m dev.bench_train --parallel --gpus 0,1 --only d20  # the d20 layouts on GPUs 0 and 1
     python -m dev.bench_train --parallel --only "32K"           # context parallel against one GPU
     python -m dev.bench_train --parallel --only "=d32 one GPU,=d32 TP=2" -- --fp8      # TP 2 in fp8
-    python -m dev.bench_train --parallel --only "32K CP" -- --cp-exchange ring   # the ring in place of the all-gather
+    python -m dev.bench_train --parallel --only "32K CP" -- --cp-exchange ring   # the ring also at CP 4
 
 Needs CUDA GPUs (nvidia-smi lists them, or name them with --gpus), data and a tokenizer as base_train does
 (--data-dir / NANOCHAT_DATA_DIR, --base-dir / NANOCHAT_BASE_DIR). fp8 needs torchao and an SM89+ GPU (a run

@@ -66,9 +66,9 @@ FP8_SAVING = 3.0
 FP8_BLOCK_EXTRA = 8.0
 HEAD_BYTES = 1.6  # per token, times the vocabulary (the lm_head and loss's kept tensors; vocab-parallel under TP)
 TP_SHARDED = 24 / 34  # of a layer's activations, the share inside the TP regions (Megatron-LM: 24 of 34 bytes x width)
-# relative tok/s per GPU, measured on H200s (dev/BENCHMARKS.md): recompute at d20/d26, TP=2 at d20/d32, CP=2 at d12
+# relative tok/s per GPU, measured on H200s (dev/BENCHMARKS.md): recompute at d20/d26, TP=2 at d32, CP=2 at d12
 # and 32K; each further TP or CP doubling is charged again, sharding nothing (unmeasured); PP: the bubble's formula
-SPEED = {"selective": 0.91, "block": 0.88, "tp2": 0.78, "cp2": 0.755}
+SPEED = {"selective": 0.91, "block": 0.88, "tp2": 0.756, "cp2": 0.755}
 GPUS = {"h100": 79.6, "h200": 140.4, "a100": 79.2, "a100-40gb": 39.4}  # GiB, as nvidia-smi gives the memory
 
 
@@ -125,7 +125,7 @@ def rank_memory(config, s):
         act_peaks, alive = peak_in_flight(actions, kept), peak_in_flight(actions)
     else:
         act_peaks, alive = [kept[0]], [1]
-    if s.cp > 1 and s.cp_exchange == "all-gather":  # a layer's backward holds the whole sequence's K/V (compute
+    if s.cp > 1 and s.exchange == "all-gather":  # a layer's backward holds the whole sequence's K/V (compute
         # dtype), then their gradients (fp32, and again in the compute dtype for the reduce-scatter), beside activations
         kv = s.device_batch * config.sequence_len * 2 * config.n_kv_head * (config.n_embd // config.n_head) / s.tp
         act_peaks = [a + kv * (dt + 4) for a in act_peaks]

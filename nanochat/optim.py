@@ -16,9 +16,10 @@ Matrices of the same shape are stacked so one (compiled, on CUDA) call updates a
 
 The step starts the data-parallel reductions the backward has not (data_parallel.py), updates what this rank owns as
 its gradients land and applies the owners' all-gathered updates. Under TP Muon sees whole matrices, so the result
-does not depend on the TP degree: an owner gathers the TP shards of its gradients summed over DP (the same numbers
-on 1/W of the bytes), each rank applies its shard of the update. State is saved as whole tensors per parameter name:
-a run resumes on any number of ranks.
+does not depend on the TP degree: the TP ranks of an owner share its matrices out, each receiving the shards of its
+share (summed over DP) by one all-to-all, updating them whole and returning the update's shards by another
+(tensor_parallel.whole_rounds); each rank applies its shard. State is saved as whole tensors per parameter name: a
+run resumes on any number of ranks.
 """
 
 import math

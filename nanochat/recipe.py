@@ -327,7 +327,7 @@ class Setting:
     tp: int = 1
     pp: int = 1
     cp: int = 1
-    cp_exchange: str | None = None  # None: the faster measured (four and two H200s, 32K; dev/LOG.md), see below
+    cp_exchange: str | None = None  # None: the faster measured, see `exchange`
     pp_schedule: str = "1f1b"
     pp_virtual: int = 1
     ep: int = 1
@@ -341,9 +341,10 @@ class Setting:
     fp8: bool = False
     compute_bytes: int = 2  # of the compute dtype: bf16 on GPUs (4: fp32, as on a CPU); for the planner
 
-    def __post_init__(self):
-        if self.cp_exchange is None:
-            self.cp_exchange = "ring" if self.cp == 2 else "all-gather"
+    @property
+    def exchange(self):
+        """--cp-exchange, by default the faster measured (32K, two and four H200s; dev/LOG.md): the ring at CP 2."""
+        return self.cp_exchange or ("ring" if self.cp == 2 else "all-gather")
 
     @classmethod
     def from_args(cls, args, dp, total_batch, overlap_grad_reduce=False):

@@ -18,8 +18,8 @@ backward needs only the ids), unless --keep-gathered keeps them (one copy more a
 micro-batch's gradients go to their owners (fp32, summed) as each module's backward ends, landing during the next's.
 
 A sharded parameter carries `dp_shape` (its whole shape on this TP rank), `dp_group` and `dp_owner` (the DP rank
-holding a Muon matrix; None for one held by rows); its .data is what this rank holds. Under TP a gathered weight
-carries its TP shard's attributes, and TP's embedding tables count as lookups.
+holding a Muon matrix; None for one held by rows); its .data is what this rank holds. Under TP, TP's embedding tables
+count as lookups.
 """
 
 import torch
@@ -80,8 +80,6 @@ class Gathered:
     def __init__(self, weights, unit):
         self.weights, self.unit = weights, unit
         self.wholes = [torch.empty(p.dp_shape, dtype=weights.dtype, device=p.device) for p in unit.params]
-        for p, t in zip(unit.params, self.wholes):  # what the model's kernels read off a weight (fp8 under TP)
-            t.tp_dim, t.tp_size, t.tp_group = (getattr(p, a, None) for a in ("tp_dim", "tp_size", "tp_group"))
         self.works, self.previous, self.output, self.done = [], None, None, False
         weights.count(sum(t.numel() * t.element_size() for t in self.wholes))
         self.fill(range(len(self.wholes)))

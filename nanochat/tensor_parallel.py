@@ -33,7 +33,6 @@ import torch.nn.functional as F
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from nanochat.distributed import all_gather_single
 from nanochat.gpt import softcap, reduce_losses
 from nanochat.fp8 import fp8_linear
 from nanochat.moe import MoE, moe_modules
@@ -79,8 +78,9 @@ def rounds_held(rounds, p):
 
 def whole_rounds(shards, p):
     """(R, *shard) gradients of every round -> this rank's rounds whole, (per, *full): one all-to-all."""
-    per = len(rounds_held(shards.size(0), p))
-    padded = torch.cat([shards, shards.new_zeros((per * p.tp_size - shards.size(0), *shards.shape[1:]))])
+    per, R = len(rounds_held(shards.size(0), p)), shards.size(0)
+    padded = torch.cat([shards, shards.new_zeros((per * p.tp_size - R, *shards.shape[1:]))]) if per * p.tp_size > R \
+        else shards.contiguous()
     received = torch.empty_like(padded)  # chunk k: rank k's shards of this rank's rounds
     dist.all_to_all_single(received, padded, group=p.tp_group)
     return torch.cat(received.chunk(p.tp_size), dim=p.tp_dim + 1)
@@ -96,11 +96,7 @@ def shard_rounds(whole, p, rounds):
 
 def gather_rounds(held, p, rounds):
     """Every TP rank's (per, ...) state -> that of all `rounds` (for checkpoints)."""
-    if not is_sharded(p):
-        return held
-    full = held.new_empty((held.size(0) * p.tp_size, *held.shape[1:]))
-    all_gather_single(full, held.contiguous(), group=p.tp_group)
-    return full[:rounds]
+    return _all_gather(held, 0, p.tp_group)[:rounds] if is_sharded(p) else held
 
 
 def reduce_partial_grad(p, grad):
@@ -186,7 +182,7 @@ def _shard_parameter(full, dim, layout):
 
 
 def _linear(module, x):
-    """x @ W^T for a sharded linear: in fp8 (global scales, fp8.py) when made from an fp8 one (`fp8` kept)."""
+    """x @ W^T for a sharded linear: in fp8 (the shard's own scale, fp8.py) when made from an fp8 one (`fp8` kept)."""
     return fp8_linear(x, module.weight) if module.fp8 else F.linear(x, module.weight.to(x.dtype))
 
 

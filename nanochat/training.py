@@ -55,7 +55,7 @@ def setup(config, setting, layout, device, dtype, lrs, l3_data=None, after_init=
         parallelize(model, layout, setting.sequence_parallel)
     if layout.cp_size > 1:
         from nanochat.context_parallel import ContextParallel
-        model.sequence = ContextParallel(layout, config.sequence_len, device, setting.cp_exchange)
+        model.sequence = ContextParallel(layout, config.sequence_len, device, setting.exchange)
     pipeline = None
     if layout.pp_size > 1:
         from nanochat.pipeline_parallel import Pipeline
@@ -67,7 +67,7 @@ def setup(config, setting, layout, device, dtype, lrs, l3_data=None, after_init=
         attention = kernels.prepare_attention(config, model.window_sizes, device, dtype)
     else:
         chunk = model.sequence.chunk
-        attention = (f"attention over cp {layout.cp_size}, K/V by {setting.cp_exchange} "
+        attention = (f"attention over cp {layout.cp_size}, K/V by {setting.exchange} "
                      f"({kernels.attention_block_name(device, dtype)})")
         odd = sorted({w for w in model.window_sizes if w < config.sequence_len and w % chunk})
         if odd and device.type == "cuda":

@@ -89,7 +89,7 @@ def _free_port():
 
 def _worker(rank, world, tp, pp, sequence_parallel, schedule, steps, port, out_dir, config_overrides, resume_from,
             overlap, recompute="none", compile_backend=None, fp8=False, virtual=1, cp=1, documents=False,
-            shard_params=False, keep_gathered=False, micro_batch=MICRO_BATCH, ep=1, cp_exchange="all-gather"):
+            shard_params=False, keep_gathered=False, micro_batch=MICRO_BATCH, ep=1, cp_exchange=None):
     """One process of the run: base_train's setup and step (nanochat.training), on the fixed batches."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -264,7 +264,7 @@ def _new_run_dir():
 def run_layout(dp=1, tp=1, pp=1, sequence_parallel=False, schedule="1f1b", steps=5, config_overrides=None,
                resume_from=None, out_dir=None, overlap=True, recompute="none", compile_backend=None, fp8=False, virtual=1,
                cp=1, documents=False, shard_params=False, keep_gathered=False, micro_batch=MICRO_BATCH, ep=1,
-               cp_exchange="all-gather"):
+               cp_exchange=None):
     """Returns {"losses": [...], "params": {name: full tensor}, "eval_losses": [the whole-sequence loss
     after training, from each stage's first rank], "overlapped": [per stage, per step: buckets whose
     reduction the backward launched], "graphs": [per stage, per step: graphs torch.compile made so far],
@@ -274,7 +274,7 @@ def run_layout(dp=1, tp=1, pp=1, sequence_parallel=False, schedule="1f1b", steps
     needs n_embd >= 128 for any to be eligible). virtual: --pp-virtual (chunks per pipeline rank). cp: --cp (each
     sequence over cp ranks). documents: batches packed from BOS-led documents (fixed_batches). shard_params,
     keep_gathered: --shard-params and --keep-gathered. micro_batch: sequences per micro-batch per process. ep: --ep
-    (experts over ep of the dp ranks). cp_exchange: --cp-exchange.
+    (experts over ep of the dp ranks). cp_exchange: --cp-exchange (None: its default).
     The result's "held" lists, per rank, the bytes of weights, gradients and optimizer state it held (and the most
     bytes of gathered whole weights it had alive at once, "gathered_peak", their largest over the ranks)."""
     world = dp * tp * pp * cp

@@ -70,13 +70,14 @@ def _sharded_products(rank, world, port):
     out, dx, grads = run(c_in, c_out, mlp, region_enter(group, False))
     # each shard cast with its own amax: other roundings than the whole tensor's, none coarser. So against the exact
     # (fp32) products the sharded ones are as close as the whole fp8 ones (measured: 1.0-1.4x their error, which is
-    # 2-7%); a shard cast with another's scale, or a partial sum not summed, would be off by ~100%
+    # 2-7%); a shard cast with another's scale, or a partial sum not summed, would be off by ~100%, and shards not in
+    # fp8 at all by ~0
     dims = {n: p.tp_dim for n, p in whole.named_parameters()}
     shard = lambda t, n: t.chunk(world, dim=dims[n])[rank]
     for mine, whole_fp8, exact in [(out, ref_out, exact_out), (dx, ref_dx, exact_dx)] + [
             (g, shard(ref_grads[n], n), shard(exact_grads[n], n)) for n, g in grads.items()]:
         errors = rel_err(mine, exact), rel_err(whole_fp8, exact)
-        assert errors[0] < 2 * errors[1] < 0.2, errors
+        assert 0.5 * errors[1] < errors[0] < 2 * errors[1] < 0.2, errors
     dist.destroy_process_group()
 
 
