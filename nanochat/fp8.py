@@ -12,7 +12,7 @@ dev/LOG.md 2026-11-21); tests check it against torchao's Float8Linear.
   and dh = (dout W_proj) * 2 sqrt(y), each with its amax for the next cast. Each matmul takes both operands K-major
   (Hopper's fp8 rule), so the backward makes transposed fp8 copies.
 - Under TP each shard is cast with its own amax, with no collective: a shard's scale is at least as fine as the
-  whole tensor's, so TP trains in fp8 as well as one GPU does, on other roundings (tests/test_fp8_parallel.py). The
+  whole tensor's, so TP follows TP=1 within fp8's noise, on other roundings (tests/test_fp8_parallel.py). The
   whole tensor's amax (an all-reduce per cast, ~3,000 syncs of the ranks a d32 step) made TP 2 in fp8 slower than
   one GPU in fp8 (dev/LOG.md, 2026-11-27).
 """
