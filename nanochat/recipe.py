@@ -111,8 +111,8 @@ def parse_args(argv=None):
     add("--cp", type=int, default=1, help="context-parallel degree: each sequence split over this many ranks "
                                           "(head-tail chunks; nanochat/context_parallel.py)")
     add("--cp-exchange", type=str, default=None, choices=("all-gather", "ring"),
-        help="how --cp ranks share K/V: one all-gather per layer, or a ring of point-to-point steps that skips ranks a "
-             "sliding window never reaches (less memory); default: the faster measured, the ring at CP 2, else all-gather")
+        help="how --cp ranks share K/V: one all-gather per layer, or a ring of point-to-point steps that skips ranks "
+             "a sliding window never reaches (less memory); default: the faster measured, ring at CP 2, else all-gather")
     add("--ep", type=int, default=1, help="expert-parallel degree: each MoE layer's experts spread over this many DP "
                                           "ranks (nanochat/expert_parallel.py)")
     add("--pp-schedule", default="1f1b", choices=SCHEDULES, help="pipeline schedule (nanochat/pipeline_schedules.py)")
