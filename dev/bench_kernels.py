@@ -186,7 +186,7 @@ def ring(args):
         home_bytes = 2 * kv_bytes  # their gradients, fp32
         for window in windows:
             name = "full" if window >= T else f"window {window}"
-            plans = [cpm.ContextParallel(_RingLayout(r, N), T, device) for r in range(N)]
+            plans = [cpm.ContextParallel(_RingLayout(r, N), T, device, "ring") for r in range(N)]
             # the arithmetic: every rank's blocks merged, then their backward, against the whole sequence at once
             ref = forward_backward(whole(window))
             got = cpm.ring_in_one_process(q, k, v, dout, N, window)

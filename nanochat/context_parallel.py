@@ -94,7 +94,7 @@ def block_attention_backward(dout, q, k, v, out, lse, offset, window):
 class ContextParallel(WholeSequence):
     """This rank's chunks of each sequence; --recompute selective keeps CP attention (a rerun would exchange again)."""
 
-    def __init__(self, layout, sequence_len, device, exchange="all-gather"):
+    def __init__(self, layout, sequence_len, device, exchange):
         if exchange not in ("all-gather", "ring"):
             raise ValueError(f"context parallelism exchanges K/V by 'all-gather' or 'ring', not {exchange!r}")
         self.layout, self.size, self.rank, self.exchange = layout, layout.cp_size, layout.cp_rank, exchange
@@ -182,6 +182,10 @@ class ContextParallel(WholeSequence):
     def _halves(self, t):
         return t[:, :, :self.chunk], t[:, :, self.chunk:]
 
+    def _copied_halves(self, t):
+        """Halves that several blocks read, copied once: the blocks' kernels take contiguous inputs (sdpa.py)."""
+        return [h.contiguous() for h in self._halves(t)]
+
     def _ring(self, mine, window):
         """(step, whether my K/V went to r+step, r-step's K/V or None) per step, own first; each posted a step ahead."""
         steps = self.schedule(window)
@@ -194,7 +198,7 @@ class ContextParallel(WholeSequence):
 
     def ring_forward(self, q, k, v, window):
         """(out, lse) of this rank's queries over every visible block."""
-        merged, qs = [None, None], self._halves(q)  # per query chunk: (out fp32, lse)
+        merged, qs = [None, None], self._copied_halves(q)  # per query chunk: (out fp32, lse)
         for step, _, kv in self._ring(torch.stack([k, v]), window):  # K/V: one message per step
             for a, b, offset in self.visible_pairs(self.rank, (self.rank - step) % self.size, window):  # none without kv
                 kb, vb = self._halves(kv[0])[b], self._halves(kv[1])[b]
@@ -203,7 +207,7 @@ class ContextParallel(WholeSequence):
 
     def ring_backward(self, dout, q, k, v, out, lse, window):
         """(dq, dk, dv) from the gradient of the merged output."""
-        qs, douts, outs, lses = (self._halves(t) for t in (q, dout, out, lse))
+        qs, douts, outs, lses = (self._copied_halves(t) for t in (q, dout, out, lse))
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dqs = self._halves(dq)
         homecoming = []  # (requests, buffer): dK/dV of this rank's block from the ranks that used it
@@ -263,7 +267,7 @@ class ContextParallel(WholeSequence):
 
     def gather_forward(self, q, k, v, window):
         """(out, lse) of this rank's queries: own chunks' diagonals while every rank's K/V are gathered, then the rest."""
-        qs, kv = self._halves(q), torch.stack([k, v])
+        qs, kv = self._copied_halves(q), torch.stack([k, v])
         gathered, work = self._post_gather(kv)
         merged = [merge(None, *block_attention(qa, ka, va, 0, window))
                   for qa, ka, va in zip(qs, self._halves(kv[0]), self._halves(kv[1]))]
@@ -275,7 +279,7 @@ class ContextParallel(WholeSequence):
 
     def gather_backward(self, dout, q, k, v, out, lse, window):
         """(dq, dk, dv); dK/dV off the diagonals summed over CP by a reduce-scatter, behind the diagonals' backward."""
-        qs, douts, outs, lses = (self._halves(t) for t in (q, dout, out, lse))
+        qs, douts, outs, lses = (self._copied_halves(t) for t in (q, dout, out, lse))
         kv = torch.stack([k, v])
         whole = self._in_order(*self._post_gather(kv))
         dwhole = torch.zeros(whole.shape, dtype=torch.float32, device=q.device)

@@ -104,6 +104,7 @@ def rank_memory(config, s):
     from nanochat.pipeline_schedules import stage_actions, peak_in_flight
     from nanochat.data_parallel import RoundRobin, owned_by_rows
     from nanochat.sharding import embedding_types
+    from nanochat.tensor_parallel import is_sharded
     from nanochat.moe import extra_activation_bytes, moe_layers
     m = s.check(config)  # micro-batches per step
     model = _meta_model(config, s)
@@ -147,7 +148,7 @@ def rank_memory(config, s):
             if group["name"] == "moe_experts" and s.ep > 1:  # a rank holds its EP rank's experts; they are shared out
                 held = len(params) // s.ep                   # over the ranks holding the same ones
                 owned = RoundRobin(held, s.dp // s.ep, 0).rounds
-            if getattr(params[0], "tp_dim", None) is not None:  # TP ranks share the rounds out (tensor_parallel)
+            if is_sharded(params[0]):  # TP ranks share the rounds out (tensor_parallel.rounds_held)
                 owned = math.ceil(owned / s.tp)
             weights += held * params[0].numel() * 4
             state += owned * (math.prod(full_shape) + full_shape[0]) * 4  # momentum, NorMuon's per-row moment

@@ -125,11 +125,13 @@ def muon_stacks(groups):
 
 
 class MuonStack:
-    """Same-shape Muon matrices of one group (full shape under TP), and the state of those this rank owns."""
+    """Same-shape Muon matrices of one group (full shape under TP), and the state of the rounds this rank updates
+    (`held`: under TP, its share of the owned rounds, padding included)."""
 
     def __init__(self, group, shape, params, owner):
         self.group, self.shape, self.params, self.owner = group, shape, params, owner
-        self.held = tp.rounds_held(owner.rounds, params[0])  # under TP: this rank's share of the rounds
+        self.cut = tp.is_sharded(params[0])  # under TP: the TP ranks share the rounds out, each updating its share
+        self.held = tp.rounds_held(owner.rounds, params[0])
         device = params[0].device
         self.momentum = torch.zeros((len(self.held), *shape), dtype=torch.float32, device=device)
         self.second = torch.zeros((len(self.held), shape[0], 1), dtype=torch.float32, device=device)
@@ -203,7 +205,7 @@ class MuonAdamW(torch.optim.Optimizer):
         # Muon, stack by stack as rounds land: steps 1-5 on this rank's whole matrices, updates sent in compute dtype
         for d, s, stack in self.muon_stacks:
             grads = d.reduced_muon_grads(s)
-            p0, cut = stack.params[0], tp.is_sharded(stack.params[0])
+            p0, cut = stack.params[0], stack.cut
             if cut:  # this TP rank's share of the rounds, whole
                 grads = tp.whole_rounds(grads, p0)
             tp.reduce_partial_grad(p0, grads)  # replicated matrices under sequence parallelism (L3): sum over TP
@@ -290,7 +292,7 @@ class MuonAdamW(torch.optim.Optimizer):
                 state[key].copy_(self.dp.my_rows(t) if self.dp.owns_rows(p) else t)
         for _, _, stack in self.muon_stacks:
             for h, j in enumerate(stack.held):
-                if j < stack.owner.rounds and (i := stack.owner.owned(j)) is not None:
+                if (i := stack.owner.owned(j)) is not None:  # None past the last round too
                     entry = params[self.names[stack.params[i]]]
                     stack.momentum[h].copy_(entry["momentum"])
                     stack.second[h].copy_(entry["second"])

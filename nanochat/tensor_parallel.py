@@ -72,15 +72,15 @@ def rounds_held(rounds, p):
     """The round indices this TP rank updates whole (past `rounds`: padding); all of them where p is not cut."""
     if not is_sharded(p):
         return range(rounds)
-    per = math.ceil(rounds / p.tp_size)
-    return range(dist.get_rank(p.tp_group) * per, (dist.get_rank(p.tp_group) + 1) * per)
+    per, rank = math.ceil(rounds / p.tp_size), dist.get_rank(p.tp_group)
+    return range(rank * per, (rank + 1) * per)
 
 
 def whole_rounds(shards, p):
     """(R, *shard) gradients of every round -> this rank's rounds whole, (per, *full): one all-to-all."""
-    per, R = len(rounds_held(shards.size(0), p)), shards.size(0)
-    padded = torch.cat([shards, shards.new_zeros((per * p.tp_size - R, *shards.shape[1:]))]) if per * p.tp_size > R \
-        else shards.contiguous()
+    R = shards.size(0)
+    pad = len(rounds_held(R, p)) * p.tp_size - R
+    padded = torch.cat([shards, shards.new_zeros((pad, *shards.shape[1:]))]) if pad else shards.contiguous()
     received = torch.empty_like(padded)  # chunk k: rank k's shards of this rank's rounds
     dist.all_to_all_single(received, padded, group=p.tp_group)
     return torch.cat(received.chunk(p.tp_size), dim=p.tp_dim + 1)

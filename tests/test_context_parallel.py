@@ -85,7 +85,7 @@ def test_checkpoint_cp2_resumes_at_cp1():
 def spans_in_one_process(q, k, v, dout, N, window):
     """What the all-gather computes, every query chunk in one process: (out, dq, dk, dv) of whole sequences from each
     chunk's key_spans blocks merged, the backward from the merged output (ring_in_one_process for the ring's blocks)."""
-    cp = cpm.ContextParallel(_Layout(0, N), q.size(2), q.device)
+    cp = cpm.ContextParallel(_Layout(0, N), q.size(2), q.device, "all-gather")
     chunk = lambda t, g: t[:, :, g * cp.chunk:(g + 1) * cp.chunk]
     merged = {}
     for g in range(2 * N):
@@ -183,7 +183,7 @@ def test_window_layers_skip_the_steps_they_do_not_need():
     """At 32K tokens over CP 8 (chunks of 2K), an S layer (window 8K) needs the K/V of the ranks holding the four
     chunks before each of its own: rank 0 (chunks 0, 15) receives from ranks 1-4 only; a full layer every step."""
     T, N = 32768, 8
-    plans = {r: cpm.ContextParallel(_Layout(r, N), T, "cpu") for r in range(N)}
+    plans = {r: cpm.ContextParallel(_Layout(r, N), T, "cpu", "ring") for r in range(N)}
     full = plans[0].schedule(T)
     assert [s for s, receive, send in full] == list(range(1, N)) and all(rec and snd for _, rec, snd in full)
     s_layer = plans[0].schedule(8192)
@@ -203,7 +203,7 @@ def test_all_gather_key_spans_are_whole_kernel_blocks():
     (upper, a chunk's length one window back, whole chunks or not); where the sequence's start cuts that block short,
     a band (the reference math)."""
     from nanochat.kernels.sdpa import block_kind
-    cp = cpm.ContextParallel(_Layout(0, 4), 32768, "cpu")  # chunks of 4,096
+    cp = cpm.ContextParallel(_Layout(0, 4), 32768, "cpu", "all-gather")  # chunks of 4,096
     kinds = lambda chunk, window: [(lo, hi, block_kind(4096, hi - lo, offset, window))
                                    for lo, hi, offset in cp.key_spans(chunk, window)]
     assert kinds(5, 8192) == [(20480, 24576, "causal"), (16384, 20480, "none"), (12288, 16384, "upper")]
@@ -301,7 +301,7 @@ def test_exchanges_in_bf16_agree_with_whole_attention(tmp_path):
     q, k, v, dout = (t.float() for t in _exchange_inputs())
     want = cpm.ring_in_one_process(q, k, v, dout, 2, WINDOW_BF16)
     for rank in range(2):
-        positions = cpm.ContextParallel(_Layout(rank, 2), 128, "cpu").positions
+        positions = cpm.ContextParallel(_Layout(rank, 2), 128, "cpu", "ring").positions
         got = torch.load(tmp_path / f"rank{rank}.pt")
         for exchange in ("all-gather", "ring"):
             for mine, whole in zip(got[exchange], want):

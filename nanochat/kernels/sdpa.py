@@ -119,7 +119,7 @@ def _backward(dout, q, k, v, out, lse, causal, backend):
 
 def _upper(t):
     """An upper triangle block's queries (all but the last) or keys (all but the first) reversed: the causal one."""
-    return t.flip(2).contiguous()
+    return t.flip(2)
 
 
 def block_attention(q, k, v, offset, window, backend="cudnn"):
