@@ -185,13 +185,12 @@ def read_blocks(job):
 def simulated(pipelined, trees, blocks):
     """{(label, tree): the step dev.pipeline_sim prices for a pipelined configuration with its tree's block times,
     messages queued as NCCL runs them (ms)}."""
-    from dev.pipeline_sim import price, boundary_ms
+    from dev.pipeline_sim import price
     out = {}
     for c in pipelined:
         for tree in trees:
             if blocks.get(tree):
-                out[(c.label, tree)] = price(blocks[tree], c.schedule, c.stages, c.microbatches, c.virtual,
-                                             boundary_ms(blocks[tree], 100.0))[-1]
+                out[(c.label, tree)] = price(blocks[tree], c.schedule, c.stages, c.microbatches, c.virtual, 100.0)[-1]
     return out
 
 

@@ -12,10 +12,11 @@ fraction and the most micro-batch chunks each rank holds alive (peak_in_flight, 
 with its loss, on micro-batches of --batch x --seq tokens (window L; --compile inductor: each block and the loss
 compiled, as training compiles them with overlapped reduction), and the bytes each forward saves. --times sums them
 into each chunk of the layout (pipeline_parallel.split_stages, as training splits). A message between ranks takes
---p2p-ms, or (by default) the bytes of one boundary (x, x0, ids; gradients: x, x0) over --p2p-gbps.
+its bytes as train_step sends them over --p2p-gbps (a forward's x, x0, x_mid past the backout layer and the ids; a
+backward's gradients of those activations); with unit times, --p2p-ms each.
 The ideal step is every chunk's work over p ranks: m x sum(F + B) / p. Each priced layout also gets the step of
-replay_queued: the programs training runs (messages ordered by chunk costs) with each message waiting its turn on
-its pair of ranks' stream, as NCCL runs them, instead of a fixed delay.
+replay_queued: the programs training runs (messages ordered by the chunks' FLOP costs, as Pipeline orders them) with
+each message waiting its turn on its pair of ranks' stream, as NCCL runs them, instead of a fixed delay.
 """
 
 import argparse
@@ -96,11 +97,6 @@ def measure(depth, batch, seq, reps, compile_backend=None):
     x = leaf()
     parts.append((results["head"], lambda: [model.head(Residual(x, x, None), idx)]))
     state = {}
-
-    def run_forward(forward):
-        state["outputs"] = out = forward()
-        state["grads"] = None if out[0].ndim == 0 else [torch.randn_like(o) for o in out]
-
     for result, forward in parts:  # as 1F1B runs them
         saved = {}  # storage -> bytes, of the tensors autograd saves in one forward
 
@@ -108,11 +104,12 @@ def measure(depth, batch, seq, reps, compile_backend=None):
             saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
             return t
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            run_forward(forward)
+            out = forward()
         result["bytes"] = sum(saved.values())
-        result["F"] = timed(lambda: run_forward(forward))
-        result["backward"] = timed(lambda: torch.autograd.backward(state["outputs"], state["grads"]),
-                                   lambda: run_forward(forward))
+        grads = None if out[0].ndim == 0 else [torch.randn_like(o) for o in out]  # made once, outside the timing
+        run_forward = lambda: state.update(outputs=forward())
+        result["F"] = timed(run_forward)
+        result["backward"] = timed(lambda: torch.autograd.backward(state["outputs"], grads), run_forward)
     for i, r in enumerate(results["blocks"]):
         print(f"block {i}: " + ", ".join(f"{k} {v:.3f}" if k != "bytes" else f"{v / 2**20:.0f} MiB"
                                          for k, v in r.items()), flush=True)
@@ -120,8 +117,22 @@ def measure(depth, batch, seq, reps, compile_backend=None):
     return results
 
 
-def chunk_durations(measured, p, virtual):
-    """({(kind, chunk): ms}, [saved bytes per chunk]) for the p x virtual chunks training would cut (split_stages on the FLOP costs)."""
+def typical(blocks):
+    """Each block's times as the median of the blocks that run the same kernels (those that keep the same bytes: with
+    or without value embeddings): one slow sample (a busy host, a clock dip) would otherwise price a whole chunk."""
+    kinds = {}
+    for b in blocks:
+        kinds.setdefault(b["bytes"], []).append(b)
+    median = {k: {key: statistics.median(b[key] for b in group) for key in ("F", "backward")}
+              for k, group in kinds.items()}
+    return [dict(b, **median[b["bytes"]]) for b in blocks]
+
+
+def chunk_layout(measured, p, virtual):
+    """The p x virtual chunks training would cut (split_stages on the FLOP costs), priced: {(kind, chunk): ms}, the
+    bytes each chunk's forward keeps, the FLOP costs train_step orders its messages by (Pipeline.chunk_costs), and
+    {(kind, chunk): bytes of the message that action sends}: a forward's x, x0 (and x_mid past the backout layer) in
+    bf16 and the ids, a backward's gradients of the chunk's inputs."""
     import torch
     from nanochat.gpt import GPT
     from nanochat.recipe import config_for_depth
@@ -130,23 +141,30 @@ def chunk_durations(measured, p, virtual):
         model = GPT(config_for_depth(measured["depth"], sequence_len=measured["seq"], window_pattern="L"))
     costs, head_cost = block_costs(model)
     bounds = split_stages(costs, head_cost, p * virtual)
-    times = {}
+    last, back = len(bounds) - 1, model.backout_layer
+    tokens = measured["batch"] * measured["seq"]
+    activation = tokens * measured["n_embd"] * 2
+    blocks = typical(measured["blocks"])
+    times, kept, flops, sizes = {}, [], [], {}
     for c, (a, b) in enumerate(bounds):
-        parts = measured["blocks"][a:b] + ([measured["embed"]] if c == 0 else []) + \
-            ([measured["head"]] if c == len(bounds) - 1 else [])
+        parts = blocks[a:b] + ([measured["embed"]] if c == 0 else []) + \
+            ([measured["head"]] if c == last else [])
         times["F", c] = sum(t["F"] for t in parts)
         times["B", c] = sum(t["backward"] for t in parts)
-    kept = [sum(t["bytes"] for t in measured["blocks"][a:b]) for a, b in bounds]
-    return times, kept
+        kept.append(sum(t["bytes"] for t in parts))
+        flops.append(sum(costs[a:b]) + (head_cost if c == last else 0))
+        sizes["F", c] = (3 if back < b else 2) * activation + tokens * 8
+        sizes["B", c] = (3 if back < a else 2) * activation
+    return times, kept, flops, sizes
 
 
-def replay_queued(actions, programs, duration, message_ms):
+def replay_queued(actions, programs, duration, message):
     """The step time of train_step's programs (message_order's) with their messages as NCCL runs them: per rank one
     compute stream; per pair of neighbouring ranks one stream (their process group), on which messages run one at a
     time in the order both ranks posted them; a message starts once both ranks have posted it, and not before the
     compute each rank queued before posting it has run (the communicator's stream waits for the compute stream), and
-    takes message_ms; an action waits for the message that brings its input. simulate() instead charges every message
-    a fixed delay and lets messages overlap freely."""
+    takes message(the action whose output it carries); an action waits for the message that brings its input.
+    simulate() instead charges every message as a delay and lets messages overlap freely."""
     p = len(actions)
     num_chunks = 1 + max(c for acts in actions for _, _, c in acts)
     runs = [[a for step, a in prog if step == "run"] for prog in programs]
@@ -189,7 +207,7 @@ def replay_queued(actions, programs, duration, message_ms):
                     if None in ready:
                         break
                     pair = (min(r, peer), max(r, peer))
-                    arrived[a] = stream[pair] = max(*ready, stream.get(pair, 0.0)) + message_ms
+                    arrived[a] = stream[pair] = max(*ready, stream.get(pair, 0.0)) + message(a)
                     head[r][peer] += 1
                     head[peer][r] += 1
                     progressed = True
@@ -198,28 +216,22 @@ def replay_queued(actions, programs, duration, message_ms):
     return max(max(free), max(stream.values(), default=0.0))
 
 
-def price(measured, schedule, p, m, virtual, p2p_ms):
+def price(measured, schedule, p, m, virtual, gbps):
     """Simulated step (ms), its ideal, each rank's idle fraction and peak activation GiB, and the step with the
-    messages queued as NCCL runs them (replay_queued)."""
-    times, kept = chunk_durations(measured, p, virtual)
+    messages queued as NCCL runs them (replay_queued); each message its bytes over gbps GB/s."""
+    times, kept, flops, sizes = chunk_layout(measured, p, virtual)
     actions = [stage_actions(schedule, p, m, r, virtual) for r in range(p)]
     duration = lambda a: times[a[0], a[2]]
-    timeline = simulate(actions, duration, p2p_ms)
+    message = lambda a: sizes[a[0], a[2]] / (gbps * 1e9) * 1e3
+    timeline = simulate(actions, duration, message)
     ideal = m * sum(times.values()) / p
     step, idle = step_and_idle(timeline)
     peak = [b / 2**30 for b in peak_in_flight(actions, kept)]
-    costs = [times["F", c] for c in range(p * virtual)]  # as training orders its messages: by the chunks' costs
-    queued = replay_queued(actions, [message_order(actions, r, costs) for r in range(p)], duration, p2p_ms)
+    queued = replay_queued(actions, [message_order(actions, r, flops) for r in range(p)], duration, message)
     return step, ideal, idle, peak, queued
 
 
-def boundary_ms(measured, gbps):
-    """One message's time: x and x0 in bf16 and the ids (int64), over gbps GB/s."""
-    tokens = measured["batch"] * measured["seq"]
-    return (tokens * measured["n_embd"] * 2 * 2 + tokens * 8) / (gbps * 1e9) * 1e3
-
-
-def table(measured, p2p_ms):
+def table(measured, gbps):
     rows = ["| p | m | schedule | step ms | queued messages: step ms | step / ideal | idle (mean over ranks) | "
             "idle at equal times | peak activations per rank (GiB, max) |", "| --- " * 9 + "|"]
     for p in (4, 8):
@@ -227,7 +239,7 @@ def table(measured, p2p_ms):
             for schedule, virtual in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 4)):
                 if p * virtual > measured["depth"] or (schedule == "interleaved" and m % p):
                     continue
-                step, ideal, idle, peak, queued = price(measured, schedule, p, m, virtual, p2p_ms)
+                step, ideal, idle, peak, queued = price(measured, schedule, p, m, virtual, gbps)
                 name = f"interleaved V={virtual}" if schedule == "interleaved" else schedule
                 rows.append(f"| {p} | {m} | {name} | {step:,.1f} | {queued:,.1f} | {step / ideal:.3f} | "
                             f"{statistics.mean(idle):.3f} | "
@@ -241,8 +253,8 @@ def main(argv=None):
     parser.add_argument("--stages", type=int, default=4, help="p")
     parser.add_argument("--microbatches", type=int, default=8, help="m")
     parser.add_argument("--virtual", type=int, default=0, help="chunks per rank (0: 2 for interleaved, else 1)")
-    parser.add_argument("--p2p-ms", type=float, default=None, help="one message between ranks (unit times: 0)")
-    parser.add_argument("--p2p-gbps", type=float, default=100.0, help="with --times and no --p2p-ms: GB/s per message")
+    parser.add_argument("--p2p-ms", type=float, default=0.0, help="unit times: one message between ranks")
+    parser.add_argument("--p2p-gbps", type=float, default=100.0, help="with --times: GB/s a message moves at")
     parser.add_argument("--measure", type=int, default=0, help="depth whose blocks to time on this GPU")
     parser.add_argument("--batch", type=int, default=8, help="--measure: sequences per micro-batch")
     parser.add_argument("--seq", type=int, default=2048, help="--measure: tokens per sequence")
@@ -263,19 +275,18 @@ def main(argv=None):
     if args.times:
         with open(args.times) as f:
             measured = json.load(f)
-        p2p = args.p2p_ms if args.p2p_ms is not None else boundary_ms(measured, args.p2p_gbps)
         print(f"d{measured['depth']}, micro-batches of {measured['batch']} x {measured['seq']} tokens, "
-              f"one message {p2p:.3f} ms")
+              f"messages at {args.p2p_gbps:g} GB/s")
         if args.table:
-            print(table(measured, p2p))
+            print(table(measured, args.p2p_gbps))
             return
-        step, ideal, idle, peak, queued = price(measured, args.schedule, p, m, virtual, p2p)
+        step, ideal, idle, peak, queued = price(measured, args.schedule, p, m, virtual, args.p2p_gbps)
         print(f"{args.schedule}, p={p}, m={m}, V={virtual}: step {step:.1f} ms ({step / ideal:.3f}x the ideal "
               f"{ideal:.1f}; {queued:.1f} with the messages queued per pair of ranks); idle per rank: {', '.join(f'{x:.3f}' for x in idle)}; peak activations per rank (GiB): "
               f"{', '.join(f'{x:.1f}' for x in peak)}")
         return
     actions = [stage_actions(args.schedule, p, m, r, virtual) for r in range(p)]
-    timeline = simulate(actions, lambda a: 1.0 / virtual, args.p2p_ms or 0.0)
+    timeline = simulate(actions, lambda a: 1.0 / virtual, lambda a: args.p2p_ms)
     print(f"{args.schedule}, p={p}, m={m}, V={virtual}, F = B = {1 / virtual:g}; idle at equal times "
           f"{idle_formula(args.schedule, p, m, virtual):.3f}; micro-batch chunks alive at most: "
           f"{peak_in_flight(actions)}")

@@ -161,15 +161,17 @@ def rank_memory(config, s):
                 sharded.add(id(p))
         gathered = working = 0
         if s.shard_params and D > 1:
-            largest = max(sum(p.numel() for p in u.parameters() if id(p) in sharded) for u in units)
+            whole = [sum(p.numel() for p in u.parameters() if id(p) in sharded) for u in units]
+            tables = [sum(p.numel() for m in u.modules() if isinstance(m, embedding_types())
+                          for p in m.parameters(recurse=False) if id(p) in sharded) for u in units]
             # freed after each call: in a backward this module's whole weights and the previous one's, in a pipeline
-            # the gathering posted for its next forward; kept: each micro-batch alive holds what its backward reads
-            # (all but embedding tables). And two modules' gradients: as made (compute dtype), to owners (fp32).
-            read = [sum(p.numel() for m in u.modules() if not isinstance(m, embedding_types())
-                        for p in m.parameters(recurse=False) if id(p) in sharded) for u in units]
-            freed = (3 if s.pp > 1 else 2) * largest
-            gathered = (max(freed, alive[r] * sum(read)) if s.keep_gathered else freed) * dt
-            working = gathered + 2 * largest * (dt + 4)
+            # the gathering posted for its next forward; kept: each micro-batch alive holds all but the embedding
+            # tables, and a block in its call its value embeddings' table. And two modules' gradients: as made
+            # (compute dtype), to owners (fp32).
+            freed = (3 if s.pp > 1 else 2) * max(whole)
+            kept = alive[r] * (sum(whole) - sum(tables)) + max((t for w, t in zip(whole, tables) if w > t), default=0)
+            gathered = (max(freed, kept) if s.keep_gathered else freed) * dt
+            working = gathered + 2 * max(whole) * (dt + 4)
         alive_grads = weights if (m > 1 or s.pp > 1) else 0  # fp32 as the weights held; at the activation peak only
         parts = {"weights": weights, "working copies": working, "gradients": alive_grads,  # after earlier micro-batches
                  "optimizer state": state, "activations": act_peaks[r]}

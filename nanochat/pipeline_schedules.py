@@ -68,9 +68,10 @@ def input_of(action, num_chunks):
     return ("F", i, c) if c == num_chunks - 1 else ("B", i, c + 1)
 
 
-def simulate(actions, duration, p2p=0.0):
-    """Replay the ranks' action lists in time (duration(action) -> time; a message between ranks takes p2p): per
-    rank, [(action, start, end)] in the order run; ValueError if the lists wait on each other."""
+def simulate(actions, duration, message=lambda action: 0.0):
+    """Replay the ranks' action lists in time (duration(action) -> time; message(action) -> the time its output takes
+    to reach another rank): per rank, [(action, start, end)] in the order run; ValueError if the lists wait on each
+    other."""
     p = len(actions)
     num_chunks = 1 + max(c for acts in actions for _, _, c in acts)
     done, timeline, free = {}, [[] for _ in range(p)], [0.0] * p  # done: action -> its end
@@ -82,7 +83,7 @@ def simulate(actions, duration, p2p=0.0):
                 dep = input_of(action, num_chunks)
                 if dep is not None and dep not in done:
                     break
-                ready = 0.0 if dep is None else done[dep] + (p2p if dep[2] % p != r else 0.0)
+                ready = 0.0 if dep is None else done[dep] + (message(dep) if dep[2] % p != r else 0.0)
                 start = max(free[r], ready)
                 free[r] = done[action] = start + duration(action)
                 timeline[r].append((action, start, free[r]))

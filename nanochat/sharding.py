@@ -14,7 +14,8 @@ Collectives, all over the DP group:
 The model calls each module holding sharded weights (the embedding, each block, each L3 layer, the lm_head) through
 `ShardedWeights.run`, gpt.py's `weights` seam: gathered whole one call ahead (behind the previous module's compute),
 swapped in for the call, freed after it and gathered again before its backward (not embedding tables: a lookup's
-backward needs only the ids), unless --keep-gathered keeps them (one copy more alive, one gather fewer). Every
+backward needs only the ids, unless --recompute runs it again), unless --keep-gathered keeps them (all but the
+tables: one copy of the other weights more alive, one gather fewer). Every
 micro-batch's gradients go to their owners (fp32, summed) as each module's backward ends, landing during the next's.
 
 A sharded parameter carries `dp_shape` (its whole shape on this TP rank), `dp_group` and `dp_owner` (the DP rank
@@ -65,7 +66,8 @@ class Unit:
         named = [(name.rpartition("."), p) for name, p in module.named_parameters() if is_dp_sharded(p)]
         self.params = [p for _, p in named]
         self.slots = [(module.get_submodule(owner), attr) for (owner, _, attr), _ in named]
-        self.backward_reads = [self.recomputes or not isinstance(owner, embedding_types()) for owner, _ in self.slots]
+        self.tables = [isinstance(owner, embedding_types()) for owner, _ in self.slots]
+        self.backward_reads = [self.recomputes or not table for table in self.tables]
         self.prefetched = None  # a Gathered posted ahead of this unit's next call
 
     def swap(self, tensors):
@@ -205,7 +207,8 @@ class ShardedWeights:
         if not (training and x is not None and x.requires_grad):
             gathered.release()
             return out
-        gathered.release([i for i, reads in enumerate(unit.backward_reads) if not reads] if self.keep else None)
+        # kept: all but the embedding tables (a recompute's lookup gathers its table again: before_backward)
+        gathered.release([i for i, table in enumerate(unit.tables) if table] if self.keep else None)
         # the module called before this one, if its output is this one's input (a few ops away: an L3 layer's sum,
         # the head's norm); not a module of another micro-batch that a pipeline ran in between
         gathered.previous = self.chain if self.chain and args and feeds(self.chain.output, args[0]) else None

@@ -209,6 +209,24 @@ def test_pipeline_sim_measures_blocks_and_prices_every_schedule(env, tmp_path):
     assert one.splitlines()[-1].startswith("interleaved, p=2, m=4, V=2: step ")
 
 
+def test_pipeline_sim_prices_messages_by_what_they_carry_and_blocks_by_their_kind():
+    """A message's bytes are what train_step sends: x, x0 (and x_mid past the backout layer) and the ids forward,
+    the gradients of the chunk's inputs backward. A block that timed slow once is priced as its kind."""
+    from dev.pipeline_sim import chunk_layout, price
+    blocks = [{"F": 1.0, "backward": 2.0, "bytes": 100 + i % 2} for i in range(26)]  # two kinds, alternating
+    measured = {"depth": 26, "batch": 2, "seq": 64, "n_embd": 1664, "blocks": blocks,
+                "embed": {"F": 0.1, "backward": 0.2, "bytes": 5}, "head": {"F": 1.5, "backward": 3.0, "bytes": 7}}
+    times, kept, flops, sizes = chunk_layout(measured, 4, 1)  # blocks [0, 7), [7, 14), [14, 21), [21, 26); backout 13
+    activation, ids = 2 * 64 * 1664 * 2, 2 * 64 * 8
+    assert [sizes["F", c] for c in range(3)] == [2 * activation + ids, 3 * activation + ids, 3 * activation + ids]
+    assert [sizes["B", c] for c in range(1, 4)] == [2 * activation, 3 * activation, 3 * activation]
+    assert kept[0] == sum(b["bytes"] for b in blocks[:7]) + 5 and kept[3] == sum(b["bytes"] for b in blocks[21:]) + 7
+    assert flops[3] > 6 / 7 * flops[2]  # five blocks and the head's FLOPs, as Pipeline.chunk_costs counts them
+    step = price(measured, "1f1b", 4, 8, 1, 100.0)[-1]
+    blocks[5] = dict(blocks[5], F=2.0, backward=4.0)  # one slow sample
+    assert price(measured, "1f1b", 4, 8, 1, 100.0)[-1] == step
+
+
 @pytest.mark.parametrize("schedule, virtual", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)])
 def test_queued_replay_is_the_simulation_when_messages_are_free(schedule, virtual):
     """pipeline_sim.replay_queued with free messages gives simulate()'s step; with a message time it can only be
@@ -220,6 +238,6 @@ def test_queued_replay_is_the_simulation_when_messages_are_free(schedule, virtua
     costs = [1.0 + 0.37 * ((3 * c) % 5) for c in range(p * virtual)]  # uneven chunks
     duration = lambda a: costs[a[2]] * (1 if a[0] == "F" else 2)
     programs = [message_order(actions, r, costs) for r in range(p)]
-    step = lambda p2p: max(events[-1][2] for events in simulate(actions, duration, p2p))
-    assert replay_queued(actions, programs, duration, 0.0) == pytest.approx(step(0.0))
-    assert replay_queued(actions, programs, duration, 0.3) >= step(0.3) - 1e-9
+    step = lambda p2p: max(events[-1][2] for events in simulate(actions, duration, lambda a: p2p))
+    assert replay_queued(actions, programs, duration, lambda a: 0.0) == pytest.approx(step(0.0))
+    assert replay_queued(actions, programs, duration, lambda a: 0.3) >= step(0.3) - 1e-9

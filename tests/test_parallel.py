@@ -213,7 +213,7 @@ def test_schedules_in_time_and_their_messages(schedule, virtual):
                 assert sent == received, (a, b, costs)
     # GPipe's critical path crosses each of the p-1 rank boundaries once each way: one message latency each
     if schedule == "gpipe":
-        slow = simulate(actions, lambda a: 1.0, p2p=0.5)
+        slow = simulate(actions, lambda a: 1.0, lambda a: 0.5)
         assert max(t[-1][2] for t in slow) == 22.0 + 2 * 3 * 0.5
     with pytest.raises(ValueError, match="wait on each other"):
         simulate([list(reversed(acts)) for acts in actions], lambda a: 1.0)

@@ -14,15 +14,16 @@ from nanochat.recipe import Setting, config_for_depth
 CPU = dict(compute_bytes=4, total_batch=GLOBAL_BATCH * CONFIG["sequence_len"])  # the harness: fp32, 8 sequences a step
 
 
-def assert_planned(run, dp=1, tp=1, pp=1, cp=1, micro_batch=2, **flags):
+def assert_planned(run, dp=1, tp=1, pp=1, cp=1, micro_batch=2, config_overrides=None, **flags):
     """The planner's count of every rank's weights and optimizer state is what the run's ranks held, measured off
     their tensors (DP rank 0, which owns the most; the others no more), and their gradients at the step are fp32 as
     the weights held; sharded, the gathered whole weights peaked within 10% under the plan. The parallel tests call
     this on their runs."""
     setting = Setting(dp=dp, tp=tp, pp=pp, cp=cp, device_batch=micro_batch, sequence_parallel=flags.get("sequence_parallel", False),
                       shard_params=flags.get("shard_params", False), keep_gathered=flags.get("keep_gathered", False),
-                      pp_schedule=flags.get("schedule", "1f1b"), pp_virtual=flags.get("virtual", 1), **CPU)
-    plan = rank_memory(GPTConfig(**CONFIG), setting)
+                      pp_schedule=flags.get("schedule", "1f1b"), pp_virtual=flags.get("virtual", 1),
+                      recompute=flags.get("recompute", "none"), **CPU)
+    plan = rank_memory(GPTConfig(**{**CONFIG, **(config_overrides or {})}), setting)
     group = dp * cp * tp  # ranks: TP fastest, then CP, then DP, then PP
     for rank, held in enumerate(run["held"]):
         stage = plan[rank // group]
