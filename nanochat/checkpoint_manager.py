@@ -43,14 +43,16 @@ def nonfinite_tensors(state):  # names of the floating-point tensors holding a N
 
 
 def save_stage_files(ckpt_dir, step, model_state, optim_state, stage=0, num_stages=1):
-    """Write one stage's model and optimizer files (full CPU tensors) after removing dead saves' .tmp.<pid> files;
-    returns {file name: checksum}. A disk without room is named before writing."""
+    """Write one stage's model and optimizer files (full CPU tensors) after removing the .tmp.<host>.<pid> files of
+    dead saves on this host (another node's writers share the folder); returns {file name: checksum}. A disk without
+    room is named before writing."""
     need = sum(t.numel() * t.element_size() for t in tree_leaves([model_state, optim_state]) if torch.is_tensor(t))
     written = {}
     with _write_failure_named(ckpt_dir, step, need, written):
         os.makedirs(ckpt_dir, exist_ok=True)
         for path in glob.glob(os.path.join(ckpt_dir, "*.tmp.*")):
-            if (m := re.search(r"\.tmp\.(\d+)$", path)) and not process_alive(int(m.group(1))):
+            m = re.search(r"\.tmp\.(.+)\.(\d+)$", path)
+            if m and m.group(1) == socket.gethostname() and not process_alive(int(m.group(2))):
                 os.remove(path)
         if (free := shutil.disk_usage(ckpt_dir).free) < need * 1.05 + 2**20:
             raise _no_space(ckpt_dir, step, need, free)
@@ -143,16 +145,19 @@ def release_lock(path):
             os.remove(path)
 
 
-def lock_run(layout, device, ckpt_dir, fresh=False, start_over=False, checkpoint_bytes=0):
-    """Rank 0 takes the folder before anything is written: the lock, start_fresh for a fresh run, room for one
-    checkpoint of checkpoint_bytes. A refusal stops every rank with one line. Returns the lock (None off rank 0)."""
+def lock_run(layout, device, ckpt_dir, resume_step=None, start_over=False, checkpoint_bytes=0):
+    """Rank 0 takes the folder before anything is written: the lock, start_fresh for a fresh run (resume_step None)
+    or the steps after resume_step set aside, room for one checkpoint of checkpoint_bytes. A refusal stops every rank
+    with one line. Returns the lock (None off rank 0)."""
     from nanochat.distributed import agree_on_error
     lock, error = None, None
     if layout.rank == 0:
         try:
             lock = take_lock(ckpt_dir)
-            if fresh:
+            if resume_step is None:
                 start_fresh(ckpt_dir, start_over)
+            else:
+                set_aside_later_steps(ckpt_dir, resume_step)
             if checkpoint_bytes and (free := shutil.disk_usage(ckpt_dir).free) < checkpoint_bytes * 1.05:
                 raise CheckpointError(f"the disk of {ckpt_dir} has {_size(free)} free and one checkpoint of this run "
                                       f"needs about {_size(checkpoint_bytes)}: free some space, set NANOCHAT_BASE_DIR to "
@@ -179,11 +184,25 @@ def start_fresh(ckpt_dir, start_over):
         raise CheckpointError(f"{ckpt_dir} holds {what}: resume it with --resume-from-step latest, train under another "
                               f"--model-tag, or pass --start-over to move its files into replaced_<date>-<time>/ there "
                               f"and start again")
+    print(f"--start-over: moved the earlier run's {len(held)} files into {move_aside(ckpt_dir, held)}", flush=True)
+
+
+def set_aside_later_steps(ckpt_dir, step):
+    """A resume from a step before the newest: the later steps' files go into replaced_<date>-<time>/, so that the run
+    neither writes over them nor has --keep-last prune by number the steps it saves."""
+    later = [f for f in os.listdir(ckpt_dir) if (m := re.match(r"(model|optim|meta)_(\d+)", f)) and int(m.group(2)) > step]
+    if later:
+        print(f"resuming from step {step}: moved the {len(later)} files of later steps into "
+              f"{move_aside(ckpt_dir, later)}", flush=True)
+
+
+def move_aside(ckpt_dir, files):
+    """`files` of ckpt_dir moved into a new replaced_<date>-<time>/ there; returns its path."""
     aside = os.path.join(ckpt_dir, "replaced_" + time.strftime("%Y%m%d-%H%M%S"))
     os.makedirs(aside)
-    for f in held:
+    for f in files:
         os.replace(os.path.join(ckpt_dir, f), os.path.join(aside, f))
-    print(f"--start-over: moved the earlier run's {len(held)} files into {aside}", flush=True)
+    return aside
 
 
 def check_data_unchanged(resume_meta, data_dir, data_listing, resume_on_new_data=False):
@@ -236,15 +255,19 @@ def _damaged(path, step, why):
     return CheckpointError(f"{path} is damaged ({why}); {intact_hint(os.path.dirname(path), before=step)}")
 
 
-def load_meta(ckpt_dir, step):
+def load_meta(ckpt_dir, step, needs=()):
+    """The meta of a step, holding the keys `needs` (a resume: the model config, the loop and data states)."""
     path = os.path.join(ckpt_dir, f"meta_{step:06d}.json")
     if not os.path.exists(path):
         raise CheckpointError(f"no checkpoint for step {step} in {ckpt_dir}; "
                               f"saved steps: {saved_steps(ckpt_dir) or 'none'}")
     try:
-        return read_json(path)
+        meta = read_json(path)
     except ValueError as e:  # truncated or edited by hand
         raise _damaged(path, step, f"not a checkpoint's JSON: {type(e).__name__}: {e}") from None
+    if missing := [k for k in needs if k not in meta]:
+        raise _damaged(path, step, f"no {', '.join(missing)} in it")
+    return meta
 
 
 def _check_file(path, step, checksums):

@@ -5,6 +5,7 @@ and progress, the scripts' --help (defaults shown), and the error a script print
 """
 
 import os
+import socket
 import json
 import zlib
 import argparse
@@ -59,7 +60,7 @@ class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
 
 def atomic_write(path, data):
     """`data` (bytes, or a function writing to a file) to a temporary file, fsync, rename over `path`: crash-safe."""
-    tmp = f"{path}.tmp.{os.getpid()}"
+    tmp = f"{path}.tmp.{socket.gethostname()}.{os.getpid()}"  # the host: other nodes may write to the same folder
     try:
         with open(tmp, "wb") as f:
             if isinstance(data, bytes):

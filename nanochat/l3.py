@@ -250,25 +250,28 @@ class _BlockedLookup(torch.autograd.Function):
             eb = tc[rows]
             a = _block_attention(xs[slot], eb, mask, acc)
             hs.index_copy_(0, target, torch.bmm(a.to(x.dtype), eb).flatten(0, 1))
-        ctx.save_for_backward(xs, tc)  # the cast table: a second cast costs more time than the copy costs memory
-        ctx.plan, ctx.chunks, ctx.table_dtype = plan, chunks, table.dtype
+        # the cast table: a second cast costs more time than the copy costs memory. The plan's tensors as saved
+        # tensors too, so that autograd frees them after the backward (attributes of ctx would stay with the node)
+        ctx.save_for_backward(xs, tc, plan.order, *[t for chunk in chunks for t in chunk])
+        ctx.n, ctx.table_dtype = plan.n, table.dtype
         return torch.empty_like(hs[:-1]).index_copy_(0, plan.order, hs[:-1])
 
     @staticmethod
     def backward(ctx, grad_h):
-        (xs, tc), plan = ctx.saved_tensors, ctx.plan
+        xs, tc, order, *flat = ctx.saved_tensors
+        chunks = [flat[i:i + 4] for i in range(0, len(flat), 4)]  # (slot, target, rows, mask) each
         acc = _acc_dtype(xs.dtype)
-        gs = grad_h.to(xs.dtype).index_select(0, plan.order)
+        gs = grad_h.to(xs.dtype).index_select(0, order)
         dxs = xs.new_empty(xs.size(0) + 1, xs.size(1))  # + the spare row for padding slots
         # fp32 table gradient (each block's bmm sums its slots in fp32). An accumulating index_put sorts the rows and
         # sums duplicates in order; atomic adds (index_add_) contend on a frequent token's shared rows: slower
         # (dev/LOG.md, 2026-11-27). Unchecked (as autograd's own indexing backward calls it): the public index_put_
         # reads the indices' range back to the host, once a chunk; these rows are clamped in range by _Plan.blocks
         de = torch.zeros(tc.shape, dtype=acc, device=tc.device)
-        for slot, target, rows, mask in ctx.chunks:
+        for slot, target, rows, mask in chunks:
             xb, eb = xs[slot], tc[rows]
             a = _block_attention(xb, eb, mask, acc)
-            gb = gs[slot] * (target < plan.n).view_as(slot)[..., None]  # padding slots carry no gradient
+            gb = gs[slot] * (target < ctx.n).view_as(slot)[..., None]  # padding slots carry no gradient
             da = torch.bmm(gb, eb.transpose(1, 2)).to(acc)
             ds = (a * (da - (a * da).sum(-1, keepdim=True))).to(xs.dtype)  # softmax backward
             dxs.index_copy_(0, target, torch.bmm(ds, eb).flatten(0, 1))
@@ -276,7 +279,7 @@ class _BlockedLookup(torch.autograd.Function):
             lhs, rhs = torch.cat([ds, a.to(xs.dtype)], dim=1), torch.cat([xb, gb], dim=1)
             grad_rows = torch.bmm(lhs.transpose(1, 2), rhs).flatten(0, 1).to(acc)
             torch.ops.aten._index_put_impl_(de, (rows.flatten(),), grad_rows, accumulate=True, unsafe=True)
-        dx = torch.empty_like(dxs[:-1]).index_copy_(0, plan.order, dxs[:-1])
+        dx = torch.empty_like(dxs[:-1]).index_copy_(0, order, dxs[:-1])
         return dx, de.to(ctx.table_dtype), None, None, None, None, None
 
 

@@ -68,7 +68,8 @@ class Plan:
         if args.resume_from_step == "latest":
             args.resume_from_step = ckpt.find_last_step(ckpt_dir)
         if args.resume_from_step >= 0:
-            self.resume_meta = resume_meta = ckpt.load_meta(ckpt_dir, args.resume_from_step)
+            self.resume_meta = resume_meta = ckpt.load_meta(ckpt_dir, args.resume_from_step,
+                                                            needs=("model_config", "loop_state", "dataloader_states"))
             if args.max_seq_len is None:  # not given: the checkpoint's context
                 args.max_seq_len = resume_meta["model_config"]["sequence_len"]
             ckpt.check_tokenizer(resume_meta, self.tokenizer, ckpt_dir)
@@ -125,7 +126,9 @@ class Run:
             loader_state = reshard_states(saved_states, layout.dp_size)[layout.dp_rank]
             if len(saved_states) != layout.dp_size:
                 print0(f"data: resharded the data position from dp {len(saved_states)} to dp {layout.dp_size}")
-        self.first_step, self.last_state, self.saved_step = self.step, loader_state, None
+        # a resumed step is on disk already: never written again (a stop before the first step leaves it as it is)
+        self.first_step, self.last_state = self.step, loader_state
+        self.saved_step = self.step if meta is not None else None
         self.launch_time = self.launch_timed = 0.0  # this launch's steps (all; its part of total_time, for the ETA)
         used = {"l3_tables": self.config.l3_after_layers, **dict.fromkeys(("moe_routers", "moe_experts"), self.config.moe_experts)}
         self.grad_norm_slots = [(g, 1 + i) for i, g in enumerate(PARAM_GROUPS) if used.get(g, True)]  # in grad_norms
@@ -173,7 +176,7 @@ class Run:
             self.watch.collective("stop-flag all-reduce (all ranks)")
             if stop_agreed(self.device) or (self.step == args.stop_at_step and not final):
                 raise Interrupted()
-            if args.save_every != 0 and (final or (self.due(args.save_every, final) and self.step != args.resume_from_step)):
+            if args.save_every != 0 and (final or self.due(args.save_every, final)):
                 self.save()
                 if not final and stop_agreed(self.device):  # a stop that came during the save ends after it
                     raise Interrupted()
@@ -385,7 +388,8 @@ def main(argv=None):
         watch = Watchdog(layout.rank, args.dist_timeout if layout.world_size > 1 else None, hang_report_dir())
         plan = Plan(args, layout, device)
         # before anything is written there; a checkpoint: fp32 weights and at most two fp32 moments a parameter
-        lock = ckpt.lock_run(layout, device, plan.ckpt_dir, fresh=plan.resume_meta is None, start_over=args.start_over,
+        lock = ckpt.lock_run(layout, device, plan.ckpt_dir, None if plan.resume_meta is None else args.resume_from_step,
+                             start_over=args.start_over,
                              checkpoint_bytes=12 * plan.recipe.param_counts["total"] if args.save_every else 0)
         run, stopped = Run(args, layout, device, plan, watch), None
         try:

@@ -4,6 +4,7 @@ runs); the scripts' side is in test_train.py and test_base_eval.py."""
 
 import os
 import json
+import socket
 import pickle
 
 import pytest
@@ -29,6 +30,9 @@ def test_damaged_checkpoint_files_are_named(tmp_path):
     meta.write_text(meta.read_text()[:20])
     with pytest.raises(ckpt.CheckpointError, match=r"meta_000002.json is damaged \(not a checkpoint's JSON"):
         ckpt.load_checkpoint(str(tmp_path), 2)
+    meta.write_text("{}")  # JSON, but not a checkpoint's: a resume names what it lacks
+    with pytest.raises(ckpt.CheckpointError, match=r"meta_000002.json is damaged \(no model_config, loop_state in it\)"):
+        ckpt.load_meta(str(tmp_path), 2, needs=("model_config", "loop_state"))
 
 
 class Payload:
@@ -55,13 +59,17 @@ def test_nonfinite_weights_are_refused_at_load(tmp_path):
 
 
 def test_stale_tmp_files_are_removed_at_the_next_save(tmp_path):
-    dead = 2 ** 22 + 12345  # above the default pid_max of 2^22: no such process
-    stale = tmp_path / f"model_000001.pt.tmp.{dead}"
+    """This host's files of dead processes go; a live process's stay, and so do another node's (its PIDs are not
+    this host's to check: it may be writing its stage into the shared folder right now)."""
+    dead, host = 2 ** 22 + 12345, socket.gethostname()  # above the default pid_max of 2^22: no such process
+    stale = tmp_path / f"model_000001.pt.tmp.{host}.{dead}"
     stale.write_bytes(b"half a checkpoint")
-    live = tmp_path / f"model_000009.pt.tmp.{os.getpid()}"  # a save in progress (this process)
-    live.write_bytes(b"x")
+    live = tmp_path / f"model_000009.pt.tmp.{host}.{os.getpid()}"  # a save in progress (this process)
+    other_node = tmp_path / f"model_000001_stage1.pt.tmp.another-node.{dead}"
+    for f in (live, other_node):
+        f.write_bytes(b"x")
     save_step(tmp_path, 1, {"w": torch.ones(4)})
-    assert not stale.exists() and live.exists()
+    assert not stale.exists() and live.exists() and other_node.exists()
 
 
 def test_keep_last_prunes_the_oldest(tmp_path):
