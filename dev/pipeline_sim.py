@@ -107,6 +107,7 @@ def measure(depth, batch, seq, reps, compile_backend=None):
             out = forward()
         result["bytes"] = sum(saved.values())
         grads = None if out[0].ndim == 0 else [torch.randn_like(o) for o in out]  # made once, outside the timing
+        del out
         run_forward = lambda: state.update(outputs=forward())
         result["F"] = timed(run_forward)
         result["backward"] = timed(lambda: torch.autograd.backward(state["outputs"], grads), run_forward)

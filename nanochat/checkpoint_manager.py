@@ -43,17 +43,12 @@ def nonfinite_tensors(state):  # names of the floating-point tensors holding a N
 
 
 def save_stage_files(ckpt_dir, step, model_state, optim_state, stage=0, num_stages=1):
-    """Write one stage's model and optimizer files (full CPU tensors) after removing the .tmp.<host>.<pid> files of
-    dead saves on this host (another node's writers share the folder); returns {file name: checksum}. A disk without
+    """Write one stage's model and optimizer files (full CPU tensors); returns {file name: checksum}. A disk without
     room is named before writing."""
     need = sum(t.numel() * t.element_size() for t in tree_leaves([model_state, optim_state]) if torch.is_tensor(t))
     written = {}
     with _write_failure_named(ckpt_dir, step, need, written):
         os.makedirs(ckpt_dir, exist_ok=True)
-        for path in glob.glob(os.path.join(ckpt_dir, "*.tmp.*")):
-            m = re.search(r"\.tmp\.(.+)\.(\d+)$", path)
-            if m and m.group(1) == socket.gethostname() and not process_alive(int(m.group(2))):
-                os.remove(path)
         if (free := shutil.disk_usage(ckpt_dir).free) < need * 1.05 + 2**20:
             raise _no_space(ckpt_dir, step, need, free)
         for kind, state in (("model", model_state), ("optim", optim_state)):
@@ -145,19 +140,19 @@ def release_lock(path):
             os.remove(path)
 
 
-def lock_run(layout, device, ckpt_dir, resume_step=None, start_over=False, checkpoint_bytes=0):
-    """Rank 0 takes the folder before anything is written: the lock, start_fresh for a fresh run (resume_step None)
-    or the steps after resume_step set aside, room for one checkpoint of checkpoint_bytes. A refusal stops every rank
-    with one line. Returns the lock (None off rank 0)."""
+def lock_run(layout, device, ckpt_dir, fresh=False, start_over=False, checkpoint_bytes=0):
+    """Rank 0 takes the folder before anything is written: the lock, the temporary files of saves killed earlier (any
+    node's: the lock excludes other runs, and this one has written nothing), start_fresh for a fresh run, room for one
+    checkpoint of checkpoint_bytes. A refusal stops every rank with one line. Returns the lock (None off rank 0)."""
     from nanochat.distributed import agree_on_error
     lock, error = None, None
     if layout.rank == 0:
         try:
             lock = take_lock(ckpt_dir)
-            if resume_step is None:
+            for path in glob.glob(os.path.join(glob.escape(ckpt_dir), "*.tmp.*")):
+                os.remove(path)
+            if fresh:
                 start_fresh(ckpt_dir, start_over)
-            else:
-                set_aside_later_steps(ckpt_dir, resume_step)
             if checkpoint_bytes and (free := shutil.disk_usage(ckpt_dir).free) < checkpoint_bytes * 1.05:
                 raise CheckpointError(f"the disk of {ckpt_dir} has {_size(free)} free and one checkpoint of this run "
                                       f"needs about {_size(checkpoint_bytes)}: free some space, set NANOCHAT_BASE_DIR to "
@@ -188,17 +183,27 @@ def start_fresh(ckpt_dir, start_over):
 
 
 def set_aside_later_steps(ckpt_dir, step):
-    """A resume from a step before the newest: the later steps' files go into replaced_<date>-<time>/, so that the run
-    neither writes over them nor has --keep-last prune by number the steps it saves."""
+    """A resumed run that will save, from a step before the newest (its checkpoint loaded): the later steps' files go
+    into replaced_<date>-<time>/, so that the run neither writes over them nor has --keep-last prune by number the
+    steps it saves."""
     later = [f for f in os.listdir(ckpt_dir) if (m := re.match(r"(model|optim|meta)_(\d+)", f)) and int(m.group(2)) > step]
-    if later:
-        print(f"resuming from step {step}: moved the {len(later)} files of later steps into "
-              f"{move_aside(ckpt_dir, later)}", flush=True)
+    if not later:
+        return
+    try:
+        aside = move_aside(ckpt_dir, later)
+    except OSError as e:
+        raise CheckpointError(f"cannot move the later steps' files of {ckpt_dir} aside ({e.strerror}: {e.filename}); "
+                              f"resume from step {saved_steps(ckpt_dir)[-1]} instead, or make the folder writable") from None
+    print(f"resuming from step {step}: moved the {len(later)} files of later steps into {aside}", flush=True)
 
 
 def move_aside(ckpt_dir, files):
-    """`files` of ckpt_dir moved into a new replaced_<date>-<time>/ there; returns its path."""
-    aside = os.path.join(ckpt_dir, "replaced_" + time.strftime("%Y%m%d-%H%M%S"))
+    """`files` of ckpt_dir moved into a new replaced_<date>-<time>[-n]/ there; returns its path."""
+    aside = base = os.path.join(ckpt_dir, "replaced_" + time.strftime("%Y%m%d-%H%M%S"))
+    n = 0
+    while os.path.exists(aside):  # another move this second
+        n += 1
+        aside = f"{base}-{n}"
     os.makedirs(aside)
     for f in files:
         os.replace(os.path.join(ckpt_dir, f), os.path.join(aside, f))
@@ -265,6 +270,8 @@ def load_meta(ckpt_dir, step, needs=()):
         meta = read_json(path)
     except ValueError as e:  # truncated or edited by hand
         raise _damaged(path, step, f"not a checkpoint's JSON: {type(e).__name__}: {e}") from None
+    if not isinstance(meta, dict):
+        raise _damaged(path, step, "not a checkpoint's JSON object")
     if missing := [k for k in needs if k not in meta]:
         raise _damaged(path, step, f"no {', '.join(missing)} in it")
     return meta

@@ -5,7 +5,6 @@ and progress, the scripts' --help (defaults shown), and the error a script print
 """
 
 import os
-import socket
 import json
 import zlib
 import argparse
@@ -60,7 +59,7 @@ class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
 
 def atomic_write(path, data):
     """`data` (bytes, or a function writing to a file) to a temporary file, fsync, rename over `path`: crash-safe."""
-    tmp = f"{path}.tmp.{socket.gethostname()}.{os.getpid()}"  # the host: other nodes may write to the same folder
+    tmp = f"{path}.tmp.{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
             if isinstance(data, bytes):

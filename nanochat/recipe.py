@@ -122,7 +122,7 @@ def parse_args(argv=None):
                                                     "optimizer state of what it updates only, and gathers each block's "
                                                     "weights around its call (nanochat/sharding.py)")
     add("--keep-gathered", action="store_true", help="with --shard-params: keep each module's gathered weights from its "
-                                                     "forward to its backward (one gather fewer, a whole copy more)")
+                                                     "forward to its backward (one gather fewer, a whole copy of all but the embedding tables more)")
     add("--overlap-grad-reduce", type=int, default=-1, choices=(-1, 0, 1),
         help="1: start each DP gradient reduction during the last micro-batch's backward (blocks are then compiled "
              "one by one); 0: after the backward; -1: 1 when the run spans several nodes")

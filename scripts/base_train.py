@@ -388,10 +388,12 @@ def main(argv=None):
         watch = Watchdog(layout.rank, args.dist_timeout if layout.world_size > 1 else None, hang_report_dir())
         plan = Plan(args, layout, device)
         # before anything is written there; a checkpoint: fp32 weights and at most two fp32 moments a parameter
-        lock = ckpt.lock_run(layout, device, plan.ckpt_dir, None if plan.resume_meta is None else args.resume_from_step,
-                             start_over=args.start_over,
+        lock = ckpt.lock_run(layout, device, plan.ckpt_dir, fresh=plan.resume_meta is None, start_over=args.start_over,
                              checkpoint_bytes=12 * plan.recipe.param_counts["total"] if args.save_every else 0)
         run, stopped = Run(args, layout, device, plan, watch), None
+        if plan.resume_meta is not None and args.save_every != 0:  # its checkpoint loaded: the later steps go aside
+            agreed(lambda: ckpt.set_aside_later_steps(plan.ckpt_dir, run.step), ckpt.CheckpointError, device,
+                   mine=layout.rank == 0)
         try:
             run.train()
         except Interrupted:  # every rank at the same point (a stop request is agreed on): save, then wrap up

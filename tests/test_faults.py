@@ -4,7 +4,7 @@ runs); the scripts' side is in test_train.py and test_base_eval.py."""
 
 import os
 import json
-import socket
+import types
 import pickle
 
 import pytest
@@ -58,18 +58,17 @@ def test_nonfinite_weights_are_refused_at_load(tmp_path):
         ckpt.load_checkpoint(str(tmp_path))
 
 
-def test_stale_tmp_files_are_removed_at_the_next_save(tmp_path):
-    """This host's files of dead processes go; a live process's stay, and so do another node's (its PIDs are not
-    this host's to check: it may be writing its stage into the shared folder right now)."""
-    dead, host = 2 ** 22 + 12345, socket.gethostname()  # above the default pid_max of 2^22: no such process
-    stale = tmp_path / f"model_000001.pt.tmp.{host}.{dead}"
-    stale.write_bytes(b"half a checkpoint")
-    live = tmp_path / f"model_000009.pt.tmp.{host}.{os.getpid()}"  # a save in progress (this process)
-    other_node = tmp_path / f"model_000001_stage1.pt.tmp.another-node.{dead}"
-    for f in (live, other_node):
-        f.write_bytes(b"x")
-    save_step(tmp_path, 1, {"w": torch.ones(4)})
-    assert not stale.exists() and live.exists() and other_node.exists()
+def test_stale_tmp_files_go_when_a_run_takes_the_folder(tmp_path):
+    """The temporary files of saves killed earlier, whatever their process or node, go when the next run takes the
+    folder (the lock excludes any other run, and this one has written nothing yet); a move aside never collides."""
+    for name in (f"model_000001.pt.tmp.{2 ** 22 + 12345}", "model_000001_stage1.pt.tmp.another-node.77"):
+        (tmp_path / name).write_bytes(b"half a checkpoint")
+    lock = ckpt.lock_run(types.SimpleNamespace(rank=0), None, str(tmp_path))
+    assert os.listdir(tmp_path) == ["run.lock"]
+    ckpt.release_lock(lock)
+    (tmp_path / "a").write_text("a"), (tmp_path / "b").write_text("b")
+    first, second = ckpt.move_aside(str(tmp_path), ["a"]), ckpt.move_aside(str(tmp_path), ["b"])
+    assert first != second and os.listdir(first) == ["a"] and os.listdir(second) == ["b"]
 
 
 def test_keep_last_prunes_the_oldest(tmp_path):

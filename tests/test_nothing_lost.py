@@ -45,13 +45,18 @@ def test_a_second_run_on_a_tag_is_refused_until_told_and_latest_resumes(env):
 
 def test_a_resume_from_an_earlier_step_sets_the_later_ones_aside_and_never_rewrites_its_own(env):
     """Resuming from step 2 of steps 2, 4 and 6 moves 4 and 6 into replaced_<date>-<time>/ (the run would write over
-    them, and --keep-last would prune by number the steps it saves); a launch that stops before its first step
-    leaves step 2's files as they were (it used to write them again, with its own layout's data states)."""
+    them, and --keep-last would prune by number the steps it saves), once step 2 has loaded and only if the run saves;
+    a launch that stops before its first step leaves step 2's files as they were (it used to write them again, with
+    its own layout's data states)."""
     args = RUN + ["--num-iterations", "6", "--save-every", "2", "--model-tag", "earlier"]
     run_script("scripts.base_train", args, env)
     folder = ckpt_dir(env, "earlier")
+    stop = lambda: open(os.path.join(folder, "STOP"), "w").close()  # a stop request before the first step
+    stop()
+    run_script("scripts.base_train", args + ["--resume-from-step", "2", "--save-every", "0"], env)
+    assert ckpt.saved_steps(folder) == [2, 4, 6]  # it saves nothing: nothing moved
     before = {f: os.path.getmtime(os.path.join(folder, f)) for f in os.listdir(folder) if "_000002" in f}
-    open(os.path.join(folder, "STOP"), "w").close()  # a stop request before the first step
+    stop()
     p = run_script("scripts.base_train", args + ["--resume-from-step", "2"], env)
     (aside,) = [f for f in os.listdir(folder) if f.startswith("replaced_")]
     assert f"resuming from step 2: moved the 6 files of later steps into {os.path.join(folder, aside)}" in p.stdout
@@ -141,7 +146,7 @@ def test_a_start_over_that_cannot_move_the_files_is_one_line_and_frees_the_folde
     monkeypatch.setattr(ckpt.os, "replace", refuse)
     refused = r"^cannot write .*/replaced_[\d-]+/metrics\.jsonl \(Permission denied\)"
     with pytest.raises(ckpt.CheckpointError, match=refused):
-        ckpt.lock_run(types.SimpleNamespace(rank=0), None, str(folder), start_over=True)  # a fresh run
+        ckpt.lock_run(types.SimpleNamespace(rank=0), None, str(folder), fresh=True, start_over=True)
     assert not (folder / "run.lock").exists()
 
 
