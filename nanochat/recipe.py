@@ -165,6 +165,8 @@ def check_loop_flags(args, resume_meta):
         raise ConfigError("--stop-at-step saves the step it stops at: it cannot go with --save-every 0")
     if args.keep_last == 0 or args.keep_last < -1:
         raise ConfigError("--keep-last must be a positive number of checkpoints, or -1 to keep all")
+    if args.start_over and resume_meta is not None:
+        raise ConfigError("--start-over starts a fresh run: it cannot go with --resume-from-step (drop one of them)")
     if resume_meta is not None:
         saved, now = resume_meta.get("user_config", {}), vars(args)
         if changed := {k: (saved[k], now[k]) for k in RECIPE_FLAGS if k in saved and saved[k] != now[k]}:

@@ -137,3 +137,10 @@ def test_progress_speaks_only_for_long_loops(capsys):
     quiet = Progress("val bpb", 100)  # every 10 s: a short loop prints nothing
     quiet.update(50)
     assert capsys.readouterr().out == ""
+
+
+def test_start_over_and_resume_together_are_refused():
+    from nanochat.common import ConfigError
+    from nanochat.recipe import parse_args, check_loop_flags
+    with pytest.raises(ConfigError, match=r"--start-over starts a fresh run: it cannot go with --resume-from-step"):
+        check_loop_flags(parse_args(["--start-over", "--resume-from-step", "2"]), {"model_config": {}})
