@@ -119,8 +119,12 @@ def rank_memory(config, s):
     head = HEAD_BYTES * config.vocab_size / s.tp  # on the last chunk
     # per MoE layer, beyond a dense one (under TP, with SP: on this rank's tokens)
     moe = extra_activation_bytes(config, tokens / s.tp, s.recompute, s.ep)
+    # per L3 layer, its table cast to the compute dtype, which the lookup saves for its backward (sharded: the
+    # gathered table is that copy, counted with the gathered weights); its other activations are not counted
+    l3 = {int(i): 0 if s.shard_params and D > 1 else layer.key_table.numel() * dt for i, layer in model.l3.items()}
     kept = [tokens * ((b - a) * config.n_embd * per_layer * tp_share + (head if c == len(chunks) - 1 else 0)) +
-            moe * sum(i in moe_layers(config) for i in range(a, b)) for c, (a, b) in enumerate(chunks)]
+            moe * sum(i in moe_layers(config) for i in range(a, b)) + sum(l3.get(i, 0) for i in range(a, b))
+            for c, (a, b) in enumerate(chunks)]
     if s.pp > 1:
         actions = [stage_actions(s.pp_schedule, s.pp, m, r, s.pp_virtual) for r in range(s.pp)]
         act_peaks, alive = peak_in_flight(actions, kept), peak_in_flight(actions)

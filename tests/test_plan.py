@@ -35,6 +35,19 @@ def assert_planned(run, dp=1, tp=1, pp=1, cp=1, micro_batch=2, config_overrides=
         assert 0.9 * plan[0]["gathered"] <= run["gathered_peak"] <= 1.1 * plan[0]["gathered"], (run["gathered_peak"], plan)
 
 
+def test_an_l3_layer_keeps_its_cast_table_per_micro_batch_in_flight():
+    """The lookup saves its table cast to bf16 for its backward: one copy a micro-batch alive on the layer's stage
+    (two on stage 0 of PP 2 under 1F1B), none beside the gathered table when sharded."""
+    dense, l3 = config_for_depth(12), config_for_depth(12, l3_after_layers=(2,), l3_n_emb=2 ** 16)
+    act = lambda config, **kw: [r["activations"] for r in rank_memory(config, Setting(**{"device_batch": 8, **kw}))]
+    table = 2 ** 16 * dense.n_embd * 2
+    assert act(l3)[0] - act(dense)[0] == table
+    assert act(l3, dp=2, shard_params=True) == act(dense, dp=2, shard_params=True)
+    # PP 2 (the split follows the layer's FLOPs, so against the same model sharded, where the copy is not counted)
+    plain, sharded = act(l3, dp=2, pp=2), act(l3, dp=2, pp=2, shard_params=True)
+    assert [a - b for a, b in zip(plain, sharded)] == [2 * table, 0]
+
+
 def test_activations_follow_tokens_recompute_tp_and_cp():
     config = config_for_depth(20)
     act = lambda **kw: rank_memory(config, Setting(**{"device_batch": 16, **kw}))[0]["activations"]
