@@ -137,7 +137,7 @@ def chunk_layout(measured, p, virtual):
     import torch
     from nanochat.gpt import GPT
     from nanochat.recipe import config_for_depth
-    from nanochat.pipeline_parallel import block_costs
+    from nanochat.pipeline_parallel import block_costs, chunk_costs
     with torch.device("meta"):
         model = GPT(config_for_depth(measured["depth"], sequence_len=measured["seq"], window_pattern="L"))
     costs, head_cost = block_costs(model)
@@ -146,17 +146,16 @@ def chunk_layout(measured, p, virtual):
     tokens = measured["batch"] * measured["seq"]
     activation = tokens * measured["n_embd"] * 2
     blocks = typical(measured["blocks"])
-    times, kept, flops, sizes = {}, [], [], {}
+    times, kept, sizes = {}, [], {}
     for c, (a, b) in enumerate(bounds):
         parts = blocks[a:b] + ([measured["embed"]] if c == 0 else []) + \
             ([measured["head"]] if c == last else [])
         times["F", c] = sum(t["F"] for t in parts)
         times["B", c] = sum(t["backward"] for t in parts)
         kept.append(sum(t["bytes"] for t in parts))
-        flops.append(sum(costs[a:b]) + (head_cost if c == last else 0))
         sizes["F", c] = (3 if back < b else 2) * activation + tokens * 8
         sizes["B", c] = (3 if back < a else 2) * activation
-    return times, kept, flops, sizes
+    return times, kept, chunk_costs(costs, head_cost, bounds), sizes
 
 
 def replay_queued(actions, programs, duration, message):

@@ -170,7 +170,7 @@ def lock_run(layout, device, ckpt_dir, fresh=False, start_over=False, checkpoint
 
 def start_fresh(ckpt_dir, start_over):
     """Another run's checkpoints or records here: refused, or with start_over moved into replaced_<date>-<time>/."""
-    held = [f for f in os.listdir(ckpt_dir) if f == "metrics.jsonl" or re.match(r"(model|optim|meta)_\d+", f)]
+    held = [f for f in os.listdir(ckpt_dir) if f == "metrics.jsonl" or step_of(f) is not None]
     if not held:
         return
     if not start_over:
@@ -186,7 +186,7 @@ def set_aside_later_steps(ckpt_dir, step):
     """A resumed run that will save, from a step before the newest (its checkpoint loaded): the later steps' files go
     into replaced_<date>-<time>/, so that the run neither writes over them nor has --keep-last prune by number the
     steps it saves."""
-    later = [f for f in os.listdir(ckpt_dir) if (m := re.match(r"(model|optim|meta)_(\d+)", f)) and int(m.group(2)) > step]
+    later = [f for f in os.listdir(ckpt_dir) if (saved := step_of(f)) is not None and saved > step]
     if not later:
         return
     try:
@@ -195,6 +195,11 @@ def set_aside_later_steps(ckpt_dir, step):
         raise CheckpointError(f"cannot move the later steps' files of {ckpt_dir} aside ({e.strerror}: {e.filename}); "
                               f"resume from step {saved_steps(ckpt_dir)[-1]} instead, or make the folder writable") from None
     print(f"resuming from step {step}: moved the {len(later)} files of later steps into {aside}", flush=True)
+
+
+def step_of(name):
+    """The step a checkpoint file (model_, optim_ or meta_<step>...) belongs to; None for any other file."""
+    return int(m.group(2)) if (m := re.match(r"(model|optim|meta)_(\d+)", name)) else None
 
 
 def move_aside(ckpt_dir, files):

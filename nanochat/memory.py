@@ -173,8 +173,8 @@ def rank_memory(config, s):
             # tables, and a block in its call its value embeddings' table. And two modules' gradients: as made
             # (compute dtype), to owners (fp32).
             freed = (3 if s.pp > 1 else 2) * max(whole)
-            kept = alive[r] * (sum(whole) - sum(tables)) + max((t for w, t in zip(whole, tables) if w > t), default=0)
-            gathered = (max(freed, kept) if s.keep_gathered else freed) * dt
+            kept_whole = alive[r] * (sum(whole) - sum(tables)) + max((t for w, t in zip(whole, tables) if w > t), default=0)
+            gathered = (max(freed, kept_whole) if s.keep_gathered else freed) * dt
             working = gathered + 2 * max(whole) * (dt + 4)
         alive_grads = weights if (m > 1 or s.pp > 1) else 0  # fp32 as the weights held; at the activation peak only
         parts = {"weights": weights, "working copies": working, "gradients": alive_grads,  # after earlier micro-batches

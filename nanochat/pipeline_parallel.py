@@ -60,6 +60,11 @@ def split_stages(costs, head_cost, num_stages):
     return list(zip(cuts, cuts[1:]))
 
 
+def chunk_costs(costs, head_cost, bounds):
+    """Each chunk's training FLOPs per token: its blocks', and the head's in the last (message_order orders by them)."""
+    return [sum(costs[a:b]) + (head_cost if c == len(bounds) - 1 else 0) for c, (a, b) in enumerate(bounds)]
+
+
 # --- the pipeline ----------------------------------------------------------------------------------------
 
 @dataclass
@@ -83,8 +88,7 @@ class Pipeline:
         self.virtual, self.schedule, self.num_chunks = setting.pp_virtual, setting.pp_schedule, p * setting.pp_virtual
         costs, head_cost = block_costs(model)
         self.chunk_bounds = split_stages(costs, head_cost, self.num_chunks)
-        self.chunk_costs = [sum(costs[a:b]) + (head_cost if c == self.num_chunks - 1 else 0)
-                            for c, (a, b) in enumerate(self.chunk_bounds)]
+        self.chunk_costs = chunk_costs(costs, head_cost, self.chunk_bounds)
         back = model.backout_layer
         self.chunks = {c: Chunk(a, b, c == 0, c == self.num_chunks - 1, back < a, back < b)
                        for c, (a, b) in enumerate(self.chunk_bounds) if c % p == self.stage}
