@@ -10,6 +10,8 @@ Collectives, all over the DP group:
   reduce                  per module call's backward: each Muon matrix's gradient (fp32) to its owner
   reduce_scatter_tensor   the same, per large AdamW tensor: its gradient -> this rank's rows
   broadcast, all_gather   for a checkpoint or a whole copy of the model: the fp32 weights, into whole tensors
+A module's gathering, and its gradients' sends, go out as one NCCL group (one launch, not one a tensor: 1.05x the
+step at d32 on four GPUs, dev/LOG.md 2026-11-27).
 
 The model calls each module holding sharded weights (the embedding, each block, each L3 layer, the lm_head) through
 `ShardedWeights.run`, gpt.py's `weights` seam: gathered whole one call ahead (behind the previous module's compute),
@@ -26,6 +28,7 @@ count as lookups.
 import torch
 import torch.nn as nn
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _coalescing_manager
 
 from nanochat.distributed import all_gather_single, reduce_scatter_single, wait_for
 
@@ -41,6 +44,16 @@ def gather_whole(whole, p, async_op=False):
     if dist.get_rank(p.dp_group) == p.dp_owner:
         whole.copy_(p.data)
     return dist.broadcast(whole, src=dist.get_global_rank(p.dp_group, p.dp_owner), group=p.dp_group, async_op=async_op)
+
+
+def posted_together(group, device, post):
+    """The works of the collectives post() posts; on GPUs as one NCCL group (one launch for a module's collectives:
+    fewer kernels waiting on SMs for their peers), through torch's coalescing manager; gloo has no groups."""
+    if device.type != "cuda":
+        return post()
+    with _coalescing_manager(group, device, async_ops=True) as together:
+        post()
+    return together.works
 
 
 def whole_over_dp(t, p):
@@ -93,7 +106,8 @@ class Gathered:
             return
         self.versions = torch.autograd._unsafe_preserve_version_counter(tuple(self.wholes[i] for i in which))
         self.versions.__enter__()
-        self.works += [gather_whole(self.wholes[i], self.unit.params[i], async_op=True) for i in which]
+        self.works += posted_together(self.weights.group, self.wholes[0].device, lambda: [
+            gather_whole(self.wholes[i], self.unit.params[i], async_op=True) for i in which])
 
     def wait(self):
         wait_for(self.works)
@@ -171,7 +185,7 @@ class ShardedWeights:
         self.next = {}      # unit -> the unit called after it last time (whose gathering a call posts ahead)
         self.last = None
         self.chain = None   # the latest gathering of the forward running (the backward posts the one before ahead)
-        self.sent = []      # (parameter, its gradient landing here or None, the send's work, the buffer it reads)
+        self.sent = ([], [])  # the last module's sends (send_gradients) and their works, landing after the next's
         self.gathered_bytes = self.gathered_peak = 0  # whole weights alive now, and the most at once
 
     def count(self, nbytes):
@@ -234,33 +248,40 @@ class ShardedWeights:
         unit = gathered.unit
         if unit.recomputes:
             unit.swap(unit.params)
-        earlier, self.sent = self.sent, []
-        for p, grad in zip(unit.params, grads):  # g: a fresh fp32 buffer, the collective sums into it
+        sends = []  # (parameter, its gradient landing here or None, the fp32 buffer the collective sums into)
+        for p, grad in zip(unit.params, grads):
             g = (torch.zeros(p.dp_shape, device=p.device) if grad is None
                  else grad.to(torch.float32, copy=True).contiguous())
-            if p.dp_owner is None:
-                landing = torch.empty_like(p.data, dtype=torch.float32)
-                work = reduce_scatter_single(landing, g, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-            else:
-                landing = g if self.rank == p.dp_owner else None
-                work = dist.reduce(g, dst=dist.get_global_rank(self.group, p.dp_owner), op=dist.ReduceOp.SUM,
-                                   group=self.group, async_op=True)
-            self.sent.append((p, landing, work, g))
+            sends.append((p, torch.empty_like(p.data, dtype=torch.float32) if p.dp_owner is None
+                          else g if self.rank == p.dp_owner else None, g))
+        earlier = self.sent
+        self.sent = (sends, posted_together(self.group, sends[0][2].device, lambda: [self.send(*s) for s in sends]))
         gathered.release()
         gathered.done, gathered.wholes, gathered.previous, gathered.output, self.chain = True, [], None, None, None
         self.land(earlier)
 
+    def send(self, p, landing, g):
+        """g summed over DP to p's owner (a Muon matrix) or as rows to every rank (landing): the collective's work."""
+        if p.dp_owner is None:
+            return reduce_scatter_single(landing, g, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        return dist.reduce(g, dst=dist.get_global_rank(self.group, p.dp_owner), op=dist.ReduceOp.SUM,
+                           group=self.group, async_op=True)
+
     @staticmethod
     def land(sent):
-        for p, landing, work, _ in sent:
-            work.wait()
+        """Wait for a module's sends (send_gradients) and add what landed here to each p.grad."""
+        params, works = sent
+        wait_for(works)
+        for p, landing, g in params:
             if landing is not None:
                 p.grad = landing if p.grad is None else p.grad.add_(landing)
+            if g is not p.grad:  # the buffer sent, freed now: an NCCL group's work holds it until its watchdog looks
+                g.untyped_storage().resize_(0)
 
     def finish(self):
         """Before the step: every gradient landed, gatherings posted ahead dropped (the step changes their weights)."""
         self.land(self.sent)
-        self.sent, self.chain = [], None
+        self.sent, self.chain = ([], []), None
         for unit in self.units.values():
             if unit.prefetched is not None:
                 unit.prefetched.release()
