@@ -292,7 +292,7 @@ class ContextParallel(WholeSequence):
                 for total, grad in zip((dqs[a], *dwhole[..., lo:hi, :]), grads):  # views: added in place
                     total.add_(grad)
         del whole  # so that beside the fp32 gradients there is one sequence's K/V or their compute-dtype gradients
-        # summed over CP in K/V's dtype: half fp32's bytes, each rank's share rounded once before the sum
+        # summed over CP in K/V's dtype: half fp32's bytes; each rank's share is rounded to it, and so is the sum
         by_rank = k.new_empty((self.size, *dwhole.shape[:-2], 2 * self.chunk, dwhole.size(-1)))
         for mine, seq in self._by_rank_and_in_order(by_rank, dwhole):
             mine.copy_(seq)

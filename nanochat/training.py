@@ -72,9 +72,10 @@ def setup(config, setting, layout, device, dtype, lrs, l3_data=None, after_init=
         odd = sorted({w for w in model.window_sizes if w < config.sequence_len and w % chunk})
         if odd and device.type == "cuda":
             print0(f"WARNING: windows {odd} are not whole chunks of {chunk} tokens (--max-seq-len / 2 x --cp): some of "
-                   f"their blocks run the reference math (slow, an fp32 score matrix per head; with the all-gather only "
-                   f"near the sequence's start, with the ring everywhere); choose --max-seq-len and --cp so that the S "
-                   f"window (a quarter of the context) is a multiple of the chunk")
+                   f"their blocks run the reference math (slow, an fp32 score matrix per head; with the all-gather "
+                   f"near the sequence's start, and every diagonal where a window is shorter than a chunk; with the "
+                   f"ring everywhere); choose --max-seq-len and --cp so that the S window (a quarter of the context) "
+                   f"is a multiple of the chunk")
     wgrad_splits = {}
     if device.type == "cuda":  # rank 0's choice, so that every rank computes alike
         splits = [kernels.tune_wgrad_splits(model, setting.device_batch * config.sequence_len, dtype)]

@@ -53,12 +53,14 @@ def test_dp4(reference):  # one matrix of every Muon round per rank, one micro-b
     assert_same_run(run_layout(dp=4), reference)
 
 
-def test_dp2_tp2(reference):
-    """Also what each rank held: Muon's state of a cut matrix on one TP rank only (the planner's count, exact)."""
+def test_dp2_tp2_with_rounds_that_do_not_divide():
+    """Five layers: Muon's stacks of five matrices divide by neither DP nor TP (padding rounds, shared over the TP
+    ranks). Also what each rank held: Muon's state of a cut matrix on one TP rank only (the planner's count, exact)."""
     from test_plan import assert_planned
-    run = run_layout(dp=2, tp=2)
-    assert_same_run(run, reference)
-    assert_planned(run, dp=2, tp=2)
+    five = {"n_layer": 5}
+    run = run_layout(dp=2, tp=2, config_overrides=five)
+    assert_same_run(run, run_layout(config_overrides=five))
+    assert_planned(run, dp=2, tp=2, config_overrides=five)
 
 
 @pytest.mark.parametrize("layout", [dict(dp=2), dict(dp=2, pp=2)], ids=["dp2", "dp2_pp2"])
