@@ -106,7 +106,7 @@ def spans_in_one_process(q, k, v, dout, N, window):
 
 
 @pytest.mark.parametrize("one_process", [cpm.ring_in_one_process, spans_in_one_process], ids=["ring", "all-gather"])
-@pytest.mark.parametrize("N, window", [(2, 64), (4, 64), (4, 20), (4, 9), (2, 1)])
+@pytest.mark.parametrize("N, window", [(2, 64), (4, 64), (4, 20), (4, 9), (2, 1), (8, 10), (8, 3)])
 def test_block_math_and_merge_equal_whole_attention(N, window, one_process):
     """Blocks merged by log-sum-exp, and their backward from the merged output, give whole-sequence attention and
     its gradients (SDPA with the dense window mask, GQA 4 query heads over 2 kv heads), with windows from the
