@@ -123,7 +123,8 @@ def _worker(rank, world, tp, pp, sequence_parallel, schedule, steps, port, out_d
                       total_batch=GLOBAL_BATCH * config.sequence_len, recompute=recompute)
     trainer = training.setup(config, setting, layout, torch.device("cpu"), torch.float32, LearningRates(**LRS),
                              after_init=after_init, resume=resume, compile=compile_backend)
-    schedule_of_steps = training.Schedule(steps, LRS["weight_decay"], warmup_steps=0, warmdown_ratio=0.0)
+    # a warmup and a warmdown, so that every layout applies a learning rate that changes from step to step
+    schedule_of_steps = training.Schedule(steps, LRS["weight_decay"], warmup_steps=2, warmdown_ratio=0.5)
     batches = fixed_batches(steps, sequence_len=config.sequence_len, documents=documents)
     losses, overlapped, graphs, grad_norms = [], [], [], []
     for step in range(first_step, steps):
