@@ -85,7 +85,8 @@ get_data() {
     local n
     n=$("$PYTHON" - <<EOF
 import math, torch
-from nanochat.gpt import GPT, config_for_depth
+from nanochat.gpt import GPT
+from nanochat.recipe import config_for_depth
 with torch.device("meta"):
     m = GPT(config_for_depth($DEPTH))
 tokens = $RATIO * m.num_scaling_params()

@@ -58,7 +58,7 @@ def resolve_data_dir(data_dir=None, allow_sample=True, quiet=False):
     return SAMPLE_DIR
 
 
-@lru_cache(maxsize=None)
+@lru_cache(maxsize=64)  # a run may list thousands of shards: each open one holds a file descriptor until evicted
 def _open(path):
     try:
         pf = pq.ParquetFile(path)
@@ -90,14 +90,23 @@ def row_group_rows(path, index):  # from the footer: nothing is read
     return _open(path).metadata.row_group(index).num_rows
 
 
-def check_data(data_dir=None):
+def check_data(data_dir=None, dp_size=1):
     """The resolved data folder, after opening every shard and reading each split's first row group: a bad file
-    fails the run at the start, not hours later at the first evaluation."""
+    fails the run at the start, not hours later at the first evaluation. DP rank r reads row groups r, r + dp_size, ...
+    (dataloader.py), so with fewer row groups than ranks some ranks would read the same rows: refused for training."""
     data_dir = resolve_data_dir(data_dir)
     for split in ("train", "val"):
         row_groups = list_row_groups(split_files(data_dir, split))
         if not row_groups:
             raise DataError(f"the {split} shards in {data_dir} hold no rows")
+        if len(row_groups) < dp_size:
+            same = (f"the {split} shards in {data_dir} hold {len(row_groups)} row group(s), fewer than the {dp_size} "
+                    f"data-parallel ranks, so some ranks read the same rows")
+            if split == "train":
+                raise DataError(f"{same}: write more shards, or shards in smaller row groups (pyarrow's "
+                                f"row_group_size), or train on fewer ranks")
+            if int(os.environ.get("RANK", 0)) == 0:
+                print(f"WARNING: {same}: the validation loss covers fewer distinct tokens than --eval-tokens", flush=True)
         path, index = row_groups[0]
         if not any(read_row_group(path, index)):
             raise DataError(f"{path}: the `text` of every row of row group {index} is empty; a model cannot learn from "

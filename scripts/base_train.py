@@ -58,7 +58,7 @@ class Plan:
         if layout.world_size > 1:
             print_rank(layout, f"global rank {layout.rank}")
         self.tokenizer = get_tokenizer()
-        self.data_dir = data_dir = check_data(args.data_dir)
+        self.data_dir = data_dir = check_data(args.data_dir, layout.dp_size)
         self.data_listing = shard_listing(data_dir)
         self.ckpt_dir = ckpt_dir = ckpt.checkpoint_dir(args.model_tag or f"d{args.depth}")
         if layout.world_size > 1:  # several nodes: the same shards on every rank, one checkpoint folder for all

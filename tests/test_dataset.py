@@ -93,6 +93,16 @@ def test_shards_of_empty_strings_are_refused(tmp_path):
         check_data(str(tmp_path))
 
 
+def test_fewer_row_groups_than_ranks_are_refused_for_training(tmp_path, capsys):
+    """DP rank r reads row groups r, r + dp, ...: with fewer than dp, ranks would train on the same rows."""
+    d = make_shards(str(tmp_path), n_shards=3, docs_per_shard=4, row_group=4)  # 2 training row groups, 1 validation
+    dataset._open.cache_clear()
+    check_data(d, dp_size=2)
+    assert "WARNING: the val shards" in capsys.readouterr().out  # validation only measures fewer tokens
+    with pytest.raises(DataError, match=r"the train shards in .* hold 2 row group\(s\), fewer than the 3 data-parallel"):
+        check_data(d, dp_size=3)
+
+
 def test_offline_download_fails_fast_with_directions(tmp_path):
     # an endpoint on a closed local port stands for "no network"
     env = dict(os.environ, HF_ENDPOINT="http://127.0.0.1:9", HF_HUB_ETAG_TIMEOUT="2", NANOCHAT_BASE_DIR=str(tmp_path))

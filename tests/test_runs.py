@@ -81,3 +81,18 @@ def test_a_failing_run_prints_its_error(tmp_path, env):
     p = subprocess.run(["bash", "runs/scaling_laws.sh"], cwd=REPO, env=e, capture_output=True, text=True, timeout=300)
     assert p.returncode != 0
     assert "FAILED: scripts.base_train" in p.stderr and "unrecognized arguments: --no-such-flag" in p.stderr, p.stderr
+
+
+def test_the_shell_scripts_import_what_the_package_has():
+    """Every `from nanochat... import ...` inside the shell scripts names what exists: speedrun's download branch,
+    which the runs above skip (they bring their data), once imported a function from the wrong module."""
+    import glob
+    import importlib
+    scripts = glob.glob(os.path.join(REPO, "*.sh")) + glob.glob(os.path.join(REPO, "runs", "*.sh"))
+    imports = [(path, module, name.strip()) for path in scripts
+               for module, names in re.findall(r"^from (nanochat[\w.]*) import ([\w, ]+)$", open(path).read(), re.M)
+               for name in names.split(",")]
+    assert any(name == "config_for_depth" for _, _, name in imports), imports  # the pattern still finds them
+    for path, module, name in imports:
+        assert hasattr(importlib.import_module(module), name), (os.path.basename(path), module, name)
+
