@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from nanochat.gpt import GPTConfig, build_model, window_sizes
-from nanochat.engine import generate
+from nanochat.engine import generate, sample_next
 
 V = 128
 
@@ -82,6 +82,11 @@ def test_sampling_is_reproducible_with_a_seed():
     # top-k 1 leaves only the most likely token: greedy, whatever the temperature
     greedy = generate(model, prompt, 20, temperature=0.0)[0]
     assert generate(model, prompt, 20, num_samples=2, temperature=2.0, top_k=1, seed=3) == [greedy] * 2
+
+
+def test_top_k_samples_among_k_tokens_even_when_logits_tie():
+    logits, g = torch.zeros(200, 10), torch.Generator().manual_seed(0)  # ten equal logits: a tie at the k-th value
+    assert len(set(sample_next(logits, 1.0, 3, g).tolist())) == 3
 
 
 def test_stop_tokens_stop():
