@@ -57,7 +57,7 @@ def sample_next(logits, temperature, top_k, generator):
     if temperature == 0.0:
         return logits.argmax(dim=-1)
     logits = logits / temperature
-    if top_k is not None and top_k > 0:  # exactly k candidates, ties at the k-th value included or not by topk
+    if top_k is not None and top_k > 0:  # exactly k candidates: a tie at the k-th value is cut where topk cuts it
         values, ids = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1)
         return ids.gather(-1, torch.multinomial(F.softmax(values, dim=-1), 1, generator=generator)).squeeze(-1)
     return torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator).squeeze(-1)
