@@ -30,6 +30,7 @@ from nanochat.signals import stop_point
 EVAL_BUNDLE_URL = "https://karpathy-public.s3.us-west-2.amazonaws.com/eval_bundle.zip"
 DOWNLOAD_TIMEOUT_S = 30
 FEWSHOT_SEED = 1234
+SUBSET_SEED = 1337  # the items a task's subset draws (--core-max-per-task, training's CORE)
 # Rows x longest row per forward pass: bounds activations (logits only where scored); small passes are launch-bound
 DEFAULT_BATCH_TOKENS = 32768
 TASK_KEYS = {"multiple_choice": ("query", "choices", "gold"), "schema": ("context_options", "continuation", "gold"),
@@ -177,11 +178,13 @@ def item_options(task_type, record, delimiter):
         return [(record["query"] + delimiter, choice) for choice in record["choices"]], record["gold"]
     if task_type == "schema":
         return [(option + delimiter, record["continuation"]) for option in record["context_options"]], record["gold"]
-    return [(record["context"] + delimiter, record["continuation"])], 0
+    return [(record["context"].strip() + delimiter, record["continuation"])], 0  # as the protocol trims it
 
 
 def render_item(task, records, idx):
-    """(full prompt per option, the first option's prompt without its continuation, gold)."""
+    """(full prompt per option, the first option's prompt without its continuation, gold). That prompt ends without
+    whitespace: language modeling scores the delimiter's space with the continuation, as the CORE protocol does
+    (where it is a token of its own, e.g. before digits, the model must predict it too)."""
     prefix = ""
     for j in fewshot_indices(idx, len(records), task.num_fewshot):
         options, gold = item_options(task.task_type, records[j], task.delimiter)
@@ -189,7 +192,7 @@ def render_item(task, records, idx):
     options, gold = item_options(task.task_type, records[idx], task.delimiter)
     if not 0 <= gold < len(options):
         raise EvalBundleError(f"{task.path} item {idx}: gold {gold} is not the index of one of its {len(options)} options")
-    return [prefix + context + continuation for context, continuation in options], prefix + options[0][0], gold
+    return [prefix + context + continuation for context, continuation in options], (prefix + options[0][0]).rstrip(), gold
 
 
 def common_prefix_len(seqs):  # of token arrays (commonprefix takes any sequences, not only paths)
@@ -265,15 +268,19 @@ def item_batches(items, batch_tokens):
 
 def evaluate_task(model, tokenizer, task, records, device, max_per_task=-1, layout=None,
                   batch_tokens=DEFAULT_BATCH_TOKENS, cache=None):
-    """(accuracy, items) over the first max_per_task items (-1: all), strided over DP ranks; `cache` (a dict) keeps
-    the tokenized items for the next call (training evaluates them again and again)."""
+    """(accuracy, items) over max_per_task items (-1: all) drawn by a fixed shuffle (the files are ordered: jeopardy's
+    first 500 lines hold 2 of its 5 categories), strided over DP ranks; `cache` (a dict) keeps the tokenized items
+    for the next call (training evaluates them again and again)."""
     n = len(records) if max_per_task < 0 else min(max_per_task, len(records))
+    chosen = list(range(len(records)))
+    if n < len(records):
+        random.Random(SUBSET_SEED).shuffle(chosen)
     dp_rank, dp_size = (layout.dp_rank, layout.dp_size) if layout is not None else (0, 1)
     max_len = model.config.sequence_len
     key = (tokenizer, task, n, dp_rank, dp_size, max_len)  # the tokenizer by identity
     cache = {} if cache is None else cache
     if key not in cache:
-        cache[key] = prepare_items(task, records, range(dp_rank, n, dp_size), tokenizer, max_len)
+        cache[key] = prepare_items(task, records, chosen[dp_rank:n:dp_size], tokenizer, max_len)
     items = cache[key]
     correct, done = 0, 0
     # a stop request ends a long task within a batch in one process; under torchrun the ranks run different
@@ -313,7 +320,7 @@ def evaluate_core(model, tokenizer, device, bundle_dir, max_per_task=-1, layout=
     tasks, missing = load_bundle(bundle_dir)
     if not tasks:
         raise EvalBundleError(f"none of the tasks in {bundle_dir}/core.yaml has its data file under eval_data/")
-    subset = "all items" if max_per_task < 0 else f"the first {max_per_task} items"
+    subset = "all items" if max_per_task < 0 else f"{max_per_task} items (a fixed shuffle's first)"
     print0(f"CORE: {len(tasks)} tasks from {bundle_dir}, {subset} of each"
            + (f"; no data file for {len(missing)}: {', '.join(missing)}" if missing else ""))
     records_by_path = cache.setdefault("records", {}) if cache is not None else {}

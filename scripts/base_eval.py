@@ -33,7 +33,7 @@ def main():
     parser.add_argument("--device-type", type=str, default="", help="cuda|cpu|mps (default: autodetect)")
     parser.add_argument("--eval-bundle", type=str, default=None,
                         help="CORE bundle folder (default: $NANOCHAT_BASE_DIR/eval_bundle, downloaded when absent)")
-    parser.add_argument("--max-per-task", type=int, default=-1, help="CORE: the first N items of each task (-1 = all)")
+    parser.add_argument("--max-per-task", type=int, default=-1, help="CORE: N items of each task, a fixed shuffle's first (-1 = all)")
     parser.add_argument("--eval-tokens", type=int, default=-1, help="bpb: tokens of each split (-1 = 20 x 2^19 on a GPU, 2^18 elsewhere)")
     parser.add_argument("--device-batch-size", type=int, default=32, help="bpb: sequences per forward pass per process")
     parser.add_argument("--data-dir", type=str, default=None, help="bpb: folder of parquet shards (default as in base_train)")
@@ -87,7 +87,7 @@ def evaluate(args, layout, device):
         print0(f"wrote {csv_path}")
         items.update({"CORE": round(core["core"], 6), "CORE tasks": f"{core['tasks_run']}/{core['tasks_total']}",
                       "missing tasks": ", ".join(core["missing"]) or "none",
-                      "items per task": "all" if args.max_per_task < 0 else f"first {args.max_per_task}"})
+                      "items per task": "all" if args.max_per_task < 0 else f"{args.max_per_task} (a fixed shuffle's first)"})
         sections.append(table)
     if not args.skip_bpb:
         T = model.config.sequence_len

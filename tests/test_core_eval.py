@@ -53,6 +53,14 @@ class NextCharModel(nn.Module):
         return logits if positions is None else logits[positions]
 
 
+class SpaceAfterX(NextCharModel):
+    """NextCharModel, but 'x' is followed by ' ' (the delimiter of language-modeling tasks)."""
+
+    def forward(self, idx, positions=None):
+        logits = 20.0 * nn.functional.one_hot(torch.where(idx == ord("x"), ord(" "), (idx + 1) % V), V).float()
+        return logits if positions is None else logits[positions]
+
+
 def task(task_type, num_fewshot=0, delimiter="", baseline=0.25, label="t"):
     return Task(label, task_type, num_fewshot, delimiter, baseline, f"/nonexistent/{label}.jsonl")
 
@@ -91,10 +99,12 @@ def test_schema_lowest_loss_on_the_shared_continuation_wins():
 
 def test_language_modeling_needs_every_greedy_token():
     lm = task("language_modeling", delimiter=" ", baseline=0.0)
-    # after the delimiter ' ' (32) the model continues '!' (33), '"' (34), '#' (35)
-    assert accuracy(lm, [{"context": "x", "continuation": "!\"#"}]) == 1.0
-    assert accuracy(lm, [{"context": "x", "continuation": "!\"$"}]) == 0.0  # the last token is wrong
-    assert accuracy(lm, [{"context": "x", "continuation": "?\"#"}]) == 0.0  # the first token is wrong
+    # the delimiter ' ' (32), a token of its own here, is scored with the continuation: after 'x' the model must
+    # continue ' ', '!' (33), '"' (34), '#' (35)
+    assert accuracy(lm, [{"context": "x", "continuation": "!\"#"}], model=SpaceAfterX()) == 1.0
+    assert accuracy(lm, [{"context": "x", "continuation": "!\"#"}]) == 0.0  # 'x' -> 'y': the space is wrong
+    assert accuracy(lm, [{"context": "x", "continuation": "!\"$"}], model=SpaceAfterX()) == 0.0  # the last token
+    assert accuracy(lm, [{"context": "x", "continuation": "?\"#"}], model=SpaceAfterX()) == 0.0  # the first one
 
 
 def test_continuation_tokens_by_task_type():
@@ -118,7 +128,7 @@ def test_delimiter_goes_between_context_and_continuation():
     assert texts == ["A ran.", "B ran."]
     t = task("language_modeling", delimiter=" ")
     texts, context, _ = render_item(t, [{"context": "The sky is", "continuation": "blue"}], 0)
-    assert texts == ["The sky is blue"] and context == "The sky is "
+    assert texts == ["The sky is blue"] and context == "The sky is"  # the space is scored with "blue"
 
 
 # -----------------------------------------------------------------------------
@@ -199,11 +209,13 @@ def test_padding_does_not_change_scores():
     assert accuracy(mc, records, model, batch_tokens=1) == accuracy(mc, records, model, batch_tokens=100_000)
 
 
-def test_max_per_task_takes_the_first_items():
+def test_max_per_task_draws_a_fixed_shuffle_of_the_items():
+    """A task file is ordered (its first lines can all be one category): a subset is a fixed shuffle's first items,
+    here 1, 0, 3, 2, 5, 4 of six, so three hold two right and one wrong (the file's first three: all right)."""
     lm = task("language_modeling", baseline=0.0)
     records = [{"context": "a", "continuation": "b"}] * 3 + [{"context": "a", "continuation": "z"}] * 3
-    assert evaluate_task(NextCharModel(), CharTokenizer(), lm, records, "cpu", max_per_task=3) == (1.0, 3)
-    assert evaluate_task(NextCharModel(), CharTokenizer(), lm, records, "cpu", max_per_task=4) == (0.75, 4)
+    assert evaluate_task(NextCharModel(), CharTokenizer(), lm, records, "cpu", max_per_task=3) == (2 / 3, 3)
+    assert evaluate_task(NextCharModel(), CharTokenizer(), lm, records, "cpu", max_per_task=5) == (0.6, 5)
     assert evaluate_task(NextCharModel(), CharTokenizer(), lm, records, "cpu") == (0.5, 6)
 
 
@@ -271,7 +283,7 @@ def test_default_delimiter_is_a_space(tmp_path):
     bundle = make_bundle(tmp_path, [("lm", "language_modeling", 0, 0, [{"context": "x", "continuation": "!"}], None)])
     [t], _ = load_bundle(bundle)
     assert t.delimiter == " "
-    assert evaluate_core(NextCharModel(), CharTokenizer(), "cpu", bundle)["core"] == 1.0  # ' ' -> '!'
+    assert evaluate_core(SpaceAfterX(), CharTokenizer(), "cpu", bundle)["core"] == 1.0  # 'x' -> ' ' -> '!'
 
 
 def test_bad_bundles_fail_clearly(tmp_path):
