@@ -137,14 +137,17 @@ _my_tokens = _by_tokens(lambda x, g: _my_chunk(x, 0, g))
 
 
 def _conjugate(name, forward, backward):
-    """An autograd function: `forward(x, group)` in the forward, its conjugate `backward(grad, group)` after."""
+    """`forward(x, group)` in the forward, its conjugate `backward(grad, group)` after: an autograd function behind a
+    plain function. A Function's bound `apply` kept on a module (Collective) is traced by torch 2.11's compiler as
+    Python, which breaks the graph at each collective: the whole compiled TP model then ran its blocks eagerly."""
     def fwd(ctx, x, group):
         ctx.group = group
         return forward(x, group)
 
     def bwd(ctx, grad):
         return backward(grad, ctx.group), None
-    return type(name, (torch.autograd.Function,), {"forward": staticmethod(fwd), "backward": staticmethod(bwd)})
+    function = type(name, (torch.autograd.Function,), {"forward": staticmethod(fwd), "backward": staticmethod(bwd)})
+    return lambda x, group: function.apply(x, group)
 
 
 # the conjugate pairs, (forward, backward):
@@ -170,7 +173,7 @@ class Collective(nn.Module):
 
 def region_enter(group, sequence_parallel):
     """Where a TP region starts (attention, MLP, lm_head input): f, or the sequence all-gather."""
-    return Collective(_GatherSequence.apply if sequence_parallel else _CopyToTP.apply, group)
+    return Collective(_GatherSequence if sequence_parallel else _CopyToTP, group)
 
 
 # --- Sharded layers: each holds only its shard, `tp_dim` says along which dim ------
@@ -211,7 +214,7 @@ class RowParallelLinear(nn.Module):
 
     def reduce(self, partial):
         """g or the SP reduce-scatter (also for fp8.Fp8MLP, whose product is its own)."""
-        return (_ScatterSequence if self.sequence_parallel else _ReduceFromTP).apply(partial, self.group)
+        return (_ScatterSequence if self.sequence_parallel else _ReduceFromTP)(partial, self.group)
 
 
 class ColumnParallelEmbedding(nn.Module):
@@ -237,7 +240,7 @@ class VocabParallelEmbedding(nn.Module):
         local = idx - self.vocab_start
         mine = (local >= 0) & (local < self.weight.size(0))
         out = F.embedding(local.clamp(0, self.weight.size(0) - 1), self.weight) * mine.unsqueeze(-1)
-        return _ReduceFromTP.apply(out, self.group)
+        return _ReduceFromTP(out, self.group)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -276,7 +279,7 @@ class VocabParallelSoftcapCrossEntropy(nn.Module):
 
     def logits(self, raw):
         """Full soft-capped logits (every rank gets all of them): for evaluation and sampling."""
-        return softcap(_GatherVocab.apply(raw.float(), self.group))
+        return softcap(_GatherVocab(raw.float(), self.group))
 
     def forward(self, x, lm_head, targets, reduction="mean"):
         logits = softcap(lm_head(x)).flatten(0, -2)
@@ -302,7 +305,7 @@ def parallelize(model, layout, sequence_parallel=False):
     model.lm_head = ColumnParallelLinear(model.lm_head, layout, region_enter(group, sequence_parallel))
     model.criterion = VocabParallelSoftcapCrossEntropy(model.config.vocab_size, layout)
     if sequence_parallel:
-        model.embed_exit = Collective(_SplitSequence.apply, group)
+        model.embed_exit = Collective(_SplitSequence, group)
         for layer in model.l3.values():  # replicated: each rank looks up its own token ids, (B, T) -> (B, T/tp)
             layer.token_share = Collective(lambda idx, g: _my_tokens(idx.unsqueeze(-1), g).squeeze(-1), group)
         # replicated parameters that see this rank's tokens only: partial gradients

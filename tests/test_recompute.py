@@ -178,4 +178,6 @@ def test_recompute_under_parallelism(layout, mode, backend):
         for name, p in ref["params"].items():
             torch.testing.assert_close(run["params"][name], p, rtol=0, atol=1e-5, msg=name)
         assert run["graphs"][0] == [run["graphs"][0][0]] * 3  # no recompiles after the first step
+        if "pp" not in layout:  # the whole model one graph: no break at TP's collectives (torch 2.11 broke at each)
+            assert run["graphs"][0][0] == 1, run["graphs"]
     assert run["eval_losses"] == ref["eval_losses"]
