@@ -2,7 +2,8 @@
 A run's settings: base_train's flags, the model and scaling-law recipe they give, and the one check of which settings
 can run together (Setting.check: base_train, training.setup, the memory planner). The recipe (derive_recipe, printed):
   horizon  D = --num-iterations * B, else --target-flops / FLOPs-per-token, else ratio * scaling params
-  batch    B = 2^19 * (D / D_ref)^0.383 rounded to a power of 2 (Power Lines, arXiv 2505.13738), D_ref = ratio * N(d12)
+  batch    B = 2^19 * (D_opt / D_ref)^0.383 rounded to a power of 2 (Power Lines, arXiv 2505.13738), D_ref = ratio *
+           N(d12), D_opt = the horizon from --target-flops or the ratio (with --num-iterations too)
   LRs      every LR * sqrt(B / 2^19)
   decay    wd = wd_ref * sqrt(B / 2^19) * D_ref / D (constant T_epoch, arXiv 2405.13698)
   schedule LR: 40-step warmup, flat, linear warmdown over the last 65% to 5%; Muon momentum 0.85 -> 0.97 over 400
@@ -147,8 +148,23 @@ def parse_args(argv=None):
         hints = [f"{u} (did you mean {' or '.join(near)}?)" if (near := difflib.get_close_matches(u.split("=")[0], flags, 2))
                  else u for u in unknown]
         parser.exit(2, f"base_train: error: unrecognized arguments: {', '.join(hints)}; see --help\n")
+    ranges = [(args.resume_from_step != "latest" and args.resume_from_step < -1, "--resume-from-step: a step >= 0, "
+               "latest, or -1 to start fresh"),
+              (args.num_iterations == 0 or args.num_iterations < -1, "--num-iterations: positive, or -1 (the recipe's)"),
+              (args.total_batch_size == 0 or args.total_batch_size < -1, "--total-batch-size: positive, or -1 (the "
+               "recipe's)"),
+              (args.target_param_data_ratio <= 0, "--target-param-data-ratio: positive"),
+              (args.warmup_steps < 0, "--warmup-steps: 0 or more"),
+              (not 0 <= args.warmdown_ratio <= 1, "--warmdown-ratio: in [0, 1]"),
+              (not 0 <= args.final_lr_frac <= 1, "--final-lr-frac: in [0, 1]"),
+              (args.stop_at_step == 0 or args.stop_at_step < -1, "--stop-at-step: positive, or -1 (run to the end)")]
+    if bad := [need for wrong, need in ranges if wrong]:
+        parser.exit(2, f"base_train: error: {'; '.join(bad)}\n")
     if args.max_seq_len is None and args.resume_from_step == -1:
         args.max_seq_len = DEFAULT_SEQ_LEN  # a resume takes the checkpoint's (base_train)
+    for action in parser._actions:  # which flags the command line gave: a resume compares those with the checkpoint
+        action.default = argparse.SUPPRESS
+    args.given = sorted(vars(parser.parse_known_args(argv)[0]))
     return args
 
 
@@ -178,7 +194,7 @@ def check_loop_flags(args, resume_meta):
         imported = dict(depth=config["n_layer"], window_pattern=config["window_pattern"])
         known = dict(default, **saved) if saved else imported
         differ = {k: (known[k], now[k]) for k in MODEL_FLAGS if k in known and known[k] != now[k]}
-        if given := {k: ab for k, ab in differ.items() if now[k] != default[k]}:
+        if given := {k: ab for k, ab in differ.items() if k in args.given}:
             raise ConfigError("resuming with another model than the checkpoint's: " +
                               ", ".join(f"--{k.replace('_', '-')} {b} (the checkpoint's: {a})" for k, (a, b) in given.items()) +
                               "; leave these flags out or give the checkpoint's values")
@@ -267,12 +283,10 @@ class Recipe:
                 f"D_ref = {self.d_ref:,.0f}",
                 f"batch: {self.total_batch_size:,} tokens = {setting.device_batch} x {config.sequence_len} x dp "
                 f"{setting.dp} x grad accum {micro_batches}" +
-                ("" if args.total_batch_size > 0 else " (Power Lines: 2^19 * (D_opt/D_ref)^0.383)")] + \
-            ([f"note: --warmup-steps {args.warmup_steps} is longer than the run ({self.num_iterations} steps): the LR "
-              f"never reaches its peak (lower --warmup-steps)"] if args.warmup_steps > self.num_iterations else []) + \
-            [f"LR scale sqrt(B/2^19) = {self.lr_scale:.4f}; Muon weight decay = {args.weight_decay} x "
-             f"{self.lr_scale:.4f} x D_ref/D {self.d_ref / self.tokens:.4f} = {self.weight_decay:.5f}; total FLOPs "
-             f"{self.flops_per_token * self.tokens:.4e}"]
+                ("" if args.total_batch_size > 0 else " (Power Lines: 2^19 * (D_opt/D_ref)^0.383)"),
+                f"LR scale sqrt(B/2^19) = {self.lr_scale:.4f}; Muon weight decay = {args.weight_decay} x "
+                f"{self.lr_scale:.4f} x D_ref/D {self.d_ref / self.tokens:.4f} = {self.weight_decay:.5f}; total FLOPs "
+                f"{self.flops_per_token * self.tokens:.4e}"]
 
 
 def derive_recipe(args, config, start_len=None):
@@ -372,7 +386,8 @@ class Setting:
             raise ConfigError(f"--tp {tp}, --pp {pp}, --cp {cp}, --pp-virtual {self.pp_virtual} must be at least 1")
         tokens_per_micro = self.device_batch * T * self.dp
         if self.total_batch % tokens_per_micro != 0:
-            raise ConfigError(f"--total-batch-size {self.total_batch:,} is not a multiple of device_batch_size x "
+            raise ConfigError(f"the batch, {self.total_batch:,} tokens (--total-batch-size, or the recipe's where it is "
+                              f"left out), is not a multiple of device_batch_size x "
                               f"seq_len x dp = {self.device_batch} x {T} x {self.dp} = {tokens_per_micro:,}; change "
                               f"--device-batch-size or --total-batch-size (a power of 2 works with powers of 2)")
         m = self.total_batch // tokens_per_micro

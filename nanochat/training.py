@@ -186,10 +186,9 @@ class Schedule:
         start = self.warmdown_start()
         return max(0.0, (it - start) / max(1, self.num_iterations - start))
 
-    def lr_multiplier(self, it):  # linear warmup, flat, linear warmdown to final_lr_frac
-        if it < self.warmup_steps:
-            return (it + 1) / self.warmup_steps
-        return 1.0 - self.warmdown_progress(it) * (1.0 - self.final_lr_frac)
+    def lr_multiplier(self, it):  # linear warmup, flat, linear warmdown to final_lr_frac (the lower, where they meet)
+        warmup = (it + 1) / self.warmup_steps if it < self.warmup_steps else 1.0
+        return min(warmup, 1.0 - self.warmdown_progress(it) * (1.0 - self.final_lr_frac))
 
     def muon_momentum(self, it):  # 0.85 -> 0.97 over the first 400 steps, then -> 0.90 over the warmdown
         top = 0.85 + 0.12 * min(1.0, min(it, self.warmdown_start()) / 400)

@@ -88,6 +88,13 @@ class Plan:
         if resume_meta is not None:
             print0(f"resuming from step {args.resume_from_step} of {ckpt_dir}")
         print0(*recipe.describe(args, config, self.setting, self.micro_batches), sep="\n")
+        if args.stop_at_step > recipe.num_iterations:
+            raise ConfigError(f"--stop-at-step {args.stop_at_step} is past the run's last step ({recipe.num_iterations})")
+        self.schedule = training.Schedule(recipe.num_iterations, recipe.weight_decay, args.warmup_steps,
+                                          args.warmdown_ratio, args.final_lr_frac)
+        if args.warmup_steps > (warmdown := self.schedule.warmdown_start()):
+            print0(f"note: --warmup-steps {args.warmup_steps} runs into the warmdown (from step {warmdown}): the LR "
+                   f"never reaches its peak (lower --warmup-steps)")
 
 
 # -----------------------------------------------------------------------------
@@ -100,8 +107,7 @@ class Run:
     def __init__(self, args, layout, device, plan, watch):
         self.args, self.layout, self.device, self.plan, self.watch = args, layout, device, plan, watch
         self.config, self.recipe, self.ckpt_dir = plan.config, plan.recipe, plan.ckpt_dir
-        self.schedule = training.Schedule(self.recipe.num_iterations, self.recipe.weight_decay, args.warmup_steps,
-                                          args.warmdown_ratio, args.final_lr_frac)
+        self.schedule = plan.schedule
         meta, resume = plan.resume_meta, None
         if meta is not None:  # the weights go into the whole model, before it is cut up
             weights_only = meta.get("weights_only", False)  # e.g. imported by scripts.import_hf
@@ -309,7 +315,7 @@ class Run:
             self.watch.collective("barrier: compile warm-up")
             barrier(self.layout, "the first step (compile warm-up)")
         self.step += 1
-        if self.step == 1:  # the collector walks every Python object: once at the start, then only rarely
+        if self.step == self.first_step + 1:  # the collector walks every Python object: once at the start, then rarely
             gc.collect()
             gc.freeze()
             gc.disable()

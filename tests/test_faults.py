@@ -6,6 +6,7 @@ import os
 import json
 import types
 import pickle
+import re
 
 import pytest
 import torch
@@ -137,6 +138,33 @@ def test_progress_speaks_only_for_long_loops(capsys):
     quiet = Progress("val bpb", 100)  # every 10 s: a short loop prints nothing
     quiet.update(50)
     assert capsys.readouterr().out == ""
+
+
+def test_a_model_flag_given_at_its_default_is_compared_on_resume():
+    """--depth 20 is the default, but given it names another model than a depth-2 checkpoint's: refused, not taken."""
+    from nanochat.common import ConfigError
+    from nanochat.recipe import parse_args, check_loop_flags
+    saved = parse_args(["--depth", "2"])
+    meta = {"user_config": vars(saved), "model_config": {"n_layer": 2, "window_pattern": "SSSL"}}
+    left_out = parse_args(["--resume-from-step", "2"])
+    check_loop_flags(left_out, meta)
+    assert left_out.depth == 2  # left out: the checkpoint's
+    with pytest.raises(ConfigError, match=r"--depth 20 \(the checkpoint's: 2\)"):
+        check_loop_flags(parse_args(["--depth", "20", "--resume-from-step", "2"]), meta)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--resume-from-step", "-2"], "--resume-from-step: a step >= 0"),
+    (["--num-iterations", "0"], "--num-iterations: positive"),
+    (["--target-param-data-ratio", "0"], "--target-param-data-ratio: positive"),
+    (["--warmdown-ratio", "1.5", "--final-lr-frac", "-2"], "--warmdown-ratio: in \\[0, 1\\]; --final-lr-frac"),
+])
+def test_flags_out_of_range_end_in_one_line(flags, message, capsys):
+    from nanochat.recipe import parse_args
+    with pytest.raises(SystemExit):
+        parse_args(flags)
+    err = capsys.readouterr().err
+    assert re.search(message, err) and err.count("\n") == 1, err
 
 
 def test_start_over_and_resume_together_are_refused():

@@ -17,6 +17,14 @@ def test_lr_multiplier_warms_up_holds_and_warms_down():
     assert s.lr_multiplier(1000) == pytest.approx(0.1)
 
 
+def test_a_warmup_that_runs_into_the_warmdown_takes_the_lower_multiplier():
+    s = Schedule(num_iterations=50, weight_decay=0.2, warmup_steps=40, warmdown_ratio=0.65, final_lr_frac=0.05)
+    lrm = [s.lr_multiplier(it) for it in range(50)]
+    assert lrm[17] == pytest.approx(18 / 40)  # still warming up, under the warmdown's 0.93
+    assert all(b <= a + 1e-12 for a, b in zip(lrm[30:], lrm[31:]))  # no jump back up after the two lines meet
+    assert max(lrm) < 1.0
+
+
 def test_muon_momentum_and_weight_decay():
     s = Schedule(num_iterations=1000, weight_decay=0.2, warmup_steps=10, warmdown_ratio=0.5, final_lr_frac=0.1)
     assert s.muon_momentum(0) == pytest.approx(0.85) and s.muon_momentum(200) == pytest.approx(0.91)
