@@ -10,7 +10,6 @@ the newest intact step. A run locks its folder (run.lock); a new run refuses a f
 
 import os
 import re
-import glob
 import json
 import time
 import contextlib
@@ -149,8 +148,9 @@ def lock_run(layout, device, ckpt_dir, fresh=False, start_over=False, checkpoint
     if layout.rank == 0:
         try:
             lock = take_lock(ckpt_dir)
-            for path in glob.glob(os.path.join(glob.escape(ckpt_dir), "*.tmp.*")):
-                os.remove(path)
+            for f in os.listdir(ckpt_dir):  # only what atomic_write leaves of a checkpoint or the records
+                if re.fullmatch(r"((model|optim|meta)_\d+\S*|metrics\.jsonl)\.tmp\.\d+", f):
+                    os.remove(os.path.join(ckpt_dir, f))
             if fresh:
                 start_fresh(ckpt_dir, start_over)
             if checkpoint_bytes and (free := shutil.disk_usage(ckpt_dir).free) < checkpoint_bytes * 1.05:
@@ -242,8 +242,8 @@ def save_meta(ckpt_dir, step, meta, num_stages=1):
 
 
 def saved_steps(ckpt_dir):
-    return sorted(int(m.group(1)) for f in glob.glob(os.path.join(ckpt_dir, "meta_*.json"))
-                  if (m := re.search(r"meta_(\d+)\.json$", f)))
+    return sorted(int(m.group(1)) for f in os.listdir(ckpt_dir) if (m := re.fullmatch(r"meta_(\d+)\.json", f))) \
+        if os.path.isdir(ckpt_dir) else []
 
 
 def find_last_step(ckpt_dir):
@@ -256,9 +256,9 @@ def prune_checkpoints(ckpt_dir, keep_last):
     """Delete all but the newest keep_last steps, each meta first (the step stops counting as saved), then tensors."""
     for step in saved_steps(ckpt_dir)[:-keep_last]:
         os.remove(os.path.join(ckpt_dir, f"meta_{step:06d}.json"))
-        for kind in ("model", "optim"):
-            for path in glob.glob(os.path.join(ckpt_dir, f"{kind}_{step:06d}*.pt")):
-                os.remove(path)
+        for f in os.listdir(ckpt_dir):  # the step's own files: model_100000*.pt would also match step 1000000's
+            if f.endswith(".pt") and step_of(f) == step:
+                os.remove(os.path.join(ckpt_dir, f))
 
 
 def _damaged(path, step, why):

@@ -5,8 +5,9 @@ A run's record for tools: metrics.jsonl beside the run's checkpoints, one JSON o
                            (global) and grad_norm_<group> (optim.PARAM_GROUPS), lrm, dt (s), tok_per_sec, mfu (%),
                            peak_mem_gib, epoch; moe_imbalance (MoE); spikes (SpikeWatch); val_bpb and core if evaluated
   {"kind": "end", ...}     at the end (completed or stopped): the last step, training time, every rank's peak memory
-A resumed run keeps the records before its first step: one trajectory. Rank 0 writes line by line (a line a crash
-cuts off is skipped when read); wandb and TensorBoard, when asked for, get the same numbers.
+A resumed run keeps the records before its first step: one trajectory (where it trains steps again, the file as it was
+goes aside first). Rank 0 writes line by line (a line a crash cuts off is skipped when read); wandb and TensorBoard,
+when asked for, get the same numbers.
 """
 
 import os
@@ -16,7 +17,7 @@ import time
 import statistics
 import contextlib
 
-from nanochat.common import UserError
+from nanochat.common import UserError, atomic_write
 
 
 class RunLog:
@@ -26,13 +27,19 @@ class RunLog:
         self.path, self.wandb, self.tensorboard = (path if enabled else None), None, None
         if self.path is None:
             return
-        # resumed: the earlier launches' headers and steps before this one's first (not their end records)
-        kept = [r for r in read_records(path) if start_step > 0 and (
+        # resumed: the earlier launches' headers and steps before this one's first (not their end records). Steps
+        # trained again (a resume from an earlier step): the whole earlier file goes into replaced_<date>-<time>/ first
+        records = read_records(path)
+        kept = [r for r in records if start_step > 0 and (
             r.get("kind") == "header" or ("kind" not in r and r["step"] < start_step))]
         with self.named_write_error():
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(path, "w") as f:
-                f.writelines(json.dumps(r) + "\n" for r in kept)
+            folder = os.path.dirname(path)
+            os.makedirs(folder, exist_ok=True)
+            if start_step > 0 and any("loss" in r and r["step"] >= start_step for r in records):  # steps trained
+                from nanochat.checkpoint_manager import move_aside
+                aside = move_aside(folder, [os.path.basename(path)])
+                print(f"resuming from step {start_step}: the records of the steps after it are kept in {aside}")
+            atomic_write(path, "".join(json.dumps(r) + "\n" for r in kept).encode())
         self.write({"kind": "header", "time": time.time(), "start_step": start_step, **header})
         if wandb_run:
             import wandb

@@ -321,10 +321,13 @@ class Trainer:
         DP rank's data state, the layout); the newest keep_last stay (-1: all). Non-finite weights: CheckpointError."""
         t0 = time.time()
         L = self.layout
-        bad = ckpt.nonfinite_tensors(self.model.state_dict())
+        # the optimizer's state too: a huge finite gradient can make AdamW's second moment infinite before the weights
+        bad = ckpt.nonfinite_tensors(self.model.state_dict()) + [
+            "the optimizer's state" for state in self.optimizer.state.values() if ckpt.nonfinite_tensors(state)][:1]
         device = next(self.model.parameters()).device
         if all_reduce_max(float(len(bad) > 0), device) > 0:
-            raise ckpt.CheckpointError(f"the weights are not finite at step {step} (the run diverged" +
+            raise ckpt.CheckpointError(f"the weights or the optimizer's state are not finite at step {step} (the run "
+                                       f"diverged" +
                                        (f"; e.g. {', '.join(bad[:3])}" if bad else " on another rank") +
                                        "): not saving; try a lower LR, or resume from an earlier checkpoint")
         mine = data_state if L.tp_rank == 0 and L.cp_rank == 0 and L.is_first_stage else None

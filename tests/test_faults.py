@@ -62,10 +62,12 @@ def test_nonfinite_weights_are_refused_at_load(tmp_path):
 def test_stale_tmp_files_go_when_a_run_takes_the_folder(tmp_path):
     """The temporary files of saves killed earlier, whatever their process or node, go when the next run takes the
     folder (the lock excludes any other run, and this one has written nothing yet); a move aside never collides."""
-    for name in (f"model_000001.pt.tmp.{2 ** 22 + 12345}", "model_000001_stage1.pt.tmp.another-node.77"):
+    for name in (f"model_000001.pt.tmp.{2 ** 22 + 12345}", "model_000001_stage1.pt.tmp.77", "metrics.jsonl.tmp.9"):
         (tmp_path / name).write_bytes(b"half a checkpoint")
+    (tmp_path / "notes.tmp.txt").write_text("the user's")  # not ours: stays
     lock = ckpt.lock_run(types.SimpleNamespace(rank=0), None, str(tmp_path))
-    assert os.listdir(tmp_path) == ["run.lock"]
+    assert sorted(os.listdir(tmp_path)) == ["notes.tmp.txt", "run.lock"]
+    os.remove(tmp_path / "notes.tmp.txt")
     ckpt.release_lock(lock)
     (tmp_path / "a").write_text("a"), (tmp_path / "b").write_text("b")
     first, second = ckpt.move_aside(str(tmp_path), ["a"]), ckpt.move_aside(str(tmp_path), ["b"])
@@ -79,6 +81,11 @@ def test_keep_last_prunes_the_oldest(tmp_path):
     assert ckpt.saved_steps(str(tmp_path)) == [3, 4]
     assert sorted(os.listdir(tmp_path)) == ["meta_000003.json", "meta_000004.json", "model_000003.pt", "model_000004.pt",
                                             "optim_000003.pt", "optim_000004.pt"]
+    for step in (100000, 1000000, 1050000):  # step 100000's files by name are a prefix of step 1000000's
+        save_step(tmp_path, step, {"w": torch.ones(4)})
+    ckpt.prune_checkpoints(str(tmp_path), 2)
+    assert ckpt.saved_steps(str(tmp_path)) == [1000000, 1050000]
+    ckpt.load_checkpoint(str(tmp_path), 1000000)
 
 
 def small_tokenizer(specials=("<|bos|>", "<|user_start|>")):

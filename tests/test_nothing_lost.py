@@ -19,6 +19,7 @@ import pytest
 
 from conftest import run_script, run_losses, ckpt_dir, errors, REPO, TINY_RUN
 from nanochat import checkpoint_manager as ckpt
+from nanochat.run_log import read_records
 
 RUN = TINY_RUN + ["--warmup-steps", "1"]
 
@@ -53,12 +54,17 @@ def test_a_resume_from_an_earlier_step_sets_the_later_ones_aside_and_never_rewri
     folder = ckpt_dir(env, "earlier")
     stop = lambda: open(os.path.join(folder, "STOP"), "w").close()  # a stop request before the first step
     stop()
-    run_script("scripts.base_train", args + ["--resume-from-step", "2", "--save-every", "0"], env)
-    assert ckpt.saved_steps(folder) == [2, 4, 6]  # it saves nothing: nothing moved
+    p = run_script("scripts.base_train", args + ["--resume-from-step", "2", "--save-every", "0"], env)
+    assert ckpt.saved_steps(folder) == [2, 4, 6]  # it saves nothing: no checkpoint moved
+    # but the records of steps 2-5 it would train again: the file as it was, aside
+    (records,) = [f for f in os.listdir(folder) if f.startswith("replaced_")]
+    assert f"the records of the steps after it are kept in {os.path.join(folder, records)}" in p.stdout
+    assert [r["step"] for r in read_records(os.path.join(folder, records, "metrics.jsonl")) if "loss" in r] == [
+        0, 1, 2, 3, 4, 5]
     before = {f: os.path.getmtime(os.path.join(folder, f)) for f in os.listdir(folder) if "_000002" in f}
     stop()
     p = run_script("scripts.base_train", args + ["--resume-from-step", "2"], env)
-    (aside,) = [f for f in os.listdir(folder) if f.startswith("replaced_")]
+    (aside,) = [f for f in os.listdir(folder) if f.startswith("replaced_") and f != records]
     assert f"resuming from step 2: moved the 6 files of later steps into {os.path.join(folder, aside)}" in p.stdout
     assert "stopped: saved step 2: resume with --resume-from-step 2" in p.stdout
     assert ckpt.saved_steps(folder) == [2] and ckpt.saved_steps(os.path.join(folder, aside)) == [4, 6]
