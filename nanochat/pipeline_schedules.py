@@ -36,6 +36,8 @@ def stage_actions(schedule, p, m, rank, virtual=1):
 def _interleaved(p, m, V, rank):
     """Megatron-LM's interleaved 1F1B: a rank's k-th forward is micro-batch group*p + k mod p of chunk (k // p) mod V;
     backwards walk the chunks in reverse; a deeper warm-up (2 per later rank, p per extra chunk) feeds later chunks."""
+    if m % p:
+        raise ValueError(f"interleaved runs the micro-batches in groups of p={p}: m={m} is no multiple of it")
     total = m * V
 
     def nth(k, backward):

@@ -411,6 +411,12 @@ class Setting:
                 raise ConfigError(f"--tp {tp} does not divide the {what} = {n}; valid --tp values for this model: "
                                   f"{valid}. (head count = model_dim / head_dim: pick --depth/--aspect-ratio/--head-dim "
                                   f"so it divides)")
+        if self.fp8 and tp > 1:  # fp8 products (torch._scaled_mm) take dims in multiples of 16: a rank's shards too
+            cut = {"query heads' width": config.n_head // tp * config.head_dim, "MLP width": 4 * config.n_embd // tp,
+                   "key/value heads' width": config.n_kv_head // tp * config.head_dim}
+            if bad := [f"{what} {n}" for what, n in cut.items() if n % 16]:
+                raise ConfigError(f"--fp8 with --tp {tp}: a rank's {', '.join(bad)} must be multiples of 16 for fp8 "
+                                  f"products; choose another --tp or --head-dim")
         if self.sequence_parallel and T % tp != 0:
             raise ConfigError(f"--sequence-parallel needs --max-seq-len ({T}) divisible by --tp {tp}")
         if T % (2 * cp):
@@ -422,6 +428,8 @@ class Setting:
             raise ConfigError(f"--recompute {self.recompute!r}: use one of {', '.join(RECOMPUTE_MODES)}")
         if pp > 1:
             self.check_pipeline(config, m, tokens_per_micro)
+        elif (self.pp_schedule, self.pp_virtual) != ("1f1b", 1):
+            raise ConfigError("--pp-schedule and --pp-virtual shape a pipeline: they need --pp > 1")
         return m
 
     def check_pipeline(self, config, m, tokens_per_micro):

@@ -179,3 +179,19 @@ def test_start_over_and_resume_together_are_refused():
     from nanochat.recipe import parse_args, check_loop_flags
     with pytest.raises(ConfigError, match=r"--start-over starts a fresh run: it cannot go with --resume-from-step"):
         check_loop_flags(parse_args(["--start-over", "--resume-from-step", "2"]), {"model_config": {}})
+
+
+@pytest.mark.parametrize("flags, message", [
+    (dict(tp=2, fp8=True), r"--fp8 with --tp 2: a rank's query heads' width 72, key/value heads' width 72 must be"),
+    (dict(pp_virtual=2), r"--pp-schedule and --pp-virtual shape a pipeline: they need --pp > 1"),
+    (dict(pp_schedule="interleaved"), r"they need --pp > 1"),
+])
+def test_layouts_that_cannot_run_are_refused_before_they_start(flags, message):
+    from nanochat.common import ConfigError
+    from nanochat.recipe import Setting, config_for_depth
+    config = config_for_depth(2, aspect_ratio=72, head_dim=72, vocab_size=256, sequence_len=64)  # 2 heads of 72
+    with pytest.raises(ConfigError, match=message):
+        Setting(device_batch=1, total_batch=64, **flags).check(config)
+    from nanochat.pipeline_schedules import stage_actions  # the schedule itself, for the tools that price it
+    with pytest.raises(ValueError, match="m=6 is no multiple"):
+        stage_actions("interleaved", 4, 6, 0, virtual=2)
