@@ -1,9 +1,8 @@
 """
 A run's settings: base_train's flags, the model and scaling-law recipe they give, and the one check of which settings
 can run together (Setting.check: base_train, training.setup, the memory planner). The recipe (derive_recipe, printed):
-  horizon  D = --num-iterations * B, else --target-flops / FLOPs-per-token, else ratio * scaling params
-  batch    B = 2^19 * (D_opt / D_ref)^0.383 rounded to a power of 2 (Power Lines, arXiv 2505.13738), D_ref = ratio *
-           N(d12), D_opt = the horizon from --target-flops or the ratio (with --num-iterations too)
+  horizon  D = --num-iterations * B, else D_opt = --target-flops / FLOPs-per-token, else ratio * scaling params
+  batch    B = 2^19 * (D_opt / D_ref)^0.383 to a power of 2 (Power Lines, arXiv 2505.13738), D_ref = ratio * N(d12)
   LRs      every LR * sqrt(B / 2^19)
   decay    wd = wd_ref * sqrt(B / 2^19) * D_ref / D (constant T_epoch, arXiv 2405.13698)
   schedule LR: 40-step warmup, flat, linear warmdown over the last 65% to 5%; Muon momentum 0.85 -> 0.97 over 400
@@ -148,16 +147,14 @@ def parse_args(argv=None):
         hints = [f"{u} (did you mean {' or '.join(near)}?)" if (near := difflib.get_close_matches(u.split("=")[0], flags, 2))
                  else u for u in unknown]
         parser.exit(2, f"base_train: error: unrecognized arguments: {', '.join(hints)}; see --help\n")
-    ranges = [(args.resume_from_step != "latest" and args.resume_from_step < -1, "--resume-from-step: a step >= 0, "
-               "latest, or -1 to start fresh"),
-              (args.num_iterations == 0 or args.num_iterations < -1, "--num-iterations: positive, or -1 (the recipe's)"),
-              (args.total_batch_size == 0 or args.total_batch_size < -1, "--total-batch-size: positive, or -1 (the "
-               "recipe's)"),
+    step = args.resume_from_step
+    ranges = [(step != "latest" and step < -1, "--resume-from-step: a step >= 0, latest, or -1 to start fresh"),
+              *[(getattr(args, k) == 0 or getattr(args, k) < -1, f"--{k.replace('_', '-')}: positive, or -1")
+                for k in ("num_iterations", "total_batch_size", "stop_at_step")],
               (args.target_param_data_ratio <= 0, "--target-param-data-ratio: positive"),
               (args.warmup_steps < 0, "--warmup-steps: 0 or more"),
-              (not 0 <= args.warmdown_ratio <= 1, "--warmdown-ratio: in [0, 1]"),
-              (not 0 <= args.final_lr_frac <= 1, "--final-lr-frac: in [0, 1]"),
-              (args.stop_at_step == 0 or args.stop_at_step < -1, "--stop-at-step: positive, or -1 (run to the end)")]
+              (not 0 <= args.warmdown_ratio <= 1 or not 0 <= args.final_lr_frac <= 1,
+               "--warmdown-ratio and --final-lr-frac: in [0, 1]")]
     if bad := [need for wrong, need in ranges if wrong]:
         parser.exit(2, f"base_train: error: {'; '.join(bad)}\n")
     if args.max_seq_len is None and args.resume_from_step == -1:
@@ -411,12 +408,11 @@ class Setting:
                 raise ConfigError(f"--tp {tp} does not divide the {what} = {n}; valid --tp values for this model: "
                                   f"{valid}. (head count = model_dim / head_dim: pick --depth/--aspect-ratio/--head-dim "
                                   f"so it divides)")
-        if self.fp8 and tp > 1:  # fp8 products (torch._scaled_mm) take dims in multiples of 16: a rank's shards too
-            cut = {"query heads' width": config.n_head // tp * config.head_dim, "MLP width": 4 * config.n_embd // tp,
-                   "key/value heads' width": config.n_kv_head // tp * config.head_dim}
-            if bad := [f"{what} {n}" for what, n in cut.items() if n % 16]:
-                raise ConfigError(f"--fp8 with --tp {tp}: a rank's {', '.join(bad)} must be multiples of 16 for fp8 "
-                                  f"products; choose another --tp or --head-dim")
+        cut = {"query heads' width": config.n_head // tp * config.head_dim, "MLP width": 4 * config.n_embd // tp,
+               "key/value heads' width": config.n_kv_head // tp * config.head_dim}  # fp8 products: multiples of 16
+        if self.fp8 and tp > 1 and (bad := [f"{what} {n}" for what, n in cut.items() if n % 16]):
+            raise ConfigError(f"--fp8 with --tp {tp}: a rank's {', '.join(bad)} must be multiples of 16 for fp8 "
+                              f"products; choose another --tp or --head-dim")
         if self.sequence_parallel and T % tp != 0:
             raise ConfigError(f"--sequence-parallel needs --max-seq-len ({T}) divisible by --tp {tp}")
         if T % (2 * cp):
@@ -428,8 +424,8 @@ class Setting:
             raise ConfigError(f"--recompute {self.recompute!r}: use one of {', '.join(RECOMPUTE_MODES)}")
         if pp > 1:
             self.check_pipeline(config, m, tokens_per_micro)
-        elif (self.pp_schedule, self.pp_virtual) != ("1f1b", 1):
-            raise ConfigError("--pp-schedule and --pp-virtual shape a pipeline: they need --pp > 1")
+        elif (self.pp_schedule, self.pp_virtual) != ("1f1b", 1):  # they shape a pipeline
+            raise ConfigError("--pp-schedule and --pp-virtual need --pp > 1")
         return m
 
     def check_pipeline(self, config, m, tokens_per_micro):
