@@ -38,7 +38,7 @@ class RunLog:
             if start_step > 0 and any("loss" in r and r["step"] >= start_step for r in records):  # steps trained
                 from nanochat.checkpoint_manager import move_aside
                 aside = move_aside(folder, [os.path.basename(path)])
-                print(f"resuming from step {start_step}: the records of the steps after it are kept in {aside}")
+                print(f"resuming from step {start_step}: the records from that step on are kept in {aside}")
             atomic_write(path, "".join(json.dumps(r) + "\n" for r in kept).encode())
         self.write({"kind": "header", "time": time.time(), "start_step": start_step, **header})
         if wandb_run:

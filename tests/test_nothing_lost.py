@@ -58,7 +58,7 @@ def test_a_resume_from_an_earlier_step_sets_the_later_ones_aside_and_never_rewri
     assert ckpt.saved_steps(folder) == [2, 4, 6]  # it saves nothing: no checkpoint moved
     # but the records of steps 2-5 it would train again: the file as it was, aside
     (records,) = [f for f in os.listdir(folder) if f.startswith("replaced_")]
-    assert f"the records of the steps after it are kept in {os.path.join(folder, records)}" in p.stdout
+    assert f"the records from that step on are kept in {os.path.join(folder, records)}" in p.stdout
     assert [r["step"] for r in read_records(os.path.join(folder, records, "metrics.jsonl")) if "loss" in r] == [
         0, 1, 2, 3, 4, 5]
     before = {f: os.path.getmtime(os.path.join(folder, f)) for f in os.listdir(folder) if "_000002" in f}
