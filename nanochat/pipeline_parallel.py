@@ -202,17 +202,20 @@ class Pipeline:
         self.xs, self.ys = [b[0] for b in batches], [b[1] for b in batches]
         self._saved_inputs, self._saved_outputs = {}, {}
         self.total_loss = torch.zeros((), device=self.device)
-        received, outputs, sends = {}, {}, []  # outputs: of the actions whose output goes to another rank
+        # outputs: of the actions whose output goes to another rank; sends: their send works (each holds its tensors)
+        received, outputs, sends = {}, {}, {}
         self.peak_in_flight = 0  # micro-batch chunks whose activations are alive at once (peak_in_flight())
         for step, action in self.program:
             if step == "recv":
                 received[action] = self._recv(action)
             elif step == "send":
-                sends += self._send(action, outputs.pop(action))
+                sends[action] = self._send(action, outputs.pop(action))
             else:
                 kind, i, c = action
                 dep = input_of(action, self.num_chunks)
                 inputs = wait_for(*received.pop(dep)) if dep in received else None
+                if kind == "B" and ("F", i, c) in sends:  # its gradients came back: the forward's send has landed
+                    wait_for(sends.pop(("F", i, c)))  # and its activations are freed now, not at the step's end
                 if action == self.last_gradient_action and before_last_backward is not None:
                     before_last_backward()
                 output = self.forward(i, c, inputs) if kind == "F" else self.backward(i, c, inputs)
@@ -220,7 +223,7 @@ class Pipeline:
                     outputs[action] = output
                 if kind == "F":
                     self.peak_in_flight = max(self.peak_in_flight, len(self._saved_outputs))
-        wait_for(sends)
+        wait_for([work for works in sends.values() for work in works])
         assert not self._saved_outputs, "the schedule left micro-batches unfinished"
         L, loss = self.layout, (self.total_loss / self.num_microbatches).detach()
         # the loss lives on the last rank: send it to every rank of this pipeline

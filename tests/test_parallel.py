@@ -3,6 +3,7 @@
 checkpoints move between layouts."""
 
 import os
+import types
 
 import pytest
 import torch
@@ -257,3 +258,43 @@ def test_pp4_interleaved_ring():
     eight = {"n_layer": 8}
     assert_same_run(run_layout(pp=4, schedule="interleaved", virtual=2, config_overrides=eight),
                     run_layout(config_overrides=eight))
+
+
+def _count_sent_tensors(rank, *args):
+    """A harness rank that records, at every wait in the pipeline, how many of the tensors its sends posted are still
+    alive (weak references) while it runs the layout as usual: the most at once, and the total, into out_dir."""
+    import json
+    import weakref
+    import parallel_harness
+    import nanochat.pipeline_parallel as pipeline
+    sent, most, originals = [], [0], (pipeline.dist, pipeline.wait_for)
+
+    def batch_isend_irecv(ops):
+        sent.extend(weakref.ref(op.tensor) for op in ops if op.op is originals[0].isend)
+        return originals[0].batch_isend_irecv(ops)
+
+    def wait_for(requests, result=None):
+        most[0] = max(most[0], sum(ref() is not None for ref in sent))
+        return originals[1](requests, result)
+
+    pipeline.dist = types.SimpleNamespace(**{**vars(originals[0]), "batch_isend_irecv": batch_isend_irecv})
+    pipeline.wait_for = wait_for
+    try:  # the pool's processes serve later runs: put the module back as it was
+        parallel_harness._worker(rank, *args)
+    finally:
+        pipeline.dist, pipeline.wait_for = originals
+    with open(os.path.join(args[7], f"sent{rank}.json"), "w") as f:
+        json.dump({"most_alive": most[0], "sent": len(sent)}, f)
+
+
+def test_a_stage_frees_each_forward_send_once_its_gradient_is_back():
+    """Rank 0 of PP 2 sends only activations: each is freed when its micro-batch's gradient comes back (the send has
+    landed), so at most the warm-up's and the current micro-batch's are alive, not all four of the step's."""
+    import json
+    from parallel_harness import spawn, _new_run_dir, _free_port
+    out_dir, steps = _new_run_dir(), 3
+    spawn(_count_sent_tensors, (2, 1, 2, False, "1f1b", steps, _free_port(), out_dir, {}, None, True), 2)
+    with open(os.path.join(out_dir, "sent0.json")) as f:
+        counts = json.load(f)
+    per_micro_batch = counts["sent"] // (steps * 4)  # x, x0 and the ids
+    assert counts["most_alive"] <= 2 * per_micro_batch < 4 * per_micro_batch, counts
