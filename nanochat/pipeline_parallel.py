@@ -81,12 +81,13 @@ class Pipeline:
     """This rank's chunks and the schedule that drives them, for a checked recipe.Setting (pp_schedule, pp_virtual,
     device_batch; under sequence_parallel the residual stream, and so each message, holds this rank's tokens only)."""
 
-    def __init__(self, model, layout, setting, num_microbatches):
+    def __init__(self, model, layout, setting, num_microbatches, costs=None):
+        """costs: block_costs of the whole model (before TP cuts it); None: of `model`."""
         p = layout.pp_size
         self.model, self.layout, self.micro_batch_size = model, layout, setting.device_batch
         self.num_stages, self.stage, self.num_microbatches = p, layout.pp_rank, num_microbatches
         self.virtual, self.schedule, self.num_chunks = setting.pp_virtual, setting.pp_schedule, p * setting.pp_virtual
-        costs, head_cost = block_costs(model)
+        costs, head_cost = costs or block_costs(model)
         self.chunk_bounds = split_stages(costs, head_cost, self.num_chunks)
         self.chunk_costs = chunk_costs(costs, head_cost, self.chunk_bounds)
         back = model.backout_layer

@@ -50,6 +50,9 @@ def setup(config, setting, layout, device, dtype, lrs, l3_data=None, after_init=
     if resume is not None:
         ckpt.load_model_state(model, resume[0])
     flops_per_token = model.estimate_flops()  # of the whole model, with L3's real allocation
+    if layout.pp_size > 1:  # the layer split's costs, of the whole model as the planner prices them (TP cuts some)
+        from nanochat.pipeline_parallel import Pipeline, block_costs
+        costs = block_costs(model)
     if layout.tp_size > 1:
         from nanochat.tensor_parallel import parallelize
         parallelize(model, layout, setting.sequence_parallel)
@@ -58,8 +61,7 @@ def setup(config, setting, layout, device, dtype, lrs, l3_data=None, after_init=
         model.sequence = ContextParallel(layout, config.sequence_len, device, setting.exchange)
     pipeline = None
     if layout.pp_size > 1:
-        from nanochat.pipeline_parallel import Pipeline
-        pipeline = Pipeline(model, layout, setting, micro_batches)
+        pipeline = Pipeline(model, layout, setting, micro_batches, costs)
     if layout.ep_size > 1:
         from nanochat.expert_parallel import place_experts
         place_experts(model, layout)
