@@ -170,12 +170,12 @@ def rank_memory(config, s):
                           for p in m.parameters(recurse=False) if id(p) in sharded) for u in units]
             # freed after each call: in a backward this module's whole weights and the previous one's, in a pipeline
             # the gathering posted for its next forward; kept: each micro-batch alive holds all but the embedding
-            # tables, and a block in its call its value embeddings' table. And two modules' gradients: as made
-            # (compute dtype), to owners (fp32).
+            # tables, and a block in its call its value embeddings' table. And two modules' gradients: as made and
+            # sent (both in the compute dtype).
             freed = (3 if s.pp > 1 else 2) * max(whole)
             kept_whole = alive[r] * (sum(whole) - sum(tables)) + max((t for w, t in zip(whole, tables) if w > t), default=0)
             gathered = (max(freed, kept_whole) if s.keep_gathered else freed) * dt
-            working = gathered + 2 * max(whole) * (dt + 4)
+            working = gathered + 2 * max(whole) * 2 * dt
         alive_grads = weights if (m > 1 or s.pp > 1) else 0  # fp32 as the weights held; at the activation peak only
         parts = {"weights": weights, "working copies": working, "gradients": alive_grads,  # after earlier micro-batches
                  "optimizer state": state, "activations": act_peaks[r]}

@@ -7,7 +7,7 @@ Collectives, all over the DP group:
   broadcast               per module call (and again before its backward, unless --keep-gathered): each Muon
                           matrix from its owner, in the compute dtype
   all_gather_into_tensor  the same, per large AdamW tensor: its rows from every rank
-  reduce                  per module call's backward: each Muon matrix's gradient (fp32) to its owner
+  reduce                  per module call's backward: each Muon matrix's gradient (compute dtype) to its owner
   reduce_scatter_tensor   the same, per large AdamW tensor: its gradient -> this rank's rows
   broadcast, all_gather   for a checkpoint or a whole copy of the model: the fp32 weights, into whole tensors
 A module's gathering, and its gradients' sends, go out as one NCCL group (one launch, not one a tensor: 1.05x the
@@ -18,7 +18,8 @@ The model calls each module holding sharded weights (the embedding, each block, 
 swapped in for the call, freed after it and gathered again before its backward (not embedding tables: a lookup's
 backward needs only the ids, unless --recompute runs it again), unless --keep-gathered keeps them (all but the
 tables: one copy of the other weights more alive, one gather fewer). Every
-micro-batch's gradients go to their owners (fp32, summed) as each module's backward ends, landing during the next's.
+micro-batch's gradients go to their owners (summed in the compute dtype, as they were made: 1.03x the step at d32 DP 4
+over fp32 sums; dev/LOG.md 2026-11-27) as each module's backward ends, landing during the next's, added in fp32.
 
 A sharded parameter carries `dp_shape` (its whole shape on this TP rank), `dp_group` and `dp_owner` (the DP rank
 holding a Muon matrix; None for one held by rows); its .data is what this rank holds. Under TP, TP's embedding tables
@@ -257,12 +258,12 @@ class ShardedWeights:
         unit = gathered.unit
         if unit.recomputes:
             unit.swap(unit.params)
-        sends = []  # (parameter, its gradient landing here or None, the fp32 buffer the collective sums into)
+        sends = []  # (parameter, its gradient landing here or None, the buffer the collective sums into)
         for p, grad in zip(unit.params, grads):
-            g = (torch.zeros(p.dp_shape, device=p.device) if grad is None
-                 else grad.to(torch.float32, copy=True).contiguous())
+            g = (torch.zeros(p.dp_shape, device=p.device, dtype=self.dtype) if grad is None
+                 else grad.to(self.dtype, copy=True).contiguous())
             if p.dp_owner is None:
-                landing = torch.empty_like(p.data, dtype=torch.float32)  # this rank's rows of the sum
+                landing = torch.empty_like(p.data, dtype=self.dtype)  # this rank's rows of the sum
             else:
                 landing = g if self.rank == p.dp_owner else None  # the owner's sum lands in place
             sends.append((p, landing, g))
@@ -286,7 +287,7 @@ class ShardedWeights:
         wait_for(works)
         for p, landing, g in params:
             if landing is not None:
-                p.grad = landing if p.grad is None else p.grad.add_(landing)
+                p.grad = landing.float() if p.grad is None else p.grad.add_(landing)
             if g is not p.grad:  # sent: freed now (an NCCL group holds its reduce-scatters' inputs until its
                 g.untyped_storage().resize_(0)  # watchdog reaps them: 3.4 GiB more at d32 DP 4)
 

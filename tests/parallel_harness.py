@@ -89,7 +89,7 @@ def _free_port():
 
 def _worker(rank, world, tp, pp, sequence_parallel, schedule, steps, port, out_dir, config_overrides, resume_from,
             overlap, recompute="none", compile_backend=None, fp8=False, virtual=1, cp=1, documents=False,
-            shard_params=False, keep_gathered=False, micro_batch=MICRO_BATCH, ep=1, cp_exchange=None):
+            shard_params=False, keep_gathered=False, micro_batch=MICRO_BATCH, ep=1, cp_exchange=None, dtype="float32"):
     """One process of the run: base_train's setup and step (nanochat.training), on the fixed batches."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -121,7 +121,7 @@ def _worker(rank, world, tp, pp, sequence_parallel, schedule, steps, port, out_d
                       pp_virtual=virtual, sequence_parallel=sequence_parallel, shard_params=shard_params,
                       keep_gathered=keep_gathered, overlap_grad_reduce=overlap, device_batch=micro_batch,
                       total_batch=GLOBAL_BATCH * config.sequence_len, recompute=recompute)
-    trainer = training.setup(config, setting, layout, torch.device("cpu"), torch.float32, LearningRates(**LRS),
+    trainer = training.setup(config, setting, layout, torch.device("cpu"), getattr(torch, dtype), LearningRates(**LRS),
                              after_init=after_init, resume=resume, compile=compile_backend)
     # a warmup and a warmdown, so that every layout applies a learning rate that changes from step to step
     schedule_of_steps = training.Schedule(steps, LRS["weight_decay"], warmup_steps=2, warmdown_ratio=0.5)
@@ -265,7 +265,7 @@ def _new_run_dir():
 def run_layout(dp=1, tp=1, pp=1, sequence_parallel=False, schedule="1f1b", steps=5, config_overrides=None,
                resume_from=None, out_dir=None, overlap=True, recompute="none", compile_backend=None, fp8=False, virtual=1,
                cp=1, documents=False, shard_params=False, keep_gathered=False, micro_batch=MICRO_BATCH, ep=1,
-               cp_exchange=None):
+               cp_exchange=None, dtype="float32"):
     """Returns {"losses": [...], "params": {name: full tensor}, "eval_losses": [the whole-sequence loss
     after training, from each stage's first rank], "overlapped": [per stage, per step: buckets whose
     reduction the backward launched], "graphs": [per stage, per step: graphs torch.compile made so far],
@@ -275,14 +275,14 @@ def run_layout(dp=1, tp=1, pp=1, sequence_parallel=False, schedule="1f1b", steps
     needs n_embd >= 128 for any to be eligible). virtual: --pp-virtual (chunks per pipeline rank). cp: --cp (each
     sequence over cp ranks). documents: batches packed from BOS-led documents (fixed_batches). shard_params,
     keep_gathered: --shard-params and --keep-gathered. micro_batch: sequences per micro-batch per process. ep: --ep
-    (experts over ep of the dp ranks). cp_exchange: --cp-exchange (None: its default).
+    (experts over ep of the dp ranks). cp_exchange: --cp-exchange (None: its default). dtype: the compute dtype.
     The result's "held" lists, per rank, the bytes of weights, gradients and optimizer state it held (and the most
     bytes of gathered whole weights it had alive at once, "gathered_peak", their largest over the ranks)."""
     world = dp * tp * pp * cp
     out_dir = out_dir or _new_run_dir()
     args = (world, tp, pp, sequence_parallel, schedule, steps, _free_port(), out_dir, config_overrides or {}, resume_from, overlap,
             recompute, compile_backend, fp8, virtual, cp, documents, shard_params, keep_gathered, micro_batch, ep,
-            cp_exchange)
+            cp_exchange, dtype)
     if world == 1:
         _worker(0, *args)
     else:

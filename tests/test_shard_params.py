@@ -54,6 +54,20 @@ def test_sharded_dp2_is_bitwise_the_unsharded_dp2():
     assert_planned(plain, dp=2, micro_batch=4)
 
 
+def test_sharded_sums_in_bf16_follow_the_unsharded_fp32_sums():
+    """In bf16 a sharded rank sums each micro-batch's gradients over DP in bf16, as they were made (plain DP sums
+    its fp32 accumulations, bitwise one process's): the losses and Muon's matrices stay within bf16's rounding of
+    the unsharded run's (Adam's tables, which turn rounding in near-zero gradients into whole steps, are not
+    compared)."""
+    sharded = run_layout(dp=2, shard_params=True, dtype="bfloat16")
+    plain = run_layout(dp=2, dtype="bfloat16")
+    assert max(abs(a - b) for a, b in zip(sharded["losses"], plain["losses"])) < 1e-3, (sharded["losses"], plain["losses"])
+    for name, p in plain["params"].items():
+        assert sharded["params"][name].dtype == torch.float32, name
+        if p.ndim == 2 and name.startswith("blocks.") and "value_embed" not in name:
+            assert (sharded["params"][name] - p).abs().max() < 5e-3, name
+
+
 @pytest.mark.parametrize("layout", [dict(tp=2, sequence_parallel=True), dict(pp=2, schedule="interleaved", virtual=2),
                                     dict(cp=2)], ids=["tp2_sp", "pp2_interleaved", "cp2"])
 def test_sharded_dp2_composes(reference, layout):
