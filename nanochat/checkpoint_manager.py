@@ -14,6 +14,7 @@ import json
 import time
 import contextlib
 import errno
+import fcntl
 import pickle
 import shutil
 import socket
@@ -98,45 +99,61 @@ def intact_hint(ckpt_dir, before=None):
     return "no earlier step was saved there" if before is None else "no earlier step there is intact"
 
 
-def process_alive(pid):
-    try:
-        os.kill(pid, 0)  # signal 0: only asks whether the process exists
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process, alive
-        pass
-    return True
-
-
 def take_lock(ckpt_dir):
-    """Create <ckpt_dir>/run.lock (host, PID, start time) or refuse, naming its holder; a lock whose process is gone
-    (on this host) is taken over, with a note. Returns its path, for release_lock."""
+    """Hold <ckpt_dir>/run.lock for the run: an flock, which the kernel drops when the process ends however it ends
+    (so two runs racing for a stale lock cannot both win, and a reused PID proves nothing), on a file naming its host,
+    PID and start time for the refusal. A lock held on another host is refused even where that host's flock cannot be
+    seen from here (some shared filesystems lock per node). Returns the open file, for release_lock."""
     path = os.path.join(ckpt_dir, "run.lock")
+    os.makedirs(ckpt_dir, exist_ok=True)
     me = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     while True:
+        f = open(path, "a+")
         try:
-            os.makedirs(ckpt_dir, exist_ok=True)
-            with open(path, "x") as f:
-                json.dump(me, f)
-            return path
-        except FileExistsError:
-            try:
-                holder = read_json(path)
-            except (OSError, ValueError):  # written by a process killed at that moment
-                holder = {"host": me["host"], "pid": -1, "started": "?"}
-        if holder["host"] != me["host"] or process_alive(holder["pid"]):
-            raise CheckpointError(f"{ckpt_dir} is in use by another run (PID {holder['pid']} on {holder['host']}, "
-                                  f"started {holder['started']}): wait for it to end or use another --model-tag "
-                                  f"(if that run is gone, delete {path})")
-        print(f"note: took over {path} from a run that is gone (PID {holder['pid']} on {holder['host']}, started "
-              f"{holder['started']})", flush=True)
-        os.remove(path)
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(f) or {"host": "?", "pid": "?", "started": "?"}
+            f.close()
+            raise _in_use(ckpt_dir, holder, "") from None
+        with contextlib.suppress(OSError):
+            if os.stat(path).st_ino == os.fstat(f.fileno()).st_ino:
+                break
+        f.close()  # the holder removed the file as it released it: lock the one there now
+    holder = _holder(f)
+    if holder is not None and holder.get("host") != me["host"]:
+        f.close()
+        raise _in_use(ckpt_dir, holder, f" (if that run is gone, delete {path})")
+    if holder is not None:
+        print(f"note: took over {path} from a run that is gone (PID {holder.get('pid')} on {holder.get('host')}, "
+              f"started {holder.get('started')})", flush=True)
+    f.seek(0)
+    f.truncate()
+    json.dump(me, f)
+    f.flush()
+    return f
 
 
-def release_lock(path):
-    with contextlib.suppress(OSError, ValueError):  # gone already, or unreadable
-        if path and read_json(path).get("pid") == os.getpid():
-            os.remove(path)
+def _holder(f):
+    """The run a lock file names, or None (empty: killed as it wrote)."""
+    f.seek(0)
+    with contextlib.suppress(ValueError):
+        holder = json.loads(f.read() or "null")
+        return holder if isinstance(holder, dict) else None
+
+
+def _in_use(ckpt_dir, holder, hint):
+    return CheckpointError(f"{ckpt_dir} is in use by another run (PID {holder.get('pid')} on {holder.get('host')}, "
+                           f"started {holder.get('started')}): wait for it to end or use another --model-tag{hint}")
+
+
+def release_lock(lock):
+    """Remove the lock file (if it is still the one held) and drop the lock."""
+    if lock is None:
+        return
+    with contextlib.suppress(OSError):
+        if os.stat(lock.name).st_ino == os.fstat(lock.fileno()).st_ino:
+            os.remove(lock.name)
+    lock.close()
 
 
 def lock_run(layout, device, ckpt_dir, fresh=False, start_over=False, checkpoint_bytes=0):

@@ -39,14 +39,17 @@ def write_lock(folder, host, pid):
 
 def test_a_folder_in_use_is_refused_naming_its_holder(env):
     folder = ckpt_dir(env, "locked")
-    write_lock(folder, socket.gethostname(), os.getpid())  # this test's process: alive
+    lock = ckpt.take_lock(folder)  # held by this test's process
+    started = json.load(open(os.path.join(folder, "run.lock")))["started"]
     p = run_script("scripts.base_train", TINY + ["--num-iterations", "2", "--model-tag", "locked"], env, check=False)
     assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert errors(p) == [f"ERROR: {folder} is in use by another run (PID {os.getpid()} on {socket.gethostname()}, "
-                         f"started 2026-01-01 00:00:00): wait for it to end or use another --model-tag (if that run is "
-                         f"gone, delete {folder}/run.lock)"], p.stdout[-1500:]
+                         f"started {started}): wait for it to end or use another --model-tag"], p.stdout[-1500:]
     assert "step 00000" not in p.stdout and json.load(open(os.path.join(folder, "run.lock")))["pid"] == os.getpid()
-    # a lock held on another host counts as alive (its process cannot be asked from here)
+    with pytest.raises(ckpt.CheckpointError, match="is in use by another run"):
+        ckpt.take_lock(folder)  # a second lock in one process is refused too: the lock is the flock, not the PID
+    ckpt.release_lock(lock)
+    # a lock file of another host counts as held (its flock may not be visible from here)
     write_lock(folder, "gpu-node-7", 1)
     with pytest.raises(ckpt.CheckpointError, match=re.escape("is in use by another run (PID 1 on gpu-node-7")):
         ckpt.take_lock(folder)
@@ -60,6 +63,18 @@ def test_a_lock_whose_process_is_gone_is_taken_over_then_released(env):
     assert f"note: took over {ckpt_dir(env, 'stale')}/run.lock from a run that is gone (PID {gone.pid}" in p.stdout
     assert not os.path.exists(os.path.join(ckpt_dir(env, "stale"), "run.lock"))  # released at the end
     assert os.path.exists(os.path.join(ckpt_dir(env, "stale"), "meta_000002.json"))
+
+
+def test_a_lock_file_nobody_holds_is_taken_whatever_it_names(tmp_path):
+    """A file naming a live process of this host that holds no lock (its PID reused after a crash, or in another PID
+    namespace), and an empty file (killed as it wrote), are taken over: only a held flock refuses."""
+    write_lock(str(tmp_path), socket.gethostname(), 1)
+    lock = ckpt.take_lock(str(tmp_path))
+    assert json.load(open(tmp_path / "run.lock"))["pid"] == os.getpid()
+    ckpt.release_lock(lock)
+    (tmp_path / "run.lock").write_text("")
+    ckpt.release_lock(ckpt.take_lock(str(tmp_path)))
+    assert not (tmp_path / "run.lock").exists()
 
 
 # -----------------------------------------------------------------------------
