@@ -91,10 +91,10 @@ class SpikeWatch:
     gradient norm above grad_ratio x theirs, once `min_steps` steps are in the window. A spike is reported at its first
     step, not again while it lasts. Steps whose numbers are not finite are judged, not kept."""
 
-    def __init__(self, window=50, min_steps=20, loss_ratio=1.2, grad_ratio=3.0, history=None):
+    def __init__(self, window=50, min_steps=20, loss_ratio=1.2, grad_ratio=3.0, history=None, spiking=()):
         self.window, self.min_steps, self.loss_ratio, self.grad_ratio = window, min_steps, loss_ratio, grad_ratio
         self.history = [tuple(h) for h in history or []]  # (loss, grad norm) of the latest steps; saved in checkpoints
-        self.spiking = set()  # what is above the rule at the latest step
+        self.spiking = set(spiking)  # what is above the rule at the latest step; saved too (a resume mid-spike)
 
     def check(self, loss, grad_norm, judge=True):
         """[(what, value, ratio to the median, the median, steps in the window)] of the spikes that start at this

@@ -124,7 +124,7 @@ class Run:
         loop = meta["loop_state"] if meta is not None else {}
         self.step, self.smooth_loss = loop.get("step", 0), loop.get("smooth_loss", 0.0)
         self.total_time, self.min_val_bpb = loop.get("total_time", 0.0), loop.get("min_val_bpb", float("inf"))
-        self.spikes, self.spike_count = SpikeWatch(history=loop.get("spike_window")), loop.get("spike_count", 0)
+        self.spikes, self.spike_count = SpikeWatch(history=loop.get("spike_window"), spiking=loop.get("spiking", ())), loop.get("spike_count", 0)
         self.new_data_at = loop.get("new_data_at", []) + ([self.step] if plan.new_data else [])  # --resume-on-new-data
         loader_state = None
         if meta is not None and not plan.new_data:
@@ -228,7 +228,7 @@ class Run:
         self.watch.phase("checkpoint save (state gathers, barriers)", self.step)
         loop_state = {"step": self.step, "smooth_loss": self.smooth_loss, "total_time": self.total_time,
                       "min_val_bpb": self.min_val_bpb, "spike_window": self.spikes.history,
-                      "spike_count": self.spike_count, "new_data_at": self.new_data_at,
+                      "spiking": sorted(self.spikes.spiking), "spike_count": self.spike_count, "new_data_at": self.new_data_at,
                       "context_lengths": self.plan.contexts}
         meta = {"model_config": self.config.to_dict(), "user_config": vars(self.args),
                 "tokenizer_hash": self.plan.tokenizer.hash, "loop_state": loop_state,

@@ -33,6 +33,9 @@ def test_spike_rule():
         watch.check(3.0, 1.0)
     assert len(watch.history) == 50
     assert SpikeWatch(history=watch.history).history == watch.history  # as a checkpoint restores it
+    assert watch.check(3.0, 5.0)[0][0] == "grad norm"
+    resumed = SpikeWatch(history=watch.history, spiking=sorted(watch.spiking))  # a save in the middle of that spike
+    assert resumed.check(3.0, 5.0) == watch.check(3.0, 5.0) == []  # the same spike: not reported again
 
 
 def test_listing_changes_say_what_changed():
