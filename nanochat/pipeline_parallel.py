@@ -203,20 +203,22 @@ class Pipeline:
         self.xs, self.ys = [b[0] for b in batches], [b[1] for b in batches]
         self._saved_inputs, self._saved_outputs = {}, {}
         self.total_loss = torch.zeros((), device=self.device)
-        # outputs: of the actions whose output goes to another rank; sends: their send works (each holds its tensors)
-        received, outputs, sends = {}, {}, {}
+        # outputs: of the actions whose output goes to another rank; sends: {n: (peer, its works)}, the n-th send
+        # posted, each work holding its tensors; received: {action: (sends posted before it, peer, works, buffers)}
+        received, outputs, sends, count = {}, {}, {}, 0
         self.peak_in_flight = 0  # micro-batch chunks whose activations are alive at once (peak_in_flight())
         for step, action in self.program:
-            if step == "recv":
-                received[action] = self._recv(action)
-            elif step == "send":
-                sends[action] = self._send(action, outputs.pop(action))
-            else:
+            if step == "run":
                 kind, i, c = action
                 dep = input_of(action, self.num_chunks)
-                inputs = wait_for(*received.pop(dep)) if dep in received else None
-                if kind == "B" and ("F", i, c) in sends:  # its gradients came back: the forward's send has landed
-                    wait_for(sends.pop(("F", i, c)))  # and its activations are freed now, not at the step's end
+                inputs = None
+                if dep in received:
+                    posted, peer, works, buffers = received.pop(dep)
+                    inputs = wait_for(works, buffers)
+                    # the sends to that peer posted before this receive ran before it on the pair's stream (and the
+                    # peer has taken them): their tensors are freed now, not at the step's end
+                    for n in [n for n, (to, _) in sends.items() if n < posted and to == peer]:
+                        wait_for(sends.pop(n)[1])
                 if action == self.last_gradient_action and before_last_backward is not None:
                     before_last_backward()
                 output = self.forward(i, c, inputs) if kind == "F" else self.backward(i, c, inputs)
@@ -224,7 +226,15 @@ class Pipeline:
                     outputs[action] = output
                 if kind == "F":
                     self.peak_in_flight = max(self.peak_in_flight, len(self._saved_outputs))
-        wait_for([work for works in sends.values() for work in works])
+                continue
+            # activations go to the next rank and gradients to the previous one
+            peer = self.next_rank if (action[0] == "F") == (step == "send") else self.prev_rank
+            if step == "recv":
+                received[action] = (count, peer, *self._recv(action))
+            else:
+                sends[count] = (peer, self._send(action, outputs.pop(action)))
+                count += 1
+        wait_for([work for _, works in sends.values() for work in works])
         assert not self._saved_outputs, "the schedule left micro-batches unfinished"
         L, loss = self.layout, (self.total_loss / self.num_microbatches).detach()
         # the loss lives on the last rank: send it to every rank of this pipeline

@@ -287,14 +287,16 @@ def _count_sent_tensors(rank, *args):
         json.dump({"most_alive": most[0], "sent": len(sent)}, f)
 
 
-def test_a_stage_frees_each_forward_send_once_its_gradient_is_back():
-    """Rank 0 of PP 2 sends only activations: each is freed when its micro-batch's gradient comes back (the send has
-    landed), so at most the warm-up's and the current micro-batch's are alive, not all four of the step's."""
+def test_a_stage_frees_each_send_once_a_later_message_from_its_peer_is_in():
+    """Rank 0 of PP 2 sends only activations, rank 1 only gradients. A send is freed once a message its peer sent
+    later has arrived (the pair's messages run in one order), not at the step's end: rank 0 holds at most the
+    warm-up's and the current micro-batch's activations, rank 1 two micro-batches' gradients, not all four."""
     import json
     from parallel_harness import spawn, _new_run_dir, _free_port
     out_dir, steps = _new_run_dir(), 3
     spawn(_count_sent_tensors, (2, 1, 2, False, "1f1b", steps, _free_port(), out_dir, {}, None, True), 2)
-    with open(os.path.join(out_dir, "sent0.json")) as f:
-        counts = json.load(f)
-    per_micro_batch = counts["sent"] // (steps * 4)  # x, x0 and the ids
-    assert counts["most_alive"] <= 2 * per_micro_batch < 4 * per_micro_batch, counts
+    for rank, tensors in ((0, 3), (1, 2)):  # x, x0 and the ids; the gradients of x and x0
+        with open(os.path.join(out_dir, f"sent{rank}.json")) as f:
+            counts = json.load(f)
+        assert counts["sent"] == steps * 4 * tensors, counts
+        assert counts["most_alive"] <= 2 * tensors, (rank, counts)
