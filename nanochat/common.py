@@ -14,6 +14,8 @@ import sys
 import time
 import statistics
 
+from nanochat.watchdog import keep_alive
+
 
 class UserError(RuntimeError):
     """Bad input or state, printed by a script as one line (fail), not a traceback: the message names the file or flag
@@ -200,13 +202,14 @@ def duration(seconds):  # 3m07s, or 1h02m
 
 class Progress:
     """`label: i/total` with time spent and left, on rank 0 at most every `every` seconds: a long loop is never silent,
-    a short one prints nothing."""
+    a short one prints nothing. Each update tells the hang watchdog the loop is moving."""
 
     def __init__(self, label, total, unit="batches", every=10.0):
         self.label, self.total, self.unit, self.every = label, total, unit, every
         self.t0 = self.last = time.time()
 
     def update(self, done):
+        keep_alive()
         now = time.time()
         if now - self.last < self.every or done >= self.total:
             return

@@ -1,6 +1,7 @@
 """
-Hang diagnostics: every rank keeps a record (step, phase, when it began, the last collective named). A daemon thread
-reports a phase that outlasts --dist-timeout (the record and every thread's stack, to stderr and
+Hang diagnostics: every rank keeps a record (step, phase, when it began or last made progress, the last collective
+named). A daemon thread reports a phase that outlasts --dist-timeout without progress (a long evaluation's batches,
+common.Progress, keep it alive) (the record and every thread's stack, to stderr and
 <report_dir>/rank<R>.txt); at twice the timeout it exits 1 so that torchrun stops the others (a gloo collective may
 wait forever). A failure that ends a rank is one short line from the first rank to report it, the traceback in the
 rank's file; a timed-out collective gets the hang report. On NCCL, enable_flight_recorder() makes PyTorch dump each
@@ -24,6 +25,15 @@ def enable_flight_recorder(report_dir):
     os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", os.path.join(report_dir, "nccl_trace_rank_"))
 
 
+_current = None  # this process's Watchdog
+
+
+def keep_alive():
+    """A long loop made progress (common.Progress): its phase is not hung, however long it has run."""
+    if _current is not None:
+        _current.since = time.time()
+
+
 class Watchdog:
     """One rank's record, and the thread reporting a phase outlasting `timeout_s` (None: the record only, e.g. in one
     process, where nothing can wait on another rank)."""
@@ -33,6 +43,8 @@ class Watchdog:
         self.step, self.phase_name, self.since, self.last_collective = None, "start-up", time.time(), "none yet"
         self._reported = None  # the (step, phase, since) already reported
         self._stop = threading.Event()
+        global _current
+        _current = self
         # the first rank of this run to fail creates it and prints the run's one line; one left by an earlier run
         # under the same id (torchrun's default --rdzv-id is "none") is removed at start, once per node
         self.failed_marker = os.path.join(report_dir, f"failed_{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}")
@@ -51,7 +63,7 @@ class Watchdog:
         self.last_collective = name
 
     def describe(self):
-        return (f"rank {self.rank}: step {self.step}, phase '{self.phase_name}' for {time.time() - self.since:.0f}s, "
+        return (f"rank {self.rank}: step {self.step}, phase '{self.phase_name}', no progress for {time.time() - self.since:.0f}s, "
                 f"last collective: {self.last_collective}")
 
     def stop(self):

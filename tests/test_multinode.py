@@ -133,14 +133,21 @@ def test_a_stalled_rank_gives_hang_reports_not_a_silent_hang(env, tmp_path):
 
 def test_watchdog_reports_a_stalled_phase_then_ends_the_process(tmp_path):
     """The stalled rank's side (in a process of its own: the watchdog ends it): its record and stacks
-    once the phase outlasts the timeout, nothing while phases move on, exit status 1 at twice the timeout."""
+    once the phase outlasts the timeout, nothing while phases move on or a long one makes progress, exit status 1 at
+    twice the timeout."""
     script = f"""
 import time
+from nanochat.common import Progress
 from nanochat.watchdog import Watchdog
 watch = Watchdog(3, timeout_s=0.5, report_dir={str(tmp_path)!r}, poll_s=0.05)
 for step in range(10):  # phases that move on in time are never reported
     watch.phase("optimizer step", step=step)
     time.sleep(0.1)
+watch.phase("val bpb", step=6)  # 1.5 s, three timeouts, but each batch is progress
+progress = Progress("val bpb", 100)
+for i in range(15):
+    time.sleep(0.1)
+    progress.update(i)
 watch.phase("forward/backward", step=7)
 watch.collective("loss all-reduce over DP")
 time.sleep(30)
@@ -149,11 +156,11 @@ time.sleep(30)
     p = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert p.returncode == 1 and time.time() - t0 < 20, (p.returncode, p.stderr[-3000:])
     text = (tmp_path / "rank3.txt").read_text()
-    record = "rank 3: step 7, phase 'forward/backward'"
+    record = "rank 3: step 7, phase 'forward/backward', no progress for"
     assert f"HANG? longer than --dist-timeout 0.5s in {record}" in text
     assert "last collective: loss all-reduce over DP" in text and 'File "<string>"' in text  # the stacks
     assert f"GIVING UP (exit 1) after twice --dist-timeout 0.5s in {record}" in p.stderr
-    assert text.count("HANG?") == 1 and "optimizer step" not in text
+    assert text.count("HANG?") == 1 and "optimizer step" not in text and "val bpb" not in text
 
 
 def test_one_failure_line_per_run_though_an_earlier_run_left_its_marker(tmp_path, monkeypatch):
