@@ -192,10 +192,10 @@ def start_fresh(ckpt_dir, start_over):
         return
     if not start_over:
         steps = saved_steps(ckpt_dir)
-        what = f"checkpoints up to step {steps[-1]}" if steps else "the records of a run (metrics.jsonl)"
-        raise CheckpointError(f"{ckpt_dir} holds {what}: resume it with --resume-from-step latest, train under another "
-                              f"--model-tag, or pass --start-over to move its files into replaced_<date>-<time>/ there "
-                              f"and start again")
+        what = (f"checkpoints up to step {steps[-1]}: resume it with --resume-from-step latest," if steps else
+                "the records of a run that saved no checkpoint (metrics.jsonl):")
+        raise CheckpointError(f"{ckpt_dir} holds {what} train under another --model-tag, or pass --start-over to move "
+                              f"its files into replaced_<date>-<time>/ there and start again")
     print(f"--start-over: moved the earlier run's {len(held)} files into {move_aside(ckpt_dir, held)}", flush=True)
 
 

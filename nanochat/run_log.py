@@ -27,30 +27,40 @@ class RunLog:
         self.path, self.wandb, self.tensorboard = (path if enabled else None), None, None
         if self.path is None:
             return
-        # resumed: the earlier launches' headers and steps before this one's first (not their end records). Steps
-        # trained again (a resume from an earlier step): the whole earlier file goes into replaced_<date>-<time>/ first
+        # resumed: the earlier launches' headers, steps before this one's first and the evaluations a stop left at it
+        # (not their end records). Steps trained again (a resume from an earlier step, step 0 too): the whole earlier
+        # file goes into replaced_<date>-<time>/ first. A fresh run finds no file (checkpoint_manager.start_fresh)
         records = read_records(path)
-        kept = [r for r in records if start_step > 0 and (
-            r.get("kind") == "header" or ("kind" not in r and r["step"] < start_step))]
-        with self.named_write_error():
-            folder = os.path.dirname(path)
-            os.makedirs(folder, exist_ok=True)
-            if start_step > 0 and any("loss" in r and r["step"] >= start_step for r in records):  # steps trained
-                from nanochat.checkpoint_manager import move_aside
-                aside = move_aside(folder, [os.path.basename(path)])
-                print(f"resuming from step {start_step}: the records from that step on are kept in {aside}")
-            atomic_write(path, "".join(json.dumps(r) + "\n" for r in kept).encode())
-        self.write({"kind": "header", "time": time.time(), "start_step": start_step, **header})
+        kept = [r for r in records if r.get("kind") == "header" or ("kind" not in r and (
+            r["step"] < start_step or (r["step"] == start_step and "loss" not in r)))]
+        # wandb and TensorBoard first: one that cannot start leaves the run's folder as it was
         if wandb_run:
-            import wandb
-            self.wandb = wandb.init(project="nanochat", name=wandb_run, config=header.get("flags", {}))
+            try:
+                import wandb
+                self.wandb = wandb.init(project="nanochat", name=wandb_run, config=header.get("flags", {}))
+            except Exception as e:  # no package, no API key, no network: its own error types
+                raise UserError(f"--wandb-run {wandb_run}: wandb did not start ({type(e).__name__}: "
+                                f"{str(e).strip().splitlines()[0] if str(e).strip() else 'no message'}); log in "
+                                f"(wandb login) or leave the flag out") from None
         if tensorboard_dir:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
                 raise UserError("--tensorboard needs the tensorboard package: pip install 'nanochat[tensorboard]'") from None
-            # a resumed run's events for steps it trains again are dropped by TensorBoard in favour of the newest
-            self.tensorboard = SummaryWriter(tensorboard_dir, purge_step=start_step if start_step > 0 else None)
+            try:  # a resumed run's events for steps it trains again are dropped in favour of the newest
+                self.tensorboard = SummaryWriter(tensorboard_dir, purge_step=start_step if records else None)
+            except OSError as e:
+                raise UserError(f"--tensorboard {tensorboard_dir}: cannot write there ({e.strerror}); name a folder "
+                                f"you can write") from None
+        with self.named_write_error():
+            folder = os.path.dirname(path)
+            os.makedirs(folder, exist_ok=True)
+            if any("loss" in r and r["step"] >= start_step for r in records):  # steps trained again
+                from nanochat.checkpoint_manager import move_aside
+                aside = move_aside(folder, [os.path.basename(path)])
+                print(f"resuming from step {start_step}: the records from that step on are kept in {aside}")
+            atomic_write(path, "".join(json.dumps(r) + "\n" for r in kept).encode())
+        self.write({"kind": "header", "time": time.time(), "start_step": start_step, **header})
 
     def write(self, record):
         if self.path is None:

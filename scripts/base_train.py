@@ -40,7 +40,7 @@ from nanochat.loss_eval import default_eval_tokens
 from nanochat.run_log import RunLog, SpikeWatch, metrics_path
 from nanochat import checkpoint_manager as ckpt
 
-UNTIMED_STEPS = 10  # each launch's first steps include compilation: left out of the training time
+UNTIMED_STEPS = 10  # each launch's steps up to its first + this one (11, as upstream's) compile: left out of the time
 
 
 # -----------------------------------------------------------------------------
@@ -138,7 +138,7 @@ class Run:
         self.launch_time = self.launch_timed = 0.0  # this launch's steps (all; its part of total_time, for the ETA)
         used = {"l3_tables": self.config.l3_after_layers, **dict.fromkeys(("moe_routers", "moe_experts"), self.config.moe_experts)}
         self.grad_norm_slots = [(g, 1 + i) for i, g in enumerate(PARAM_GROUPS) if used.get(g, True)]  # in grad_norms
-        self.val_bpb, self.evals = None, {}
+        self.val_bpb, self.evals, self.completed = None, {}, False
         self.core_status = "not run" if args.core_metric_every > 0 else "off (--core-metric-every -1)"
         self.mfu, self.tok_per_sec, self.epoch = None, 0.0, 1
         self.train_loader = training.make_loader(plan.tokenizer, "train", args.device_batch_size, args.max_seq_len,
@@ -181,20 +181,28 @@ class Run:
                 self.guarded("validation", self.evaluate_val)
             self.watch.collective("stop-flag all-reduce (all ranks)")
             if stop_agreed(self.device) or (self.step == args.stop_at_step and not final):
+                self.log_evals()
                 raise Interrupted()
             if args.save_every != 0 and (final or self.due(args.save_every, final)):
                 self.save()
                 if not final and stop_agreed(self.device):  # a stop that came during the save ends after it
+                    self.log_evals()
                     raise Interrupted()
             if self.due(args.core_metric_every, final):
                 self.guarded("CORE", self.evaluate_core)
             if self.due(args.sample_every, final):
                 self.guarded("sampling", self.sample)
             if final:
-                if self.evals:
-                    self.log.log(self.step, **self.evals)
+                self.log_evals()
+                self.completed = True
                 return
             self.train_step()
+
+    def log_evals(self):
+        """This step's evaluations, where no training record of the step will carry them (the end, a stop)."""
+        if self.evals:
+            self.log.log(self.step, **self.evals)
+            self.evals = {}
 
     # --- once in a while -------------------------------------------------------------
 
@@ -354,7 +362,7 @@ class Run:
                   ([f"spikes (loss or grad norm): {self.spike_count}"] if self.spike_count else []) + \
                   ([f"peak memory: {peak_mem:.2f} GiB"] if peak_mem else [])
         print0("; ".join(summary))
-        if layout.rank == 0 and self.step == self.recipe.num_iterations:
+        if layout.rank == 0 and self.completed:  # not a stop during the final evaluations
             report.log_section("Base model training", [vars(self.args), self.report_items(peak_mem)])
         self.watch.stop()
         self.log.finish()

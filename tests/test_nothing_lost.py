@@ -19,6 +19,7 @@ import pytest
 
 from conftest import run_script, run_losses, ckpt_dir, errors, REPO, TINY_RUN
 from nanochat import checkpoint_manager as ckpt
+from nanochat.common import UserError
 from nanochat.run_log import read_records
 
 RUN = TINY_RUN + ["--warmup-steps", "1"]
@@ -233,3 +234,26 @@ def test_a_rank_killed_under_torchrun_ends_in_one_short_report(env):
                                            r"\(torchrun names it\); traceback in \S+rank0\.txt; step \d+ is intact "
                                            r"there \(resume with --resume-from-step \d+\)", reports[0]), (out + err)[-3000:]
     assert "Current thread" not in err and "Thread 0x" not in err and "received signal" not in out + err
+
+
+def test_a_resume_from_step_0_sets_the_records_aside_and_a_logger_that_cannot_start_touches_nothing(tmp_path):
+    """Records of steps a resume from step 0 trains again go aside with the file as it was (they were overwritten);
+    a --tensorboard folder that cannot be written is one line, before metrics.jsonl is touched (a header-only file
+    would refuse the next fresh run on the tag)."""
+    from nanochat.run_log import RunLog
+    path = str(tmp_path / "metrics.jsonl")
+    first = RunLog(path, {"flags": {}})
+    for step in range(3):
+        first.log(step, loss=1.0)
+    RunLog(path, {"flags": {}}, start_step=0)
+    (aside,) = [f for f in os.listdir(tmp_path) if f.startswith("replaced_")]
+    assert [r["step"] for r in read_records(os.path.join(tmp_path, aside, "metrics.jsonl")) if "loss" in r] == [0, 1, 2]
+    assert [r.get("kind") for r in read_records(path)] == ["header", "header"]
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(UserError, match=r"^--tensorboard .*/a_file/tb: cannot write there \(Not a directory\)"):
+        RunLog(str(tmp_path / "fresh" / "metrics.jsonl"), {"flags": {}}, tensorboard_dir=str(tmp_path / "a_file" / "tb"))
+    assert not (tmp_path / "fresh").exists()
+    # a run that died before its first save left only its records: the advice names no resume
+    with pytest.raises(ckpt.CheckpointError, match=re.escape("holds the records of a run that saved no checkpoint "
+                                                             "(metrics.jsonl): train under another --model-tag, or")):
+        ckpt.lock_run(types.SimpleNamespace(rank=0), None, str(tmp_path), fresh=True)

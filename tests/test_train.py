@@ -171,7 +171,7 @@ def test_context_extension_goes_on_with_the_schedule_at_a_longer_context(env):
     flops = 1278480 * 512 * 6  # 6 steps of 512 tokens of this model at context 256 (5 at 512, were it re-derived)
     args = TRAIN + ["--target-flops", str(flops), "--model-tag", "extend", "--eval-every", "-1", "--window-pattern", "SL"]
     short = ["--max-seq-len", "256", "--device-batch-size", "2"]
-    p = run_script("scripts.base_train", args + short + ["--stop-at-step", "3"], env)
+    p = run_script("scripts.base_train", args + short + ["--stop-at-step", "3", "--eval-every", "3"], env)
     assert "training from step 0 to 6" in p.stdout
     assert p.stdout.splitlines()[-1] == "stopped: saved step 3: resume with --resume-from-step 3", p.stdout[-500:]
     folder = ckpt_dir(env, "extend")
@@ -186,6 +186,8 @@ def test_context_extension_goes_on_with_the_schedule_at_a_longer_context(env):
     assert "training from step 3 to 6" in r.stdout and "Validation bpb:" in r.stdout
     losses = run_losses(env, "extend")
     assert sorted(losses) == list(range(6)) and max(losses[s] for s in (3, 4, 5)) < losses[0]  # it goes on learning
+    # the validation at the stop (step 3, at the old context) is kept in the records, and the final one
+    assert sorted(read_run(env, "extend").series("val_bpb")) == [3, 6]
     meta = json.load(open(os.path.join(folder, "meta_000006.json")))
     assert meta["model_config"]["sequence_len"] == 512
     assert meta["loop_state"]["context_lengths"] == [[0, 256], [3, 512]]
