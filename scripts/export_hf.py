@@ -49,6 +49,7 @@ try:
     t0 = time.time()
     model_state, _, meta = ckpt.load_checkpoint(ckpt.checkpoint_dir(model_tag), args.step, load_optimizer=False)
     tokenizer = get_tokenizer()
+    ckpt.check_tokenizer(meta, tokenizer, ckpt.checkpoint_dir(model_tag))  # the export carries this tokenizer
     meta["model_tag"] = model_tag
     step = meta["step"]
     core, csv_path = None, os.path.join(get_base_dir(), "base_eval", f"{model_tag}_{step:06d}.csv")

@@ -22,24 +22,35 @@ parser.add_argument("--model-tag", type=str, required=True, help="checkpoint fol
 parser.add_argument("--step", type=int, default=None, help="step to save it as (default: the exported step, else 0)")
 args = parser.parse_args()
 
+if args.step is not None and args.step < 0:
+    fail(f"--step {args.step}: a checkpoint's step is 0 or more")
 try:
     state, config, meta = load_export(args.dir)
     tokenizer = tokenizer_from_hf(args.dir)
 except ConvertError as e:
     fail(str(e))
+if meta.get("tokenizer_hash") not in (None, tokenizer.hash):  # the export's files disagree with its weights' run
+    fail(f"{args.dir}'s tokenizer is {tokenizer.hash}, but its model was trained with {meta['tokenizer_hash']}: export "
+         f"the checkpoint again with the tokenizer it was trained with")
 step = args.step if args.step is not None else meta.get("step", 0)
 ckpt_dir = ckpt.checkpoint_dir(args.model_tag)
 if os.path.exists(os.path.join(ckpt_dir, f"meta_{step:06d}.json")):
     fail(f"{ckpt_dir} already has a checkpoint for step {step}: choose another --model-tag or --step")
 
 tok_dir = default_tokenizer_dir()
-if os.path.exists(os.path.join(tok_dir, "tokenizer.tiktoken")):
-    if get_tokenizer(tok_dir).hash != tokenizer.hash:  # merges, pattern and special tokens
-        fail(f"{tok_dir} holds another tokenizer than {args.dir}'s: set NANOCHAT_BASE_DIR to another folder "
-             f"(or move that tokenizer away) so that evaluation uses the model's own")
-else:
-    tokenizer.save(tok_dir)
-    print(f"wrote the export's tokenizer to {tok_dir}")
+try:
+    if os.path.exists(os.path.join(tok_dir, "tokenizer.tiktoken")):
+        if get_tokenizer(tok_dir).hash != tokenizer.hash:  # merges, pattern and special tokens
+            fail(f"{tok_dir} holds another tokenizer than {args.dir}'s: set NANOCHAT_BASE_DIR to another folder "
+                 f"(or move that tokenizer away) so that evaluation uses the model's own")
+    else:
+        tokenizer.save(tok_dir)
+        print(f"wrote the export's tokenizer to {tok_dir}")
+except UserError as e:  # a damaged tokenizer there
+    fail(str(e))
+except OSError as e:
+    fail(f"cannot write the export's tokenizer to {tok_dir} ({e.strerror}): set NANOCHAT_BASE_DIR to a folder you "
+         f"can write")
 
 meta = dict(meta, model_config=config.to_dict(), weights_only=True, imported_from=os.path.abspath(args.dir))
 meta.pop("model_tag", None)

@@ -15,6 +15,8 @@ parser = argparse.ArgumentParser(description="Evaluate tokenizer compression", f
 parser.add_argument("--max-chars", type=int, default=10_000_000, help="characters of each split to encode")
 parser.add_argument("--data-dir", type=str, default=None)
 args = parser.parse_args()
+if args.max_chars < 1:
+    parser.error(f"--max-chars {args.max_chars}: give at least 1")
 
 
 def take_text(files, max_chars):

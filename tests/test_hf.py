@@ -4,6 +4,7 @@ imported checkpoint samples, evaluates and resumes (fresh optimizer); TP=2 and P
 
 import os
 import re
+import json
 import math
 
 import pyarrow.parquet as pq
@@ -13,7 +14,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from conftest import run_script, TINY_MODEL
+from conftest import run_script, ckpt_dir, TINY_MODEL
 from parallel_harness import run_layout
 from nanochat.gpt import GPTConfig, build_model
 from nanochat.engine import generate
@@ -208,6 +209,16 @@ def test_round_trip_sample_eval_resume(env, tmp_path):
     assert "val bpb:" in p.stdout
     p = run_script("scripts.base_train", train + ["--model-tag", "hf_back", "--resume-from-step", "2"], env)
     assert "the optimizer starts fresh" in p.stdout and "step 00002/00004" in p.stdout
+
+    # a checkpoint trained with another tokenizer than the base dir's is not exported with it; a negative step
+    meta_path = os.path.join(ckpt_dir(env, "hf_src"), "meta_000004.json")
+    meta = json.load(open(meta_path))
+    json.dump(dict(meta, tokenizer_hash="0123456789abcdef"), open(meta_path, "w"))
+    p = run_script("scripts.export_hf", ["--model-tag", "hf_src", "--out", str(tmp_path / "wrong")], env, check=False)
+    assert p.returncode == 1 and "was trained with tokenizer 0123456789abcdef" in p.stdout, p.stdout[-500:]
+    assert not (tmp_path / "wrong").exists()
+    p = run_script("scripts.import_hf", ["--dir", str(first), "--model-tag", "neg", "--step", "-1"], env, check=False)
+    assert p.returncode != 0 and "--step -1: a checkpoint's step is 0 or more" in p.stdout + p.stderr
 
 
 def test_push_to_hub_offline_fails_first(env, tmp_path):

@@ -248,5 +248,5 @@ def load_export(directory):
         return state, config, meta
     except UserError:
         raise
-    except (OSError, ValueError, KeyError, TypeError, SafetensorError) as e:  # a damaged file no checksum listed
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, SafetensorError) as e:  # damaged, no checksum
         raise ConvertError(f"{directory} holds a damaged or foreign export ({type(e).__name__}: {str(e)[:200]})") from None
