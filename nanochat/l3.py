@@ -40,7 +40,7 @@ import torch.nn.functional as F
 import torch.distributed as dist
 
 from nanochat.kernels import Linear
-from nanochat.common import print0, eager
+from nanochat.common import ConfigError, print0, eager
 
 L3_LZW_SAMPLE_TOKENS = 10_000_000  # enough to estimate the credit of the few thousand tokens that own most rows
 L3_LZW_MAX_ENTRIES = 1 << 22  # LZW dictionary cap; cleared when full. 2^22 entries ~ 0.5 GB of Python dict
@@ -169,7 +169,7 @@ def lookup_padded(x, ids, table, bounds):
     count = bounds[ids + 1] - start
     slot = torch.arange(int(count.max()), device=x.device)
     valid = slot < count[:, None]
-    rows = table.to(x.dtype)[torch.where(valid, start[:, None] + slot, 0)]
+    rows = table[torch.where(valid, start[:, None] + slot, 0)].to(x.dtype)  # gathered first: its gradient sums in fp32
     scores = (rows @ x.unsqueeze(-1)).squeeze(-1).to(_acc_dtype(x.dtype))
     a = torch.softmax(scores.masked_fill(~valid, float("-inf")), dim=-1)
     return (a.to(x.dtype).unsqueeze(1) @ rows).squeeze(1)
@@ -315,11 +315,11 @@ class L3Layer(nn.Module):
     def __init__(self, vocab_size, d_model, n_emb, d_up=None, k_max=512):
         super().__init__()
         d_up = d_up or 4 * d_model
-        if k_max < 1:
-            raise ValueError(f"L3 k_max={k_max} must be >= 1")
+        if k_max < 1 or d_up < 1:  # ConfigError: one line naming the flag, from base_train too
+            raise ConfigError(f"--l3-k-max {k_max} and --l3-d-up {d_up} must be positive (--l3-d-up 0: 4 x the width)")
         if not vocab_size <= n_emb <= vocab_size * k_max:
-            raise ValueError(f"L3 n_emb={n_emb:,} must lie in [vocab, vocab * k_max] = [{vocab_size:,}, "
-                             f"{vocab_size * k_max:,}]; change --l3-n-emb or --l3-k-max")
+            raise ConfigError(f"L3 n_emb={n_emb:,} must lie in [vocab, vocab * k_max] = [{vocab_size:,}, "
+                              f"{vocab_size * k_max:,}]; change --l3-n-emb or --l3-k-max")
         self.vocab_size, self.d_model, self.n_emb, self.d_up, self.k_max = vocab_size, d_model, n_emb, d_up, k_max
         self.key_table = nn.Parameter(torch.empty(n_emb, d_model))  # the keys, and the values
         self.w_up = Linear(d_model, d_up)

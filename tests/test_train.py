@@ -203,6 +203,7 @@ def test_context_extension_goes_on_with_the_schedule_at_a_longer_context(env):
 def test_bad_flags_are_clear_errors(env):
     cases = [(["--l3-after-layers", "4,x"], "must be comma-separated block indices"),
              (["--l3-after-layers", "7"], "block indices must be in 0..1"),
+             (["--l3-after-layers", "0", "--l3-d-up", "-8"], "--l3-d-up -8 must be positive"),
              (["--tp", "2"], "need 2 processes"),
              (["--device-batch-size", "0"], "--device-batch-size must be at least 1"),
              (["--head-dim", "0"], "--head-dim (0) positive"),
