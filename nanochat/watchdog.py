@@ -1,8 +1,8 @@
 """
 Hang diagnostics: every rank keeps a record (step, phase, when it began or last made progress, the last collective
-named). A daemon thread reports a phase that outlasts --dist-timeout without progress (a long evaluation's batches,
-common.Progress, keep it alive) (the record and every thread's stack, to stderr and
-<report_dir>/rank<R>.txt); at twice the timeout it exits 1 so that torchrun stops the others (a gloo collective may
+named). A daemon thread reports a phase that outlasts --dist-timeout without progress (each common.Progress update,
+e.g. an evaluation's batch, is progress): the record and every thread's stack, to stderr and
+<report_dir>/rank<R>.txt; at twice the timeout it exits 1 so that torchrun stops the others (a gloo collective may
 wait forever). A failure that ends a rank is one short line from the first rank to report it, the traceback in the
 rank's file; a timed-out collective gets the hang report. On NCCL, enable_flight_recorder() makes PyTorch dump each
 group's last collectives on a timeout; `torchfrtrace <report_dir> -j` names the one where the ranks diverged.
