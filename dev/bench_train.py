@@ -363,6 +363,8 @@ def main(argv=None):
     configs = [c for c in configs if wanted(c.label)]
     for c in configs:
         c.steps, c.warmup = args.steps or c.steps, args.warmup or c.warmup
+        if c.steps <= c.warmup:
+            fail(f"--steps {c.steps} with --warmup {c.warmup} leaves no step to time for {c.label}: give more steps")
     skipped = [c.label for c in configs if c.nproc > len(gpus)]
     configs = [c for c in configs if c.nproc <= len(gpus)]
     if not configs:

@@ -8,7 +8,7 @@ seeds), tok/s, training FLOPs and seconds, and B's two multipliers:
   interpolated between A's depths), divided by B's FLOPs. Above 1, B gets there with less compute;
 - wall-clock multiplier: the same in seconds of training (steps x the median step time from step 10 on: compilation
   left out). A multiplier read beyond the ends of A's ladder is extrapolated from its nearest segment (marked ~);
-  where A's bpb does not fall with every step up the ladder (noise), a least-squares line is used (marked *).
+  where A's bpb does not fall with every step up the ladder (noise), a least-squares line is used (marked *, *~ beyond the ends).
 
 The sides are given as in dev/quality_ab.py (a checkout, environment settings, extra base_train flags); --args
 go to both. Both sides must train at the same --max-seq-len (the same validation tokens then hold the same bytes).
@@ -23,7 +23,8 @@ compilation and the final evaluation (at --ratio 0.25 on one H100, 80-100 s a ru
 minutes for the six), and a run of fewer steps than --warmup-steps (40) never reaches its peak learning rate (at
 0.25, d8-d12 train 33-53 steps): take --ratio 1 or more to judge a change. A long ladder runs in parts: each
 finished run is kept in <out>/results.jsonl, --stop-after MINUTES starts no run after that many minutes, and the
-same command again runs only what is missing (a run of another configuration is never counted). Runs alternate
+same command again runs only what is missing (a run of another configuration, data or commit, or of
+uncommitted changes since, is never counted). Runs alternate
 A, B over --gpus, one per GPU at a time; a GPU named twice runs two at a time, and its tok/s, seconds and wall-clock
 multipliers are then of a shared GPU. Needs data and a tokenizer as base_train does (--data-dir, --base-dir).
 """
@@ -64,8 +65,10 @@ def main(argv=None):
     seq = {s: runs.flag_value(common + spec["extra"], "--max-seq-len") for s, spec in sides.items()}
     if seq["A"] != seq["B"]:
         raise SystemExit(f"--max-seq-len {seq['A']} (A) and {seq['B']} (B): the sides must score the same bytes")
-    for s, spec in sides.items():
-        spec["config"] = json.dumps([spec["tree"], spec["env"], common + spec["extra"], args.ratio, args.eval_tokens])
+    shell = {k: v for k, v in os.environ.items() if k.startswith("NANOCHAT_")}
+    for s, spec in sides.items():  # what a run's result depends on: its code, data, settings and flags
+        spec["config"] = json.dumps([spec["tree"], runs.tree_version(spec["tree"]), {**shell, **runs.data_env(args)},
+                                     spec["env"], common + spec["extra"], args.ratio, args.eval_tokens])
         print(f"side {s}: {spec['name']}")
 
     # what earlier parts finished, of this configuration
@@ -99,6 +102,9 @@ def main(argv=None):
             print(f"   {s} d{depth} seed {seed}: failed: {e}", flush=True)
             return
         h, steps = run.header, max(run.series("dt")) + 1
+        if "flops_per_token" not in h:  # a tree from before the run record prints no FLOPs
+            print(f"   {s} d{depth} seed {seed}: failed: its tree records no FLOPs per token (too old for a ladder)")
+            return
         summary = runs.summary(run, min(TIMED_FROM, steps // 2))
         if summary["val_bpb"] is None:
             print(f"   {s} d{depth} seed {seed}: failed: no val bpb recorded (see {job.log_path})", flush=True)
@@ -131,7 +137,8 @@ def med(rs, key):
 
 def equivalent(ladder, bpb):
     """log x at which A's ladder [(log x, bpb) by depth] reaches `bpb`, and a mark: "" interpolated, "~" from the
-    nearest segment beyond the ends, "*" from a least-squares line (A's bpb does not fall at every step)."""
+    nearest segment beyond the ends, "*" from a least-squares line (A's bpb does not fall at every step; "*~" beyond
+    the ends)."""
     xs, ys = zip(*sorted(ladder))
     if all(b < a for a, b in zip(ys, ys[1:])):
         k = next((i for i in range(len(ys) - 1) if ys[i + 1] <= bpb <= ys[i]), None)
@@ -140,7 +147,8 @@ def equivalent(ladder, bpb):
         return xs[k] + (bpb - ys[k]) * (xs[k + 1] - xs[k]) / (ys[k + 1] - ys[k]), mark
     mx, my = statistics.mean(xs), statistics.mean(ys)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    return (mx + (bpb - my) / slope if slope < 0 else math.nan), "*"
+    x = mx + (bpb - my) / slope if slope < 0 else math.nan
+    return x, "*~" if not math.isnan(x) and not xs[0] <= x <= xs[-1] else "*"
 
 
 def table(sides, depths, results):

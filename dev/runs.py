@@ -18,6 +18,7 @@ Two things are read from a run's printout, each by one function here:
 """
 
 import os
+import zlib
 import re
 import shutil
 import sys
@@ -96,9 +97,17 @@ def check_tree(path, flag):
 
 
 def flag_value(flags, name, default=None):
-    """The value of `--name=value` in a flag list (the last one given), else default."""
-    values = [f.split("=", 1)[1] for f in flags if f.startswith(name + "=")]
+    """The value of `--name=value` or `--name value` in a flag list (the last one given), else default."""
+    values = [f.split("=", 1)[1] if f != name else (flags[i + 1] if i + 1 < len(flags) else None)
+              for i, f in enumerate(flags) if f.startswith(name + "=") or f == name]
     return values[-1] if values else default
+
+
+def tree_version(tree):
+    """A checkout's commit and a hash of its uncommitted changes ("" outside git): which code a result came from."""
+    head = subprocess.run(["git", "-C", tree, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    diff = subprocess.run(["git", "-C", tree, "diff", "HEAD"], capture_output=True).stdout
+    return head + (f"+{zlib.crc32(diff):08x}" if diff else "")
 
 
 def checkpoint_folder(env, model_tag):
@@ -140,8 +149,14 @@ class Job:
         try:
             self.proc.wait(timeout=max(1.0, self.timeout - (time.time() - self.t0)) if self.timeout else None)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+            # SIGTERM: torchrun passes it on to its workers, each in a session of its own (a SIGKILL to torchrun
+            # would leave them running on the GPUs the queue hands on); a process that does not end in a minute dies
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
             self.timed_out = True
         self.wall_s = time.time() - self.t0
         self.log.close()

@@ -72,6 +72,7 @@ class Comparison:
         self.args = args
         self.work = os.path.abspath(args.work_dir)
         self.results_path = os.path.join(self.work, "results.jsonl")
+        self.call = time.strftime("%Y-%m-%d %H:%M:%S")  # this invocation: ratios are taken within one
         self.upstream = os.path.abspath(args.upstream) if args.upstream else None
         self.ours = os.path.abspath(args.ours)
         self.data_dir = os.path.abspath(args.data_dir) if args.data_dir else None
@@ -84,6 +85,7 @@ class Comparison:
             return [json.loads(line) for line in f if line.strip()]
 
     def record(self, row):
+        row.setdefault("call", self.call)
         with open(self.results_path, "a") as f:
             f.write(json.dumps(row) + "\n")
 
@@ -284,7 +286,8 @@ def steps_part(c):
 
 def walltime_part(c):
     stamp = time.strftime("%H%M%S")
-    speed_rows = [r for r in c.load_results() if r["part"] == "speed" and r["depth"] == WALL_DEPTH]
+    speed_rows = [r for r in c.load_results() if r["part"] == "speed" and r["depth"] == WALL_DEPTH
+                  and r.get("seq_len", 2048) == 2048]  # the runs below train at the default context
     per_side = []
     for side in (quality_side(c), "upstream"):
         rows = [r for r in speed_rows if r["side"] == side]
@@ -351,24 +354,26 @@ def spread(values):
 def report(rows):
     speed_rows = [r for r in rows if r["part"] == "speed"]
     if speed_rows:
-        print("\n| depth | context | side | device batch | tok/s | vs upstream | step ms | peak GiB | attention |")
-        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-        for depth, seq_len in sorted({(r["depth"], r.get("seq_len", 2048)) for r in speed_rows}):
+        # each call's rows apart: GPUs differ by 2-3%, so a ratio is taken within one call
+        print("\n| depth | context | call | side | device batch | tok/s | vs upstream | step ms | peak GiB | attention |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        key = lambda r: (r["depth"], r.get("seq_len", 2048), r.get("call", ""))
+        for depth, seq_len, call in sorted({key(r) for r in speed_rows}):
             best = {}
             for r in speed_rows:
-                if (r["depth"], r.get("seq_len", 2048)) == (depth, seq_len) and \
-                        (r["side"] not in best or r["tok_s"] > best[r["side"]]["tok_s"]):
+                if key(r) == (depth, seq_len, call) and (r["side"] not in best or r["tok_s"] > best[r["side"]]["tok_s"]):
                     best[r["side"]] = r
             up = best.get("upstream")
             for side, r in best.items():
                 ratio = f"{r['tok_s'] / up['tok_s']:.3f}x" if up else "-"
-                print(f"| d{depth} | {seq_len:,} | {side} | {r['device_batch']} | {r['tok_s']:,.0f} | {ratio} | "
-                      f"{r['step_ms']:.1f} | {r['peak_gib'] or '-'} | {r['attention'][:60]} |")
+                print(f"| d{depth} | {seq_len:,} | {call or '-'} | {side} | {r['device_batch']} | {r['tok_s']:,.0f} | "
+                      f"{ratio} | {r['step_ms']:.1f} | {r['peak_gib'] or '-'} | {r['attention'][:60]} |")
             bf16 = [best[s] for s in ("ours+FA4", "ours") if s in best]
             for fp8 in [best[s] for s in ("ours+FA4 fp8", "ours fp8") if s in best]:
                 same = next((b for b in bf16 if ("FA4" in b["side"]) == ("FA4" in fp8["side"])), None)
                 if same:
-                    print(f"| d{depth} | {fp8['side']} / {same['side']} | | | {fp8['tok_s'] / same['tok_s']:.3f}x (fp8 / bf16) | | | |")
+                    print(f"| d{depth} | | {call or '-'} | {fp8['side']} / {same['side']} | | "
+                          f"{fp8['tok_s'] / same['tok_s']:.3f}x (fp8 / bf16) | | | | |")
     quality = [r for r in rows if r["part"] in ("steps", "walltime")]
     if quality:
         print("\n| setting | side | val bpb: median (min - max, n) | each run | Muon decay | steps |")

@@ -69,10 +69,14 @@ def test_ladder_goes_on_where_a_part_stopped_and_prices_b_on_a_ladder(env, tmp_p
     rows = {tuple(c.strip() for c in line.split("|")[1:3]): line
             for line in out.splitlines() if re.match(r"\| d\d", line)}
     assert sorted(rows) == [(f"d{d}", s) for d in (1, 2, 3) for s in "AB"]
-    assert all(re.search(r"\| [~*]?\d+\.\d\d \| [~*]?\d+\.\d\d \|$", rows[(f"d{d}", "B")]) for d in (1, 2, 3))
+    assert all(re.search(r"\| [~*]{0,2}\d+\.\d\d \| [~*]{0,2}\d+\.\d\d \|$", rows[(f"d{d}", "B")]) for d in (1, 2, 3))
     assert os.path.getsize(tmp_path / "ladder.png") > 0 and len(open(tmp_path / "results.jsonl").readlines()) == 6
     with pytest.raises(SystemExit, match="the sides must score the same bytes"):
         ladder.main(argv + ["--a-args=--max-seq-len=128"])
+    with pytest.raises(SystemExit, match="the sides must score the same bytes"):
+        ladder.main(argv + ["--b-args", "--max-seq-len 128"])
+    ladder.main(argv + ["--data-dir", str(tmp_path / "other"), "--stop-after", "0.001"])  # other data: nothing counts
+    assert "done in an earlier part" not in capsys.readouterr().out
 
 
 def test_ladder_reads_b_off_a_s_ladder():
@@ -82,6 +86,7 @@ def test_ladder_reads_b_off_a_s_ladder():
     assert equivalent(falling, 1.25) == (2.5, "~")  # beyond the top: the last segment's slope
     x, mark = equivalent([(0.0, 3.0), (1.0, 3.1), (2.0, 1.0)], 2.0)  # a noisy ladder: the least-squares line
     assert mark == "*" and x == pytest.approx(1 + (2.0 - 7.1 / 3) / -1.0)
+    assert equivalent([(0.0, 3.0), (1.0, 3.1), (2.0, 1.0)], 0.2)[1] == "*~"  # that line, beyond A's ladder
 
 
 OLD_LOG = """attention: SDPA (cuDNN)
@@ -142,6 +147,40 @@ def test_run_queue_packs_runs_of_several_gpus(monkeypatch):
                           width=lambda task: task[1])
     assert left == [("e", 8)] and [s[0] for s in started] == ["a", "b", "c", "d"]
     assert started[:3] == [("a", (0, 1, 2, 3)), ("b", (0, 1)), ("c", (2,))]  # c beside b; d when two are free
+
+
+def test_a_job_past_its_timeout_ends_torchrun_s_workers_too(tmp_path):
+    """torchrun starts each worker in a session of its own: a Job that only killed torchrun at its timeout left them
+    running on the GPUs the queue then handed to the next run."""
+    import sys
+    import time
+    from dev import runs
+    (tmp_path / "sleeper.py").write_text("import os, time\nopen(os.path.join(os.path.dirname(__file__), "
+                                         "f\"worker{os.environ['RANK']}.pid\"), 'w').write(str(os.getpid()))\n"
+                                         "time.sleep(300)\n")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "sleeper.py"]
+    job = runs.Job(cmd, str(tmp_path), runs.process_env({"OMP_NUM_THREADS": "1"}), [], "x", str(tmp_path / "log"),
+                   None, None)
+    pid_files = [tmp_path / f"worker{r}.pid" for r in (0, 1)]
+    for _ in range(600):  # the workers are up
+        if all(f.exists() and f.read_text() for f in pid_files):
+            break
+        time.sleep(0.1)
+    job.timeout = time.time() - job.t0  # its time is up now
+    assert job.done() and job.timed_out
+    for f in pid_files:
+        with pytest.raises(ProcessLookupError):
+            os.kill(int(f.read_text()), 0)
+
+
+def test_vs_upstream_takes_each_ratio_within_one_call(capsys):
+    """Two calls on two machines: each call's ours over its own upstream, never the best of one over the other's."""
+    from dev.vs_upstream import report
+    row = lambda call, side, tok_s: dict(part="speed", call=call, side=side, depth=12, seq_len=2048, device_batch=32,
+                                         tok_s=tok_s, step_ms=1.0, peak_gib=None, attention="")
+    report([row("1", "ours", 179806), row("1", "upstream", 169132), row("2", "ours", 186000), row("2", "upstream", 163000)])
+    out = capsys.readouterr().out
+    assert "1.063x" in out and "1.141x" in out and "1.100x" not in out
 
 
 def test_run_queue_runs_a_follow_up_on_the_same_gpus(monkeypatch):
