@@ -66,6 +66,7 @@ FP8_SAVING = 3.0
 FP8_BLOCK_EXTRA = 8.0
 HEAD_BYTES = 1.6  # per token, times the vocabulary (the lm_head and loss's kept tensors; vocab-parallel under TP)
 TP_SHARDED = 24 / 34  # of a layer's activations, the share inside the TP regions (Megatron-LM: 24 of 34 bytes x width)
+TP_WHOLE_SP = 4 / 34  # under SP, the share still whole: two all-gathered matmul inputs, kept for the weight gradients
 # relative tok/s per GPU, measured on H200s (dev/BENCHMARKS.md): recompute at d20/d26, TP=2 at d32, CP=2 at d12
 # and 32K; each further TP or CP doubling is charged again, sharding nothing (unmeasured); PP: the bubble's formula
 SPEED = {"selective": 0.91, "block": 0.88, "tp2": 0.756, "cp2": 0.755}
@@ -113,9 +114,15 @@ def rank_memory(config, s):
     per_layer = ACTIVATION_BYTES[s.recompute]
     if s.fp8:
         per_layer += FP8_BLOCK_EXTRA if s.recompute == "block" else -FP8_SAVING * per_layer / ACTIVATION_BYTES["none"]
-    tp_share = 1 / s.tp if s.sequence_parallel else (1 - TP_SHARDED) + TP_SHARDED / s.tp
+    if s.recompute == "block":  # only the blocks' inputs are kept: cut by SP, whole without it
+        tp_share = 1 / s.tp if s.sequence_parallel else 1.0
+    else:  # SP: the all-gathered inputs of the attention's and the MLP's first matmuls are kept whole
+        tp_share = TP_WHOLE_SP + (1 - TP_WHOLE_SP) / s.tp if s.sequence_parallel else \
+            (1 - TP_SHARDED) + TP_SHARDED / s.tp
     tokens = s.device_batch * config.sequence_len / s.cp
-    chunks = split_stages(*block_costs(model), s.pp * s.pp_virtual)
+    # split as the run splits: by the whole model's costs (before TP cuts it)
+    chunks = split_stages(*block_costs(_meta_model(config, replace(s, tp=1, sequence_parallel=False))),
+                          s.pp * s.pp_virtual)
     head = HEAD_BYTES * config.vocab_size / s.tp  # on the last chunk
     # per MoE layer, beyond a dense one (under TP, with SP: on this rank's tokens)
     moe = extra_activation_bytes(config, tokens / s.tp, s.recompute, s.ep)
@@ -127,19 +134,22 @@ def rank_memory(config, s):
             for c, (a, b) in enumerate(chunks)]
     if s.pp > 1:
         actions = [stage_actions(s.pp_schedule, s.pp, m, r, s.pp_virtual) for r in range(s.pp)]
-        act_peaks, alive = peak_in_flight(actions, kept), peak_in_flight(actions)
+        act_peaks = peak_in_flight(actions, kept)
     else:
-        act_peaks, alive = [kept[0]], [1]
+        act_peaks = [kept[0]]
     if s.cp > 1 and s.exchange == "all-gather":  # a layer's backward holds the whole sequence's K/V (compute
         # dtype), then their gradients (fp32, and again in the compute dtype for the reduce-scatter), beside activations
         kv = s.device_batch * config.sequence_len * 2 * config.n_kv_head * (config.n_embd // config.n_head) / s.tp
         act_peaks = [a + kv * (dt + 4) for a in act_peaks]
     groups = param_groups(model, 0.0, 0.0, 0.0, 0.0, 0.0)
     out = []
+
+    def chunk_units(c):  # the modules chunk c calls: its blocks and their L3 layers, the embedding first, the head last
+        a, b = chunks[c]
+        return ([model.wte] if c == 0 else []) + [model.blocks[i] for i in range(a, b)] + \
+            [model.l3[str(i)] for i in range(a, b) if str(i) in model.l3] + ([model.lm_head] if c == len(chunks) - 1 else [])
     for r in range(s.pp):
-        blocks = [i for c in range(r, len(chunks), s.pp) for i in range(*chunks[c])]
-        units = ([model.wte] if r == 0 else []) + [model.blocks[i] for i in blocks] + \
-            [model.l3[str(i)] for i in blocks if str(i) in model.l3] + ([model.lm_head] if r == s.pp - 1 else [])
+        units = [u for c in range(r, len(chunks), s.pp) for u in chunk_units(c)]
         stage = {id(p) for u in units for p in u.parameters()}
         stage |= {id(p) for p in ((model.smear_gate.weight, model.smear_lambda) if r == 0 else ()) +
                   ((model.backout_lambda,) if r == s.pp - 1 else ())}
@@ -165,15 +175,20 @@ def rank_memory(config, s):
                 sharded.add(id(p))
         gathered = working = 0
         if s.shard_params and D > 1:
-            whole = [sum(p.numel() for p in u.parameters() if id(p) in sharded) for u in units]
-            tables = [sum(p.numel() for m in u.modules() if isinstance(m, embedding_types())
-                          for p in m.parameters(recurse=False) if id(p) in sharded) for u in units]
+            whole_of = lambda u: sum(p.numel() for p in u.parameters() if id(p) in sharded)
+            table_of = lambda u: sum(p.numel() for m in u.modules() if isinstance(m, embedding_types())
+                                     for p in m.parameters(recurse=False) if id(p) in sharded)
+            whole, tables = [whole_of(u) for u in units], [table_of(u) for u in units]
             # freed after each call: in a backward this module's whole weights and the previous one's, in a pipeline
-            # the gathering posted for its next forward; kept: each micro-batch alive holds all but the embedding
-            # tables, and a block in its call its value embeddings' table. And two modules' gradients: as made and
-            # sent (both in the compute dtype).
+            # the gathering posted for its next forward; kept: each chunk's micro-batch alive holds that chunk's
+            # weights but the embedding tables, and a block in its call its value embeddings' table (interleaved: and
+            # the next chunk's first gathering, posted ahead). And two modules' gradients: as made and sent (both in
+            # the compute dtype).
             freed = (3 if s.pp > 1 else 2) * max(whole)
-            kept_whole = alive[r] * (sum(whole) - sum(tables)) + max((t for w, t in zip(whole, tables) if w > t), default=0)
+            per_chunk = [sum(whole_of(u) - table_of(u) for u in chunk_units(c)) if c % s.pp == r else 0
+                         for c in range(len(chunks))]
+            kept_whole = (peak_in_flight(actions, per_chunk)[r] if s.pp > 1 else per_chunk[0]) + \
+                max((t for w, t in zip(whole, tables) if w > t), default=0) + (max(whole) if s.pp_virtual > 1 else 0)
             gathered = (max(freed, kept_whole) if s.keep_gathered else freed) * dt
             working = gathered + 2 * max(whole) * 2 * dt
         alive_grads = weights if (m > 1 or s.pp > 1) else 0  # fp32 as the weights held; at the activation peak only

@@ -64,10 +64,11 @@ def print_candidates(config, gpus, total_batch, fp8, capacity, top):
         print(f"| {s.describe()} | {b} | {gib(peak)} | {speed:.2f} |")
 
 
-def print_comparison(depths, gpu_names, gpus, rest, vocab_size):
+def print_comparison(depths, gpu_names, gpus, rest, vocab_size, gpu_memory):
     """The largest device batch of each depth on each GPU: unsharded and sharded, TP 1 and 2, DP over the rest."""
     columns = [("unsharded", 1, False), ("sharded", 1, True), ("TP 2", 2, False), ("TP 2 sharded", 2, True)]
-    print(f"largest device batch (and the worst rank's peak in GiB) on {gpus} GPUs, recipe batch, no recompute:")
+    print(f"largest device batch (and the worst rank's peak in GiB) on {gpus} GPUs, recipe batch, "
+          f"{' '.join(rest) or 'no further flags'}:")
     print("| model | GPU | " + " | ".join(c[0] for c in columns) + " |\n|" + " --- |" * (len(columns) + 2))
     for depth in depths:
         for name in gpu_names:
@@ -75,12 +76,14 @@ def print_comparison(depths, gpu_names, gpus, rest, vocab_size):
             for _, tp, shard in columns:
                 flags = rest + ["--depth", str(depth), "--tp", str(tp)] + (["--shard-params"] if shard else [])
                 config, s = run_setting(flags, gpus, vocab_size)
-                if config.n_head % tp or config.n_kv_head % tp:
-                    cells.append(f"- (TP {tp} does not divide {config.n_head} heads)")
+                try:
+                    replace(s, device_batch=1).check(config)  # the layout (largest_batch tries the batches)
+                except ConfigError as e:  # a layout the run would refuse, not one that does not fit
+                    cells.append(f"- ({str(e).split(';')[0]})")
                     continue
-                b, peak = largest_batch(config, s, usable_bytes(GPUS[name]))
+                b, peak = largest_batch(config, s, usable_bytes(gpu_memory or GPUS[name]))
                 cells.append(f"{b} ({gib(peak)})" if b else "none")
-            print(f"| d{depth} | {name} | " + " | ".join(cells) + " |")
+            print(f"| d{depth} | {name if not gpu_memory else f'{gpu_memory:g} GiB'} | " + " | ".join(cells) + " |")
 
 
 class Help(argparse.RawDescriptionHelpFormatter, HelpWithDefaults):
@@ -101,13 +104,19 @@ def main(argv=None):
     parser.add_argument("--vocab-size", type=int, default=32768, help="the tokenizer's vocabulary")
     args, rest = parser.parse_known_args(argv)
     names = [g.strip().lower() for g in args.gpu.split(",") if g.strip()]
-    if any(g not in GPUS for g in names):
+    if args.gpu_memory < 0 or args.vocab_size < 1 or not all(d.strip().isdigit() for d in args.depths.split(",") if d):
+        fail(f"--gpu-memory {args.gpu_memory:g}, --vocab-size {args.vocab_size}, --depths {args.depths!r}: give GiB "
+             f">= 0, a positive vocabulary and depths as whole numbers")
+    if any(f.startswith("--resume-from-step") for f in rest):
+        fail("scripts.plan plans a run from its flags: leave out --resume-from-step")
+    if any(g not in GPUS for g in names) and not args.gpu_memory:
         fail(f"--gpu {args.gpu!r}: use {', '.join(GPUS)}, or give --gpu-memory GiB")
     try:
         if args.compare:
-            print_comparison([int(d) for d in args.depths.split(",") if d], names, args.gpus, rest, args.vocab_size)
+            print_comparison([int(d) for d in args.depths.split(",") if d], names, args.gpus, rest, args.vocab_size,
+                             args.gpu_memory)
             return
-        capacity = usable_bytes(args.gpu_memory if args.gpu_memory > 0 else GPUS[names[0]])
+        capacity = usable_bytes(args.gpu_memory or GPUS[names[0]])
         config, s = run_setting(rest, args.gpus, args.vocab_size)
         print_setting(config, s, capacity)
         print_candidates(config, args.gpus, s.total_batch, s.fp8, capacity, args.top)

@@ -6,7 +6,7 @@ split with TP and CP; a stage holds its schedule's micro-batches; sharding fits 
 
 import pytest
 
-from parallel_harness import CONFIG, GLOBAL_BATCH
+from parallel_harness import CONFIG, GLOBAL_BATCH, run_layout
 from nanochat.gpt import GPTConfig
 from nanochat.memory import rank_memory, largest_batch, usable_bytes, GIB
 from nanochat.recipe import Setting, config_for_depth
@@ -35,6 +35,13 @@ def assert_planned(run, dp=1, tp=1, pp=1, cp=1, micro_batch=2, config_overrides=
         assert 0.9 * plan[0]["gathered"] <= run["gathered_peak"] <= 1.1 * plan[0]["gathered"], (run["gathered_peak"], plan)
 
 
+def test_tp_and_pp_split_the_layers_as_the_run_does():
+    """Under TP the run splits the layers by the whole model's costs: the planner too (it priced the TP-cut model, so
+    with a large vocabulary it gave stage 0 a layer fewer than the run does)."""
+    wide = dict(n_layer=8, vocab_size=4096)
+    assert_planned(run_layout(tp=2, pp=2, steps=1, config_overrides=wide), tp=2, pp=2, config_overrides=wide)
+
+
 def test_an_l3_layer_keeps_its_cast_table_per_micro_batch_in_flight():
     """The lookup saves its table cast to bf16 for its backward: one copy a micro-batch alive on the layer's stage
     (two on stage 0 of PP 2 under 1F1B), none beside the gathered table when sharded."""
@@ -54,7 +61,12 @@ def test_activations_follow_tokens_recompute_tp_and_cp():
     assert act(device_batch=32) == pytest.approx(2 * act())
     assert act() > act(recompute="selective") > act(recompute="block")
     assert act(fp8=True) < act()
-    assert act(dp=4, tp=2) < act(dp=8) and act(dp=4, tp=2, sequence_parallel=True) == pytest.approx(act(dp=8) / 2)
+    # TP cuts what its regions keep; SP most of the rest, but the all-gathered matmul inputs stay whole
+    assert act(dp=8) / 2 < act(dp=4, tp=2, sequence_parallel=True) < act(dp=4, tp=2) < act(dp=8)
+    # block recompute keeps the blocks' inputs alone: whole under TP (the head's share is cut), cut by SP
+    block = lambda **kw: act(recompute="block", **kw)
+    assert block(dp=4, tp=2, sequence_parallel=True) == pytest.approx(block(dp=8) / 2)
+    assert block(dp=8) / 2 < block(dp=4, tp=2) < block(dp=8)
     long = config_for_depth(20, sequence_len=8192)
     cp2 = lambda exchange: rank_memory(long, Setting(dp=4, cp=2, cp_exchange=exchange, device_batch=4))[0]["activations"]
     assert cp2("ring") == pytest.approx(rank_memory(long, Setting(dp=8, device_batch=2))[0]["activations"])
@@ -90,6 +102,8 @@ def test_plan_script(env):
     assert "| pipeline rank | weights | working copies | gradients | optimizer state | activations | total | fits |" in p.stdout
     assert "layouts of 2 GPUs that fit, fastest first" in p.stdout
     p = run("--compare", "--depths", "26", "--gpus", "8", "--gpu", "h100")
-    assert p.returncode == 0 and "TP 2 does not divide 13 heads" in p.stdout, p.stdout + p.stderr
+    assert p.returncode == 0 and "- (--tp 2 does not divide the query heads (n_head) = 13) |" in p.stdout, p.stdout + p.stderr
+    p = run("--compare", "--depths", "20,x")
+    assert p.returncode != 0 and "depths as whole numbers" in p.stdout
     p = run("--depth", "12", "--gpus", "3", "--tp", "2")
     assert p.returncode != 0 and "ERROR: --gpus 3 is not divisible by tp x pp x cp = 2" in p.stdout

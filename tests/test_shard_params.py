@@ -97,6 +97,13 @@ def test_kept_weights_but_the_tables_and_the_plan_counts_them():
         assert_planned(run, dp=2, shard_params=True, keep_gathered=True, recompute=recompute, config_overrides=wide)
 
 
+def test_kept_weights_under_interleaving_are_each_chunk_s_own():
+    """Interleaved, a chunk's micro-batch in flight keeps that chunk's weights gathered, not the whole stage's: the
+    planner counts each chunk's (it counted the stage's for every one, 1.6x the peak)."""
+    layout = dict(dp=2, pp=2, micro_batch=1, shard_params=True, keep_gathered=True, schedule="interleaved", virtual=2)
+    assert_planned(run_layout(steps=1, **layout), **layout)
+
+
 def test_sharded_fp8():
     from test_fp8_parallel import FP8, assert_same_fp8_run
     assert_same_fp8_run(run_layout(dp=2, steps=4, config_overrides=FP8, fp8=True, shard_params=True),
