@@ -387,7 +387,10 @@ def load_model(model_tag=None, step=None, device="cpu", compute_dtype=torch.floa
     if layout is not None and layout.tp_size > 1:
         from nanochat.recipe import Setting
         from nanochat.tensor_parallel import parallelize
-        Setting(tp=layout.tp_size, device_batch=1, total_batch=model.config.sequence_len).check(model.config)
+        # MoE layers stay whole under TP: without SP every rank runs every token's experts, redundant but right for
+        # evaluation (training needs SP for its expert loads and its cost), so the check is told SP's rule holds
+        Setting(tp=layout.tp_size, device_batch=1, total_batch=model.config.sequence_len,
+                sequence_parallel=bool(model.config.moe_experts)).check(model.config)
         parallelize(model, layout)
     meta["model_tag"] = model_tag
     return model.eval(), meta

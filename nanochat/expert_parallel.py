@@ -61,8 +61,9 @@ class ExpertParallel:
         run_of = torch.repeat_interleave(torch.arange(N * local, device=rows.device), runs, output_size=sum(recv))
         within = torch.arange(sum(recv), device=rows.device) - (torch.cumsum(runs, 0) - runs)[run_of]
         by_expert = starts[run_of] + within
-        # a rank no row comes to runs no expert (a grouped matmul of no rows is not taken everywhere)
-        out = experts(inbound[by_expert], received.sum(0)) if sum(recv) else inbound.new_zeros(0, rows.size(1))
+        # a rank no row comes to runs no expert (a grouped matmul of no rows is not taken everywhere), but its empty
+        # rows stay in the graph: its backward's exchanges must meet its peers'
+        out = experts(inbound[by_expert], received.sum(0)) if sum(recv) else inbound[by_expert]
         outbound = torch.empty_like(out).index_copy(0, by_expert, out)  # back by source rank
         return _AllToAll.apply(outbound, recv, send, self.group)
 

@@ -235,9 +235,9 @@ def model_config(args, vocab_size, resume_meta=None):
         return replace(GPTConfig.from_dict(resume_meta["model_config"]), sequence_len=args.max_seq_len)
     l3_layers, moe_blocks = (block_indices(f, getattr(args, f.replace("-", "_")), args.depth)
                              for f in ("l3-after-layers", "moe-layers"))
-    if args.moe_experts and not 1 <= args.moe_topk <= args.moe_experts or min(args.moe_shared, args.moe_expert_dim) < 0:
-        raise ConfigError(f"--moe-topk {args.moe_topk} must be in 1..--moe-experts ({args.moe_experts}); --moe-shared "
-                          f"and --moe-expert-dim must be >= 0")
+    if args.moe_experts and not 2 <= args.moe_topk <= args.moe_experts or min(args.moe_shared, args.moe_expert_dim) < 0:
+        raise ConfigError(f"--moe-topk {args.moe_topk} must be in 2..--moe-experts ({args.moe_experts}; with 1 the "
+                          f"router gets no gradient); --moe-shared and --moe-expert-dim must be >= 0")
     if args.moe_expert_dim % 8 or (moe_blocks and not args.moe_experts):
         raise ConfigError(f"--moe-expert-dim {args.moe_expert_dim} must be a multiple of 8 (the grouped matmuls' row "
                           f"strides: 16 bytes), and --moe-layers needs --moe-experts")

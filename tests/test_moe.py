@@ -14,10 +14,12 @@ from nanochat.moe import (MOE_BIAS_RATE, MoE, after_step, expert_dim, grouped_ex
                           pairs_per_expert)
 from nanochat.recipe import parse_args, model_config, check_loop_flags, Setting
 from nanochat.common import ConfigError
+import parallel_harness
 from parallel_harness import CONFIG, run_layout
 from test_parallel import _resume_matches, assert_same_run
 
 MOE = {"moe_experts": 4, "moe_topk": 2}
+HARNESS_WORKER = parallel_harness._worker  # a rank as the harness runs it (before any test patches it)
 
 
 def per_token(x, chosen, weights, w_fc, w_proj):
@@ -80,7 +82,8 @@ def test_counts_use_the_active_experts():
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--moe-experts", "4", "--moe-topk", "5"], "--moe-topk 5 must be in 1..--moe-experts"),
+    (["--moe-experts", "4", "--moe-topk", "5"], "--moe-topk 5 must be in 2..--moe-experts"),
+    (["--moe-experts", "4", "--moe-topk", "1"], "with 1 the router gets no gradient"),
     (["--moe-experts", "4", "--moe-layers", "9"], "--moe-layers '9': block indices must be in 0..3"),
     (["--moe-experts", "4", "--moe-expert-dim", "100"], "--moe-expert-dim 100 must be a multiple of 8"),
     (["--moe-layers", "1"], "--moe-layers needs --moe-experts"),
@@ -156,6 +159,33 @@ def test_expert_parallel_follows_one_process(moe_reference_run, layout):
     """Each rank holds E / ep experts; rows go to their experts' ranks and back by all-to-all; the experts' gradients
     summed over the ranks that hold the same ones (dp 4 x ep 2: two each)."""
     assert_same_run(run_layout(config_overrides=MOE, **layout), moe_reference_run, embedding_atol=1e-3)
+
+
+def _skewed_router_worker(rank, *args):
+    """A harness rank whose MoE routers start skewed (bias +10 for experts 0 and 1, -10 for 2 and 3): at EP 2 no
+    token reaches rank 1's experts."""
+    import parallel_harness
+    from nanochat.moe import moe_modules
+    identity = parallel_harness.leave_identity_init
+
+    def skewed(model):
+        identity(model)
+        for m in moe_modules(model):
+            m.bias.copy_(torch.tensor([10.0, 10.0, -10.0, -10.0]))
+    parallel_harness.leave_identity_init = skewed
+    try:
+        HARNESS_WORKER(rank, *args)
+    finally:  # the pool's processes serve later runs
+        parallel_harness.leave_identity_init = identity
+
+
+def test_an_ep_rank_no_token_reaches_still_exchanges_and_follows_one_process(monkeypatch):
+    """Its empty rows stay in the graph, so its backward's exchanges meet its peers' (they crashed gloo and would
+    hang NCCL)."""
+    import parallel_harness
+    monkeypatch.setattr(parallel_harness, "_worker", _skewed_router_worker)
+    one = run_layout(config_overrides=MOE)
+    assert_same_run(run_layout(dp=2, ep=2, config_overrides=MOE), one, embedding_atol=1e-3)
 
 
 def test_expert_parallel_checkpoints_resume_at_other_layouts():
