@@ -198,7 +198,8 @@ def plot(sides, depths, results, path):
         ax.set_xscale("log")
         ax.set_xlabel(label)
         ax.set_ylabel("val bpb")
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:  # a part whose runs all failed draws none
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
