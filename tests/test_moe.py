@@ -121,10 +121,11 @@ def moe_reference_run():
     return run_layout(config_overrides=MOE)
 
 
-@pytest.mark.parametrize("layout", [dict(dp=2), dict(pp=2), dict(tp=2, sequence_parallel=True)],
-                         ids=["dp2", "pp2", "tp2_sp"])
+@pytest.mark.parametrize("layout", [dict(dp=2), dict(pp=2), dict(tp=2, sequence_parallel=True),
+                                    dict(dp=2, shard_params=True)], ids=["dp2", "pp2", "tp2_sp", "dp2_sharded"])
 def test_moe_under_parallelism_follows_one_process(moe_reference_run, layout):
-    """DP 2: each rank routes its half of the tokens, the loads summed over DP move the same bias on both ranks.
+    """DP 2: each rank routes its half of the tokens, the loads summed over DP move the same bias on both ranks
+    (sharded too: each expert's matrices gathered around its layer like a dense MLP's).
     TP 2 with SP: the attention and dense MLP cut, the MoE layers replicated, each rank running its own tokens (losses
     and gradient norms agree to 1e-7; one value embedding entry, whose gradient is near AdamW's eps, by 4e-4)."""
     assert_same_run(run_layout(config_overrides=MOE, **layout), moe_reference_run, embedding_atol=1e-3)
