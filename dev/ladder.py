@@ -65,7 +65,7 @@ def main(argv=None):
     seq = {s: runs.flag_value(common + spec["extra"], "--max-seq-len") for s, spec in sides.items()}
     if seq["A"] != seq["B"]:
         raise SystemExit(f"--max-seq-len {seq['A']} (A) and {seq['B']} (B): the sides must score the same bytes")
-    shell = {k: v for k, v in os.environ.items() if k.startswith("NANOCHAT_")}
+    shell = {k: v for k, v in sorted(os.environ.items()) if k.startswith("NANOCHAT_")}
     for s, spec in sides.items():  # what a run's result depends on: its code, data, settings and flags
         spec["config"] = json.dumps([spec["tree"], runs.tree_version(spec["tree"]), {**shell, **runs.data_env(args)},
                                      spec["env"], common + spec["extra"], args.ratio, args.eval_tokens])

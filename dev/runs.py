@@ -105,9 +105,10 @@ def flag_value(flags, name, default=None):
 
 def tree_version(tree):
     """A checkout's commit and a hash of its uncommitted changes ("" outside git): which code a result came from."""
-    head = subprocess.run(["git", "-C", tree, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    diff = subprocess.run(["git", "-C", tree, "diff", "HEAD"], capture_output=True).stdout
-    return head + (f"+{zlib.crc32(diff):08x}" if diff else "")
+    git = lambda *a: subprocess.run(["git", "-C", tree, *a], capture_output=True).stdout
+    untracked = git("ls-files", "--others", "--exclude-standard", "-z").split(b"\0")
+    changes = git("diff", "HEAD") + b"".join(n + open(os.path.join(tree, n.decode()), "rb").read() for n in untracked if n)
+    return git("rev-parse", "HEAD").decode().strip() + (f"+{zlib.crc32(changes):08x}" if changes else "")
 
 
 def checkpoint_folder(env, model_tag):

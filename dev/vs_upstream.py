@@ -288,8 +288,12 @@ def walltime_part(c):
     stamp = time.strftime("%H%M%S")
     speed_rows = [r for r in c.load_results() if r["part"] == "speed" and r["depth"] == WALL_DEPTH
                   and r.get("seq_len", 2048) == 2048]  # the runs below train at the default context
+    sides = (quality_side(c), "upstream")
+    both = [call for call in {r.get("call", "") for r in speed_rows}  # both sides calibrated on one machine
+            if all(any(r["side"] == side and r.get("call", "") == call for r in speed_rows) for side in sides)]
+    speed_rows = [r for r in speed_rows if both and r.get("call", "") == max(both)]
     per_side = []
-    for side in (quality_side(c), "upstream"):
+    for side in sides:
         rows = [r for r in speed_rows if r["side"] == side]
         if not rows:
             fail(f"walltime needs the speed part's d{WALL_DEPTH} figure of {side!r} in {c.results_path}: run --parts speed first")

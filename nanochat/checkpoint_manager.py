@@ -103,24 +103,27 @@ def take_lock(ckpt_dir):
     """Hold <ckpt_dir>/run.lock for the run: an flock, which the kernel drops when the process ends however it ends
     (so two runs racing for a stale lock cannot both win, and a reused PID proves nothing), on a file naming its host,
     PID and start time for the refusal. A lock held on another host is refused even where that host's flock cannot be
-    seen from here (some shared filesystems lock per node). Returns the open file, for release_lock."""
+    seen from here (some shared filesystems lock per node); where the filesystem has no locks, a live PID of this host
+    refuses. Returns the open file, for release_lock."""
     path = os.path.join(ckpt_dir, "run.lock")
     os.makedirs(ckpt_dir, exist_ok=True)
     me = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     while True:
-        f = open(path, "a+")
+        f, locks = open(path, "a+"), True
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = _holder(f) or {"host": "?", "pid": "?", "started": "?"}
             f.close()
             raise _in_use(ckpt_dir, holder, "") from None
+        except OSError:  # a filesystem without locks (Lustre mounted without flock): the file's PID decides
+            locks = False
         with contextlib.suppress(OSError):
             if os.stat(path).st_ino == os.fstat(f.fileno()).st_ino:
                 break
         f.close()  # the holder removed the file as it released it: lock the one there now
     holder = _holder(f)
-    if holder is not None and holder.get("host") != me["host"]:
+    if holder is not None and (holder.get("host") != me["host"] or not locks and _alive(holder.get("pid"))):
         f.close()
         raise _in_use(ckpt_dir, holder, f" (if that run is gone, delete {path})")
     if holder is not None:
@@ -139,6 +142,16 @@ def _holder(f):
     with contextlib.suppress(ValueError):
         holder = json.loads(f.read() or "null")
         return holder if isinstance(holder, dict) else None
+
+
+def _alive(pid):
+    try:
+        os.kill(int(pid), 0)  # signal 0: only asks whether the process exists
+    except (ProcessLookupError, ValueError, TypeError):
+        return False
+    except PermissionError:  # someone else's process, alive
+        pass
+    return True
 
 
 def _in_use(ckpt_dir, holder, hint):

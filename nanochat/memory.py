@@ -114,11 +114,11 @@ def rank_memory(config, s):
     per_layer = ACTIVATION_BYTES[s.recompute]
     if s.fp8:
         per_layer += FP8_BLOCK_EXTRA if s.recompute == "block" else -FP8_SAVING * per_layer / ACTIVATION_BYTES["none"]
-    if s.recompute == "block":  # only the blocks' inputs are kept: cut by SP, whole without it
-        tp_share = 1 / s.tp if s.sequence_parallel else 1.0
-    else:  # SP: the all-gathered inputs of the attention's and the MLP's first matmuls are kept whole
-        tp_share = TP_WHOLE_SP + (1 - TP_WHOLE_SP) / s.tp if s.sequence_parallel else \
-            (1 - TP_SHARDED) + TP_SHARDED / s.tp
+    # the share of a layer's kept bytes TP leaves whole: block recompute keeps the blocks' inputs alone, selective
+    # those and the attention's output (cut), none Megatron-LM's mix; SP cuts the inputs, but without recompute the
+    # all-gathered inputs of the attention's and the MLP's first matmuls are kept whole
+    whole = ({"none": TP_WHOLE_SP} if s.sequence_parallel else {"none": 1 - TP_SHARDED, "selective": 0.5, "block": 1.0})
+    tp_share = whole.get(s.recompute, 0.0) + (1 - whole.get(s.recompute, 0.0)) / s.tp
     tokens = s.device_batch * config.sequence_len / s.cp
     # split as the run splits: by the whole model's costs (before TP cuts it)
     chunks = split_stages(*block_costs(_meta_model(config, replace(s, tp=1, sequence_parallel=False))),

@@ -181,12 +181,10 @@ class Run:
                 self.guarded("validation", self.evaluate_val)
             self.watch.collective("stop-flag all-reduce (all ranks)")
             if stop_agreed(self.device) or (self.step == args.stop_at_step and not final):
-                self.log_evals()
                 raise Interrupted()
             if args.save_every != 0 and (final or self.due(args.save_every, final)):
                 self.save()
                 if not final and stop_agreed(self.device):  # a stop that came during the save ends after it
-                    self.log_evals()
                     raise Interrupted()
             if self.due(args.core_metric_every, final):
                 self.guarded("CORE", self.evaluate_core)
@@ -341,7 +339,7 @@ class Run:
         return f"saved step {self.step}: resume with --resume-from-step {self.step}"
 
     def training_time(self):
-        """(seconds, what they are): the steps after each launch's first UNTIMED_STEPS (compilation), else all."""
+        """(seconds, what they are): each launch's steps after its first UNTIMED_STEPS + 1 (compilation), else all."""
         return (self.total_time, "") if self.total_time > 0 else \
             (self.launch_time, f" ({self.step - self.first_step} steps, compilation included)")
 
@@ -411,6 +409,7 @@ def main(argv=None):
         try:
             run.train()
         except Interrupted:  # every rank at the same point (a stop request is agreed on): save, then wrap up
+            run.log_evals()  # this step's evaluations so far (a stop in CORE or sampling comes after validation)
             stopped = f"stopped: {run.save_before_stopping()}"
         except DataError as e:  # every rank at the same point (agreed on): this step is saved first
             raise DataError(f"{e} ({run.save_before_stopping()}" +

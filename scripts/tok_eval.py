@@ -6,7 +6,7 @@ load them (offline and not cached: skipped). Usage: `python -m scripts.tok_eval 
 import os
 import argparse
 
-from nanochat.common import HelpWithDefaults
+from nanochat.common import HelpWithDefaults, fail
 from nanochat.dataset import resolve_data_dir, split_files, iter_documents, DataError
 from nanochat.tokenizer import get_tokenizer, TokenizerError
 from nanochat import report
@@ -16,7 +16,7 @@ parser.add_argument("--max-chars", type=int, default=10_000_000, help="character
 parser.add_argument("--data-dir", type=str, default=None)
 args = parser.parse_args()
 if args.max_chars < 1:
-    parser.error(f"--max-chars {args.max_chars}: give at least 1")
+    fail(f"--max-chars {args.max_chars}: give at least 1")
 
 
 def take_text(files, max_chars):

@@ -77,6 +77,20 @@ def test_a_lock_file_nobody_holds_is_taken_whatever_it_names(tmp_path):
     assert not (tmp_path / "run.lock").exists()
 
 
+def test_without_file_locks_a_live_pid_of_this_host_holds_the_folder(tmp_path, monkeypatch):
+    """A filesystem without flock (ENOSYS): the lock file's PID decides, as before the flock."""
+    def no_locks(f, how):
+        raise OSError(errno.ENOSYS, "Function not implemented")
+    monkeypatch.setattr(ckpt.fcntl, "flock", no_locks)
+    write_lock(str(tmp_path), socket.gethostname(), os.getpid())
+    with pytest.raises(ckpt.CheckpointError, match=f"in use by another run \\(PID {os.getpid()} on"):
+        ckpt.take_lock(str(tmp_path))
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    write_lock(str(tmp_path), socket.gethostname(), gone.pid)
+    ckpt.release_lock(ckpt.take_lock(str(tmp_path)))
+
+
 # -----------------------------------------------------------------------------
 # The data's schema, at the start
 

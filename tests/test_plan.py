@@ -63,10 +63,14 @@ def test_activations_follow_tokens_recompute_tp_and_cp():
     assert act(fp8=True) < act()
     # TP cuts what its regions keep; SP most of the rest, but the all-gathered matmul inputs stay whole
     assert act(dp=8) / 2 < act(dp=4, tp=2, sequence_parallel=True) < act(dp=4, tp=2) < act(dp=8)
-    # block recompute keeps the blocks' inputs alone: whole under TP (the head's share is cut), cut by SP
-    block = lambda **kw: act(recompute="block", **kw)
-    assert block(dp=4, tp=2, sequence_parallel=True) == pytest.approx(block(dp=8) / 2)
-    assert block(dp=8) / 2 < block(dp=4, tp=2) < block(dp=8)
+    # block recompute keeps the blocks' inputs alone, selective those and the attention's output: whole under TP
+    # (but the head's share and the attention's), cut by SP
+    for mode in ("block", "selective"):
+        kept = lambda **kw: act(recompute=mode, **kw)
+        assert kept(dp=4, tp=2, sequence_parallel=True) == pytest.approx(kept(dp=8) / 2)
+        assert kept(dp=8) / 2 < kept(dp=4, tp=2) < kept(dp=8)
+    assert act(dp=4, tp=2, recompute="selective") / act(dp=8, recompute="selective") < \
+        act(dp=4, tp=2, recompute="block") / act(dp=8, recompute="block")
     long = config_for_depth(20, sequence_len=8192)
     cp2 = lambda exchange: rank_memory(long, Setting(dp=4, cp=2, cp_exchange=exchange, device_batch=4))[0]["activations"]
     assert cp2("ring") == pytest.approx(rank_memory(long, Setting(dp=8, device_batch=2))[0]["activations"])
