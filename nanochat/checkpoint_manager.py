@@ -5,7 +5,7 @@ Under PP or EP one file per stage and EP rank (_stage<k>, k = stage x EP + EP ra
 only), merged on load: whole tensors, so any (DP, TP, PP, EP) layout loads any checkpoint. Files are written to a
 temporary name and renamed, meta last: a step is saved once its meta exists; a killed or failed save leaves no part of
 it. Loading unpickles nothing and refuses a file failing its checksum, non-finite weights and another tokenizer, naming
-the newest intact step. A run locks its folder (run.lock); a new run refuses a folder holding another run's files.
+the newest intact step. A run locks its folder (run_lock.py); a new run refuses a folder holding another run's files.
 """
 
 import os
@@ -14,10 +14,8 @@ import json
 import time
 import contextlib
 import errno
-import fcntl
 import pickle
 import shutil
-import socket
 
 import torch
 from torch.utils._pytree import tree_leaves
@@ -99,81 +97,12 @@ def intact_hint(ckpt_dir, before=None):
     return "no earlier step was saved there" if before is None else "no earlier step there is intact"
 
 
-def take_lock(ckpt_dir):
-    """Hold <ckpt_dir>/run.lock for the run: an flock, which the kernel drops when the process ends however it ends
-    (so two runs racing for a stale lock cannot both win, and a reused PID proves nothing), on a file naming its host,
-    PID and start time for the refusal. A lock held on another host is refused even where that host's flock cannot be
-    seen from here (some shared filesystems lock per node); where the filesystem has no locks, a live PID of this host
-    refuses. Returns the open file, for release_lock."""
-    path = os.path.join(ckpt_dir, "run.lock")
-    os.makedirs(ckpt_dir, exist_ok=True)
-    me = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
-    while True:
-        f, locks = open(path, "a+"), True
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _holder(f) or {"host": "?", "pid": "?", "started": "?"}
-            f.close()
-            raise _in_use(ckpt_dir, holder, "") from None
-        except OSError:  # a filesystem without locks (Lustre mounted without flock): the file's PID decides
-            locks = False
-        with contextlib.suppress(OSError):
-            if os.stat(path).st_ino == os.fstat(f.fileno()).st_ino:
-                break
-        f.close()  # the holder removed the file as it released it: lock the one there now
-    holder = _holder(f)
-    if holder is not None and (holder.get("host") != me["host"] or not locks and _alive(holder.get("pid"))):
-        f.close()
-        raise _in_use(ckpt_dir, holder, f" (if that run is gone, delete {path})")
-    if holder is not None:
-        print(f"note: took over {path} from a run that is gone (PID {holder.get('pid')} on {holder.get('host')}, "
-              f"started {holder.get('started')})", flush=True)
-    f.seek(0)
-    f.truncate()
-    json.dump(me, f)
-    f.flush()
-    return f
-
-
-def _holder(f):
-    """The run a lock file names, or None (empty: killed as it wrote)."""
-    f.seek(0)
-    with contextlib.suppress(ValueError):
-        holder = json.loads(f.read() or "null")
-        return holder if isinstance(holder, dict) else None
-
-
-def _alive(pid):
-    try:
-        os.kill(int(pid), 0)  # signal 0: only asks whether the process exists
-    except (ProcessLookupError, ValueError, TypeError):
-        return False
-    except PermissionError:  # someone else's process, alive
-        pass
-    return True
-
-
-def _in_use(ckpt_dir, holder, hint):
-    return CheckpointError(f"{ckpt_dir} is in use by another run (PID {holder.get('pid')} on {holder.get('host')}, "
-                           f"started {holder.get('started')}): wait for it to end or use another --model-tag{hint}")
-
-
-def release_lock(lock):
-    """Remove the lock file (if it is still the one held) and drop the lock."""
-    if lock is None:
-        return
-    with contextlib.suppress(OSError):
-        if os.stat(lock.name).st_ino == os.fstat(lock.fileno()).st_ino:
-            os.remove(lock.name)
-    lock.close()
-
-
 def lock_run(layout, device, ckpt_dir, fresh=False, start_over=False, checkpoint_bytes=0):
     """Rank 0 takes the folder before anything is written: the lock, the temporary files of saves killed earlier (any
     node's: the lock excludes other runs, and this one has written nothing), start_fresh for a fresh run, room for one
     checkpoint of checkpoint_bytes. A refusal stops every rank with one line. Returns the lock (None off rank 0)."""
     from nanochat.distributed import agree_on_error
+    from nanochat.run_lock import take_lock, release_lock
     lock, error = None, None
     if layout.rank == 0:
         try:

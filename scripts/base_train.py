@@ -38,7 +38,7 @@ from nanochat.dataset import DataError, check_data, shard_listing
 from nanochat.tokenizer import get_tokenizer, get_token_bytes
 from nanochat.loss_eval import default_eval_tokens
 from nanochat.run_log import RunLog, SpikeWatch, metrics_path
-from nanochat import checkpoint_manager as ckpt
+from nanochat import checkpoint_manager as ckpt, run_lock
 
 UNTIMED_STEPS = 10  # each launch's steps up to its first + this one (11, as upstream's) compile: left out of the time
 
@@ -424,7 +424,7 @@ def main(argv=None):
             raise
         watch.fail(e, lambda: ckpt.intact_hint(plan.ckpt_dir) if plan and args.save_every else "")
     finally:
-        ckpt.release_lock(lock)
+        run_lock.release_lock(lock)
         if watch is not None:
             watch.stop()
     compute_cleanup()

@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 
-from nanochat import checkpoint_manager as ckpt
+from nanochat import checkpoint_manager as ckpt, run_lock
 from nanochat.tokenizer import Tokenizer, TokenizerError
 
 
@@ -68,7 +68,7 @@ def test_stale_tmp_files_go_when_a_run_takes_the_folder(tmp_path):
     lock = ckpt.lock_run(types.SimpleNamespace(rank=0), None, str(tmp_path))
     assert sorted(os.listdir(tmp_path)) == ["notes.tmp.txt", "run.lock"]
     os.remove(tmp_path / "notes.tmp.txt")
-    ckpt.release_lock(lock)
+    run_lock.release_lock(lock)
     (tmp_path / "a").write_text("a"), (tmp_path / "b").write_text("b")
     first, second = ckpt.move_aside(str(tmp_path), ["a"]), ckpt.move_aside(str(tmp_path), ["b"])
     assert first != second and os.listdir(first) == ["a"] and os.listdir(second) == ["b"]

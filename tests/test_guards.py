@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from conftest import run_script, write_damaged_shard, ckpt_dir, errors, REPO, SAMPLE_DATA, TINY_RUN
-from nanochat import checkpoint_manager as ckpt
+from nanochat import checkpoint_manager as ckpt, run_lock
 from nanochat.common import UserError
 from nanochat.dataset import DataError, check_data
 
@@ -39,7 +39,7 @@ def write_lock(folder, host, pid):
 
 def test_a_folder_in_use_is_refused_naming_its_holder(env):
     folder = ckpt_dir(env, "locked")
-    lock = ckpt.take_lock(folder)  # held by this test's process
+    lock = run_lock.take_lock(folder)  # held by this test's process
     started = json.load(open(os.path.join(folder, "run.lock")))["started"]
     p = run_script("scripts.base_train", TINY + ["--num-iterations", "2", "--model-tag", "locked"], env, check=False)
     assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
@@ -47,12 +47,12 @@ def test_a_folder_in_use_is_refused_naming_its_holder(env):
                          f"started {started}): wait for it to end or use another --model-tag"], p.stdout[-1500:]
     assert "step 00000" not in p.stdout and json.load(open(os.path.join(folder, "run.lock")))["pid"] == os.getpid()
     with pytest.raises(ckpt.CheckpointError, match="is in use by another run"):
-        ckpt.take_lock(folder)  # a second lock in one process is refused too: the lock is the flock, not the PID
-    ckpt.release_lock(lock)
+        run_lock.take_lock(folder)  # a second lock in one process is refused too: the lock is the flock, not the PID
+    run_lock.release_lock(lock)
     # a lock file of another host counts as held (its flock may not be visible from here)
     write_lock(folder, "gpu-node-7", 1)
     with pytest.raises(ckpt.CheckpointError, match=re.escape("is in use by another run (PID 1 on gpu-node-7")):
-        ckpt.take_lock(folder)
+        run_lock.take_lock(folder)
 
 
 def test_a_lock_whose_process_is_gone_is_taken_over_then_released(env):
@@ -69,11 +69,11 @@ def test_a_lock_file_nobody_holds_is_taken_whatever_it_names(tmp_path):
     """A file naming a live process of this host that holds no lock (its PID reused after a crash, or in another PID
     namespace), and an empty file (killed as it wrote), are taken over: only a held flock refuses."""
     write_lock(str(tmp_path), socket.gethostname(), 1)
-    lock = ckpt.take_lock(str(tmp_path))
+    lock = run_lock.take_lock(str(tmp_path))
     assert json.load(open(tmp_path / "run.lock"))["pid"] == os.getpid()
-    ckpt.release_lock(lock)
+    run_lock.release_lock(lock)
     (tmp_path / "run.lock").write_text("")
-    ckpt.release_lock(ckpt.take_lock(str(tmp_path)))
+    run_lock.release_lock(run_lock.take_lock(str(tmp_path)))
     assert not (tmp_path / "run.lock").exists()
 
 
@@ -81,14 +81,14 @@ def test_without_file_locks_a_live_pid_of_this_host_holds_the_folder(tmp_path, m
     """A filesystem without flock (ENOSYS): the lock file's PID decides, as before the flock."""
     def no_locks(f, how):
         raise OSError(errno.ENOSYS, "Function not implemented")
-    monkeypatch.setattr(ckpt.fcntl, "flock", no_locks)
+    monkeypatch.setattr(run_lock.fcntl, "flock", no_locks)
     write_lock(str(tmp_path), socket.gethostname(), os.getpid())
     with pytest.raises(ckpt.CheckpointError, match=f"in use by another run \\(PID {os.getpid()} on"):
-        ckpt.take_lock(str(tmp_path))
+        run_lock.take_lock(str(tmp_path))
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     write_lock(str(tmp_path), socket.gethostname(), gone.pid)
-    ckpt.release_lock(ckpt.take_lock(str(tmp_path)))
+    run_lock.release_lock(run_lock.take_lock(str(tmp_path)))
 
 
 # -----------------------------------------------------------------------------
