@@ -117,8 +117,9 @@ def rank_memory(config, s):
     # the share of a layer's kept bytes TP leaves whole: block recompute keeps the blocks' inputs alone, selective
     # those and the attention's output (cut), none Megatron-LM's mix; SP cuts the inputs, but without recompute the
     # all-gathered inputs of the attention's and the MLP's first matmuls are kept whole
-    whole = ({"none": TP_WHOLE_SP} if s.sequence_parallel else {"none": 1 - TP_SHARDED, "selective": 0.5, "block": 1.0})
-    tp_share = whole.get(s.recompute, 0.0) + (1 - whole.get(s.recompute, 0.0)) / s.tp
+    left_whole = ({"none": TP_WHOLE_SP} if s.sequence_parallel else
+                  {"none": 1 - TP_SHARDED, "selective": 0.5, "block": 1.0}).get(s.recompute, 0.0)
+    tp_share = left_whole + (1 - left_whole) / s.tp
     tokens = s.device_batch * config.sequence_len / s.cp
     # split as the run splits: by the whole model's costs (before TP cuts it)
     chunks = split_stages(*block_costs(_meta_model(config, replace(s, tp=1, sequence_parallel=False))),
@@ -147,7 +148,8 @@ def rank_memory(config, s):
     def chunk_units(c):  # the modules chunk c calls: its blocks and their L3 layers, the embedding first, the head last
         a, b = chunks[c]
         return ([model.wte] if c == 0 else []) + [model.blocks[i] for i in range(a, b)] + \
-            [model.l3[str(i)] for i in range(a, b) if str(i) in model.l3] + ([model.lm_head] if c == len(chunks) - 1 else [])
+            [model.l3[str(i)] for i in range(a, b) if str(i) in model.l3] + \
+            ([model.lm_head] if c == len(chunks) - 1 else [])
     for r in range(s.pp):
         units = [u for c in range(r, len(chunks), s.pp) for u in chunk_units(c)]
         stage = {id(p) for u in units for p in u.parameters()}
@@ -175,18 +177,17 @@ def rank_memory(config, s):
                 sharded.add(id(p))
         gathered = working = 0
         if s.shard_params and D > 1:
-            whole_of = lambda u: sum(p.numel() for p in u.parameters() if id(p) in sharded)
-            table_of = lambda u: sum(p.numel() for m in u.modules() if isinstance(m, embedding_types())
-                                     for p in m.parameters(recurse=False) if id(p) in sharded)
-            whole, tables = [whole_of(u) for u in units], [table_of(u) for u in units]
+            whole = [sum(p.numel() for p in u.parameters() if id(p) in sharded) for u in units]
+            tables = [sum(p.numel() for m in u.modules() if isinstance(m, embedding_types())
+                          for p in m.parameters(recurse=False) if id(p) in sharded) for u in units]
+            kept_of = {id(u): w - t for u, w, t in zip(units, whole, tables)}  # kept gathered: all but the tables
             # freed after each call: in a backward this module's whole weights and the previous one's, in a pipeline
             # the gathering posted for its next forward; kept: each chunk's micro-batch alive holds that chunk's
             # weights but the embedding tables, and a block in its call its value embeddings' table (interleaved: and
             # the next chunk's first gathering, posted ahead). And two modules' gradients: as made and sent (both in
             # the compute dtype).
             freed = (3 if s.pp > 1 else 2) * max(whole)
-            per_chunk = [sum(whole_of(u) - table_of(u) for u in chunk_units(c)) if c % s.pp == r else 0
-                         for c in range(len(chunks))]
+            per_chunk = [sum(kept_of[id(u)] for u in chunk_units(c)) if c % s.pp == r else 0 for c in range(len(chunks))]
             kept_whole = (peak_in_flight(actions, per_chunk)[r] if s.pp > 1 else per_chunk[0]) + \
                 max((t for w, t in zip(whole, tables) if w > t), default=0) + (max(whole) if s.pp_virtual > 1 else 0)
             gathered = (max(freed, kept_whole) if s.keep_gathered else freed) * dt

@@ -63,8 +63,8 @@ class Watchdog:
         self.last_collective = name
 
     def describe(self):
-        return (f"rank {self.rank}: step {self.step}, phase '{self.phase_name}', no progress for {time.time() - self.since:.0f}s, "
-                f"last collective: {self.last_collective}")
+        return (f"rank {self.rank}: step {self.step}, phase '{self.phase_name}', no progress for "
+                f"{time.time() - self.since:.0f}s, last collective: {self.last_collective}")
 
     def stop(self):
         self._stop.set()

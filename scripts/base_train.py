@@ -124,7 +124,8 @@ class Run:
         loop = meta["loop_state"] if meta is not None else {}
         self.step, self.smooth_loss = loop.get("step", 0), loop.get("smooth_loss", 0.0)
         self.total_time, self.min_val_bpb = loop.get("total_time", 0.0), loop.get("min_val_bpb", float("inf"))
-        self.spikes, self.spike_count = SpikeWatch(history=loop.get("spike_window"), spiking=loop.get("spiking", ())), loop.get("spike_count", 0)
+        self.spikes = SpikeWatch(history=loop.get("spike_window"), spiking=loop.get("spiking", ()))
+        self.spike_count = loop.get("spike_count", 0)
         self.new_data_at = loop.get("new_data_at", []) + ([self.step] if plan.new_data else [])  # --resume-on-new-data
         loader_state = None
         if meta is not None and not plan.new_data:
@@ -138,7 +139,7 @@ class Run:
         self.launch_time = self.launch_timed = 0.0  # this launch's steps (all; its part of total_time, for the ETA)
         used = {"l3_tables": self.config.l3_after_layers, **dict.fromkeys(("moe_routers", "moe_experts"), self.config.moe_experts)}
         self.grad_norm_slots = [(g, 1 + i) for i, g in enumerate(PARAM_GROUPS) if used.get(g, True)]  # in grad_norms
-        self.val_bpb, self.evals, self.completed = None, {}, False
+        self.val_bpb, self.evals = None, {}
         self.core_status = "not run" if args.core_metric_every > 0 else "off (--core-metric-every -1)"
         self.mfu, self.tok_per_sec, self.epoch = None, 0.0, 1
         self.train_loader = training.make_loader(plan.tokenizer, "train", args.device_batch_size, args.max_seq_len,
@@ -192,7 +193,6 @@ class Run:
                 self.guarded("sampling", self.sample)
             if final:
                 self.log_evals()
-                self.completed = True
                 return
             self.train_step()
 
@@ -234,8 +234,8 @@ class Run:
         self.watch.phase("checkpoint save (state gathers, barriers)", self.step)
         loop_state = {"step": self.step, "smooth_loss": self.smooth_loss, "total_time": self.total_time,
                       "min_val_bpb": self.min_val_bpb, "spike_window": self.spikes.history,
-                      "spiking": sorted(self.spikes.spiking), "spike_count": self.spike_count, "new_data_at": self.new_data_at,
-                      "context_lengths": self.plan.contexts}
+                      "spiking": sorted(self.spikes.spiking), "spike_count": self.spike_count,
+                      "new_data_at": self.new_data_at, "context_lengths": self.plan.contexts}
         meta = {"model_config": self.config.to_dict(), "user_config": vars(self.args),
                 "tokenizer_hash": self.plan.tokenizer.hash, "loop_state": loop_state,
                 "tokens_seen": self.step * self.recipe.total_batch_size, "data_listing": self.plan.data_listing}
@@ -343,8 +343,9 @@ class Run:
         return (self.total_time, "") if self.total_time > 0 else \
             (self.launch_time, f" ({self.step - self.first_step} steps, compilation included)")
 
-    def finish(self):
-        """The summary lines, the report section (a completed run), and the closing of loaders and logs."""
+    def finish(self, completed):
+        """The summary lines, the report section (a completed run, not a stopped one), and the closing of loaders and
+        logs."""
         layout = self.layout
         peak_mem = torch.cuda.max_memory_allocated() / 2**30 if self.device.type == "cuda" else None
         peaks = gather_objects((layout.tag(), peak_mem))  # ranks differ (pipeline stages, shards): the record holds all
@@ -360,7 +361,7 @@ class Run:
                   ([f"spikes (loss or grad norm): {self.spike_count}"] if self.spike_count else []) + \
                   ([f"peak memory: {peak_mem:.2f} GiB"] if peak_mem else [])
         print0("; ".join(summary))
-        if layout.rank == 0 and self.completed:  # not a stop during the final evaluations
+        if layout.rank == 0 and completed:
             report.log_section("Base model training", [vars(self.args), self.report_items(peak_mem)])
         self.watch.stop()
         self.log.finish()
@@ -414,7 +415,7 @@ def main(argv=None):
         except DataError as e:  # every rank at the same point (agreed on): this step is saved first
             raise DataError(f"{e} ({run.save_before_stopping()}" +
                             (" once the file is replaced)" if args.save_every else ")")) from None
-        run.finish()
+        run.finish(completed=stopped is None)
         if stopped:
             print0(stopped)  # last: which step to resume from
     except UserError as e:
