@@ -236,8 +236,8 @@ def model_config(args, vocab_size, resume_meta=None):
     l3_layers, moe_blocks = (block_indices(f, getattr(args, f.replace("-", "_")), args.depth)
                              for f in ("l3-after-layers", "moe-layers"))
     if args.moe_experts and not 2 <= args.moe_topk <= args.moe_experts or min(args.moe_shared, args.moe_expert_dim) < 0:
-        raise ConfigError(f"--moe-topk {args.moe_topk} must be in 2..--moe-experts ({args.moe_experts}; with 1 the "
-                          f"router gets no gradient); --moe-shared and --moe-expert-dim must be >= 0")
+        raise ConfigError(f"--moe-experts {args.moe_experts} --moe-topk {args.moe_topk}: each token goes to K experts, "
+                          f"2 <= K <= E (with 1 the router gets no gradient); --moe-shared, --moe-expert-dim >= 0")
     if args.moe_expert_dim % 8 or (moe_blocks and not args.moe_experts):
         raise ConfigError(f"--moe-expert-dim {args.moe_expert_dim} must be a multiple of 8 (the grouped matmuls' row "
                           f"strides: 16 bytes), and --moe-layers needs --moe-experts")

@@ -352,7 +352,8 @@ class Run:
         if peak_mem is not None and layout.world_size > 1:
             print_rank(layout, f"peak memory: {peak_mem:.2f} GiB; allocated after the last step: "
                                f"{torch.cuda.memory_allocated() / 2**30:.2f} GiB")
-        self.log.write({"kind": "end", "step": self.step, "training_time_s": self.total_time, "peak_mem_gib": dict(peaks)})
+        self.log.write({"kind": "end", "step": self.step, "training_time_s": self.total_time or None,  # None: no step timed
+                        "peak_mem_gib": dict(peaks)})
         if self.val_bpb is not None:
             print0(f"Validation bpb: {self.val_bpb:.6f}")
         t, what = self.training_time()

@@ -104,10 +104,11 @@ def main(argv=None):
     parser.add_argument("--vocab-size", type=int, default=32768, help="the tokenizer's vocabulary")
     args, rest = parser.parse_known_args(argv)
     names = [g.strip().lower() for g in args.gpu.split(",") if g.strip()]
-    if not (args.gpu_memory == 0 or args.gpu_memory > 1.5) or args.vocab_size < 1 or \
+    if not (args.gpu_memory == 0 or args.gpu_memory > 1.5) or min(args.vocab_size, args.gpus) < 1 or \
             not all(d.strip().isdigit() for d in args.depths.split(",") if d):
-        fail(f"--gpu-memory {args.gpu_memory:g}, --vocab-size {args.vocab_size}, --depths {args.depths!r}: give GiB "
-             f"above 1.5 (CUDA and NCCL take that), a positive vocabulary and depths as whole numbers")
+        fail(f"--gpu-memory {args.gpu_memory:g}, --vocab-size {args.vocab_size}, --gpus {args.gpus}, --depths "
+             f"{args.depths!r}: give GiB above 1.5 (CUDA and NCCL take that), a positive vocabulary and GPU count, "
+             f"and depths as whole numbers")
     if any(f.startswith("--resume-from-step") for f in rest):
         fail("scripts.plan plans a run from its flags: leave out --resume-from-step")
     if any(g not in GPUS for g in names) and not args.gpu_memory:

@@ -39,6 +39,7 @@ def test_runs_launches_base_train_and_reads_its_metrics(env, tmp_path):
     s = runs.summary(run, warmup=1)
     assert s["steps"] == 3 and s["steps_timed"] == 2 and s["step_ms"] > 0 and s["tok_per_sec"] > 0
     assert s["val_bpb"] is not None and s["epoch"] == 1 and s["peak_mem_gib"] is None  # CPU: no peak memory
+    assert run.end["training_time_s"] is None  # 3 steps: none timed (the first 11 compile), not a time of 0
     from dev.bench_train import planned_peak  # what scripts.plan predicts for the run, from its header's flags
     assert 0 < planned_peak(run.header) < 1
     # a run that asked for fp8 and trained in bf16 (no GPU here) is a failure, not a bf16 figure

@@ -82,8 +82,9 @@ def test_counts_use_the_active_experts():
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--moe-experts", "4", "--moe-topk", "5"], "--moe-topk 5 must be in 2..--moe-experts"),
+    (["--moe-experts", "4", "--moe-topk", "5"], "--moe-experts 4 --moe-topk 5: each token goes to K experts, 2 <= K <= E"),
     (["--moe-experts", "4", "--moe-topk", "1"], "with 1 the router gets no gradient"),
+    (["--moe-experts", "1"], "--moe-experts 1 --moe-topk 2: each token goes to K experts, 2 <= K <= E"),
     (["--moe-experts", "4", "--moe-layers", "9"], "--moe-layers '9': block indices must be in 0..3"),
     (["--moe-experts", "4", "--moe-expert-dim", "100"], "--moe-expert-dim 100 must be a multiple of 8"),
     (["--moe-layers", "1"], "--moe-layers needs --moe-experts"),

@@ -109,5 +109,7 @@ def test_plan_script(env):
     assert p.returncode == 0 and "- (--tp 2 does not divide the query heads (n_head) = 13) |" in p.stdout, p.stdout + p.stderr
     p = run("--compare", "--depths", "20,x")
     assert p.returncode != 0 and "depths as whole numbers" in p.stdout
+    p = run("--depth", "12", "--gpus", "0")
+    assert p.returncode != 0 and "--gpus 0" in p.stdout and "positive vocabulary and GPU count" in p.stdout
     p = run("--depth", "12", "--gpus", "3", "--tp", "2")
     assert p.returncode != 0 and "ERROR: --gpus 3 is not divisible by tp x pp x cp = 2" in p.stdout
