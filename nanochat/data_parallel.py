@@ -55,6 +55,12 @@ def owned_by_rows(p, size):
     return size > 1 and p.ndim > 0 and p.size(0) % size == 0 and p.numel() >= 1024
 
 
+def held_whole(named_params, size):
+    """The large AdamW tensors (name, rows) that `size` ranks cannot share by rows, as their rows do not divide: each
+    rank holds their optimizer state (and under --shard-params their weights) whole."""
+    return [(n, p.size(0)) for n, p in named_params if size > 1 and p.ndim > 0 and p.numel() >= 1024 and p.size(0) % size]
+
+
 class GradBucket:
     """Parameters whose gradient reduction is one collective, which `launch(bucket)` starts (its work, or None)."""
 

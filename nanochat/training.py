@@ -23,7 +23,7 @@ from nanochat.gpt import build_model, Block, WholeSequence
 from nanochat import kernels, moe
 from nanochat.l3 import ids_copied_ahead
 from nanochat.optim import MuonAdamW, muon_stacks, param_groups, split_experts
-from nanochat.data_parallel import DataParallel
+from nanochat.data_parallel import DataParallel, held_whole
 from nanochat.dataloader import DataLoader
 from nanochat.loss_eval import evaluate_bpb
 from nanochat import checkpoint_manager as ckpt
@@ -90,9 +90,12 @@ def setup(config, setting, layout, device, dtype, lrs, l3_data=None, after_init=
     # sharded weights at one rank are no sharding. Under --ep the experts have their own, over the ranks holding them
     rest, experts = split_experts(groups, layout.ep_size > 1)
     sharded = setting.shard_params and layout.dp_cp_group is not None
-    dp = DataParallel([params for _, _, params in muon_stacks(rest)],
-                      [p for g in rest if g["kind"] == "adamw" for p in g["params"]], layout.dp_cp_group,
+    adamw = [p for g in rest if g["kind"] == "adamw" for p in g["params"]]
+    dp = DataParallel([params for _, _, params in muon_stacks(rest)], adamw, layout.dp_cp_group,
                       overlap=setting.overlap_grad_reduce, shard_params=sharded)
+    if whole := held_whole([(n, p) for n, p in model.named_parameters() if p in set(adamw)], dp.size):
+        print0(f"note: {', '.join(f'{n} ({rows:,} rows)' for n, rows in whole)}: rows not divisible by the "
+               f"{dp.size} data-parallel ranks, so each rank holds these whole (more memory); a DP size dividing them shares them")
     expert_dp = DataParallel([params for _, _, params in muon_stacks(experts)], [], layout.expert_dp_group) \
         if experts else None
     optimizer = MuonAdamW(groups, {p: n for n, p in model.named_parameters()}, dp, compute_dtype=dtype,

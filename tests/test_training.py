@@ -57,3 +57,14 @@ def test_grad_norms_are_the_norms_of_the_gradients_global_and_per_group():
     assert torch.allclose(optimizer.grad_norms[1:], expected, rtol=1e-5)
     assert torch.allclose(optimizer.grad_norms[0], expected.square().sum().sqrt(), rtol=1e-5)
     assert optimizer.grad_norms[PARAM_GROUPS.index("l3_tables") + 1] == 0 and optimizer.grad_norms[0] > 0
+
+
+def test_tensors_whose_rows_data_parallelism_cannot_share_are_named():
+    """An L3 table of 2^19 rows at DP 3 (or the token table at DP 6) stays whole on every rank: setup says so."""
+    from nanochat.data_parallel import held_whole, owned_by_rows
+    table, wte, gain = torch.empty(2 ** 19, 8), torch.empty(32768, 8), torch.empty(8)
+    named = [("l3.5.key_table", table), ("wte.weight", wte), ("gain", gain)]
+    assert held_whole(named, 1) == [] and held_whole(named, 4) == []
+    assert held_whole(named, 3) == [("l3.5.key_table", 2 ** 19), ("wte.weight", 32768)]
+    assert held_whole(named, 6) == [("l3.5.key_table", 2 ** 19), ("wte.weight", 32768)]
+    assert all(owned_by_rows(t, 4) for t in (table, wte)) and not owned_by_rows(table, 3)
