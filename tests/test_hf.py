@@ -112,6 +112,8 @@ def test_greedy_generate_equals_engine(tiny):
         ours = generate(model, prompt, 32, temperature=0.0, stop_tokens=(bos,))[0]
         theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False)[0, len(prompt):].tolist()
         assert theirs == ours
+    with pytest.raises(ValueError, match="nanochat decodes with transformers' DynamicCache, not StaticCache"):
+        hf.generate(torch.tensor([prompts[0]]), max_new_tokens=4, do_sample=False, cache_implementation="static")
 
 
 def tokenizer_cases():

@@ -198,6 +198,9 @@ class NanochatForCausalLM(PreTrainedModel, GenerationMixin):
         use_cache = cfg.use_cache if use_cache is None else use_cache
         if use_cache and cache is None:
             cache = DynamicCache()
+        if cache is not None and not isinstance(cache, DynamicCache):  # a static cache hands back unfilled slots
+            raise ValueError(f"nanochat decodes with transformers' DynamicCache, not {type(cache).__name__}: leave "
+                             f"cache_implementation (generate) at its default")
         past_len = cache.get_seq_length() if cache is not None else 0
         if past_len > 0 and smear_prev_ids is None:
             raise ValueError("decoding with a cache needs smear_prev_ids (B, 1), the token before input_ids "
