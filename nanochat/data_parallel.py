@@ -58,7 +58,8 @@ def owned_by_rows(p, size):
 def held_whole(named_params, size):
     """The large AdamW tensors (name, rows) that `size` ranks cannot share by rows, as their rows do not divide: each
     rank holds their optimizer state (and under --shard-params their weights) whole."""
-    return [(n, p.size(0)) for n, p in named_params if size > 1 and p.ndim > 0 and p.numel() >= 1024 and p.size(0) % size]
+    return [(n, p.size(0)) for n, p in named_params if size > 1 and p.ndim > 0 and p.numel() >= 1024
+            and not owned_by_rows(p, size)]
 
 
 class GradBucket:

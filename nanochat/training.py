@@ -93,12 +93,14 @@ def setup(config, setting, layout, device, dtype, lrs, l3_data=None, after_init=
     adamw = [p for g in rest if g["kind"] == "adamw" for p in g["params"]]
     dp = DataParallel([params for _, _, params in muon_stacks(rest)], adamw, layout.dp_cp_group,
                       overlap=setting.overlap_grad_reduce, shard_params=sharded)
-    if whole := held_whole([(n, p) for n, p in model.named_parameters() if p in set(adamw)], dp.size):
+    names = {p: n for n, p in model.named_parameters()}
+    if whole := held_whole([(names[p], p) for p in adamw], dp.size):
         print0(f"note: {', '.join(f'{n} ({rows:,} rows)' for n, rows in whole)}: rows not divisible by the "
-               f"{dp.size} data-parallel ranks, so each rank holds these whole (more memory); a DP size dividing them shares them")
+               f"{dp.size} data-parallel ranks, so each rank holds these whole (more memory); a DP size dividing "
+               f"them shares them")
     expert_dp = DataParallel([params for _, _, params in muon_stacks(experts)], [], layout.expert_dp_group) \
         if experts else None
-    optimizer = MuonAdamW(groups, {p: n for n, p in model.named_parameters()}, dp, compute_dtype=dtype,
+    optimizer = MuonAdamW(groups, names, dp, compute_dtype=dtype,
                           compile=compile == "inductor", counts_replicated=layout.tp_rank == 0, expert_dp=expert_dp)
     if sharded:
         from nanochat.sharding import ShardedWeights
