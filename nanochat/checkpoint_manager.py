@@ -141,15 +141,15 @@ def start_fresh(ckpt_dir, start_over):
     print(f"--start-over: moved the earlier run's {len(held)} files into {move_aside(ckpt_dir, held)}", flush=True)
 
 
-def set_aside_later_steps(ckpt_dir, step):
+def set_aside_later_steps(ckpt_dir, step, into=None):
     """A resumed run that will save, from a step before the newest (its checkpoint loaded): the later steps' files go
-    into replaced_<date>-<time>/, so that the run neither writes over them nor has --keep-last prune by number the
-    steps it saves."""
+    into replaced_<date>-<time>/ (`into`: the folder its records already went into), so that the run neither writes
+    over them nor has --keep-last prune by number the steps it saves."""
     later = [f for f in os.listdir(ckpt_dir) if (saved := step_of(f)) is not None and saved > step]
     if not later:
         return
     try:
-        aside = move_aside(ckpt_dir, later)
+        aside = move_aside(ckpt_dir, later, into)
     except OSError as e:
         raise CheckpointError(f"cannot move the later steps' files of {ckpt_dir} aside ({e.strerror}: {e.filename}); "
                               f"resume from step {saved_steps(ckpt_dir)[-1]} instead, or make the folder writable") from None
@@ -161,14 +161,14 @@ def step_of(name):
     return int(m.group(2)) if (m := re.match(r"(model|optim|meta)_(\d+)", name)) else None
 
 
-def move_aside(ckpt_dir, files):
-    """`files` of ckpt_dir moved into a new replaced_<date>-<time>[-n]/ there; returns its path."""
-    aside = base = os.path.join(ckpt_dir, "replaced_" + time.strftime("%Y%m%d-%H%M%S"))
+def move_aside(ckpt_dir, files, into=None):
+    """`files` of ckpt_dir moved into `into` or a new replaced_<date>-<time>[-n]/ there; returns its path."""
+    aside = base = into or os.path.join(ckpt_dir, "replaced_" + time.strftime("%Y%m%d-%H%M%S"))
     n = 0
-    while os.path.exists(aside):  # another move this second
+    while into is None and os.path.exists(aside):  # another move this second
         n += 1
         aside = f"{base}-{n}"
-    os.makedirs(aside)
+    os.makedirs(aside, exist_ok=True)
     for f in files:
         os.replace(os.path.join(ckpt_dir, f), os.path.join(aside, f))
     return aside

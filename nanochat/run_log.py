@@ -25,6 +25,7 @@ class RunLog:
 
     def __init__(self, path, header, start_step=0, wandb_run=None, tensorboard_dir=None, enabled=True):
         self.path, self.wandb, self.tensorboard = (path if enabled else None), None, None
+        self.aside = None  # the replaced_<date>-<time>/ folder the earlier records went into (the later steps follow)
         if self.path is None:
             return
         # resumed: the earlier launches' headers, steps before this one's first and the evaluations a stop left at it
@@ -57,8 +58,8 @@ class RunLog:
             os.makedirs(folder, exist_ok=True)
             if any("loss" in r and r["step"] >= start_step for r in records):  # steps trained again
                 from nanochat.checkpoint_manager import move_aside
-                aside = move_aside(folder, [os.path.basename(path)])
-                print(f"resuming from step {start_step}: the records from that step on are kept in {aside}")
+                self.aside = move_aside(folder, [os.path.basename(path)])
+                print(f"resuming from step {start_step}: the records from that step on are kept in {self.aside}")
             atomic_write(path, "".join(json.dumps(r) + "\n" for r in kept).encode())
         self.write({"kind": "header", "time": time.time(), "start_step": start_step, **header})
 

@@ -406,8 +406,8 @@ def main(argv=None):
                              checkpoint_bytes=12 * plan.recipe.param_counts["total"] if args.save_every else 0)
         run, stopped = Run(args, layout, device, plan, watch), None
         if plan.resume_meta is not None and args.save_every != 0:  # its checkpoint loaded: the later steps go aside
-            agreed(lambda: ckpt.set_aside_later_steps(plan.ckpt_dir, run.step), ckpt.CheckpointError, device,
-                   mine=layout.rank == 0)
+            agreed(lambda: ckpt.set_aside_later_steps(plan.ckpt_dir, run.step, into=run.log.aside),
+                   ckpt.CheckpointError, device, mine=layout.rank == 0)
         try:
             run.train()
         except Interrupted:  # every rank at the same point (a stop request is agreed on): save, then wrap up

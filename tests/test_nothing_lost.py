@@ -72,6 +72,21 @@ def test_a_resume_from_an_earlier_step_sets_the_later_ones_aside_and_never_rewri
     assert {f: os.path.getmtime(os.path.join(folder, f)) for f in before} == before
 
 
+def test_a_resume_sets_its_records_and_the_later_steps_aside_into_one_folder(env):
+    """Resuming (and saving) from step 2 of steps 2, 4 and 6: the records of steps 2-5 and the files of steps 4 and 6
+    go into one replaced_<date>-<time>/ (they were two folders, the second named -1 when made in the same second)."""
+    args = RUN + ["--num-iterations", "6", "--save-every", "2", "--model-tag", "one_aside"]
+    run_script("scripts.base_train", args, env)
+    folder = ckpt_dir(env, "one_aside")
+    open(os.path.join(folder, "STOP"), "w").close()  # a stop request before the first step
+    p = run_script("scripts.base_train", args + ["--resume-from-step", "2"], env)
+    (aside,) = [f for f in os.listdir(folder) if f.startswith("replaced_")]
+    assert f"moved the 6 files of later steps into {os.path.join(folder, aside)}" in p.stdout
+    assert ckpt.saved_steps(os.path.join(folder, aside)) == [4, 6] and ckpt.saved_steps(folder) == [2]
+    assert [r["step"] for r in read_records(os.path.join(folder, aside, "metrics.jsonl")) if "loss" in r] == [
+        0, 1, 2, 3, 4, 5]
+
+
 def test_a_nan_on_one_rank_after_a_save_keeps_that_checkpoint(env):
     """Step 2 is saved, then rank 1's step-2 loss is NaN (the tests' fault hook): both ranks stop; the checkpoint of
     step 2 stays, named as the newest intact step, and resumes."""
