@@ -213,11 +213,13 @@ def measure(config, tree, args, job):
            "peak mem GiB (max)": max(peaks.values()) if peaks else round(s["peak_mem_gib"], 2) if s["peak_mem_gib"] else "",
            "peak mem per rank": " ".join(f"{t}{v}" for t, v in sorted(peaks.items())),
            "planned GiB": round(planned, 2) if planned else "",
+           "first step s": round(next(iter(run.series("dt").values()), 0.0), 1),  # mostly compilation
            "wall s": round(job.wall_s, 1), "args": " ".join(config.flags + args.extra),
            "losses": " ".join(f"{loss:.6f}" for _, loss in sorted(run.losses().items()))}
     print(f"   {name}: {config.label}: {row['tok/s (median)']:,} tok/s, step {row['step ms (median)']} ms" +
           (f", MFU {row['mfu % (median)']}%" if row["mfu % (median)"] else "") +
-          (f", peak {row['peak mem GiB (max)']} GiB" if row["peak mem GiB (max)"] else ""), flush=True)
+          (f", peak {row['peak mem GiB (max)']} GiB" if row["peak mem GiB (max)"] else "") +
+          f"; first step {row['first step s']} s, {row['wall s']} s from launch to exit", flush=True)
     append_csv(args.out, row)
     return row
 
