@@ -17,8 +17,9 @@ consecutive matrices, rank r owning matrix r of every round, whole (Muon orthogo
 matrices are neighbouring layers, whose gradients are final together); AdamW tensors of >= 1024 elements whose first
 dim divides by W are owned by rows; the other AdamW tensors are summed as one flat buffer and updated everywhere.
 
-Overlap (--overlap-grad-reduce): in the last micro-batch's backward each bucket launches once its gradients are final
-(post-accumulate-grad hooks), in one order on every rank: rank 0's readiness order in its first overlapped backward.
+Overlap (--overlap-grad-reduce): in the last micro-batch's backward (a pipeline: each chunk's last) each bucket
+launches once its gradients are final (post-accumulate-grad hooks), in one order on every rank: rank 0's readiness
+order in its first overlapped backward.
 """
 
 import math
@@ -107,7 +108,7 @@ class DataParallel:
             self.adamw_buckets.append(GradBucket("flat", small, self._reduce_flat))
         self.buckets = [b for stack in self.muon_buckets for b in stack] + self.adamw_buckets
         self.overlap = overlap and self.size > 1 and not shard_params  # sharded: each module's gradients go at once
-        self._armed, self._launch_order, self._first_ready = False, None, []
+        self._armed, self._launch_order, self._first_ready, self._final = False, None, [], set()
         self.launched_in_backward = 0  # buckets the last step's backward launched (for logs and tests)
         if self.overlap:
             self._bucket_of = {p: b for b in self.buckets for p in b.params}
@@ -154,17 +155,20 @@ class DataParallel:
         return dist.all_reduce(bucket.result, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
 
     # --- overlap with the backward ---------------------------------------------------
-    def prepare_last_backward(self):
-        """Call right before the last micro-batch's backward (module docstring); a no-op without overlap."""
+    def prepare_last_backward(self, params=None):
+        """Call right before the last backward adding to `params`' gradients (None: all of them; a pipeline arms
+        each chunk's before its last backward); a no-op without overlap (module docstring)."""
         if not self.overlap:
             return
-        self.finish_step()  # every bucket reset
-        self._armed, self._first_ready, self.launched_in_backward = True, [], 0
+        if not self._armed:  # the step's first: every bucket reset
+            self.finish_step()
+            self._armed, self._first_ready, self.launched_in_backward, self._final = True, [], 0, set()
+        self._final.update(self._bucket_of if params is None else params)
 
     @torch.no_grad()
     def _grad_ready(self, p):
-        """post-accumulate-grad hook: p's gradient is final for this step."""
-        if not self._armed:
+        """post-accumulate-grad hook: p's gradient is final for this step once p is armed."""
+        if not self._armed or p not in self._final:
             return
         b = self._bucket_of[p]
         b.remaining -= 1

@@ -111,8 +111,23 @@ class Pipeline:
         all_actions = [self.actions(r) for r in range(p)]
         self.program = message_order(all_actions, self.stage, self.chunk_costs)
         self._sent = {action for step, action in self.program if step == "send"}
-        # the optimizer's overlapped reduction is armed before the last action that adds to a gradient
-        self.last_gradient_action = [a for a in all_actions[self.stage] if a[0] == "B"][-1]
+        # the optimizer's overlapped reduction is armed for a chunk's parameters before its last backward (under
+        # interleaving the chunks' last backwards come at different times: armed at the rank's last alone, the other
+        # chunks' reductions waited for the step)
+        backwards = [a for a in all_actions[self.stage] if a[0] == "B"]
+        self.last_backward = {[a for a in backwards if a[2] == c][-1]: c for c in self.chunks}
+        self.chunk_parameters = self._chunk_parameters()
+
+    def _chunk_parameters(self):
+        """{chunk: the parameters its backward makes gradients for}: its blocks' and L3 layers', and those outside
+        them (the embeddings on the first stage, the head on the last) with the first or last chunk."""
+        owner = {f"{kind}.{i}": c for c, ch in self.chunks.items() for i in range(ch.start, ch.end)
+                 for kind in ("blocks", "l3")}
+        outer = next((c for c, ch in self.chunks.items() if ch.first or ch.last), None)
+        params = {c: [] for c in self.chunks}
+        for name, p in self.model.named_parameters():
+            params[owner.get(".".join(name.split(".")[:2]), outer)].append(p)
+        return params
 
     # --- the schedule: what train_step runs and schedule_text prints ----------------------
 
@@ -198,7 +213,7 @@ class Pipeline:
 
     def train_step(self, batches, before_last_backward=None):
         """Micro-batches [(x, y), ...] (x on rank 0, y on the last, else None) in actions(rank)'s order, gradients into
-        .grad; the mean loss on every rank. before_last_backward runs before the last action adding to a gradient."""
+        .grad; the mean loss on every rank. before_last_backward(params) runs before each chunk's last backward."""
         self.device = next(self.model.parameters()).device
         self.xs, self.ys = [b[0] for b in batches], [b[1] for b in batches]
         self._saved_inputs, self._saved_outputs = {}, {}
@@ -219,8 +234,8 @@ class Pipeline:
                     # peer has taken them): their tensors are freed now, not at the step's end
                     for n in [n for n, (to, _) in sends.items() if n < posted and to == peer]:
                         wait_for(sends.pop(n)[1])
-                if action == self.last_gradient_action and before_last_backward is not None:
-                    before_last_backward()
+                if action in self.last_backward and before_last_backward is not None:
+                    before_last_backward(self.chunk_parameters[self.last_backward[action]])
                 output = self.forward(i, c, inputs) if kind == "F" else self.backward(i, c, inputs)
                 if action in self._sent:
                     outputs[action] = output

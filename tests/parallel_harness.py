@@ -133,7 +133,7 @@ def _worker(rank, world, tp, pp, sequence_parallel, schedule, steps, port, out_d
         loss, _ = trainer.step(micro, schedule_of_steps, step)
         losses.append(loss.item())
         grad_norms.append(trainer.optimizer.grad_norms.tolist())
-        overlapped.append(trainer.dp.launched_in_backward)
+        overlapped.append(trainer.dp.launched_in_backward / len(trainer.dp.buckets))
         if compile_backend is not None:  # graphs compiled so far in this run: a recompile adds one
             from torch._dynamo.utils import counters
             graphs.append(counters["stats"]["unique_graphs"])
@@ -267,7 +267,7 @@ def run_layout(dp=1, tp=1, pp=1, sequence_parallel=False, schedule="1f1b", steps
                cp=1, documents=False, shard_params=False, keep_gathered=False, micro_batch=MICRO_BATCH, ep=1,
                cp_exchange=None, dtype="float32"):
     """Returns {"losses": [...], "params": {name: full tensor}, "eval_losses": [the whole-sequence loss
-    after training, from each stage's first rank], "overlapped": [per stage, per step: buckets whose
+    after training, from each stage's first rank], "overlapped": [per stage, per step: the share of the buckets whose
     reduction the backward launched], "graphs": [per stage, per step: graphs torch.compile made so far],
     "dir": out_dir}. overlap: the optimizer's overlapped gradient reduction (a no-op at DP = 1).
     recompute: --recompute's mode. compile_backend: train through compile_for_training with this
