@@ -94,7 +94,8 @@ def setup(config, setting, layout, device, dtype, lrs, l3_data=None, after_init=
     dp = DataParallel([params for _, _, params in muon_stacks(rest)], adamw, layout.dp_cp_group,
                       overlap=setting.overlap_grad_reduce, shard_params=sharded)
     names = {p: n for n, p in model.named_parameters()}
-    if whole := held_whole([(names[p], p) for p in adamw], dp.size):
+    mine = held_whole([(names[p], p) for p in adamw], dp.size)
+    if whole := list(dict.fromkeys(w for stage in gather_objects(mine, layout.cpu_group) for w in stage)):  # all stages
         print0(f"note: {', '.join(f'{n} ({rows:,} rows)' for n, rows in whole)}: rows not divisible by the "
                f"{dp.size} data-parallel ranks, so each rank holds these whole (more memory); a DP size dividing "
                f"them shares them")
