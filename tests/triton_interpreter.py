@@ -19,12 +19,12 @@ def _triton_version():
     return tuple(int(v) for v in importlib.metadata.version("triton").split(".")[:2])
 
 
-# Triton 3.6's interpreter (the GPU machines' version) fails on some of our kernels where 3.7+ runs them:
+# Triton 3.6's interpreter (the version beside torch 2.11 on GPU hosts) fails on some of our kernels where 3.7+ runs them:
 # persistent kernels (relu_square_mm.py: a loop that starts at tl.program_id) and the loss kernel (softcap_ce.py:
 # "only 0-dimensional arrays can be converted to Python scalars" inside the interpreter, seen 2026-11-23)
 needs_interpreter_37 = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None or _triton_version() < (3, 7),
-    reason="needs Triton 3.7+: 3.6's interpreter fails on this kernel (seen on the GPU machines)")
+    reason="needs Triton 3.7+: 3.6's interpreter fails on this kernel (seen with Triton 3.6)")
 
 
 def run_under_interpreter(test_file):
