@@ -313,16 +313,20 @@ class Trainer:
             return self.pipeline.forward_loss(x, y)
         return (self.model if self.fp8 else self.train_model)(x, y, loss_reduction="none")
 
+    @contextlib.contextmanager
     def whole_model(self):
-        """The model CORE and sampling run (sequences of any length): under CP a shallow copy seeing whole sequences;
-        under PP, SP, sharded weights or EP a gathered whole copy on every rank (whole_model_copy says why), to free."""
+        """The model CORE and sampling run (sequences of any length), in evaluating(): under CP a shallow copy seeing
+        whole sequences; under PP, SP, sharded weights or EP a gathered whole copy on every rank (whole_model_copy says
+        why), freed after. Eager: blocks compiled in place (compile_for_training's per_block) would compile again for
+        every new length, up to dynamo's limit of 8, then warn."""
+        model = self.model
         if self.pipeline is not None or self.setting.sequence_parallel or self.dp.shard_params or self.layout.ep_size > 1:
-            return ckpt.whole_model_copy(self.model, self.layout)
-        if type(self.model.sequence) is not WholeSequence:
-            whole = copy.copy(self.model)
-            whole.sequence = WholeSequence()
-            return whole
-        return self.model
+            model = ckpt.whole_model_copy(self.model, self.layout)
+        elif type(self.model.sequence) is not WholeSequence:
+            model = copy.copy(self.model)
+            model.sequence = WholeSequence()
+        with self.evaluating(), torch.compiler.set_stance("force_eager"):
+            yield model
 
     def save_checkpoint(self, ckpt_dir, step, data_state, meta, keep_last=-1):
         """Write step's checkpoint (a collective): whole tensors, files per stage, then meta_<step>.json (`meta`, every

@@ -248,9 +248,9 @@ class Run:
         self.watch.phase("CORE (eval bundle download on local rank 0, count all-reduces)", self.step)
         self.core_status = "skipped: no CORE bundle (--eval-bundle DIR, or a network to download it)"
         try:
-            with self.trainer.evaluating():
-                core = evaluate_core_for_training(self.trainer.whole_model(), self.plan.tokenizer, self.device,
-                                                  self.layout, self.args.eval_bundle, self.args.core_metric_max_per_task)
+            with self.trainer.whole_model() as model:
+                core = evaluate_core_for_training(model, self.plan.tokenizer, self.device, self.layout,
+                                                  self.args.eval_bundle, self.args.core_metric_max_per_task)
         except EvalBundleError as e:
             print0(f"step {self.step:05d} | CORE failed: {e}")
             self.core_status = f"failed: {e}"
@@ -264,8 +264,8 @@ class Run:
     def sample(self):
         from nanochat.engine import sample_completions
         self.watch.phase("samples", self.step)
-        with self.trainer.evaluating():
-            for text in sample_completions(self.trainer.whole_model(), self.plan.tokenizer):
+        with self.trainer.whole_model() as model:
+            for text in sample_completions(model, self.plan.tokenizer):
                 print0(f"  sample: {text!r}")
 
     # --- one step ------------------------------------------------------------------

@@ -141,10 +141,9 @@ def _worker(rank, world, tp, pp, sequence_parallel, schedule, steps, port, out_d
             trainer.save_checkpoint(os.path.join(out_dir, "ckpt"), step + 1, None, {})
     # the loss of whole sequences, as CORE and sampling see the model: pipeline and sequence-parallel
     # layouts evaluate the gathered whole copy base_train builds for them; with fp8, in bf16 as base_train does
-    eval_model = trainer.whole_model()
-    with torch.no_grad(), trainer.evaluating():
+    with torch.no_grad(), trainer.whole_model() as eval_model:
         eval_loss = eval_model(batches[0][:, :-1], batches[0][:, 1:]).item()
-    model_state = ckpt.full_model_state(eval_model if ep > 1 else trainer.model)  # EP: the whole copy holds every expert
+        model_state = ckpt.full_model_state(eval_model if ep > 1 else trainer.model)  # EP: the copy holds every expert
     gathered_peak = trainer.dp.weights.gathered_peak if trainer.dp.weights is not None else 0
     torch.save({**trainer.optimizer.held_bytes(), "gathered_peak": gathered_peak}, os.path.join(out_dir, f"held{rank}.pt"))
     if layout.dp_rank == 0 and layout.cp_rank == 0 and layout.tp_rank == 0:

@@ -68,3 +68,24 @@ def test_tensors_whose_rows_data_parallelism_cannot_share_are_named():
     assert held_whole(named, 3) == [("l3.5.key_table", 2 ** 19), ("wte.weight", 32768)]
     assert held_whole(named, 6) == [("l3.5.key_table", 2 ** 19), ("wte.weight", 32768)]
     assert all(owned_by_rows(t, 4) for t in (table, wte)) and not owned_by_rows(table, 3)
+
+
+def test_core_and_sampling_run_blocks_compiled_in_place_eagerly():
+    """Blocks compiled in place (overlapped reduction, sharded weights) would compile again at every new sequence length
+    CORE and sampling bring (8 lengths, then dynamo's warning); Trainer.whole_model runs them eagerly."""
+    from types import SimpleNamespace
+    from torch._dynamo.utils import counters
+    from nanochat.gpt import GPTConfig, build_model
+    from nanochat.training import Trainer, compile_for_training
+    model = build_model(GPTConfig(sequence_len=32, vocab_size=64, n_layer=2, n_head=2, n_kv_head=2, n_embd=32), "cpu")
+    compile_for_training(model, None, True, "eager")
+    idx = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(0))
+    model(idx, idx).backward()  # training compiles the blocks
+    trainer = SimpleNamespace(model=model, pipeline=None, setting=SimpleNamespace(sequence_parallel=False),
+                              dp=SimpleNamespace(shard_params=False), layout=SimpleNamespace(ep_size=1))
+    trainer.evaluating = lambda: Trainer.evaluating(trainer)
+    graphs = counters["stats"]["unique_graphs"]
+    with torch.no_grad(), Trainer.whole_model(trainer) as whole:
+        losses = [whole(idx[:1, :T], idx[:1, 1:T + 1]) for T in range(5, 31, 5)]
+    assert counters["stats"]["unique_graphs"] == graphs and all(torch.isfinite(loss) for loss in losses)
+    assert model.training  # evaluating() restored training mode
