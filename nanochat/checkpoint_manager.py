@@ -142,9 +142,10 @@ def start_fresh(ckpt_dir, start_over):
 
 
 def set_aside_later_steps(ckpt_dir, step, into=None):
-    """A resumed run that will save, from a step before the newest (its checkpoint loaded): the later steps' files go
-    into replaced_<date>-<time>/ (`into`: the folder its records already went into), so that the run neither writes
-    over them nor has --keep-last prune by number the steps it saves."""
+    """A run resumed from a step before the newest (its checkpoint loaded): the later steps' files go into
+    replaced_<date>-<time>/ (`into`: the folder their records already went into), so that the run neither writes over
+    them nor has --keep-last prune by number the steps it saves, and a later resume of the newest step finds the
+    records of the steps before it (even when this launch saves nothing)."""
     later = [f for f in os.listdir(ckpt_dir) if (saved := step_of(f)) is not None and saved > step]
     if not later:
         return

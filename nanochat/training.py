@@ -334,8 +334,10 @@ class Trainer:
         t0 = time.time()
         L = self.layout
         # the optimizer's state too: a huge finite gradient can make AdamW's second moment infinite before the weights
+        states = list(self.optimizer.state.values()) + [  # AdamW's, and Muon's held in its stacks
+            {"momentum": stack.momentum, "second": stack.second} for _, _, stack in self.optimizer.muon_stacks]
         bad = ckpt.nonfinite_tensors(self.model.state_dict()) + [
-            "the optimizer's state" for state in self.optimizer.state.values() if ckpt.nonfinite_tensors(state)][:1]
+            "the optimizer's state" for state in states if ckpt.nonfinite_tensors(state)][:1]
         device = next(self.model.parameters()).device
         if all_reduce_max(float(len(bad) > 0), device) > 0:
             raise ckpt.CheckpointError(f"the weights or the optimizer's state are not finite at step {step} (the run "

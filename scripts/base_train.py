@@ -333,7 +333,7 @@ class Run:
 
     def save_before_stopping(self):
         """A stop request or an error mid-run: this step's checkpoint (unless nothing is saved); says how to go on."""
-        if self.args.save_every == 0:
+        if self.args.save_every == 0 and self.saved_step != self.step:  # the step resumed from is saved already
             return f"step {self.step} not saved (--save-every 0)"
         self.save()
         return f"saved step {self.step}: resume with --resume-from-step {self.step}"
@@ -405,7 +405,7 @@ def main(argv=None):
         lock = ckpt.lock_run(layout, device, plan.ckpt_dir, fresh=plan.resume_meta is None, start_over=args.start_over,
                              checkpoint_bytes=12 * plan.recipe.param_counts["total"] if args.save_every else 0)
         run, stopped = Run(args, layout, device, plan, watch), None
-        if plan.resume_meta is not None and args.save_every != 0:  # its checkpoint loaded: the later steps go aside
+        if plan.resume_meta is not None:  # its checkpoint loaded: the later steps go aside, as their records did
             agreed(lambda: ckpt.set_aside_later_steps(plan.ckpt_dir, run.step, into=run.log.aside),
                    ckpt.CheckpointError, device, mine=layout.rank == 0)
         try:

@@ -46,29 +46,29 @@ def test_a_second_run_on_a_tag_is_refused_until_told_and_latest_resumes(env):
 
 
 def test_a_resume_from_an_earlier_step_sets_the_later_ones_aside_and_never_rewrites_its_own(env):
-    """Resuming from step 2 of steps 2, 4 and 6 moves 4 and 6 into replaced_<date>-<time>/ (the run would write over
-    them, and --keep-last would prune by number the steps it saves), once step 2 has loaded and only if the run saves;
-    a launch that stops before its first step leaves step 2's files as they were (it used to write them again, with
-    its own layout's data states)."""
+    """Resuming from step 2 of steps 2, 4 and 6 moves 4 and 6 into replaced_<date>-<time>/ with the records of steps
+    2-5 (the run would write over them, --keep-last would prune by number the steps it saves, and a later resume of
+    step 6 would find no records of 2-5), once step 2 has loaded, whether or not the launch saves; a launch that stops
+    before its first step leaves step 2's files as they were (it used to write them again, with its own layout's
+    data states) and says step 2 is saved."""
     args = RUN + ["--num-iterations", "6", "--save-every", "2", "--model-tag", "earlier"]
     run_script("scripts.base_train", args, env)
     folder = ckpt_dir(env, "earlier")
     stop = lambda: open(os.path.join(folder, "STOP"), "w").close()  # a stop request before the first step
-    stop()
-    p = run_script("scripts.base_train", args + ["--resume-from-step", "2", "--save-every", "0"], env)
-    assert ckpt.saved_steps(folder) == [2, 4, 6]  # it saves nothing: no checkpoint moved
-    # but the records of steps 2-5 it would train again: the file as it was, aside
-    (records,) = [f for f in os.listdir(folder) if f.startswith("replaced_")]
-    assert f"the records from that step on are kept in {os.path.join(folder, records)}" in p.stdout
-    assert [r["step"] for r in read_records(os.path.join(folder, records, "metrics.jsonl")) if "loss" in r] == [
-        0, 1, 2, 3, 4, 5]
     before = {f: os.path.getmtime(os.path.join(folder, f)) for f in os.listdir(folder) if "_000002" in f}
     stop()
-    p = run_script("scripts.base_train", args + ["--resume-from-step", "2"], env)
-    (aside,) = [f for f in os.listdir(folder) if f.startswith("replaced_") and f != records]
+    p = run_script("scripts.base_train", args + ["--resume-from-step", "2", "--save-every", "0"], env)
+    (aside,) = [f for f in os.listdir(folder) if f.startswith("replaced_")]
+    assert f"the records from that step on are kept in {os.path.join(folder, aside)}" in p.stdout
     assert f"resuming from step 2: moved the 6 files of later steps into {os.path.join(folder, aside)}" in p.stdout
-    assert "stopped: saved step 2: resume with --resume-from-step 2" in p.stdout
+    assert [r["step"] for r in read_records(os.path.join(folder, aside, "metrics.jsonl")) if "loss" in r] == [
+        0, 1, 2, 3, 4, 5]
     assert ckpt.saved_steps(folder) == [2] and ckpt.saved_steps(os.path.join(folder, aside)) == [4, 6]
+    assert "stopped: saved step 2: resume with --resume-from-step 2" in p.stdout  # not "not saved (--save-every 0)"
+    stop()
+    p = run_script("scripts.base_train", args + ["--resume-from-step", "2"], env)
+    assert "moved the" not in p.stdout and "stopped: saved step 2: resume with --resume-from-step 2" in p.stdout
+    assert [f for f in os.listdir(folder) if f.startswith("replaced_")] == [aside]
     assert {f: os.path.getmtime(os.path.join(folder, f)) for f in before} == before
 
 

@@ -89,3 +89,22 @@ def test_core_and_sampling_run_blocks_compiled_in_place_eagerly():
         losses = [whole(idx[:1, :T], idx[:1, 1:T + 1]) for T in range(5, 31, 5)]
     assert counters["stats"]["unique_graphs"] == graphs and all(torch.isfinite(loss) for loss in losses)
     assert model.training  # evaluating() restored training mode
+
+
+def test_a_checkpoint_with_muons_state_not_finite_is_refused(tmp_path):
+    """A diverged state is never saved: Muon's momentum lives in the optimizer's stacks, not in its .state, and was
+    not looked at (a checkpoint with an infinite momentum was written and loaded)."""
+    from nanochat import checkpoint_manager as ckpt
+    from nanochat.distributed import compute_init
+    from nanochat.gpt import GPTConfig
+    from nanochat.recipe import LearningRates, Setting
+    from nanochat import training
+    layout, device = compute_init("cpu")
+    config = GPTConfig(sequence_len=32, vocab_size=64, n_layer=2, n_head=2, n_kv_head=2, n_embd=32)
+    trainer = training.setup(config, Setting(device_batch=2, total_batch=64), layout, device, torch.float32,
+                             LearningRates())
+    _, _, stack = trainer.optimizer.muon_stacks[0]
+    stack.momentum[0].view(-1)[0] = float("inf")
+    with pytest.raises(ckpt.CheckpointError, match="the weights or the optimizer's state are not finite at step 3"):
+        trainer.save_checkpoint(str(tmp_path), 3, None, {})
+    assert not list(tmp_path.iterdir())
