@@ -51,9 +51,8 @@ def parse_args(argv=None):
     add, lrs = parser.add_argument, LearningRates()
     # runtime
     add("--wandb-run", type=str, default="dummy", help="wandb run name ('dummy' = no wandb)")
-    add("--tensorboard", type=str, default=None, help="also write the step numbers as TensorBoard events into this "
-                                                      "folder (pip install 'nanochat[tensorboard]')")
-    add("--device-type", type=str, default="", help="cuda|cpu|mps (empty: autodetect)")
+    add("--tensorboard", type=str, default=None, help="also write TensorBoard events into this folder (pip install 'nanochat[tensorboard]')")
+    add("--device-type", type=str, default="", choices=("", "cuda", "cpu", "mps"), help="empty: autodetect")
     add("--data-dir", type=str, default=None, help="folder of parquet shards (default: NANOCHAT_DATA_DIR or base_data)")
     # model
     add("--depth", type=int, default=20, help="number of blocks: the one dial")
@@ -153,6 +152,7 @@ def parse_args(argv=None):
                 for k in ("num_iterations", "total_batch_size", "stop_at_step")],
               (args.target_param_data_ratio <= 0, "--target-param-data-ratio: positive"),
               (args.warmup_steps < 0, "--warmup-steps: 0 or more"),
+              (not 0 <= args.seed < 2 ** 63 or not 0 < args.dist_timeout < math.inf, "--seed: 0 to 2^63 - 1; --dist-timeout: > 0 s"),
               (not 0 <= args.warmdown_ratio <= 1 or not 0 <= args.final_lr_frac <= 1,
                "--warmdown-ratio and --final-lr-frac: in [0, 1]")]
     if bad := [need for wrong, need in ranges if wrong]:

@@ -421,6 +421,8 @@ def main(argv=None):
             print0(stopped)  # last: which step to resume from
     except UserError as e:
         fail(str(e), every_rank=e.every_rank)
+    except KeyboardInterrupt:  # Ctrl-C in the start-up, before the stop handlers (after them: a stop at a step)
+        fail("interrupted during the start-up, before the first step: nothing was trained or saved")
     except Exception as e:  # several ranks: one short line from the first to fail, the traceback in a file
         if watch is None or watch.timeout_s is None:
             raise
