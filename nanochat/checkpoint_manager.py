@@ -239,6 +239,10 @@ def load_meta(ckpt_dir, step, needs=()):
         raise _damaged(path, step, "not a checkpoint's JSON object")
     if missing := [k for k in needs if k not in meta]:
         raise _damaged(path, step, f"no {', '.join(missing)} in it")
+    kinds = {"step": int, "num_stages": int, "model_config": dict, "user_config": dict, "loop_state": dict,
+             "dataloader_states": list, "checksums": dict}  # what the readers index into, when present
+    if wrong := [k for k, kind in kinds.items() if k in meta and not isinstance(meta[k], kind)]:
+        raise _damaged(path, step, f"{', '.join(wrong)} of the wrong type")
     return meta
 
 

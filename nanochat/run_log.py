@@ -125,13 +125,16 @@ class SpikeWatch:
 
 
 def read_records(path):
-    """Every complete record of a metrics.jsonl, in order ([] without a file; a line a crash cut off is skipped)."""
+    """Every complete record of a metrics.jsonl, in order ([] without a file; a line a crash cut off, or one that is
+    not a record, is skipped)."""
     records = []
     if os.path.exists(path):
-        with open(path) as f:
+        with open(path, errors="replace") as f:
             for line in f:
                 with contextlib.suppress(ValueError):
-                    records.append(json.loads(line))
+                    r = json.loads(line)
+                    if isinstance(r, dict) and ("kind" in r or isinstance(r.get("step"), int)):
+                        records.append(r)
     return records
 
 

@@ -34,6 +34,17 @@ def test_damaged_checkpoint_files_are_named(tmp_path):
     meta.write_text("{}")  # JSON, but not a checkpoint's: a resume names what it lacks
     with pytest.raises(ckpt.CheckpointError, match=r"meta_000002.json is damaged \(no model_config, loop_state in it\)"):
         ckpt.load_meta(str(tmp_path), 2, needs=("model_config", "loop_state"))
+    meta.write_text('{"model_config": [], "loop_state": {}, "checksums": null}')  # edited: readers would trace
+    with pytest.raises(ckpt.CheckpointError, match=r"damaged \(model_config, checksums of the wrong type\)"):
+        ckpt.load_checkpoint(str(tmp_path), 2)
+
+
+def test_lines_of_a_run_log_that_are_not_records_are_skipped(tmp_path):
+    from nanochat.run_log import read_records
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b'{"kind": "header"}\n{"step": 0, "loss": 1.0}\n{}\n[1]\n{"step": "x", "loss": 1}\n\xff\xfe\n'
+                     b'{"step": 1, "loss": 0.5}\n{"step": 2, "lo')
+    assert read_records(str(path)) == [{"kind": "header"}, {"step": 0, "loss": 1.0}, {"step": 1, "loss": 0.5}]
 
 
 class Payload:
