@@ -116,7 +116,7 @@ class Pipeline:
         # chunks' reductions waited for the step)
         backwards = [a for a in all_actions[self.stage] if a[0] == "B"]
         self.last_backward = {[a for a in backwards if a[2] == c][-1]: c for c in self.chunks}
-        self.chunk_parameters = self._chunk_parameters()
+        self.chunk_parameters = None  # at the first step: setup places the experts (EP) after this
 
     def _chunk_parameters(self):
         """{chunk: the parameters its backward makes gradients for}: its blocks' and L3 layers', and those outside
@@ -235,6 +235,7 @@ class Pipeline:
                     for n in [n for n, (to, _) in sends.items() if n < posted and to == peer]:
                         wait_for(sends.pop(n)[1])
                 if action in self.last_backward and before_last_backward is not None:
+                    self.chunk_parameters = self.chunk_parameters or self._chunk_parameters()
                     before_last_backward(self.chunk_parameters[self.last_backward[action]])
                 output = self.forward(i, c, inputs) if kind == "F" else self.backward(i, c, inputs)
                 if action in self._sent:

@@ -152,7 +152,8 @@ def parse_args(argv=None):
                 for k in ("num_iterations", "total_batch_size", "stop_at_step")],
               (args.target_param_data_ratio <= 0, "--target-param-data-ratio: positive"),
               (args.warmup_steps < 0, "--warmup-steps: 0 or more"),
-              (not 0 <= args.seed < 2 ** 63 or not 0 < args.dist_timeout < math.inf, "--seed: 0 to 2^63 - 1; --dist-timeout: > 0 s"),
+              (not -2 ** 63 <= args.seed < 2 ** 64, "--seed: a 64-bit integer"),
+              (not 0 < args.dist_timeout < 1e9, "--dist-timeout: seconds, positive (below 1e9)"),
               (not 0 <= args.warmdown_ratio <= 1 or not 0 <= args.final_lr_frac <= 1,
                "--warmdown-ratio and --final-lr-frac: in [0, 1]")]
     if bad := [need for wrong, need in ranges if wrong]:
@@ -433,8 +434,7 @@ class Setting:
         if schedule not in SCHEDULES:
             raise ConfigError(f"unknown --pp-schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
         if p > config.n_layer:
-            raise ConfigError(f"--pp {p} is more stages than blocks ({config.n_layer}); each stage needs at least one "
-                              f"block")
+            raise ConfigError(f"--pp {p} is more stages than blocks ({config.n_layer}); each stage needs a block")
         if p * virtual > config.n_layer:
             raise ConfigError(f"--pp x --pp-virtual = {p * virtual} chunks is more than the {config.n_layer} blocks; "
                               f"each chunk needs one")

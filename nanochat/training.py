@@ -97,8 +97,8 @@ def setup(config, setting, layout, device, dtype, lrs, l3_data=None, after_init=
     mine = held_whole([(names[p], p) for p in adamw], dp.size)
     if whole := list(dict.fromkeys(w for stage in gather_objects(mine, layout.cpu_group) for w in stage)):  # all stages
         print0(f"note: {', '.join(f'{n} ({rows:,} rows)' for n, rows in whole)}: rows not divisible by the "
-               f"{dp.size} data-parallel ranks, so each rank holds these whole (more memory); a DP size dividing "
-               f"them shares them")
+               f"{dp.size} ranks sharing the optimizer (DP x CP), so each holds these whole (more memory); a DP x CP "
+               f"dividing them shares them")
     expert_dp = DataParallel([params for _, _, params in muon_stacks(experts)], [], layout.expert_dp_group) \
         if experts else None
     optimizer = MuonAdamW(groups, names, dp, compute_dtype=dtype,
@@ -317,15 +317,16 @@ class Trainer:
     def whole_model(self):
         """The model CORE and sampling run (sequences of any length), in evaluating(): under CP a shallow copy seeing
         whole sequences; under PP, SP, sharded weights or EP a gathered whole copy on every rank (whole_model_copy says
-        why), freed after. Eager: blocks compiled in place (compile_for_training's per_block) would compile again for
-        every new length, up to dynamo's limit of 8, then warn."""
+        why), freed after. No new graphs: blocks compiled in place (compile_for_training's per_block) would compile
+        again for every new length, up to dynamo's limit of 8, then warn; new lengths run eagerly, compiled code where
+        it exists (FlexAttention at the training length)."""
         model = self.model
         if self.pipeline is not None or self.setting.sequence_parallel or self.dp.shard_params or self.layout.ep_size > 1:
             model = ckpt.whole_model_copy(self.model, self.layout)
         elif type(self.model.sequence) is not WholeSequence:
             model = copy.copy(self.model)
             model.sequence = WholeSequence()
-        with self.evaluating(), torch.compiler.set_stance("force_eager"):
+        with self.evaluating(), torch.compiler.set_stance("eager_on_recompile"):
             yield model
 
     def save_checkpoint(self, ckpt_dir, step, data_state, meta, keep_last=-1):

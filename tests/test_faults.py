@@ -176,8 +176,8 @@ def test_a_model_flag_given_at_its_default_is_compared_on_resume():
     (["--num-iterations", "0"], "--num-iterations: positive"),
     (["--target-param-data-ratio", "0"], "--target-param-data-ratio: positive"),
     (["--warmdown-ratio", "1.5", "--target-param-data-ratio", "0"], "ratio: positive; --warmdown-ratio and --final"),
-    (["--seed", "99999999999999999999"], r"--seed: 0 to 2\^63 - 1"),  # torch.manual_seed's overflow, traced
-    (["--dist-timeout", "0"], "--dist-timeout: > 0 s"),
+    (["--seed", "99999999999999999999"], r"^base_train: error: --seed: a 64-bit integer\n"),  # torch's overflow, traced
+    (["--dist-timeout", "0"], r"^base_train: error: --dist-timeout: seconds, positive \(below 1e9\)\n"),
     (["--device-type", "foo"], r"argument --device-type: invalid choice: 'foo'"),  # torch.device's error, traced
 ])
 def test_flags_out_of_range_end_in_one_line(flags, message, capsys):
