@@ -110,10 +110,12 @@ class Run:
         self.schedule = plan.schedule
         meta, resume = plan.resume_meta, None
         if meta is not None:  # the weights go into the whole model, before it is cut up
+            watch.phase("start-up: loading the checkpoint (every rank reads and checksums its files)")
             weights_only = meta.get("weights_only", False)  # e.g. imported by scripts.import_hf
             resume = ckpt.load_checkpoint(self.ckpt_dir, args.resume_from_step, "cpu", load_optimizer=not weights_only)[:2]
             if weights_only:
                 print0("the checkpoint holds weights only (no optimizer state): the optimizer starts fresh")
+        watch.phase("start-up: the model (L3's allocation from the data), its layout's groups, the optimizer")
         self.trainer = training.setup(self.config, plan.setting, layout, device, get_compute_dtype(device.type),
                                       self.recipe.learning_rates(args), resume=resume,
                                       l3_data=(plan.tokenizer, plan.data_dir) if meta is None else None,
