@@ -51,16 +51,20 @@ class RoundRobin:
         return i % self.W
 
 
+def large(p):
+    """An AdamW tensor worth sharing out by rows (the small ones are summed as one flat buffer)."""
+    return p.ndim > 0 and p.numel() >= 1024
+
+
 def owned_by_rows(p, size):
     """Whether an AdamW tensor is shared out by rows over `size` ranks (else it is updated, and held, whole)."""
-    return size > 1 and p.ndim > 0 and p.size(0) % size == 0 and p.numel() >= 1024
+    return size > 1 and large(p) and p.size(0) % size == 0
 
 
 def held_whole(named_params, size):
     """The large AdamW tensors (name, rows) that `size` ranks cannot share by rows, as their rows do not divide: each
     rank holds their optimizer state (and under --shard-params their weights) whole."""
-    return [(n, p.size(0)) for n, p in named_params if size > 1 and p.ndim > 0 and p.numel() >= 1024
-            and not owned_by_rows(p, size)]
+    return [(n, p.size(0)) for n, p in named_params if size > 1 and large(p) and p.size(0) % size]
 
 
 class GradBucket:
