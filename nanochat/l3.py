@@ -18,8 +18,9 @@ The lookup, two ways:
 - blocked (GPU; CPU when the padded gather is big or mostly padding): sorted by token id, the score matrix is
   block-diagonal; runs of <= L3_BLOCK_POSITIONS sorted positions with rows in a window of < 2 k_max rows are each a
   small masked attention, batched (bmm) in chunks under L3_CHUNK_BYTES; the backward recomputes each chunk (the table
-  gradient in fp32). The cutting up (_Plan) runs on the host from a copy of the ids that a training step queues for
-  all its micro-batches at its start (ids_copied_ahead): in training the lookup never waits for the GPU.
+  gradient in fp32). The cutting up (_Plan, numpy) runs on the host, from a copy of the ids: in training on a
+  planner thread, for all of a step's micro-batches from its start (plans_made_ahead), so that the lookup neither
+  waits for the GPU nor spends the time of the thread that feeds it.
 
 Parallelism: replicated over TP ranks (tensor_parallel.py says why); with sequence parallelism each rank looks up
 its own tokens (`token_share`) and the optimizer sums the partial gradients over TP. Dtypes follow gpt.py: fp32
@@ -30,6 +31,7 @@ import bisect
 import itertools
 import contextlib
 import collections
+from concurrent.futures import ThreadPoolExecutor
 import math
 import time
 
@@ -49,6 +51,8 @@ L3_BLOCK_POSITIONS = 64  # blocked path: sorted positions per block (the M of ea
 L3_WIDTH_ALIGN = 16  # blocked path: a chunk's window width is padded to a multiple of this (extra rows masked out)
 L3_CHUNK_BYTES = 512 << 20  # blocked path: most bytes of one chunk's gathered (rows, d) tensor, in the compute dtype
 L3_PADDED_MAX_BYTES = 64 << 20  # padded path (CPU): while its (N, max d_t, d) gather is this small and pads little
+L3_SPARE_ROWS = 1024  # blocked path: rows the padding slots' outputs go to, in turn (one shared row made writes queue)
+_PLANNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nanochat-l3-planner")  # plans_made_ahead's thread
 
 
 def default_n_emb(vocab_size, k_max):
@@ -176,11 +180,13 @@ def lookup_padded(x, ids, table, bounds):
 
 
 class _Plan:
-    """One batch cut up on the host (numpy), then moved to the device in one copy. `order`: positions sorted by token
-    id, `start`/`end` their row ranges (non-decreasing); block b: sorted positions first[b] + [0, count[b]), window
-    rows lo[b] + [0, width[b]); chunk (i, j, w): blocks by_width[i:j] (widest first), padded to width w."""
+    """One batch cut up on the host (numpy; in training on the planner thread), then moved to the device in one copy.
+    Positions sorted by token id (`order`) are cut into blocks of a few sorted positions whose rows lie in one window:
+    block b holds sorted positions slot[b] (padding repeats its first, and `target` sends its output to one of
+    L3_SPARE_ROWS rows after the n positions') and reads rows lo[b] + [0, width), of which slot s owns [rel_start,
+    rel_end). Blocks come widest first: a chunk (i, j, w) of blocks [i, j), padded to width w, slices every array."""
 
-    def __init__(self, ids, bounds, block, max_rows, window, device):
+    def __init__(self, ids, bounds, block, window, pin=False):
         n = ids.size
         self.n, self.block = n, block
         # a stable sort of 16-bit keys is a radix sort in numpy (~10x a 64-bit one's speed at 64K positions)
@@ -195,66 +201,68 @@ class _Plan:
         new[1:] = (group[1:] != group[:-1]) | (stretch[1:] != stretch[:-1])
         first = np.flatnonzero(new)
         count = np.diff(first, append=n)
-        lo = start[first]
-        width = end[first + count - 1] - lo  # ends are sorted: the last one is the max
+        width = end[first + count - 1] - start[first]  # ends are sorted: the last one is the max
         by_width = np.argsort(-width, kind="stable")
-        # chunks: <= max_rows rows gathered (blocks x max(width, block)), widths within 2x of the chunk's widest, so
-        # padding to it at most doubles the work; to multiples of L3_WIDTH_ALIGN (cuBLAS Hopper: 16-byte row strides)
-        widths = width[by_width].tolist()
+        first, count, lo = first[by_width], count[by_width], start[first[by_width]]
+        self.widths = width[by_width].tolist()
+        valid = np.arange(block) < count[:, None]
+        slot = first[:, None] + np.where(valid, np.arange(block), 0)
+        target = np.where(valid, slot, n + np.arange(slot.size).reshape(slot.shape) % L3_SPARE_ROWS)
+        parts = [order, slot, target, start[slot] - lo[:, None], end[slot] - lo[:, None], lo]
+        self.packed = torch.from_numpy(np.concatenate([p.ravel() for p in parts]).astype(np.int64))
+        self.packed = self.packed.pin_memory() if pin else self.packed  # pinned: queued behind the GPU's work
+        self.sizes, self.on_device = [p.size for p in parts], None
+
+    def to(self, device):
+        """(order, slot, target, rel_start, rel_end, lo) on `device`, copied once (the layers of a model share it)."""
+        if self.on_device is None:
+            parts = torch.split(self.packed.to(device, non_blocking=True), self.sizes)
+            self.on_device = [p.view(-1, self.block) if 0 < i < 5 else p for i, p in enumerate(parts)]
+        return self.on_device
+
+    def chunks(self, max_rows):
+        """(i, j, w): blocks [i, j) gathering <= max_rows rows (blocks x max(w, block)), widths within 2x of the
+        chunk's widest, so padding to it at most doubles the work; w a multiple of L3_WIDTH_ALIGN (cuBLAS Hopper:
+        16-byte row strides)."""
+        widths, chunks, i = self.widths, [], 0
         ascending = [-w for w in widths]
-        self.chunks, i = [], 0
         while i < len(widths):
             w = -(-widths[i] // L3_WIDTH_ALIGN) * L3_WIDTH_ALIGN
-            j = min(i + max(1, max_rows // max(w, block)), bisect.bisect_right(ascending, -widths[i] / 2))
-            self.chunks.append((i, j, w))
+            j = min(i + max(1, max_rows // max(w, self.block)), bisect.bisect_right(ascending, -widths[i] / 2))
+            chunks.append((i, j, w))
             i = j
-        parts = [order, start, end, first, count, lo, by_width]
-        packed = torch.from_numpy(np.concatenate(parts).astype(np.int64))
-        if device.type == "cuda":  # pinned, so that the copy is queued behind the GPU's work, not waited for
-            packed = packed.pin_memory()
-        packed = packed.to(device, non_blocking=True)
-        (self.order, self.start, self.end, self.first, self.count, self.lo,
-         self.by_width) = torch.split(packed, [len(p) for p in parts])
-
-    def blocks(self, i, j, w, n_rows):
-        """Chunk blocks by_width[i:j]: slot (blocks, block) sorted positions (padding repeats the block's first);
-        target (blocks * block,) each slot's output row (padding: spare row n; no boolean index, no sync); rows
-        (blocks, w) table rows (clamped); mask (blocks, block, w): the slot token's rows."""
-        b = self.by_width[i:j]
-        k = torch.arange(self.block, device=b.device)
-        valid = k < self.count[b, None]
-        slot = torch.where(valid, self.first[b, None] + k, self.first[b, None])
-        target = torch.where(valid, slot, self.n).flatten()
-        r = self.lo[b, None] + torch.arange(w, device=b.device)
-        mask = (r[:, None, :] >= self.start[slot][..., None]) & (r[:, None, :] < self.end[slot][..., None])
-        return slot, target, r.clamp(max=n_rows - 1), mask
+        return chunks
 
 
 def _block_attention(xb, kb, mask, acc):
-    scores = torch.bmm(xb, kb.transpose(1, 2)).to(acc)
-    return torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    """softmax over each slot's own rows, in fp32 (`acc`) from the compute dtype's scores."""
+    return torch.softmax(torch.where(mask, torch.bmm(xb, kb.transpose(1, 2)), float("-inf")), dim=-1, dtype=acc)
 
 
 class _BlockedLookup(torch.autograd.Function):
     """h = E_t^T softmax(E_t x) by blocks of sorted positions (_Plan); the backward recomputes each chunk's softmax."""
 
     @staticmethod
-    def forward(ctx, x, table, ids, bounds, block, max_rows, window):
+    def forward(ctx, x, table, plan, max_rows):
         acc = _acc_dtype(x.dtype)
-        plan = _Plan(ids, bounds, block, max_rows, window, x.device)
+        order, slot, target, rel_start, rel_end, lo = plan.to(x.device)
+        chunks = plan.chunks(max_rows)
         tc = table.to(x.dtype)  # one cast of the table beats casting the (larger) gathered blocks
-        xs = x.index_select(0, plan.order)
-        hs = x.new_empty(x.size(0) + 1, tc.size(1))  # + the spare row for padding slots
-        chunks = [plan.blocks(i, j, w, tc.size(0)) for i, j, w in plan.chunks]
-        for slot, target, rows, mask in chunks:
+        xs = x.index_select(0, order)
+        hs = x.new_empty(x.size(0) + L3_SPARE_ROWS, tc.size(1))  # + the padding slots' rows
+        span, saved = torch.arange(chunks[0][2] if chunks else 0, device=x.device), []
+        for i, j, w in chunks:
+            rows = (lo[i:j, None] + span[:w]).clamp_(max=tc.size(0) - 1)  # the window; past the table's end: masked
+            mask = (span[:w] >= rel_start[i:j, :, None]) & (span[:w] < rel_end[i:j, :, None])
             eb = tc[rows]
-            a = _block_attention(xs[slot], eb, mask, acc)
-            hs.index_copy_(0, target, torch.bmm(a.to(x.dtype), eb).flatten(0, 1))
+            a = _block_attention(xs[slot[i:j]], eb, mask, acc)
+            hs.index_copy_(0, target[i:j].flatten(), torch.bmm(a.to(x.dtype), eb).flatten(0, 1))
+            saved += [slot[i:j], target[i:j].flatten(), rows, mask]
         # the cast table: a second cast costs more time than the copy costs memory. The plan's tensors as saved
         # tensors too, so that autograd frees them after the backward (attributes of ctx would stay with the node)
-        ctx.save_for_backward(xs, tc, plan.order, *[t for chunk in chunks for t in chunk])
-        ctx.n, ctx.table_dtype = plan.n, table.dtype
-        return torch.empty_like(hs[:-1]).index_copy_(0, plan.order, hs[:-1])
+        ctx.save_for_backward(xs, tc, order, *saved)
+        ctx.table_dtype = table.dtype
+        return torch.empty_like(x).index_copy_(0, order, hs[:x.size(0)])
 
     @staticmethod
     def backward(ctx, grad_h):
@@ -262,30 +270,35 @@ class _BlockedLookup(torch.autograd.Function):
         chunks = [flat[i:i + 4] for i in range(0, len(flat), 4)]  # (slot, target, rows, mask) each
         acc = _acc_dtype(xs.dtype)
         gs = grad_h.to(xs.dtype).index_select(0, order)
-        dxs = xs.new_empty(xs.size(0) + 1, xs.size(1))  # + the spare row for padding slots
-        # fp32 table gradient (each block's bmm sums its slots in fp32). An accumulating index_put sorts the rows and
-        # sums duplicates in order; atomic adds (index_add_) contend on a frequent token's shared rows: slower
-        # (dev/LOG.md, 2026-11-27). Unchecked (as autograd's own indexing backward calls it): the public index_put_
-        # reads the indices' range back to the host, once a chunk; these rows are clamped in range by _Plan.blocks
+        gs = torch.cat([gs, gs.new_zeros(L3_SPARE_ROWS, gs.size(1))])  # padding slots read zeros: no gradient
+        dxs = xs.new_empty(xs.size(0) + L3_SPARE_ROWS, xs.size(1))  # + the padding slots' rows
+        # fp32 table gradient (each block's bmm sums its slots in fp32) by an accumulating index_put, which sorts the
+        # rows and sums duplicates in order (atomic index_add_ contends on a frequent token's rows: slower, dev/LOG.md
+        # 2026-11-27); unchecked as in autograd's own indexing backward (the public one reads the range back to the
+        # host, a sync a chunk): the forward clamped the rows
         de = torch.zeros(tc.shape, dtype=acc, device=tc.device)
         for slot, target, rows, mask in chunks:
-            xb, eb = xs[slot], tc[rows]
+            xb, eb, gb = xs[slot], tc[rows], gs[target].view(*slot.shape, -1)
             a = _block_attention(xb, eb, mask, acc)
-            gb = gs[slot] * (target < ctx.n).view_as(slot)[..., None]  # padding slots carry no gradient
             da = torch.bmm(gb, eb.transpose(1, 2)).to(acc)
-            ds = (a * (da - (a * da).sum(-1, keepdim=True))).to(xs.dtype)  # softmax backward
+            ds = torch.ops.aten._softmax_backward_data(da, a, -1, acc).to(xs.dtype)  # a (da - sum(a da)), one pass
             dxs.index_copy_(0, target, torch.bmm(ds, eb).flatten(0, 1))
             # a row's gradient as a key and as a value, ds^T x + a^T g, summed inside one bmm (K = 2 block)
             lhs, rhs = torch.cat([ds, a.to(xs.dtype)], dim=1), torch.cat([xb, gb], dim=1)
             grad_rows = torch.bmm(lhs.transpose(1, 2), rhs).flatten(0, 1).to(acc)
             torch.ops.aten._index_put_impl_(de, (rows.flatten(),), grad_rows, accumulate=True, unsafe=True)
-        dx = torch.empty_like(dxs[:-1]).index_copy_(0, order, dxs[:-1])
-        return dx, de.to(ctx.table_dtype), None, None, None, None, None
+        dx = torch.empty_like(xs).index_copy_(0, order, dxs[:xs.size(0)])
+        return dx, de.to(ctx.table_dtype), None, None
 
 
 def on_host(t):
     """A tensor as a numpy array (a copy from the GPU waits for it); numpy arrays as they are."""
     return t if isinstance(t, np.ndarray) else t.cpu().numpy()
+
+
+def max_chunk_rows(x, table, block=L3_BLOCK_POSITIONS, chunk_bytes=L3_CHUNK_BYTES):
+    """Rows one chunk may gather: a row costs its channels, or its column of fp32 scores (block entries) if more."""
+    return max(1, chunk_bytes // max(table.size(1) * x.element_size(), 4 * block))
 
 
 def lookup_blocked(x, ids, table, bounds, block=L3_BLOCK_POSITIONS, chunk_bytes=L3_CHUNK_BYTES, window=None):
@@ -294,9 +307,8 @@ def lookup_blocked(x, ids, table, bounds, block=L3_BLOCK_POSITIONS, chunk_bytes=
     ids, bounds = on_host(ids), on_host(bounds)
     if window is None:
         window = int((bounds[1:] - bounds[:-1]).max())
-    # one gathered row costs its channels, or its column of fp32 scores (block entries) if that is more
-    row_bytes = max(table.size(1) * x.element_size(), 4 * block)
-    return _BlockedLookup.apply(x, table, ids, bounds, block, max(1, chunk_bytes // row_bytes), window)
+    plan = _Plan(ids, bounds, block, window, pin=x.is_cuda)
+    return _BlockedLookup.apply(x, table, plan, max_chunk_rows(x, table, block, chunk_bytes))
 
 
 def choose_path(x, ids, bounds):
@@ -330,7 +342,7 @@ class L3Layer(nn.Module):
         self.register_buffer("rows_per_token", torch.zeros((), dtype=torch.float32))
         self.path = "auto"  # or "blocked" / "padded", to force one (tests, benchmarks)
         self.token_share = nn.Identity()  # sequence parallelism swaps in this rank's share of the token ids
-        self.ids_ahead = collections.deque()  # (host ids, copy done event) from ids_to_host, a lookup takes the first
+        self.plans_ahead = collections.deque()  # Futures from plan_ahead; a lookup takes the first
         self.bounds_on_host = (None, None)  # (the buffer's identity and version, a numpy copy)
 
     @classmethod
@@ -371,29 +383,22 @@ class L3Layer(nn.Module):
         r = self.k_max if self.rows_per_token.is_meta else float(self.rows_per_token)
         return 6 * sum(p.numel() for p in self.dense_parameters()) + 12 * r * self.d_model
 
-    def ids_to_host(self, idx):
-        """Start a copy of a forward's ids (this rank's share) to the host, where the lookup plans: (host ids, done
-        event), for ids_ahead. Queued at a step's start, so that a lookup waiting for it leaves the GPU work queued (a
-        copy at the lookup, as in evaluation and sampling, drains the queue and idles the GPU while the host plans)."""
+    def plan_ahead(self, idx):
+        """A Future of the plan (_Plan) of a forward's lookup, for plans_ahead: the copy of this rank's share of the
+        ids to the host is queued now, behind the GPU's work, and the planner thread waits for it and plans while
+        this thread goes on queueing work (a copy at the lookup, as in evaluation and sampling, drains the queue and
+        idles the GPU while the host plans)."""
         ids = self.token_share(idx).reshape(-1)
-        if not ids.is_cuda:
-            return ids, None
-        host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True).copy_(ids, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        return host, done
-
-    def host_ids(self, ids):
-        """ids (N,) on the host: the first copy queued by ids_to_host, or else (outside training) a copy now."""
-        if not self.ids_ahead:
-            return on_host(ids)
-        host, done = self.ids_ahead.popleft()
-        if host.shape != ids.shape:
-            raise RuntimeError(f"L3: the ids copied ahead ({tuple(host.shape)}) are not this lookup's "
-                               f"({tuple(ids.shape)}): forwards ran out of the order their copies were queued in")
-        if done is not None:
-            done.synchronize()
-        return host.numpy()
+        bounds, done = self.host_bounds(), None
+        if ids.is_cuda:
+            ids = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True).copy_(ids, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        def plan():
+            if done is not None:
+                done.synchronize()
+            return _Plan(ids.numpy(), bounds, L3_BLOCK_POSITIONS, self.k_max, pin=done is not None)
+        return _PLANNER.submit(plan)
 
     def host_bounds(self):
         """bounds as a numpy array, copied again only after the buffer changed (an allocation, a loaded checkpoint)."""
@@ -405,11 +410,15 @@ class L3Layer(nn.Module):
     @eager  # data-dependent sizes; W_up, the LayerNorm and W_mix around it compile
     def lookup(self, x, ids):
         """h = E_t^T softmax(E_t x) for x (N, d), ids (N,) -> (N, d) in x.dtype."""
-        host_ids = self.host_ids(ids)  # taken whichever path runs, so the queue stays in step
+        plan = self.plans_ahead.popleft().result() if self.plans_ahead else None  # taken whichever path runs
+        if plan is not None and plan.n != ids.numel():
+            raise RuntimeError(f"L3: the lookup planned ahead ({plan.n} ids) is not this lookup's ({ids.numel()}): "
+                               f"forwards ran out of the order their plans were queued in")
         path = choose_path(x, ids, self.bounds) if self.path == "auto" else self.path
         if path == "padded":
             return lookup_padded(x, ids, self.key_table, self.bounds)
-        return lookup_blocked(x, host_ids, self.key_table, self.host_bounds(), window=self.k_max)
+        plan = plan or _Plan(on_host(ids), self.host_bounds(), L3_BLOCK_POSITIONS, self.k_max, pin=x.is_cuda)
+        return _BlockedLookup.apply(x, self.key_table, plan, max_chunk_rows(x, self.key_table))
 
     def forward(self, x, idx):
         """x (B, T, d) hidden states, idx (B, T) token ids -> (B, T, d) to add to the residual stream."""
@@ -421,19 +430,21 @@ class L3Layer(nn.Module):
 
 
 @contextlib.contextmanager
-def ids_copied_ahead(model, inputs):
-    """A training step: every micro-batch's ids (inputs, the (B, T) micro-batches; None on a pipeline stage that reads
-    no data) start for the host at once, behind the loader's copies to the GPU, so that no lookup in the step drains
-    the GPU's queue; each L3 layer's forwards take them in order, and must take them all."""
+def plans_made_ahead(model, inputs):
+    """A training step: every micro-batch's lookup (inputs, the (B, T) micro-batches; None on a pipeline stage that
+    reads no data) is planned on the planner thread from its start, its ids' copy queued behind the loader's copies to
+    the GPU, so that no lookup in the step drains the GPU's queue or plans on this thread; each L3 layer's forwards
+    take the plans in order, and must take them all."""
     layers = list(model.l3.values())
-    # one copy a micro-batch serves every layer: they see the same ids (the same share under sequence parallelism)
-    copies = [layers[0].ids_to_host(model.sequence.local(idx)) for idx in inputs if idx is not None] if layers else []
+    # one plan a micro-batch serves every layer: they see the same ids (the same share under sequence parallelism)
+    # and share one allocation (allocate_for_model)
+    plans = [layers[0].plan_ahead(model.sequence.local(idx)) for idx in inputs if idx is not None] if layers else []
     for layer in layers:
-        layer.ids_ahead.extend(copies)
+        layer.plans_ahead.extend(plans)
     try:
         yield
-        if any(layer.ids_ahead for layer in layers):
-            raise RuntimeError("L3: a training step left micro-batch ids unread (fewer lookups than micro-batches)")
+        if any(layer.plans_ahead for layer in layers):
+            raise RuntimeError("L3: a training step left micro-batch plans untaken (fewer lookups than micro-batches)")
     finally:
         for layer in layers:
-            layer.ids_ahead.clear()
+            layer.plans_ahead.clear()

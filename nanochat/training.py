@@ -21,7 +21,7 @@ from nanochat.common import print0, ConfigError
 from nanochat.distributed import barrier, all_reduce_max, gather_objects, agreed
 from nanochat.gpt import build_model, Block, WholeSequence
 from nanochat import kernels, moe
-from nanochat.l3 import ids_copied_ahead
+from nanochat.l3 import plans_made_ahead
 from nanochat.optim import MuonAdamW, muon_stacks, param_groups, split_experts
 from nanochat.data_parallel import DataParallel, held_whole
 from nanochat.dataloader import DataLoader
@@ -235,7 +235,7 @@ class Trainer:
         """One optimizer step on the whole (B, T) micro-batches [(x, y), ...] (CP: the model takes its chunks): forward
         and backward (the pipeline's schedule under PP), step `it`'s LR, momentum and decay, the update. Returns (the
         loss averaged over micro-batches and DP ranks, a device tensor: nothing waits for the GPU; the LR factor)."""
-        with ids_copied_ahead(self.model, [x for x, _ in batches]):  # L3's lookups plan on the host
+        with plans_made_ahead(self.model, [x for x, _ in batches]):  # L3's lookups planned on the planner thread
             if self.pipeline is not None:
                 loss = self.pipeline.train_step(batches, self.dp.prepare_last_backward)
             else:
