@@ -16,7 +16,7 @@ what attention and the loss see) and `weights.run(module, fn, *args)` (sharding.
 
 import math
 import functools
-from dataclasses import dataclass, asdict
+from dataclasses import dataclass, asdict, fields
 
 import torch
 import torch.nn as nn
@@ -65,6 +65,12 @@ class GPTConfig:
     @classmethod
     def from_dict(cls, d):
         d = dict(d)
+        if gone := [k for k in ("sequence_len", "vocab_size", "n_layer", "n_head", "n_embd") if k not in d]:
+            raise ConfigError(f"the model config lacks {', '.join(gone)}: the checkpoint's meta is damaged or not "
+                              f"nanochat's")
+        if unknown := sorted(set(d) - {f.name for f in fields(cls)} - {"l3_tied"}):
+            raise ConfigError(f"the model config has keys this version does not know ({', '.join(unknown)}): resume or "
+                              f"evaluate it with the version that trained it")
         d["l3_after_layers"], d["moe_layers"] = tuple(d.get("l3_after_layers", ())), tuple(d.get("moe_layers", ()))
         if d.pop("l3_tied", True) is False and d["l3_after_layers"]:  # named by checkpoints before 2026-11-24
             raise ConfigError("this checkpoint has L3 layers with separate key and value tables, which this version "

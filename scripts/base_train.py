@@ -31,6 +31,7 @@ from nanochat.signals import install_stop_handlers, stop_agreed, Interrupted
 from nanochat.memory import cpu_memory_error
 from nanochat.watchdog import Watchdog
 from nanochat.optim import PARAM_GROUPS
+from nanochat.gpt import GPTConfig
 from nanochat import kernels, report, training
 from nanochat.recipe import Setting, parse_args, check_loop_flags, model_config, derive_recipe, context_lengths
 from nanochat.dataloader import reshard_states
@@ -71,7 +72,7 @@ class Plan:
             self.resume_meta = resume_meta = ckpt.load_meta(ckpt_dir, args.resume_from_step,
                                                             needs=("model_config", "loop_state", "dataloader_states"))
             if args.max_seq_len is None:  # not given: the checkpoint's context
-                args.max_seq_len = resume_meta["model_config"]["sequence_len"]
+                args.max_seq_len = GPTConfig.from_dict(resume_meta["model_config"]).sequence_len
             ckpt.check_tokenizer(resume_meta, self.tokenizer, ckpt_dir)
             self.new_data = ckpt.check_data_unchanged(resume_meta, data_dir, self.data_listing, args.resume_on_new_data)
         check_loop_flags(args, resume_meta)

@@ -39,6 +39,19 @@ def test_damaged_checkpoint_files_are_named(tmp_path):
         ckpt.load_checkpoint(str(tmp_path), 2)
 
 
+def test_a_damaged_model_config_is_one_line():
+    """A meta's model config without a shape key, or with keys of another version, is named (it built a default-sized
+    model, or traced from the dataclass); an old checkpoint's l3_tied still loads."""
+    from nanochat.gpt import GPTConfig
+    from nanochat.common import ConfigError
+    saved = GPTConfig().to_dict()
+    assert GPTConfig.from_dict({**saved, "l3_tied": True}) == GPTConfig()
+    with pytest.raises(ConfigError, match="lacks sequence_len, vocab_size: the checkpoint's meta is damaged"):
+        GPTConfig.from_dict({k: v for k, v in saved.items() if k not in ("sequence_len", "vocab_size")})
+    with pytest.raises(ConfigError, match=r"does not know \(n_experts\)"):
+        GPTConfig.from_dict({**saved, "n_experts": 4})
+
+
 def test_lines_of_a_run_log_that_are_not_records_are_skipped(tmp_path):
     from nanochat.run_log import read_records
     path = tmp_path / "metrics.jsonl"
