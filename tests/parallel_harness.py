@@ -148,7 +148,8 @@ def _worker(rank, world, tp, pp, sequence_parallel, schedule, steps, port, out_d
     torch.save({**trainer.optimizer.held_bytes(), "gathered_peak": gathered_peak}, os.path.join(out_dir, f"held{rank}.pt"))
     if layout.dp_rank == 0 and layout.cp_rank == 0 and layout.tp_rank == 0:
         torch.save({"losses": losses, "params": model_state, "eval_loss": eval_loss, "overlapped": overlapped,
-                    "graphs": graphs, "grad_norms": grad_norms},
+                    "graphs": graphs, "grad_norms": grad_norms,
+                    "exchange": getattr(trainer.model.sequence, "exchange", None)},  # CP's, as the attention calls it
                    os.path.join(out_dir, f"stage{layout.pp_rank}.pt"))
     if world > 1:
         dist.barrier()
@@ -286,7 +287,7 @@ def run_layout(dp=1, tp=1, pp=1, sequence_parallel=False, schedule="1f1b", steps
         _worker(0, *args)
     else:
         spawn(_worker, args, world)
-    params, losses, eval_losses, overlapped, graphs, grad_norms = {}, None, [], [], [], None
+    params, losses, eval_losses, overlapped, graphs, grad_norms, exchange = {}, None, [], [], [], None, None
     for s in range(pp):
         part = torch.load(os.path.join(out_dir, f"stage{s}.pt"), weights_only=True)
         params.update(part["params"])
@@ -294,7 +295,7 @@ def run_layout(dp=1, tp=1, pp=1, sequence_parallel=False, schedule="1f1b", steps
         overlapped.append(part["overlapped"])
         graphs.append(part["graphs"])
         if s == pp - 1:
-            losses, grad_norms = part["losses"], part["grad_norms"]
+            losses, grad_norms, exchange = part["losses"], part["grad_norms"], part["exchange"]
     held = [torch.load(os.path.join(out_dir, f"held{r}.pt"), weights_only=True) for r in range(world)]
     return {"losses": losses, "params": params, "eval_losses": eval_losses, "overlapped": overlapped, "graphs": graphs,
-            "grad_norms": grad_norms, "held": held, "gathered_peak": max(h["gathered_peak"] for h in held), "dir": out_dir}
+            "grad_norms": grad_norms, "exchange": exchange, "held": held, "gathered_peak": max(h["gathered_peak"] for h in held), "dir": out_dir}

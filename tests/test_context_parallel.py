@@ -40,12 +40,16 @@ def test_windowed_reference_has_short_windows_and_documents(windowed):
 
 @pytest.mark.parametrize("exchange", ["all-gather", "ring"])
 def test_cp4_full_context(reference, exchange):  # CP 2 with full context: test_dp2_cp2
-    assert_same_run(run_layout(cp=4, cp_exchange=exchange), reference)
+    run = run_layout(cp=4, cp_exchange=exchange)
+    assert run["exchange"] == exchange
+    assert_same_run(run, reference)
 
 
 @pytest.mark.parametrize("cp,exchange", [(2, "all-gather"), (4, "all-gather"), (2, "ring"), (4, "ring")])
 def test_cp_sliding_windows_and_documents(windowed, cp, exchange):
-    assert_same_run(run_layout(cp=cp, cp_exchange=exchange, config_overrides=WINDOWS, documents=True), windowed)
+    run = run_layout(cp=cp, cp_exchange=exchange, config_overrides=WINDOWS, documents=True)
+    assert run["exchange"] == exchange
+    assert_same_run(run, windowed)
 
 
 def test_dp2_cp2(reference):  # gradients summed over DP x CP; each DP rank's CP pair reads the same batches

@@ -30,12 +30,36 @@ def test_rows_are_whole_documents_best_fit(tokenizer):
     bos = tokenizer.get_bos_token_id()
     from nanochat.dataset import iter_documents, split_files
     docs = {tuple(ids) for ids in tokenizer.encode(list(iter_documents(split_files(SAMPLE_DIR, "train"))), prepend=bos)}
+    p.lengths = TakenLengths(p.lengths)
     block = p.next_block()
     assert any((row == bos).sum() > 1 for row in block)  # some rows hold several documents
     for row in block:
         starts = np.flatnonzero(row == bos).tolist() + [T + 1]
         for a, b in zip(starts[:-2], starts[1:-1]):
             assert tuple(row[a:b].tolist()) in docs
+    # best fit: each document placed is the longest in the buffer that fits the row's space; none fits: the shortest
+    taken = iter(p.lengths.taken)
+    for _ in range(B):
+        pos = 0
+        while pos < T + 1:
+            lengths, length = next(taken)
+            space = T + 1 - pos
+            fits = [n for n in lengths if n <= space]
+            assert length == (max(fits) if fits else min(lengths)), (space, length, sorted(lengths))
+            pos += min(length, space)
+    assert next(taken, None) is None
+
+
+class TakenLengths(list):
+    """The packer's sorted buffer lengths, recording the buffer and the length each time one is taken."""
+
+    def __init__(self, lengths):
+        super().__init__(lengths)
+        self.taken = []
+
+    def pop(self, j):
+        self.taken.append((list(self), self[j]))
+        return super().pop(j)
 
 
 def test_loader_yields_shifted_targets(tokenizer):

@@ -63,6 +63,14 @@ flash_attention_backward.register_kernel("cpu")(
     lambda dout, q, k, v, out, lse, window: math_attention_backward(dout, q, k, v, out, window))
 
 
+def test_window_goes_to_fa4_as_its_left_size():
+    """The CPU kernel above takes our window (keys in (i - window, i]); FA4 takes window_size_left, the keys a query
+    sees besides its own: window - 1, or None for the whole causal context. The op converts with _left, which the
+    CPU kernel never calls, so the conversion is checked here."""
+    from nanochat.kernels.flash_attention import _left
+    assert (_left(4, 12), _left(1, 12), _left(12, 12), _left(4096, 2048)) == (3, 0, None, None)
+
+
 def _inputs(B=2, T=12, Hq=4, Hkv=2, D=16, dtype=torch.float32, device="cpu", seed=0):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(B, T, Hq, D, generator=g, dtype=dtype)

@@ -169,7 +169,8 @@ def test_bf16_activations():
         outs[path].float().square().sum().backward()
         assert outs[path].dtype == torch.bfloat16 and layer.key_table.grad.dtype == torch.float32
     torch.testing.assert_close(outs["padded"].float(), outs["blocked"].float(), rtol=0.05, atol=0.05)
-    # a frequent token's rows sum thousands of positions' gradients: in fp32 on both paths (bf16 sums lost ~6%)
+    # a frequent token's rows sum thousands of positions' gradients: in fp32 on both paths, within 0.07% of the fp32
+    # lookup (summed in bf16: 0.7% off on the blocked path, half on the padded one)
     ids = torch.where(torch.rand(2, 2048) < 0.85, 3, torch.randint(0, 40, (2, 2048)))
     x = torch.randn(2, 2048, 16)
     grads = {}
@@ -180,7 +181,7 @@ def test_bf16_activations():
         grads[path, dtype] = layer.key_table.grad.clone()
     reference = grads["padded", torch.float32]
     for key in (("padded", torch.bfloat16), ("blocked", torch.bfloat16)):
-        assert (grads[key] - reference).norm() < 0.02 * reference.norm(), key
+        assert (grads[key] - reference).norm() < 0.003 * reference.norm(), key
 
 
 def test_choose_path():
@@ -194,7 +195,7 @@ def test_choose_path():
     assert layer.bounds[1] - layer.bounds[0] > 4 * (layer.bounds[40] - layer.bounds[39])
     assert choose_path(x, ids, layer.bounds) == "blocked"  # mostly padding
     ids = torch.randint(0, 40, (300_000,))
-    assert choose_path(torch.randn(300_000, 16), ids, layer.bounds) == "blocked"  # padded gather too big
+    assert choose_path(torch.randn(300_000, 16), ids, uniform.bounds) == "blocked"  # no padding, but 150 MB
 
 
 # -----------------------------------------------------------------------------
@@ -214,7 +215,7 @@ def test_zero_init_is_a_noop():
 def test_gradients_reach_exactly_the_used_rows(path):
     layer = make_layer(dtype=torch.float32)
     layer.path = path
-    ids = torch.tensor([[3, 7, 3, 0], [12, 0, 25, 7]])
+    ids = torch.tensor([[3, 7, 3, 1], [12, 1, 25, 7]])  # not token 0: the padded path's padding reads its row 0
     layer(torch.randn(2, 4, 16), ids).square().sum().backward()
     used = torch.zeros(layer.n_emb, dtype=torch.bool)
     for t in ids.unique():
@@ -288,11 +289,20 @@ def test_in_a_tiny_gpt():
     assert len(table_groups) == 1 and len(table_groups[0]["params"]) == 1
 
 
-def test_a_steps_lookups_are_planned_ahead_and_taken_in_order():
-    """A training step plans every micro-batch's lookup on the planner thread from its start (plans_made_ahead): the
-    lookups take the plans in order and give what a plan made at the lookup gives; a step that leaves some untaken,
-    or runs forwards out of order, is an error (never a lookup planned on another batch's ids), and leaves nothing
-    queued."""
+def test_a_steps_lookups_are_planned_ahead_and_taken_in_order(monkeypatch):
+    """A training step plans every micro-batch's lookup on the planner thread from its start (plans_made_ahead), one
+    plan for both layers: the lookups take the plans in order and give what a plan made at the lookup gives; a step
+    that leaves some untaken, or runs forwards out of order, is an error (never a lookup planned on another batch's
+    ids), and leaves nothing queued."""
+    import threading
+    from nanochat import l3
+    planned_on = []
+
+    class CountedPlan(l3._Plan):
+        def __init__(self, *args, **kwargs):
+            planned_on.append(threading.current_thread().name)
+            super().__init__(*args, **kwargs)
+    monkeypatch.setattr(l3, "_Plan", CountedPlan)
     torch.manual_seed(0)
     model = build_model(tiny_l3_config(l3_after_layers=(0, 1)), "cpu")  # two layers share each micro-batch's plan
     layers = list(model.l3.values())
@@ -301,9 +311,12 @@ def test_a_steps_lookups_are_planned_ahead_and_taken_in_order():
         torch.nn.init.normal_(layer.w_mix.weight, std=0.02)
     a, b = torch.randint(0, 256, (2, 32)), torch.randint(0, 256, (3, 32))
     want = [model(a, a), model(b, b)]
+    assert planned_on == ["MainThread"] * 4  # outside a step: at each layer's lookup
+    planned_on.clear()
     with plans_made_ahead(model, [a, b]):
         assert all(len(layer.plans_ahead) == 2 for layer in layers)
         got = [model(a, a), model(b, b)]
+    assert len(planned_on) == 2 and all(name.startswith("nanochat-l3-planner") for name in planned_on), planned_on
     assert all(torch.equal(g, w) for g, w in zip(got, want)) and not any(layer.plans_ahead for layer in layers)
     with pytest.raises(RuntimeError, match="untaken"):
         with plans_made_ahead(model, [a, b]):
@@ -322,10 +335,15 @@ def test_compiled_forward_and_backward_cpu():
     torch.nn.init.normal_(model.l3["0"].w_mix.weight, std=0.02)
     idx = torch.randint(0, 256, (2, 32))
     eager = model(idx, idx)
+    eager.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
     loss = torch.compile(model, dynamic=False, backend="aot_eager")(idx, idx)
     loss.backward()
     torch.testing.assert_close(loss, eager, rtol=1e-5, atol=1e-5)
     assert model.l3["0"].key_table.grad.abs().sum() > 0
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_allocate_for_model(tokenizer, capsys):

@@ -91,6 +91,8 @@ def test_pp2(reference, pp2_1f1b, schedule, virtual):
     the same micro-batch order."""
     run = pp2_1f1b if schedule == "1f1b" else run_layout(pp=2, schedule=schedule, virtual=virtual)
     assert_same_run(run, reference)
+    if schedule == "1f1b":
+        return
     assert run["losses"] == pp2_1f1b["losses"]
     for name, p in pp2_1f1b["params"].items():
         assert torch.equal(run["params"][name], p), (schedule, name)

@@ -70,9 +70,10 @@ class CountKept(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.calls = {"attention": 0, "relu_square": 0}
+        self.calls, self.all_ops = {"attention": 0, "relu_square": 0}, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.all_ops += 1
         if func in kernels.SELECTIVE_KEEPS:
             self.calls["relu_square" if "relu_square" in str(func) else "attention"] += 1
         return func(*args, **(kwargs or {}))
@@ -91,10 +92,14 @@ def fused_mlp_on_cpu(monkeypatch):
 @pytest.mark.parametrize("mode, recomputed", [("block", CONFIG["n_layer"]), ("selective", 0)])
 def test_selective_keeps_attention_and_relu_square(fused_mlp_on_cpu, mode, recomputed):
     """The kept ops run once per layer in the forward; in the backward, "block" runs them again per layer
-    and "selective" not at all (their saved outputs serve the recompute), with the same loss and gradients."""
+    and "selective" not at all (their saved outputs serve the recompute), while both run more ops than a backward
+    without recompute (the rest of each block again), with the same loss and gradients."""
+    rows = fixed_batches(1)[0]
+    plain_loss = tiny_model("none")(rows[:, :-1], rows[:, 1:])
+    with CountKept() as plain_backward:
+        plain_loss.backward()
     ref_loss, ref_grads = loss_and_grads(tiny_model("none"))
     model = tiny_model(mode)
-    rows = fixed_batches(1)[0]
     with CountKept() as forward:
         loss = model(rows[:, :-1], rows[:, 1:])
     with CountKept() as backward:
@@ -102,6 +107,7 @@ def test_selective_keeps_attention_and_relu_square(fused_mlp_on_cpu, mode, recom
     n = CONFIG["n_layer"]
     assert forward.calls == {"attention": n, "relu_square": n}
     assert backward.calls == {"attention": recomputed, "relu_square": recomputed}
+    assert backward.all_ops > plain_backward.all_ops + n, (backward.all_ops, plain_backward.all_ops)
     assert torch.equal(loss.detach(), ref_loss)
     for name, p in model.named_parameters():
         assert torch.equal(p.grad, ref_grads[name]), name

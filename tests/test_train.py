@@ -28,8 +28,13 @@ def test_exact_resume_is_bitwise(env):
     assert run.header["start_step"] == 15 and sorted(run.losses()) == list(range(20))
     for s in range(15, 20):
         assert run.losses()[s] == losses[s], f"step {s}: {run.losses()[s]} != {losses[s]}"
-    # the final checkpoint of both runs holds the same weights
-    assert os.path.exists(os.path.join(folder, "meta_000020.json"))
+    # the final checkpoint of both runs holds the same weights (the first run's went aside when the resume began)
+    import torch
+    from nanochat.checkpoint_manager import load_checkpoint
+    aside = [os.path.join(folder, f) for f in os.listdir(folder) if f.startswith("replaced_")]
+    assert len(aside) == 1, os.listdir(folder)
+    first, again = (load_checkpoint(d, 20, load_optimizer=False)[0] for d in (aside[0], folder))
+    assert first.keys() == again.keys() and all(torch.equal(first[k], again[k]) for k in first)
     assert "Validation bpb:" in full.stdout and "Validation bpb:" in resumed.stdout
     assert full.stdout.split("Validation bpb:")[1].split()[0] == resumed.stdout.split("Validation bpb:")[1].split()[0]
 
@@ -224,12 +229,12 @@ def test_resume_at_the_final_step_wraps_up(env):
 
 
 def test_l3_run_resumes_bitwise_with_its_allocation(env):
-    """An L3 run resumes bitwise: the LZW allocation comes back from the checkpoint
-    instead of being computed again (with the uniform split left by init_weights the losses would differ)."""
+    """An L3 run resumes bitwise: the LZW allocation (skewed: 4 rows a token on average, 1 to 16) comes back from the
+    checkpoint instead of being computed again (with the uniform split left by init_weights the losses would differ)."""
     args = TRAIN + ["--num-iterations", "4", "--save-every", "2", "--model-tag", "l3", "--eval-every", "-1",
-                    "--l3-after-layers", "0", "--l3-k-max", "8"]
+                    "--l3-after-layers", "0", "--l3-n-emb", "4096", "--l3-k-max", "16"]
     full = run_script("scripts.base_train", args, env)
-    assert "L3 allocation:" in full.stdout
+    assert "L3 allocation:" in full.stdout and "L3 rows per token: min 1, " in full.stdout  # skewed, not uniform
     losses = run_losses(env, "l3")
     resumed = run_script("scripts.base_train", args + ["--resume-from-step", "2"], env)
     assert "L3 allocation:" not in resumed.stdout
