@@ -243,10 +243,11 @@ class _BlockedLookup(torch.autograd.Function):
     """h = E_t^T softmax(E_t x) by blocks of sorted positions (_Plan); the backward recomputes each chunk's softmax."""
 
     @staticmethod
-    def forward(ctx, x, table, plan, max_rows):
+    def forward(ctx, x, table, plan, chunk_bytes):
         acc = _acc_dtype(x.dtype)
         order, slot, target, rel_start, rel_end, lo = plan.to(x.device)
-        chunks = plan.chunks(max_rows)
+        # rows a chunk may gather: a row costs its channels, or its column of fp32 scores (block entries) if more
+        chunks = plan.chunks(max(1, chunk_bytes // max(table.size(1) * x.element_size(), 4 * plan.block)))
         tc = table.to(x.dtype)  # one cast of the table beats casting the (larger) gathered blocks
         xs = x.index_select(0, order)
         hs = x.new_empty(x.size(0) + L3_SPARE_ROWS, tc.size(1))  # + the padding slots' rows
@@ -296,19 +297,13 @@ def on_host(t):
     return t if isinstance(t, np.ndarray) else t.cpu().numpy()
 
 
-def max_chunk_rows(x, table, block=L3_BLOCK_POSITIONS, chunk_bytes=L3_CHUNK_BYTES):
-    """Rows one chunk may gather: a row costs its channels, or its column of fp32 scores (block entries) if more."""
-    return max(1, chunk_bytes // max(table.size(1) * x.element_size(), 4 * block))
-
-
 def lookup_blocked(x, ids, table, bounds, block=L3_BLOCK_POSITIONS, chunk_bytes=L3_CHUNK_BYTES, window=None):
     """x (N, d), ids (N,) -> h (N, d); ids, bounds on the host (or copied there); window >= k_max (None: from
     bounds)."""
     ids, bounds = on_host(ids), on_host(bounds)
     if window is None:
         window = int((bounds[1:] - bounds[:-1]).max())
-    plan = _Plan(ids, bounds, block, window, pin=x.is_cuda)
-    return _BlockedLookup.apply(x, table, plan, max_chunk_rows(x, table, block, chunk_bytes))
+    return _BlockedLookup.apply(x, table, _Plan(ids, bounds, block, window, pin=x.is_cuda), chunk_bytes)
 
 
 def choose_path(x, ids, bounds):
@@ -384,10 +379,9 @@ class L3Layer(nn.Module):
         return 6 * sum(p.numel() for p in self.dense_parameters()) + 12 * r * self.d_model
 
     def plan_ahead(self, idx):
-        """A Future of the plan (_Plan) of a forward's lookup, for plans_ahead: the copy of this rank's share of the
-        ids to the host is queued now, behind the GPU's work, and the planner thread waits for it and plans while
-        this thread goes on queueing work (a copy at the lookup, as in evaluation and sampling, drains the queue and
-        idles the GPU while the host plans)."""
+        """A Future of the plan (_Plan) of a forward's lookup: the copy of this rank's share of the ids to the host is
+        queued now, behind the GPU's work; the planner thread waits for it and plans while this one queues more (a copy
+        at the lookup, as in evaluation and sampling, drains the queue and idles the GPU while the host plans)."""
         ids = self.token_share(idx).reshape(-1)
         bounds, done = self.host_bounds(), None
         if ids.is_cuda:
@@ -418,7 +412,7 @@ class L3Layer(nn.Module):
         if path == "padded":
             return lookup_padded(x, ids, self.key_table, self.bounds)
         plan = plan or _Plan(on_host(ids), self.host_bounds(), L3_BLOCK_POSITIONS, self.k_max, pin=x.is_cuda)
-        return _BlockedLookup.apply(x, self.key_table, plan, max_chunk_rows(x, self.key_table))
+        return _BlockedLookup.apply(x, self.key_table, plan, L3_CHUNK_BYTES)
 
     def forward(self, x, idx):
         """x (B, T, d) hidden states, idx (B, T) token ids -> (B, T, d) to add to the residual stream."""
@@ -429,18 +423,24 @@ class L3Layer(nn.Module):
         return self.w_mix(torch.cat([u, x], dim=-1))
 
 
+def plan_lookups(layers, idx):
+    """Queue one plan of a forward's lookups for each of `layers` (idx: this rank's (B, T) ids): they see the same ids
+    (the same share under sequence parallelism) and share one allocation (allocate_for_model)."""
+    plan = layers[0].plan_ahead(idx)
+    for layer in layers:
+        layer.plans_ahead.append(plan)
+
+
 @contextlib.contextmanager
 def plans_made_ahead(model, inputs):
-    """A training step: every micro-batch's lookup (inputs, the (B, T) micro-batches; None on a pipeline stage that
-    reads no data) is planned on the planner thread from its start, its ids' copy queued behind the loader's copies to
-    the GPU, so that no lookup in the step drains the GPU's queue or plans on this thread; each L3 layer's forwards
-    take the plans in order, and must take them all."""
+    """A training step: every micro-batch's lookup (inputs, the (B, T) micro-batches) is planned on the planner thread
+    from its start, its ids' copy queued behind the loader's copies to the GPU, so that no lookup in the step drains
+    the GPU's queue or plans on this thread; each L3 layer's forwards take the plans in order, and must take them all.
+    A pipeline stage that reads no data (inputs None) plans each chunk's from the ids it receives (Pipeline.forward)."""
     layers = list(model.l3.values())
-    # one plan a micro-batch serves every layer: they see the same ids (the same share under sequence parallelism)
-    # and share one allocation (allocate_for_model)
-    plans = [layers[0].plan_ahead(model.sequence.local(idx)) for idx in inputs if idx is not None] if layers else []
-    for layer in layers:
-        layer.plans_ahead.extend(plans)
+    for idx in inputs if layers else []:
+        if idx is not None:
+            plan_lookups(layers, model.sequence.local(idx))
     try:
         yield
         if any(layer.plans_ahead for layer in layers):

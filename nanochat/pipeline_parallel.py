@@ -28,6 +28,7 @@ import torch.distributed as dist
 from nanochat.gpt import Residual
 from nanochat.distributed import wait_for
 from nanochat.moe import inactive_expert_params
+from nanochat.l3 import plan_lookups
 from nanochat.pipeline_schedules import stage_actions, idle_formula, input_of, message_order, action_name
 
 
@@ -187,6 +188,9 @@ class Pipeline:
         """Micro-batch i through chunk c (chunk 0 embeds the ids): (Residual, idx), or the last chunk's loss."""
         chunk = self.chunks[c]
         received = self._saved_inputs[i, c] = [] if chunk.first else carried(inputs[0], chunk.receives_mid)
+        l3_layers = [layer for k, layer in self.model.l3.items() if chunk.start <= int(k) < chunk.end]
+        if l3_layers and self.xs[i] is None:  # no ids read here: plan the lookups from those received (l3.py)
+            plan_lookups(l3_layers, self.model.sequence.local(inputs[1]))
         for t in received:
             t.requires_grad_(True)
         h, idx = self._through(chunk, self.xs[i], inputs)

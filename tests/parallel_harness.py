@@ -87,6 +87,27 @@ def _free_port():
         return s.getsockname()[1]
 
 
+class count_l3_lookups:
+    """Inside it, L3's lookups in training, by whether a plan made ahead (on the planner thread) waited for them."""
+
+    def __init__(self):
+        self.counts = {"planned ahead": 0, "planned at the lookup": 0}
+
+    def __enter__(self):
+        from nanochat.l3 import L3Layer
+        self.lookup = lookup = L3Layer.lookup
+
+        @torch.compiler.disable
+        def counted(layer, x, ids):
+            self.counts["planned ahead" if layer.plans_ahead else "planned at the lookup"] += 1
+            return lookup(layer, x, ids)
+        L3Layer.lookup = counted
+
+    def __exit__(self, *exc):
+        from nanochat.l3 import L3Layer
+        L3Layer.lookup = self.lookup
+
+
 def _worker(rank, world, tp, pp, sequence_parallel, schedule, steps, port, out_dir, config_overrides, resume_from,
             overlap, recompute="none", compile_backend=None, fp8=False, virtual=1, cp=1, documents=False,
             shard_params=False, keep_gathered=False, micro_batch=MICRO_BATCH, ep=1, cp_exchange=None, dtype="float32"):
@@ -127,10 +148,14 @@ def _worker(rank, world, tp, pp, sequence_parallel, schedule, steps, port, out_d
     schedule_of_steps = training.Schedule(steps, LRS["weight_decay"], warmup_steps=2, warmdown_ratio=0.5)
     batches = fixed_batches(steps, sequence_len=config.sequence_len, documents=documents)
     losses, overlapped, graphs, grad_norms = [], [], [], []
+    l3_lookups = count_l3_lookups()
     for step in range(first_step, steps):
         rows = batches[step][layout.dp_rank * per_rank:(layout.dp_rank + 1) * per_rank]
         micro = [(rows[i:i + micro_batch, :-1], rows[i:i + micro_batch, 1:]) for i in range(0, per_rank, micro_batch)]
-        loss, _ = trainer.step(micro, schedule_of_steps, step)
+        if not training.reads_data(layout):  # as base_train: a middle pipeline stage reads no data
+            micro = [(None, None)] * len(micro)
+        with l3_lookups:
+            loss, _ = trainer.step(micro, schedule_of_steps, step)
         losses.append(loss.item())
         grad_norms.append(trainer.optimizer.grad_norms.tolist())
         overlapped.append(trainer.dp.launched_in_backward / len(trainer.dp.buckets))
@@ -148,7 +173,7 @@ def _worker(rank, world, tp, pp, sequence_parallel, schedule, steps, port, out_d
     torch.save({**trainer.optimizer.held_bytes(), "gathered_peak": gathered_peak}, os.path.join(out_dir, f"held{rank}.pt"))
     if layout.dp_rank == 0 and layout.cp_rank == 0 and layout.tp_rank == 0:
         torch.save({"losses": losses, "params": model_state, "eval_loss": eval_loss, "overlapped": overlapped,
-                    "graphs": graphs, "grad_norms": grad_norms,
+                    "graphs": graphs, "grad_norms": grad_norms, "l3_lookups": l3_lookups.counts,
                     "exchange": getattr(trainer.model.sequence, "exchange", None)},  # CP's, as the attention calls it
                    os.path.join(out_dir, f"stage{layout.pp_rank}.pt"))
     if world > 1:
@@ -287,15 +312,16 @@ def run_layout(dp=1, tp=1, pp=1, sequence_parallel=False, schedule="1f1b", steps
         _worker(0, *args)
     else:
         spawn(_worker, args, world)
-    params, losses, eval_losses, overlapped, graphs, grad_norms, exchange = {}, None, [], [], [], None, None
+    params, losses, eval_losses, overlapped, graphs, grad_norms, exchange, l3_lookups = {}, None, [], [], [], None, None, []
     for s in range(pp):
         part = torch.load(os.path.join(out_dir, f"stage{s}.pt"), weights_only=True)
         params.update(part["params"])
         eval_losses.append(part["eval_loss"])
         overlapped.append(part["overlapped"])
         graphs.append(part["graphs"])
+        l3_lookups.append(part["l3_lookups"])
         if s == pp - 1:
             losses, grad_norms, exchange = part["losses"], part["grad_norms"], part["exchange"]
     held = [torch.load(os.path.join(out_dir, f"held{r}.pt"), weights_only=True) for r in range(world)]
     return {"losses": losses, "params": params, "eval_losses": eval_losses, "overlapped": overlapped, "graphs": graphs,
-            "grad_norms": grad_norms, "exchange": exchange, "held": held, "gathered_peak": max(h["gathered_peak"] for h in held), "dir": out_dir}
+            "grad_norms": grad_norms, "exchange": exchange, "l3_lookups": l3_lookups, "held": held, "gathered_peak": max(h["gathered_peak"] for h in held), "dir": out_dir}

@@ -58,6 +58,15 @@ def test_l3_pp2(l3_reference, schedule, virtual):
     assert_same_run(run_layout(pp=2, schedule=schedule, virtual=virtual, config_overrides=L3), l3_reference)
 
 
+def test_l3_pp3_middle_stage_plans_from_the_ids_it_receives(l3_reference):
+    """A middle stage reads no data, as in base_train: its lookups are planned ahead from the ids its inputs bring
+    (a plan made at the lookup waits for the GPU), and the run follows one process."""
+    run = run_layout(pp=3, config_overrides=L3)
+    assert_same_run(run, l3_reference)
+    assert run["l3_lookups"][1]["planned ahead"] > 0, run["l3_lookups"]  # the middle stage holds an L3 layer
+    assert all(n["planned at the lookup"] == 0 for n in run["l3_lookups"]), run["l3_lookups"]
+
+
 def test_l3_dp2_pp2(l3_reference):  # the table's gradient reduced over DP from the stage that holds it
     assert_same_run(run_layout(dp=2, pp=2, config_overrides=L3), l3_reference)
 
