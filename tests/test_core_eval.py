@@ -3,6 +3,7 @@ toy model whose answers are known; centering and the CORE mean; missing tasks; f
 left truncation; padding; finding and downloading the bundle."""
 
 import os
+import math
 import json
 import shutil
 import zipfile
@@ -14,6 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 import torch.nn as nn
 
 from nanochat.core_eval import (Task, EvalBundleError, evaluate_task, evaluate_core, evaluate_core_for_training,
@@ -350,3 +352,23 @@ def test_download_unpacks_into_the_base_dir(tmp_path, monkeypatch):
     assert load_bundle(path)[1] == ["gone"]
     shutil.rmtree(src)
     assert find_eval_bundle() == path  # found now, no download
+
+
+def test_a_rows_mean_loss_is_its_continuations_cross_entropy():
+    """score_rows' mean over a row's continuation equals cross-entropy computed directly, rows of other lengths
+    batched together (a toy model's 0-or-20-nat margins could not see the denominator off by one)."""
+    torch.manual_seed(0)
+    model = random_gpt(sequence_len=64, vocab_size=128, n_layer=2, n_head=2, n_kv_head=2, n_embd=64)
+    rows, starts = [np.array([0, 5, 9, 17, 3, 44], dtype=np.int32), np.array([0, 7, 7, 2], dtype=np.int32)], [3, 1]
+    means, _ = score_rows(model, rows, starts, "cpu")
+    for row, start, got in zip(rows, starts, means):
+        ids = torch.tensor(row, dtype=torch.long)[None]
+        with torch.no_grad():
+            want = F.cross_entropy(model(ids)[0][start - 1:-1], ids[0, start:]).item()
+        assert math.isclose(got, want, rel_tol=1e-5)
+
+
+def test_language_modeling_starts_where_the_context_stops_matching():
+    """The context's last token merged with the continuation's first (context [0, 1, 2, 3], the whole text
+    [0, 1, 2, 7, 8, 9]): the continuation starts at the first token that differs, 3, not at the context's length."""
+    assert continuation_starts("language_modeling", [np.array([0, 1, 2, 7, 8, 9])], np.array([0, 1, 2, 3])) == [3]

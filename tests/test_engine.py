@@ -101,3 +101,13 @@ def test_stop_tokens_stop():
     rows = generate(model, prompt, 30, num_samples=4, temperature=1.0, seed=1, stop_tokens=(stop,))
     for row in rows:
         assert stop not in row[:-1] and (row[-1] == stop or len(row) == 30)
+
+
+def test_temperature_shapes_the_distribution():
+    """Logits [0, 1] sampled at temperature T pick 1 with probability sigmoid(1 / T) (greedy and top-k 1 alone
+    cannot see a temperature ignored)."""
+    logits = torch.tensor([[0.0, 1.0]]).expand(40_000, 2)
+    g = torch.Generator().manual_seed(0)
+    for temperature in (0.5, 2.0):
+        ones = sample_next(logits, temperature, None, g).float().mean().item()
+        assert abs(ones - torch.sigmoid(torch.tensor(1.0 / temperature)).item()) < 0.01, (temperature, ones)

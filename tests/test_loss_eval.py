@@ -22,6 +22,14 @@ def test_bpb_equals_hand_computation():
     assert math.isclose(bpb, nats / (math.log(2) * nbytes), rel_tol=1e-12)
 
 
+def test_ignored_targets_count_no_bytes():
+    """An ignored target (-1) adds no bytes, whatever token 0's length (the real tokenizer's id 0 is a byte)."""
+    token_bytes = torch.tensor([3, 1, 0], dtype=torch.int32)  # 2: a special token
+    y = torch.tensor([[0, -1, 1, 2]])
+    bpb = evaluate_bpb(lambda x, y: torch.tensor([[1.0, 0.0, 2.0, 5.0]]), iter([(None, y)]), 1, token_bytes)
+    assert math.isclose(bpb, 3.0 / (math.log(2) * 4), rel_tol=1e-12)
+
+
 def test_bpb_reads_only_the_steps_asked_for_and_skips_stages_without_the_head():
     token_bytes = torch.tensor([0, 2], dtype=torch.int32)
     y = torch.tensor([[1, 1]])

@@ -52,6 +52,25 @@ def test_blocks_start_as_identity():
     assert torch.allclose(out.x, expected, atol=1e-6)
 
 
+def test_rotary_tables_against_float64():
+    """Base 100,000: the tables against cos/sin of t * base^(-2i/d) computed here (every other test builds both
+    sides from the same tables)."""
+    from nanochat.gpt import rotary_tables
+    cos, sin = rotary_tables(16, 8)
+    angle = torch.arange(16, dtype=torch.float64)[:, None] * 100_000.0 ** (-torch.arange(0, 8, 2, dtype=torch.float64) / 8)
+    torch.testing.assert_close(cos[0, :, 0].double(), angle.cos(), atol=1e-6, rtol=0)
+    torch.testing.assert_close(sin[0, :, 0].double(), angle.sin(), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 31, 64])
+def test_flex_attention_block_mask_is_the_band(window):
+    """The FlexAttention mask (GPUs without FA4) keeps the keys band_mask keeps: the window's last `window` positions."""
+    from nanochat.kernels.sdpa import block_mask, band_mask
+    q, k = torch.arange(64)[:, None], torch.arange(64)[None, :]
+    mask = block_mask(64, window, "cpu").mask_mod(torch.tensor(0), torch.tensor(0), q, k)
+    assert torch.equal(mask, band_mask(64, 64, 0, window, "cpu"))
+
+
 def test_window_pattern_and_value_embeddings():
     cfg = config_for_depth(12, window_pattern="SSSL")
     sizes = window_sizes(cfg)
@@ -59,6 +78,7 @@ def test_window_pattern_and_value_embeddings():
     cfg = config_for_depth(5, window_pattern="S", sequence_len=1024)
     assert window_sizes(cfg) == [256, 256, 256, 256, 1024]  # last layer always full
     assert [has_value_embed(i, 5) for i in range(5)] == [True, False, True, False, True]
+    assert [has_value_embed(i, 4) for i in range(4)] == [False, True, False, True]  # even depths: the last one too
     with pytest.raises(ValueError, match="window-pattern"):
         window_sizes(config_for_depth(2, window_pattern="SXL"))
 
