@@ -31,9 +31,9 @@ import bisect
 import itertools
 import contextlib
 import collections
-from concurrent.futures import ThreadPoolExecutor
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
