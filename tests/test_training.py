@@ -3,6 +3,8 @@ flat, linear warmdown to final_lr_frac; Muon momentum 0.85 -> 0.97 over 400 step
 warmdown; Muon weight decay cosine to 0. The step, setup and save are checked by tests/test_parallel.py
 (whose harness runs them) and tests/test_train.py (base_train end to end)."""
 
+import math
+
 import pytest
 import torch
 
@@ -32,6 +34,36 @@ def test_muon_momentum_and_weight_decay():
     assert s.muon_momentum(1000) == pytest.approx(0.90)
     assert s.muon_weight_decay(0) == pytest.approx(0.2) and s.muon_weight_decay(500) == pytest.approx(0.1)
     assert s.muon_weight_decay(1000) == pytest.approx(0.0, abs=1e-12)
+    assert s.muon_weight_decay(250) == pytest.approx(0.1 * (1 + math.cos(math.pi / 4)))  # a cosine, not a line
+    early = Schedule(num_iterations=600, weight_decay=0.2, warmup_steps=10, warmdown_ratio=0.5)  # warmdown from 300
+    assert early.muon_momentum(300) == pytest.approx(0.94)  # the rise stops where the warmdown starts
+    assert early.muon_momentum(450) == pytest.approx(0.92)  # and falls from there to 0.90
+
+
+def test_a_step_sets_each_groups_lr_momentum_and_decay():
+    """Trainer.step puts the schedule's step into the optimizer: every group's LR times the multiplier, Muon's
+    momentum and weight decay; the AdamW groups keep no decay."""
+    from nanochat import training
+    from nanochat.gpt import GPTConfig
+    from nanochat.distributed import build_layout
+    from nanochat.recipe import Setting, LearningRates
+    torch.manual_seed(0)
+    config = GPTConfig(sequence_len=16, vocab_size=64, n_layer=2, n_head=2, n_kv_head=2, n_embd=32)
+    trainer = training.setup(config, Setting(device_batch=1, total_batch=16), build_layout(0, 1, 0),
+                             torch.device("cpu"), torch.float32, LearningRates())
+    schedule, it = Schedule(num_iterations=100, weight_decay=0.3, warmup_steps=2, warmdown_ratio=0.5), 80
+    x = torch.randint(0, 64, (1, 17))
+    trainer.step([(x[:, :-1], x[:, 1:])], schedule, it)
+    kinds = set()
+    for g in trainer.optimizer.param_groups:
+        kinds.add(g["kind"])
+        assert g["lr"] == pytest.approx(g["initial_lr"] * schedule.lr_multiplier(it)) and schedule.lr_multiplier(it) < 1
+        if g["kind"] == "muon":
+            assert g["momentum"] == pytest.approx(schedule.muon_momentum(it))
+            assert g["weight_decay"] == pytest.approx(schedule.muon_weight_decay(it))
+        else:
+            assert g["weight_decay"] == 0.0
+    assert kinds == {"muon", "adamw"}
 
 
 def test_grad_norms_are_the_norms_of_the_gradients_global_and_per_group():
@@ -108,3 +140,84 @@ def test_a_checkpoint_with_muons_state_not_finite_is_refused(tmp_path):
     with pytest.raises(ckpt.CheckpointError, match="the weights or the optimizer's state are not finite at step 3"):
         trainer.save_checkpoint(str(tmp_path), 3, None, {})
     assert not list(tmp_path.iterdir())
+
+
+def reference_muon(w, g, momentum_buf, second_buf, lr, mu, wd):
+    """optim.py's docstring, steps 1-6, on one matrix, written out here (fp32): returns the new weight."""
+    from nanochat.optim import POLAR_EXPRESS_COEFFS, NORMUON_BETA2, NORMUON_EPS
+    momentum_buf.mul_(mu).add_((1 - mu) * g)  # 1. Nesterov
+    u = (1 - mu) * g + mu * momentum_buf
+    rows = u.norm(dim=1, keepdim=True)  # 2. every row to the mean row norm
+    u = u * rows.mean() / (rows + 1e-7)
+    x = u.T if u.shape[0] > u.shape[1] else u  # 3. Polar Express, on the wide orientation
+    x = x / (x.norm() * 1.01 + 1e-7)
+    for a, b, c in POLAR_EXPRESS_COEFFS:
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    u = x.T if u.shape[0] > u.shape[1] else x
+    norm = min(u.shape) ** 0.5  # 4. Frobenius norm sqrt(min(rows, cols))
+    u = u * norm / (u.norm() + 1e-7)
+    second_buf.mul_(NORMUON_BETA2).add_((1 - NORMUON_BETA2) * u.square().mean(dim=1, keepdim=True))  # 5. NorMuon
+    u = u / (second_buf.sqrt() + NORMUON_EPS)
+    u = u * norm / (u.norm() + 1e-7)
+    scale = max(1.0, w.shape[0] / w.shape[1]) ** 0.5  # 6. apply, with cautious weight decay
+    return w - lr * scale * u - lr * wd * ((u * w) > 0) * w
+
+
+def test_two_steps_follow_the_update_rules():
+    """MuonAdamW's first two steps against the rules written out independently: torch.optim.AdamW (betas 0.8, 0.95,
+    eps 1e-10, bias-corrected) for the AdamW groups, optim.py's docstring for Muon (with weight decay, so that its
+    sign rule counts). The layouts' tests only compare the optimizer with itself."""
+    from nanochat.gpt import GPTConfig, build_model
+    from nanochat.optim import param_groups, MuonAdamW, muon_stacks
+    from nanochat.data_parallel import DataParallel
+    torch.manual_seed(0)
+    model = build_model(GPTConfig(sequence_len=16, vocab_size=64, n_layer=2, n_head=2, n_kv_head=2, n_embd=32), "cpu")
+    groups = param_groups(model, embedding_lr=0.01, unembedding_lr=0.004, matrix_lr=0.02, scalar_lr=0.02, weight_decay=0.3)
+    dp = DataParallel([params for _, _, params in muon_stacks(groups)],
+                      [p for g in groups if g["kind"] == "adamw" for p in g["params"]])
+    optimizer = MuonAdamW(groups, {p: n for n, p in model.named_parameters()}, dp)
+    copies = {p: p.detach().clone().requires_grad_(True) for g in groups for p in g["params"]}
+    adamw = torch.optim.AdamW([dict(params=[copies[p] for p in g["params"]], lr=g["lr"]) for g in groups
+                               if g["kind"] == "adamw"], betas=(0.8, 0.95), eps=1e-10, weight_decay=0.0)
+    dim_scale = (32 / 768) ** -0.5  # the embeddings' and lm_head's AdamW LRs scale with the width (param_groups)
+    assert {g["name"]: (g["kind"], g["lr"], g["weight_decay"]) for g in groups} == {
+        "embeddings": ("adamw", 0.01 * dim_scale, 0.0), "lm_head": ("adamw", 0.004 * dim_scale, 0.0),
+        "scalars": ("adamw", 0.02, 0.0), "matrices": ("muon", 0.02, 0.3)}
+    muon = [(g, p) for g in groups if g["kind"] == "muon" for p in g["params"]]
+    state = {p: (torch.zeros_like(p), torch.zeros(p.shape[0], 1)) for _, p in muon}
+    for _ in range(2):
+        for p, c in copies.items():
+            p.grad = torch.randn_like(p)
+            c.grad = p.grad.clone()
+        optimizer.step()
+        adamw.step()
+        with torch.no_grad():
+            for g, p in muon:
+                copies[p].copy_(reference_muon(copies[p], p.grad, *state[p], g["lr"], g["momentum"], g["weight_decay"]))
+        for p, c in copies.items():
+            torch.testing.assert_close(p.detach(), c.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_the_recipe_follows_its_formulas():
+    """derive_recipe against recipe.py's formulas computed here, at d26 (a batch above 2^19, a horizon unlike d12's):
+    Power Lines' batch from D_opt / D_ref, the horizon, the LR scale sqrt(B / 2^19), Muon's decay wd * scale * D_ref / D,
+    and every base LR scaled alike."""
+    from nanochat.gpt import GPT
+    from nanochat.recipe import parse_args, model_config, derive_recipe, config_for_depth, LearningRates
+    args = parse_args(["--depth", "26", "--max-seq-len", "2048"])
+    with torch.device("meta"):
+        n = GPT(model_config(args, 32768)).num_scaling_params()
+        n12 = GPT(config_for_depth(12, vocab_size=32768, sequence_len=2048)).num_scaling_params()
+    ratio = args.target_param_data_ratio
+    batch = 2 ** round(math.log2(2 ** 19 * (n / n12) ** 0.383))
+    steps = round(ratio * n / batch)
+    scale = math.sqrt(batch / 2 ** 19)
+    recipe = derive_recipe(args, model_config(args, 32768))
+    assert (recipe.total_batch_size, recipe.num_iterations) == (batch, steps) and batch > 2 ** 19
+    assert recipe.lr_scale == pytest.approx(scale)
+    assert recipe.weight_decay == pytest.approx(0.28 * scale * ratio * n12 / (steps * batch))
+    base, lrs = LearningRates(), recipe.learning_rates(args)
+    assert [lrs.embedding_lr, lrs.unembedding_lr, lrs.matrix_lr, lrs.scalar_lr, lrs.weight_decay] == pytest.approx(
+        [base.embedding_lr * scale, base.unembedding_lr * scale, base.matrix_lr * scale, base.scalar_lr * scale,
+         recipe.weight_decay])
