@@ -1,7 +1,8 @@
 """The training schedules (nanochat.training.Schedule) against the recipe base_train prints: LR warmup,
 flat, linear warmdown to final_lr_frac; Muon momentum 0.85 -> 0.97 over 400 steps, then -> 0.90 over the
-warmdown; Muon weight decay cosine to 0. The step, setup and save are checked by tests/test_parallel.py
-(whose harness runs them) and tests/test_train.py (base_train end to end)."""
+warmdown; Muon weight decay cosine to 0; the step putting them into each group. MuonAdamW's update rules and the
+recipe's formulas against the same written out here. The layouts are checked against one process by
+tests/test_parallel.py (whose harness runs setup and the step) and base_train end to end by tests/test_train.py."""
 
 import math
 
