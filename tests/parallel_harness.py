@@ -236,16 +236,16 @@ class RankPool:
             self.conns[rank].send((fn, rank, args))
         failures = []
         for rank in range(nprocs):
-            if not self.conns[rank].poll(timeout):
-                failures.append(f"rank {rank}: no answer within {timeout} s")
-                break
+            wait = 30 if failures else timeout  # after a failure, the other ranks' answers too: one may hold its cause
+            if not self.conns[rank].poll(wait):
+                failures.append(f"rank {rank}: no answer within {wait} s")
+                continue
             try:
                 answer = self.conns[rank].recv()
             except EOFError:
                 answer = f"rank {rank}: its process died (exit code {self.procs[rank].exitcode})"
             if answer is not None:
                 failures.append(f"rank {rank}:\n{answer}")
-                break
         if failures:
             self.close(kill=True)
             raise RuntimeError("a pooled run failed:\n" + "\n".join(failures))
