@@ -100,6 +100,8 @@ class Pipeline:
             model.blocks[i] = nn.Identity()
             if str(i) in model.l3:
                 del model.l3[str(i)]
+        self.chunk_l3 = {c: [layer for k, layer in model.l3.items() if ch.start <= int(k) < ch.end]
+                         for c, ch in self.chunks.items()}  # each chunk's L3 layers
         if self.stage != 0:
             model.wte = model.smear_gate = model.smear_lambda = None
         if self.stage != p - 1:
@@ -188,9 +190,8 @@ class Pipeline:
         """Micro-batch i through chunk c (chunk 0 embeds the ids): (Residual, idx), or the last chunk's loss."""
         chunk = self.chunks[c]
         received = self._saved_inputs[i, c] = [] if chunk.first else carried(inputs[0], chunk.receives_mid)
-        l3_layers = [layer for k, layer in self.model.l3.items() if chunk.start <= int(k) < chunk.end]
-        if l3_layers and self.xs[i] is None:  # no ids read here: plan the lookups from those received (l3.py)
-            plan_lookups(l3_layers, self.model.sequence.local(inputs[1]))
+        if self.chunk_l3[c] and self.xs[i] is None:  # no ids read here: plan the lookups from those received (l3.py)
+            plan_lookups(self.chunk_l3[c], self.model.sequence.local(inputs[1]))
         for t in received:
             t.requires_grad_(True)
         h, idx = self._through(chunk, self.xs[i], inputs)
