@@ -149,7 +149,8 @@ def list_gpus():
 def launch(config, tree, args, gpus):
     """Start one configuration in one tree on the first config.nproc of `gpus`: its Job."""
     name = os.path.basename(tree)
-    label = re.sub(r"[^\w.-]", "_", f"{name} {args.trees.index(tree)} {config.label}")  # runs side by side: one tag each
+    # one tag a run, also across invocations side by side on other GPUs (a shared tag: one run refused, records mixed)
+    label = re.sub(r"[^\w.-]", "_", f"{name} {args.trees.index(tree)} {config.label} gpu {'-'.join(map(str, gpus[:config.nproc]))}")
     job = runs.start(config.base_train_flags(args.extra), f"bench_{label}", tree=tree, env=runs.data_env(args),
                      nproc=config.nproc, gpus=gpus[:config.nproc], timeout=args.timeout,
                      log=os.path.join(args.log_dir, f"{label}.log"))
