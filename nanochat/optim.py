@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from nanochat import tensor_parallel as tp
+from nanochat.common import UserError
 
 # Polar Express coefficients for 5 iterations of X <- aX + (bA + cA^2)X, A = X X^T (arXiv 2505.16932,
 # with the paper's safety factor): they drive singular values in (0, 1] towards 1 faster than Newton-Schulz.
@@ -280,15 +281,16 @@ class MuonAdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def load_full_state_dict(self, sd):
         """Take this rank's part of a layout-free state (see full_state_dict)."""
-        self.adamw_step = sd["adamw_step"]
         params = sd["params"]
+        everything = list(self.adamw_group) + [p for _, _, stack in self.muon_stacks for p in stack.params]
+        if missing := [self.names[p] for p in everything if self.names[p] not in params]:  # before any state changes
+            raise UserError(f"the optimizer state has no entry for {len(missing)} of the model's parameters "
+                            f"({', '.join(missing[:3])}): it was saved for another model")
+        self.adamw_step = sd["adamw_step"]
         for p in self.adamw_group:
-            name = self.names[p]
-            if name not in params:
-                raise KeyError(f"optimizer state has no entry for {name}")
             state = self._adamw_state(p)
             for key in ("exp_avg", "exp_avg_sq"):
-                t = tp.local_shard(params[name][key], p)
+                t = tp.local_shard(params[self.names[p]][key], p)
                 state[key].copy_(self.dp.my_rows(t) if self.dp.owns_rows(p) else t)
         for _, _, stack in self.muon_stacks:
             for h, j in enumerate(stack.held):

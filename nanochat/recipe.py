@@ -149,7 +149,7 @@ def parse_args(argv=None):
     step = args.resume_from_step
     ranges = [(step != "latest" and step < -1, "--resume-from-step: a step >= 0, latest, or -1 to start fresh"),
               *[(getattr(args, k) == 0 or getattr(args, k) < -1, f"--{k.replace('_', '-')}: positive, or -1")
-                for k in ("num_iterations", "total_batch_size", "stop_at_step")],
+                for k in ("num_iterations", "total_batch_size", "stop_at_step", "keep_last", "core_metric_max_per_task")],
               (args.target_param_data_ratio <= 0, "--target-param-data-ratio: positive"),
               (args.warmup_steps < 0, "--warmup-steps: 0 or more"),
               (not -2 ** 63 <= args.seed < 2 ** 64, "--seed: a 64-bit integer"),
@@ -169,16 +169,12 @@ def parse_args(argv=None):
 def check_loop_flags(args, resume_meta):
     """base_train's loop flags (the layout's: Setting.check); a resume must give the saved run's recipe flags, and
     its model flags where given (those left out take the checkpoint's values)."""
-    if args.core_metric_max_per_task == 0 or args.core_metric_max_per_task < -1:
-        raise ConfigError("--core-metric-max-per-task must be a positive number of items, or -1 for all")
     start_step = max(args.resume_from_step, 0)
     if args.stop_at_step != -1 and args.stop_at_step <= start_step:
         raise ConfigError(f"--stop-at-step {args.stop_at_step} is not after the step this run starts at ({start_step}): "
                           f"give a later step, or -1 to run to the end")
     if args.stop_at_step != -1 and args.save_every == 0:
         raise ConfigError("--stop-at-step saves the step it stops at: it cannot go with --save-every 0")
-    if args.keep_last == 0 or args.keep_last < -1:
-        raise ConfigError("--keep-last must be a positive number of checkpoints, or -1 to keep all")
     if args.start_over and resume_meta is not None:
         raise ConfigError("--start-over starts a fresh run: it cannot go with --resume-from-step (drop one of them)")
     if resume_meta is not None:
@@ -236,9 +232,11 @@ def model_config(args, vocab_size, resume_meta=None):
         return replace(GPTConfig.from_dict(resume_meta["model_config"]), sequence_len=args.max_seq_len)
     l3_layers, moe_blocks = (block_indices(f, getattr(args, f.replace("-", "_")), args.depth)
                              for f in ("l3-after-layers", "moe-layers"))
-    if args.moe_experts and not 2 <= args.moe_topk <= args.moe_experts or min(args.moe_shared, args.moe_expert_dim) < 0:
+    if args.moe_experts and not 2 <= args.moe_topk <= args.moe_experts:
         raise ConfigError(f"--moe-experts {args.moe_experts} --moe-topk {args.moe_topk}: each token goes to K experts, "
-                          f"2 <= K <= E (with 1 the router gets no gradient); --moe-shared, --moe-expert-dim >= 0")
+                          f"2 <= K <= E (with 1 the router gets no gradient)")
+    if min(args.moe_shared, args.moe_expert_dim) < 0:
+        raise ConfigError(f"--moe-shared {args.moe_shared} and --moe-expert-dim {args.moe_expert_dim} must be >= 0")
     if args.moe_expert_dim % 8 or (moe_blocks and not args.moe_experts):
         raise ConfigError(f"--moe-expert-dim {args.moe_expert_dim} must be a multiple of 8 (the grouped matmuls' row "
                           f"strides: 16 bytes), and --moe-layers needs --moe-experts")

@@ -88,6 +88,7 @@ def test_counts_use_the_active_experts():
     (["--moe-experts", "4", "--moe-layers", "9"], "--moe-layers '9': block indices must be in 0..3"),
     (["--moe-experts", "4", "--moe-expert-dim", "100"], "--moe-expert-dim 100 must be a multiple of 8"),
     (["--moe-layers", "1"], "--moe-layers needs --moe-experts"),
+    (["--moe-experts", "4", "--moe-shared", "-1"], "--moe-shared -1 and --moe-expert-dim 0 must be >= 0"),
 ])
 def test_bad_moe_flags_are_one_line_errors(flags, message):
     args = parse_args(["--depth", "4"] + flags)

@@ -212,7 +212,7 @@ def test_bad_flags_are_clear_errors(env):
              (["--tp", "2"], "need 2 processes"),
              (["--device-batch-size", "0"], "--device-batch-size must be at least 1"),
              (["--head-dim", "0"], "--head-dim (0) positive"),
-             (["--stop-at-step", "0"], "--stop-at-step: positive, or -1"),
+             (["--stop-at-step", "0", "--keep-last", "-2"], "--stop-at-step: positive, or -1; --keep-last: positive, or -1"),
              (["--stop-at-step", "2"], "--stop-at-step 2 is past the run's last step (1)"),
              (["--stop-at-step", "1", "--save-every", "0"], "--stop-at-step saves the step it stops at")]
     for flags, message in cases:  # each refused before step 0: in this process

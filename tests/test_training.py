@@ -92,6 +92,24 @@ def test_grad_norms_are_the_norms_of_the_gradients_global_and_per_group():
     assert optimizer.grad_norms[PARAM_GROUPS.index("l3_tables") + 1] == 0 and optimizer.grad_norms[0] > 0
 
 
+def test_an_optimizer_state_lacking_a_parameter_is_refused_by_name_before_any_state_changes():
+    from nanochat.gpt import GPTConfig, build_model
+    from nanochat.optim import param_groups, MuonAdamW, muon_stacks
+    from nanochat.data_parallel import DataParallel
+    from nanochat.common import UserError
+    model = build_model(GPTConfig(sequence_len=16, vocab_size=64, n_layer=2, n_head=2, n_kv_head=2, n_embd=32), "cpu")
+    groups = param_groups(model, embedding_lr=0.01, unembedding_lr=0.004, matrix_lr=0.02, scalar_lr=0.02, weight_decay=0.0)
+    dp = DataParallel([params for _, _, params in muon_stacks(groups)],
+                      [p for g in groups if g["kind"] == "adamw" for p in g["params"]])
+    optimizer = MuonAdamW(groups, {p: n for n, p in model.named_parameters()}, dp)
+    state = optimizer.full_state_dict()
+    for name in ("blocks.1.mlp.c_fc.weight", "wte.weight"):  # a Muon matrix, an AdamW table
+        damaged = {"adamw_step": 7, "params": {k: v for k, v in state["params"].items() if k != name}}
+        with pytest.raises(UserError, match=rf"no entry for 1 of the model's parameters \({name}\)"):
+            optimizer.load_full_state_dict(damaged)
+        assert optimizer.adamw_step == 0
+
+
 def test_tensors_whose_rows_data_parallelism_cannot_share_are_named():
     """An L3 table of 2^19 rows at DP 3 (or the token table at DP 6) stays whole on every rank: setup says so."""
     from nanochat.data_parallel import held_whole, owned_by_rows
