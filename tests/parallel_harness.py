@@ -147,7 +147,9 @@ def _worker(rank, world, tp, pp, sequence_parallel, schedule, steps, port, out_d
     # a warmup and a warmdown, so that every layout applies a learning rate that changes from step to step
     schedule_of_steps = training.Schedule(steps, LRS["weight_decay"], warmup_steps=2, warmdown_ratio=0.5)
     batches = fixed_batches(steps, sequence_len=config.sequence_len, documents=documents)
-    losses, overlapped, graphs, grad_norms = [], [], [], []
+    losses, overlapped, graphs, grad_norms, reductions, started = [], [], [], [], [], []
+    for i, b in enumerate(trainer.dp.buckets):  # which buckets' reductions a step starts (each once: twice only costs)
+        b.launch = (lambda launch, i: lambda bucket: started.append(i) or launch(bucket))(b.launch, i)
     l3_lookups = count_l3_lookups()
     for step in range(first_step, steps):
         rows = batches[step][layout.dp_rank * per_rank:(layout.dp_rank + 1) * per_rank]
@@ -159,6 +161,8 @@ def _worker(rank, world, tp, pp, sequence_parallel, schedule, steps, port, out_d
         losses.append(loss.item())
         grad_norms.append(trainer.optimizer.grad_norms.tolist())
         overlapped.append(trainer.dp.launched_in_backward / len(trainer.dp.buckets))
+        reductions.append([started.count(i) for i in range(len(trainer.dp.buckets))])
+        started.clear()
         if compile_backend is not None:  # graphs compiled so far in this run: a recompile adds one
             from torch._dynamo.utils import counters
             graphs.append(counters["stats"]["unique_graphs"])
@@ -173,7 +177,7 @@ def _worker(rank, world, tp, pp, sequence_parallel, schedule, steps, port, out_d
     torch.save({**trainer.optimizer.held_bytes(), "gathered_peak": gathered_peak}, os.path.join(out_dir, f"held{rank}.pt"))
     if layout.dp_rank == 0 and layout.cp_rank == 0 and layout.tp_rank == 0:
         torch.save({"losses": losses, "params": model_state, "eval_loss": eval_loss, "overlapped": overlapped,
-                    "graphs": graphs, "grad_norms": grad_norms, "l3_lookups": l3_lookups.counts,
+                    "graphs": graphs, "grad_norms": grad_norms, "l3_lookups": l3_lookups.counts, "reductions": reductions,
                     "exchange": getattr(trainer.model.sequence, "exchange", None)},  # CP's, as the attention calls it
                    os.path.join(out_dir, f"stage{layout.pp_rank}.pt"))
     if world > 1:
@@ -293,7 +297,8 @@ def run_layout(dp=1, tp=1, pp=1, sequence_parallel=False, schedule="1f1b", steps
                cp_exchange=None, dtype="float32"):
     """Returns {"losses": [...], "params": {name: full tensor}, "eval_losses": [the whole-sequence loss
     after training, from each stage's first rank], "overlapped": [per stage, per step: the share of the buckets whose
-    reduction the backward launched], "graphs": [per stage, per step: graphs torch.compile made so far],
+    reduction the backward launched], "reductions": [per stage, per step: how many times each bucket's reduction
+    started], "graphs": [per stage, per step: graphs torch.compile made so far],
     "dir": out_dir}. overlap: the optimizer's overlapped gradient reduction (a no-op at DP = 1).
     recompute: --recompute's mode. compile_backend: train through compile_for_training with this
     torch.compile backend (None: eager). fp8: the eligible linears in fp8 (emulated on CPU; the model
@@ -312,7 +317,8 @@ def run_layout(dp=1, tp=1, pp=1, sequence_parallel=False, schedule="1f1b", steps
         _worker(0, *args)
     else:
         spawn(_worker, args, world)
-    params, losses, eval_losses, overlapped, graphs, grad_norms, exchange, l3_lookups = {}, None, [], [], [], None, None, []
+    params, losses, eval_losses, overlapped, graphs, grad_norms, exchange, l3_lookups, reductions = \
+        {}, None, [], [], [], None, None, [], []
     for s in range(pp):
         part = torch.load(os.path.join(out_dir, f"stage{s}.pt"), weights_only=True)
         params.update(part["params"])
@@ -320,8 +326,9 @@ def run_layout(dp=1, tp=1, pp=1, sequence_parallel=False, schedule="1f1b", steps
         overlapped.append(part["overlapped"])
         graphs.append(part["graphs"])
         l3_lookups.append(part["l3_lookups"])
+        reductions.append(part["reductions"])
         if s == pp - 1:
             losses, grad_norms, exchange = part["losses"], part["grad_norms"], part["exchange"]
     held = [torch.load(os.path.join(out_dir, f"held{r}.pt"), weights_only=True) for r in range(world)]
     return {"losses": losses, "params": params, "eval_losses": eval_losses, "overlapped": overlapped, "graphs": graphs,
-            "grad_norms": grad_norms, "exchange": exchange, "l3_lookups": l3_lookups, "held": held, "gathered_peak": max(h["gathered_peak"] for h in held), "dir": out_dir}
+            "grad_norms": grad_norms, "exchange": exchange, "l3_lookups": l3_lookups, "reductions": reductions, "held": held, "gathered_peak": max(h["gathered_peak"] for h in held), "dir": out_dir}

@@ -69,7 +69,8 @@ def test_dp2_tp2_with_rounds_that_do_not_divide():
 def test_overlapped_grad_reduce_gives_the_same_run(layout):
     """The reductions launched from the last micro-batch's backward give the same numbers as those
     launched in step(); and from the second step on (the first agrees on the order) the backward
-    launches all of them on every stage (interleaved: each chunk's once its last backward has run)."""
+    launches all of them on every stage (interleaved: each chunk's once its last backward has run); each bucket's
+    reduction starts once a step (a second one gives the same numbers, at twice the communication)."""
     on = run_layout(steps=3, **layout)
     off = run_layout(steps=3, overlap=False, **layout)
     assert on["losses"] == off["losses"]
@@ -78,6 +79,8 @@ def test_overlapped_grad_reduce_gives_the_same_run(layout):
     for stage in on["overlapped"]:  # the share of the buckets the backward launched, per step
         assert stage[0] == 0 and all(n == 1 for n in stage[1:]), on["overlapped"]
     assert all(n == 0 for stage in off["overlapped"] for n in stage)
+    for stage in on["reductions"] + off["reductions"]:  # every bucket reduced once a step, either way
+        assert stage and all(counts and set(counts) == {1} for counts in stage), (on["reductions"], off["reductions"])
 
 
 @pytest.fixture(scope="module")
