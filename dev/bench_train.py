@@ -149,8 +149,9 @@ def list_gpus():
 def launch(config, tree, args, gpus):
     """Start one configuration in one tree on the first config.nproc of `gpus`: its Job."""
     name = os.path.basename(tree)
-    # one tag a run, also across invocations side by side on other GPUs (a shared tag: one run refused, records mixed)
-    label = re.sub(r"[^\w.-]", "_", f"{name} {args.trees.index(tree)} {config.label} gpu {'-'.join(map(str, gpus[:config.nproc]))}")
+    # one tag a run, also across commands side by side on other GPUs (a shared tag: one run refused, records mixed)
+    on = "-".join(map(str, gpus[:config.nproc]))
+    label = re.sub(r"[^\w.-]", "_", f"{name} {args.trees.index(tree)} {config.label} gpu {on}")
     job = runs.start(config.base_train_flags(args.extra), f"bench_{label}", tree=tree, env=runs.data_env(args),
                      nproc=config.nproc, gpus=gpus[:config.nproc], timeout=args.timeout,
                      log=os.path.join(args.log_dir, f"{label}.log"))
