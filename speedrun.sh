@@ -19,10 +19,14 @@
 #   EVAL_BUNDLE           a local CORE bundle folder (default: download it)
 #   TOK_ARGS, TRAIN_ARGS, EVAL_ARGS   extra flags for tok_train / base_train / base_eval
 #   PYTHON=python3        the interpreter (runs/runcpu.sh points it at its .venv)
-#   FRESH=1               forget finished stages and start over (checkpoints are kept)
+#   FRESH=1               run every stage again (training resumes from MODEL_TAG's last checkpoint: a new
+#                         MODEL_TAG trains anew; nothing is deleted)
 #
-# Re-running skips the stages that finished (markers in $NANOCHAT_BASE_DIR/speedrun/) and resumes
-# training from the last checkpoint. Everything printed also goes to $NANOCHAT_BASE_DIR/speedrun.log.
+# Re-running skips the stages that finished with the same command and settings (markers in
+# $NANOCHAT_BASE_DIR/speedrun/) and resumes training from the last checkpoint; a stage that runs again (its settings
+# changed) runs the later ones again too, the data stage apart (it only adds shards). A training run stopped before its
+# last step (a STOP file, SIGTERM) ends the script there: run it again to resume. Everything printed also goes to
+# $NANOCHAT_BASE_DIR/speedrun.log.
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -52,19 +56,24 @@ LOG="$NANOCHAT_BASE_DIR/speedrun.log"
 exec > >(tee -a "$LOG") 2>&1
 echo "=== speedrun $(date '+%Y-%m-%d %H:%M:%S'): depth $DEPTH, ratio $RATIO, $NPROC process(es), base dir $NANOCHAT_BASE_DIR"
 
-# stage NAME COMMAND...: run unless NAME finished before; record its wall time in the report
+# stage NAME "SETTINGS" COMMAND...: run COMMAND unless NAME finished before with the same command and the same values
+# of the SETTINGS it reads (variable names) and no stage before it ran again; record its wall time in the report
+RAN_AGAIN=0
 stage() {
-    local name="$1"; shift
-    if [ -f "$MARKS/$name.done" ]; then
+    local name="$1" settings="$2" v; shift 2
+    local done_as="$*"
+    for v in $settings; do done_as+=" $v=${!v:-}"; done
+    if [ "$RAN_AGAIN" = 0 ] && [ "$(cat "$MARKS/$name.done" 2>/dev/null)" = "$done_as" ]; then
         echo "--- $name: done before, skipping (FRESH=1 to redo)"
         return 0
     fi
+    [ "$name" = data ] || RAN_AGAIN=1  # what this stage makes, the later ones read (more shards change none of it)
     echo "--- $name"
     local t0; t0=$(date +%s)
     "$@"
     local dt=$(( $(date +%s) - t0 ))
     "$PYTHON" -m nanochat.report stage "$name" "$dt"
-    touch "$MARKS/$name.done"
+    echo "$done_as" > "$MARKS/$name.done"
 }
 
 source runs/lib.sh  # launch: a script on $NPROC processes
@@ -96,11 +105,11 @@ EOF
     echo "depth $DEPTH at ratio $RATIO needs about $n shards"
     "$PYTHON" -m nanochat.dataset -n "$n"
 }
-stage data get_data
+stage data "DEPTH RATIO NANOCHAT_DATA_DIR" get_data
 
 # --- tokenizer ---
-stage tokenizer "$PYTHON" -m scripts.tok_train $TOK_ARGS
-stage tok_eval "$PYTHON" -m scripts.tok_eval
+stage tokenizer "NANOCHAT_DATA_DIR" "$PYTHON" -m scripts.tok_train $TOK_ARGS
+stage tok_eval "" "$PYTHON" -m scripts.tok_eval
 
 # --- pretraining (resumes from the last checkpoint of $MODEL_TAG) ---
 train() {
@@ -118,8 +127,16 @@ train() {
     launch scripts.base_train --depth="$DEPTH" --target-param-data-ratio="$RATIO" --device-batch-size="$DEVICE_BATCH_SIZE" \
         --model-tag="$MODEL_TAG" --wandb-run="$RUN" ${fp8[@]+"${fp8[@]}"} ${bundle[@]+"${bundle[@]}"} \
         ${resume[@]+"${resume[@]}"} $TRAIN_ARGS
+    if ! "$PYTHON" - "$ckpt/metrics.jsonl" <<'EOF'; then
+import json, sys  # the run's last record: whether it trained to its last step or was stopped on the way
+ends = [r for r in map(json.loads, open(sys.argv[1])) if r.get("kind") == "end"]
+sys.exit(0 if ends and ends[-1].get("completed") else 1)
+EOF
+        echo "=== training stopped before its last step; run this script again to resume it"
+        exit 0
+    fi
 }
-stage train train
+stage train "DEPTH RATIO FP8 MODEL_TAG DEVICE_BATCH_SIZE RUN EVAL_BUNDLE TRAIN_ARGS" train
 
 # --- evaluation: CORE and bits per byte ---
 evaluate() {
@@ -127,10 +144,10 @@ evaluate() {
     [ -n "${EVAL_BUNDLE:-}" ] && bundle=(--eval-bundle "$EVAL_BUNDLE")
     launch scripts.base_eval --model-tag="$MODEL_TAG" --device-batch-size="$DEVICE_BATCH_SIZE" ${bundle[@]+"${bundle[@]}"} $EVAL_ARGS
 }
-stage eval evaluate
+stage eval "MODEL_TAG DEVICE_BATCH_SIZE EVAL_BUNDLE EVAL_ARGS" evaluate
 
 # --- samples ---
-stage sample "$PYTHON" -m scripts.sample --model-tag="$MODEL_TAG" --fixed-prompts --temperature 0 --max-tokens 32 --report
+stage sample "" "$PYTHON" -m scripts.sample --model-tag="$MODEL_TAG" --fixed-prompts --temperature 0 --max-tokens 32 --report
 
 # --- report (always regenerated) ---
 "$PYTHON" -m nanochat.report generate

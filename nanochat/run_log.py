@@ -4,7 +4,7 @@ A run's record for tools: metrics.jsonl beside the run's checkpoints, one JSON o
   {"step": s, ...}         per step: loss (the step's mean), loss_smooth (the log line's debiased EMA), grad_norm
                            (global) and grad_norm_<group> (optim.PARAM_GROUPS), lrm, dt (s), tok_per_sec, mfu (%),
                            peak_mem_gib, epoch; moe_imbalance (MoE); spikes (SpikeWatch); val_bpb and core if evaluated
-  {"kind": "end", ...}     at the end (completed or stopped): the last step, training time, every rank's peak memory
+  {"kind": "end", ...}     at the end: the last step, training time, every rank's peak memory, completed (false: stopped)
 A resumed run keeps the records before its first step: one trajectory (where it trains steps again, the file as it was
 goes aside first). Rank 0 writes line by line (a line a crash cuts off is skipped when read); wandb and TensorBoard,
 when asked for, get the same numbers.

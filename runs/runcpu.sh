@@ -6,7 +6,9 @@
 #   bash runs/runcpu.sh
 #
 # Settings (environment): NANOCHAT_BASE_DIR (default ~/.cache/nanochat/runcpu), STEPS (default 60),
-# EVAL_BUNDLE (a local CORE bundle folder; without one CORE is skipped, and the report says so).
+# EVAL_BUNDLE (a local CORE bundle folder; without one CORE is skipped, and the report says so), FRESH (default 1:
+# each call deletes the previous call's runcpu checkpoints and runs every stage again; 0 keeps them, resumes, and
+# skips the stages that finished).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export NANOCHAT_BASE_DIR="${NANOCHAT_BASE_DIR:-$HOME/.cache/nanochat/runcpu}"

@@ -356,7 +356,7 @@ class Run:
             print_rank(layout, f"peak memory: {peak_mem:.2f} GiB; allocated after the last step: "
                                f"{torch.cuda.memory_allocated() / 2**30:.2f} GiB")
         self.log.write({"kind": "end", "step": self.step, "training_time_s": self.total_time or None,  # None: no step timed
-                        "peak_mem_gib": dict(peaks)})
+                        "peak_mem_gib": dict(peaks), "completed": completed})
         if self.val_bpb is not None:
             print0(f"Validation bpb: {self.val_bpb:.6f}")
         t, what = self.training_time()

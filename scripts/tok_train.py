@@ -10,7 +10,7 @@ import argparse
 
 from nanochat.common import HelpWithDefaults, atomic_write
 from nanochat.dataset import resolve_data_dir, split_files, iter_documents, DataError
-from nanochat.tokenizer import Tokenizer, TokenizerError, default_tokenizer_dir
+from nanochat.tokenizer import Tokenizer, TokenizerError, default_tokenizer_dir, get_tokenizer
 from nanochat import report
 
 parser = argparse.ArgumentParser(description="Train a byte-level BPE tokenizer (rustbpe)",
@@ -59,6 +59,15 @@ except TokenizerError as e:
     raise SystemExit(f"ERROR: {e}")
 train_time = time.time() - t0
 try:
+    try:  # another tokenizer there: set aside, not overwritten (checkpoints trained with it cannot load without it)
+        other = get_tokenizer(out_dir).hash != tokenizer.hash
+    except TokenizerError:  # none there (or damaged: kept aside too)
+        other = os.path.exists(os.path.join(out_dir, "tokenizer.json"))
+    if other:
+        aside = f"{out_dir}.replaced_{time.strftime('%Y%m%d-%H%M%S')}"
+        os.rename(out_dir, aside)
+        print(f"NOTICE: {out_dir} held another tokenizer: moved to {aside} (the checkpoints trained with it need it back "
+              f"there to load)")
     tokenizer.save(out_dir)
 except OSError as e:  # a disk that filled up while training
     raise SystemExit(f"ERROR: cannot write {e.filename or out_dir} ({e.strerror}): the tokenizer was trained but not "

@@ -157,6 +157,20 @@ def test_a_folder_that_cannot_be_written_stops_the_run_before_its_first_step(env
     assert p.returncode == 1 and "ERROR: cannot write" in p.stderr and "training a" not in p.stdout
 
 
+def test_a_tokenizer_trained_again_sets_another_one_aside(env, tmp_path):
+    """The checkpoints trained with a tokenizer cannot load without it: training another moves it aside, whole; the
+    same one trained again replaces nothing."""
+    from nanochat.tokenizer import get_tokenizer
+    base = dict(env, NANOCHAT_BASE_DIR=str(tmp_path))
+    for vocab in (300, 300, 320):
+        p = run_script("scripts.tok_train", ["--vocab-size", str(vocab), "--max-chars", "20000"], base)
+        assert ("held another tokenizer" in p.stdout) == (vocab == 320), p.stdout
+    aside = [d for d in os.listdir(tmp_path) if d.startswith("tokenizer.replaced_")]
+    assert len(aside) == 1 and f"moved to {tmp_path / aside[0]}" in p.stdout
+    assert get_tokenizer(str(tmp_path / aside[0])).get_vocab_size() == 300
+    assert get_tokenizer(str(tmp_path / "tokenizer")).get_vocab_size() == 320
+
+
 def test_a_start_over_that_cannot_move_the_files_is_one_line_and_frees_the_folder(tmp_path, monkeypatch):
     """--start-over whose move into replaced_<time>/ fails: the "cannot write" line, and the lock is released."""
     folder = tmp_path / "tag"

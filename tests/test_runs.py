@@ -1,5 +1,6 @@
 """The pipeline scripts end to end at CPU scale: speedrun.sh (the runcpu settings) writes a report whose
-numbers are the ones the stages printed and skips finished stages when re-run; scaling_laws.sh and
+numbers are the ones the stages printed, skips finished stages when re-run with their settings, and runs a stage
+again with the ones after it when its settings changed or its training was stopped; scaling_laws.sh and
 miniseries.sh fill their CSVs on the bundled sample (the CORE bundle is the tests' own small one)."""
 
 import os
@@ -25,7 +26,10 @@ def test_speedrun_cpu_scale_report(tmp_path, env):
              DEVICE_BATCH_SIZE="8", NANOCHAT_DATA_DIR=SAMPLE_DATA, EVAL_BUNDLE=BUNDLE,
              TOK_ARGS="--vocab-size 1024 --max-chars 3000000", TRAIN_ARGS=TINY + " --num-iterations 12 --eval-every 5",
              EVAL_ARGS="--max-per-task 4 --eval-tokens 8192")
-    out = bash("speedrun.sh", e)
+    stopped = bash("speedrun.sh", dict(e, TRAIN_ARGS=e["TRAIN_ARGS"] + " --stop-at-step 6"))  # a stop is no finish
+    assert "training stopped before its last step" in stopped and "--- eval" not in stopped
+    out = bash("speedrun.sh", e)  # the training's settings changed: it runs again (resumes), and the stages after it
+    assert "--- tokenizer: done before" in out and "training from step 6 to 12" in out and "--- eval\n" in out
     report = open(tmp_path / "report" / "report.md").read()
     for section in ("## Summary", "## Environment", "## Tokenizer training", "## Tokenizer evaluation",
                     "## Base model training", "## Base model evaluation", "## Base model samples", "## Stage wall times",
@@ -44,7 +48,7 @@ def test_speedrun_cpu_scale_report(tmp_path, env):
     final = re.search(r"^Validation bpb: ([\d.]+)$", out, re.M).group(1)
     assert f"- final validation bpb: {final}" in report
     assert "- tokens trained: 24,576" in report  # 12 steps x 2048 tokens
-    bpt = re.search(r"^val\s+ours\s+[\d,]+\s+[\d,]+\s+([\d.]+)$", out, re.M).group(1)
+    bpt = re.search(r"^val\s+ours\s+[\d,]+\s+[\d,]+\s+([\d.]+)$", stopped, re.M).group(1)  # tok_eval ran then
     assert f"- val ours bytes/token: {bpt}" in report
     assert os.path.exists(tmp_path / "speedrun.log")
     # a second run skips what finished and still writes the report
@@ -52,6 +56,8 @@ def test_speedrun_cpu_scale_report(tmp_path, env):
     for stage in ("data", "tokenizer", "tok_eval", "train", "eval", "sample"):
         assert f"--- {stage}: done before, skipping" in again
     assert "speedrun finished" in again
+    other = bash("speedrun.sh", dict(e, EVAL_ARGS="--skip-core --eval-tokens 8192"))  # the stages from eval on again
+    assert "--- train: done before" in other and "--- eval\n" in other and "--- sample\n" in other
 
 
 def test_scaling_laws_and_miniseries_small(tmp_path, env, base_dir):
