@@ -8,7 +8,9 @@
 #     --total-batch-size 4096 --eval-tokens 16384" EVAL_ARGS="--max-per-task 8 --eval-tokens 16384" bash runs/miniseries.sh
 #
 # Settings (environment): DEPTHS, RATIO, NPROC, TRAIN_ARGS, EVAL_ARGS, EVAL_BUNDLE, PYTHON,
-# NANOCHAT_BASE_DIR, NANOCHAT_DATA_DIR. Needs a tokenizer (python -m scripts.tok_train).
+# NANOCHAT_BASE_DIR, NANOCHAT_DATA_DIR. Needs a tokenizer (python -m scripts.tok_train). Running it again goes on where
+# it stopped: a depth with a row in the CSV (trained and evaluated) is skipped; delete the row, or the CSV, to train it
+# again (with other settings, say).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export NANOCHAT_BASE_DIR="${NANOCHAT_BASE_DIR:-$HOME/.cache/nanochat}"
@@ -21,16 +23,31 @@ EVAL_ARGS="${EVAL_ARGS:-}"
 OUT="$NANOCHAT_BASE_DIR/miniseries.csv"
 LOGS="$NANOCHAT_BASE_DIR/miniseries_logs"
 mkdir -p "$LOGS"
-echo "depth,flops,params,scaling_params,tokens,val_bpb,core" > "$OUT"
+[ -s "$OUT" ] || echo "depth,flops,params,scaling_params,tokens,val_bpb,core" > "$OUT"
 bundle=()
 [ -n "${EVAL_BUNDLE:-}" ] && bundle=(--eval-bundle "$EVAL_BUNDLE")
+if [[ " $EVAL_ARGS " != *" --skip-core "* ]]; then  # the CORE bundle (or its download) before any training
+    "$PYTHON" - "${EVAL_BUNDLE:-}" <<'EOF'
+import sys
+from nanochat.common import fail
+from nanochat.core_eval import find_eval_bundle, EvalBundleError
+try:
+    find_eval_bundle(sys.argv[1] or None)
+except EvalBundleError as e:
+    fail(f"{e} (or give EVAL_ARGS=--skip-core)")
+EOF
+fi
 
 source runs/lib.sh
 
 for depth in $DEPTHS; do
     tag="mini_d${depth}"
+    if grep -q "^$depth," "$OUT"; then
+        echo "--- depth $depth: in $OUT already, skipped (delete its row to train it again)"
+        continue
+    fi
     echo "--- depth $depth (ratio $RATIO)"
-    # --start-over: a run of the series again replaces its earlier one (moved into replaced_<time>/, not deleted)
+    # --start-over: an earlier run of this depth that did not finish is moved into replaced_<time>/ (not deleted)
     logged "$LOGS/$tag.train.log" scripts.base_train --depth="$depth" --target-param-data-ratio="$RATIO" --model-tag="$tag" \
         --start-over --core-metric-every=-1 --sample-every=-1 $TRAIN_ARGS
     logged "$LOGS/$tag.eval.log" scripts.base_eval --model-tag="$tag" ${bundle[@]+"${bundle[@]}"} $EVAL_ARGS

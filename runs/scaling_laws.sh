@@ -7,7 +7,8 @@
 #     --device-batch-size 8 --total-batch-size 4096 --eval-tokens 16384" bash runs/scaling_laws.sh   # CPU, minutes
 #
 # Settings (environment): DEPTHS, FLOPS (budgets), NPROC, TRAIN_ARGS (extra base_train flags),
-# PYTHON, NANOCHAT_BASE_DIR, NANOCHAT_DATA_DIR. Needs a tokenizer (python -m scripts.tok_train).
+# PYTHON, NANOCHAT_BASE_DIR, NANOCHAT_DATA_DIR. Needs a tokenizer (python -m scripts.tok_train). Running it again goes
+# on where it stopped: a (budget, depth) with a row in the CSV is skipped; delete the row, or the CSV, to train it again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export NANOCHAT_BASE_DIR="${NANOCHAT_BASE_DIR:-$HOME/.cache/nanochat}"
@@ -20,14 +21,18 @@ OUT="$NANOCHAT_BASE_DIR/scaling_laws.csv"
 LOGS="$NANOCHAT_BASE_DIR/scaling_laws_logs"
 mkdir -p "$LOGS"
 source runs/lib.sh
-echo "budget,depth,flops,params,scaling_params,tokens,val_bpb" > "$OUT"
+[ -s "$OUT" ] || echo "budget,depth,flops,params,scaling_params,tokens,val_bpb" > "$OUT"
 
 for flops in $FLOPS; do
     for depth in $DEPTHS; do
         tag="scaling_f${flops}_d${depth}"
         log="$LOGS/$tag.log"
+        if grep -q "^$flops,$depth," "$OUT"; then
+            echo "--- depth $depth at $flops FLOPs: in $OUT already, skipped (delete its row to train it again)"
+            continue
+        fi
         echo "--- depth $depth at $flops FLOPs -> $log"
-        # --start-over: a run of the grid again replaces its earlier one (moved into replaced_<time>/, not deleted)
+        # --start-over: an earlier run of this cell that did not finish is moved into replaced_<time>/ (not deleted)
         logged "$log" scripts.base_train --depth="$depth" --target-flops="$flops" --model-tag="$tag" --start-over --core-metric-every=-1 \
             --sample-every=-1 --eval-every=-1 --save-every=0 $TRAIN_ARGS
         bpb=$(sed -nE 's/^Validation bpb: ([0-9.]+)$/\1/p' "$log")

@@ -71,6 +71,9 @@ def test_scaling_laws_and_miniseries_small(tmp_path, env, base_dir):
         assert float(r["val_bpb"]) > 0 and int(r["params"]) > int(r["scaling_params"]) > 0
     # more FLOPs, more tokens for the same depth
     assert int(rows[1]["tokens"]) > int(rows[0]["tokens"])
+    again = bash("runs/scaling_laws.sh", e)  # goes on where it stopped: nothing is trained again
+    assert again.count("in " + os.path.join(base_dir, "scaling_laws.csv") + " already, skipped") == 2, again
+    assert list(csv.DictReader(open(os.path.join(base_dir, "scaling_laws.csv")))) == rows
     p = subprocess.run([sys.executable, "-m", "dev.plot_scaling", os.path.join(base_dir, "scaling_laws.csv"),
                         "--out", str(tmp_path / "s.png")], cwd=REPO, env=e, capture_output=True, text=True)
     assert p.returncode == 0 and "best val bpb per FLOP budget" in p.stdout
