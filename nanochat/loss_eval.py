@@ -9,10 +9,13 @@ import math
 import torch
 import torch.distributed as dist
 
-from nanochat.common import Progress
+from nanochat.common import Progress, print0
 from nanochat.dataset import DataError
 from nanochat.distributed import agreed
 from nanochat.signals import stop_point
+
+_WRAPPED = set()  # the labels whose split ran out (said once a process)
+
 
 def default_eval_tokens(device_type):
     """20 batches of 2^19 tokens on a GPU (seconds); on a CPU that would take hours, so 2^18 tokens."""
@@ -42,5 +45,9 @@ def evaluate_bpb(loss_fn, batches, steps, token_bytes, layout=None, label="bpb")
         dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=layout.dp_group)
     if layout is not None and layout.pp_size > 1:
         dist.broadcast(sums, src=layout.peer(pp=layout.pp_size - 1), group=layout.pp_group)
+    if getattr(batches, "stats", {}).get("epoch", 1) > 1 and label not in _WRAPPED:  # a DataLoader past its split's end
+        _WRAPPED.add(label)
+        print0(f"NOTICE: {label}: the split holds fewer than the {steps} batches asked for: some of its documents "
+               f"were scored more than once (ask for fewer tokens, or give the split more data)")
     nats, nbytes = sums.tolist()
     return nats / (math.log(2) * nbytes) if nbytes else float("inf")

@@ -49,3 +49,18 @@ def test_bpb_without_bytes_is_infinite():
     token_bytes = torch.tensor([0, 1], dtype=torch.int32)
     bpb = evaluate_bpb(lambda x, y: torch.ones(2), iter([(None, torch.tensor([0, -1]))]), 1, token_bytes)
     assert bpb == float("inf")
+
+
+def test_a_split_read_past_its_end_is_said(tokenizer, capsys, monkeypatch):
+    """More batches than the split holds: the loader goes round again, and the evaluation says so (once)."""
+    from nanochat import loss_eval
+    from nanochat.dataloader import DataLoader
+    monkeypatch.setattr(loss_eval, "_WRAPPED", set())  # said once a process: maybe already, by another test
+    from nanochat.tokenizer import get_token_bytes
+    token_bytes = get_token_bytes(directory=tokenizer.directory)
+    zeros = lambda x, y: torch.zeros(y.shape)  # noqa: E731
+    for steps, said in ((2, False), (400, True), (400, False)):  # the sample's val split: ~70 rows of 256 tokens
+        loader = DataLoader(tokenizer, 4, 256, "val", "cpu")
+        evaluate_bpb(zeros, loader, steps, token_bytes, label="val bpb")
+        loader.close()
+        assert ("NOTICE: val bpb: the split holds fewer than the 400 batches" in capsys.readouterr().out) == said
