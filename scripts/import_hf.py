@@ -54,8 +54,10 @@ except OSError as e:
 
 meta = dict(meta, model_config=config.to_dict(), weights_only=True, imported_from=os.path.abspath(args.dir))
 meta.pop("model_tag", None)
-meta.setdefault("loop_state", {"step": step, "smooth_loss": 0.0, "total_time": 0.0, "min_val_bpb": float("inf")})
-meta["loop_state"] = dict(meta["loop_state"], step=step)
+if step != meta.get("step", 0) or "loop_state" not in meta:  # the export's loop and data position are its step's
+    meta["loop_state"] = {"step": step, "smooth_loss": 0.0, "total_time": 0.0, "min_val_bpb": float("inf")}
+    meta["dataloader_states"] = []
+    meta.pop("tokens_seen", None)
 meta.setdefault("dataloader_states", [])  # none: a resumed run reads the data from the start
 try:
     meta["checksums"] = ckpt.save_stage_files(ckpt_dir, step, state, None)

@@ -219,6 +219,11 @@ def test_round_trip_sample_eval_resume(env, tmp_path):
     p = run_script("scripts.export_hf", ["--model-tag", "hf_src", "--out", str(tmp_path / "wrong")], env, check=False)
     assert p.returncode == 1 and "was trained with tokenizer 0123456789abcdef" in p.stdout, p.stdout[-500:]
     assert not (tmp_path / "wrong").exists()
+    # at another step than the export's, its loop and data position stay behind (they belong to its step)
+    run_script("scripts.import_hf", ["--dir", str(first), "--model-tag", "hf_three", "--step", "3"], env)
+    three = json.load(open(os.path.join(ckpt_dir(env, "hf_three"), "meta_000003.json")))
+    assert three["loop_state"] == {"step": 3, "smooth_loss": 0.0, "total_time": 0.0, "min_val_bpb": float("inf")}
+    assert three["dataloader_states"] == [] and "tokens_seen" not in three
     p = run_script("scripts.import_hf", ["--dir", str(first), "--model-tag", "neg", "--step", "-1"], env, check=False)
     assert p.returncode != 0 and "--step -1: a checkpoint's step is 0 or more" in p.stdout + p.stderr
 
