@@ -11,6 +11,7 @@ Collectives here (host-side or one scalar):
 """
 
 import os
+import sys
 import datetime
 import itertools
 from dataclasses import dataclass
@@ -131,10 +132,17 @@ def build_layout(rank, world_size, local_rank, tp=1, pp=1, cp=1, ep=1):
     return L
 
 
+def _script_name():  # base_train, base_eval, ...: sys.argv[0] is the file's path (or, run by runpy, the module's name)
+    name = os.path.basename(sys.argv[0])
+    return name[:-3] if name.endswith(".py") else name.rpartition(".")[2]
+
+
 def compute_init(device_type="", tp=1, pp=1, cp=1, seed=42, timeout_s=None, ep=1):
     """Set up device, seeds and (under torchrun) the process groups, whose collectives fail after timeout_s seconds
     (None: PyTorch's default); NCCL gets the flight recorder (watchdog) and a gloo group for host waits (barrier)."""
     device_type = device_type or autodetect_device_type()
+    if device_type not in ("cuda", "cpu", "mps"):
+        raise UserError(f"--device-type={device_type}: cuda, cpu or mps (or leave it out: the script picks)")
     if device_type == "cuda" and not torch.cuda.is_available():
         raise UserError("--device-type=cuda but no CUDA device is visible; use --device-type=cpu")
     if device_type == "mps" and not torch.backends.mps.is_available():
@@ -146,7 +154,7 @@ def compute_init(device_type="", tp=1, pp=1, cp=1, seed=42, timeout_s=None, ep=1
     if not all(k in os.environ for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")):  # not under torchrun
         if tp * pp * cp * ep > 1:
             raise UserError(f"--tp={tp} --pp={pp} --cp={cp} --ep={ep} need {tp * pp * cp * ep} processes at least: "
-                            f"launch with torchrun --nproc_per_node={tp * pp * cp * ep} -m scripts.base_train ...")
+                            f"launch with torchrun --nproc_per_node={tp * pp * cp * ep} -m scripts.{_script_name()} ...")
         # an indexed device, so that device-keyed caches (attention masks) match tensors' .device
         device = torch.device(device_type, torch.cuda.current_device() if device_type == "cuda" else None)
         return build_layout(0, 1, 0), device

@@ -57,6 +57,9 @@ def main():
 def evaluate(args, layout, device):
     if args.max_per_task == 0:
         raise ConfigError("--max-per-task 0 evaluates nothing; give a positive count, or -1 for all items")
+    if args.device_batch_size < 1 or args.eval_tokens == 0 or args.eval_tokens < -1:
+        raise ConfigError(f"--device-batch-size {args.device_batch_size} must be positive, --eval-tokens "
+                          f"{args.eval_tokens} positive or -1 (the default; --skip-bpb skips bpb)")
     # all that can be missing is looked for before the long parts: the bundle first (offline, fails fast), the data
     bundle = find_eval_bundle(args.eval_bundle, layout) if not args.skip_core else None
     data_dir = check_data(args.data_dir) if not args.skip_bpb else None

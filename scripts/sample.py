@@ -32,8 +32,8 @@ parser.add_argument("--kernels", type=str, default=None, choices=kernels.MODES, 
 args = parser.parse_args()
 kernels.set_mode(args.kernels)
 
-if args.num_samples < 1 or args.max_tokens < 1 or args.temperature < 0:
-    sys.exit("ERROR: --num-samples and --max-tokens must be positive and --temperature at least 0")
+if args.num_samples < 1 or args.max_tokens < 1 or args.temperature < 0 or args.top_k < 0:
+    sys.exit("ERROR: --num-samples and --max-tokens must be positive, --temperature and --top-k at least 0")
 try:
     _, device = compute_init(args.device_type)
     tokenizer = get_tokenizer()
@@ -56,17 +56,20 @@ def stdin_prompts():
 
 
 done = []  # prompt + completion, for the report
-for prompt in args.prompt + (SAMPLE_PROMPTS if args.fixed_prompts else []) or stdin_prompts():
-    ids = tokenizer.encode(prompt, prepend=bos)
-    if len(ids) + args.max_tokens > model.rotary_len:
-        print(f"skipped: the prompt ({len(ids)} tokens) plus --max-tokens {args.max_tokens} exceeds the model's "
-              f"{model.rotary_len} positions", flush=True)
-        continue
-    samples = generate(model, ids, args.max_tokens, num_samples=args.num_samples, temperature=args.temperature,
-                       top_k=args.top_k or None, seed=args.seed, stop_tokens=(bos,))
-    for i, s in enumerate(samples):
-        done.append(prompt + tokenizer.decode([t for t in s if t != bos]))
-        print(f"--- [{i + 1}/{args.num_samples}] {done[-1]}", flush=True)
+try:
+    for prompt in args.prompt + (SAMPLE_PROMPTS if args.fixed_prompts else []) or stdin_prompts():
+        ids = tokenizer.encode(prompt, prepend=bos)
+        if len(ids) + args.max_tokens > model.rotary_len:
+            print(f"skipped: the prompt ({len(ids)} tokens) plus --max-tokens {args.max_tokens} exceeds the model's "
+                  f"{model.rotary_len} positions", flush=True)
+            continue
+        samples = generate(model, ids, args.max_tokens, num_samples=args.num_samples, temperature=args.temperature,
+                           top_k=args.top_k or None, seed=args.seed, stop_tokens=(bos,))
+        for i, s in enumerate(samples):
+            done.append(prompt + tokenizer.decode([t for t in s if t != bos]))
+            print(f"--- [{i + 1}/{args.num_samples}] {done[-1]}", flush=True)
+except KeyboardInterrupt:  # Ctrl-C at the prompt or mid-completion: the samples so far stand
+    print("\ninterrupted", flush=True)
 
 if args.report:
     report.log_section("Base model samples", [{"model tag": meta["model_tag"], "step": meta["step"],

@@ -76,6 +76,20 @@ def test_base_eval_unknown_tag(base_dir, checkpoint):
     assert p.returncode == 1 and "no checkpoints for model tag 'nope'" in p.stdout and "Traceback" not in p.stderr
 
 
+@pytest.mark.parametrize("script, flags, message", [
+    ("scripts.base_eval", ["--device-batch-size", "0"], "--device-batch-size 0 must be positive"),
+    ("scripts.base_eval", ["--eval-tokens", "0"], "--eval-tokens 0 positive or -1"),
+    ("scripts.base_eval", ["--device-type", "gpu"], "--device-type=gpu: cuda, cpu or mps"),
+    ("scripts.base_eval", ["--tp", "2"], "launch with torchrun --nproc_per_node=2 -m scripts.base_eval ..."),
+    ("scripts.sample", ["--top-k", "-3"], "--temperature and --top-k at least 0"),
+    ("scripts.sample", ["--device-type", "gpu"], "--device-type=gpu: cuda, cpu or mps"),
+])
+def test_bad_flags_are_one_line(base_dir, checkpoint, script, flags, message):
+    p = run_script(script, ["--model-tag", TAG, "--skip-core"] * (script == "scripts.base_eval") + flags,
+                   script_env(base_dir), check=False)
+    assert p.returncode == 1 and message in p.stdout + p.stderr and "Traceback" not in p.stderr, (p.stdout, p.stderr)
+
+
 def test_sample_prompts_and_report(base_dir, checkpoint):
     args = ["--model-tag", TAG, "--prompt", "The", "--prompt", "A city", "--num-samples", "2", "--max-tokens", "8",
             "--temperature", "0.8", "--seed", "1", "--report"]
