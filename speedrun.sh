@@ -28,6 +28,8 @@
 # last step (a STOP file, SIGTERM) ends the script there: run it again to resume. Everything printed also goes to
 # $NANOCHAT_BASE_DIR/speedrun.log.
 set -euo pipefail
+source "$(dirname "$0")/runs/lib.sh"  # launch, logged, absolute
+absolute NANOCHAT_BASE_DIR NANOCHAT_DATA_DIR EVAL_BUNDLE
 cd "$(dirname "$0")"
 
 export NANOCHAT_BASE_DIR="${NANOCHAT_BASE_DIR:-$HOME/.cache/nanochat}"
@@ -76,7 +78,6 @@ stage() {
     echo "$done_as" > "$MARKS/$name.done"
 }
 
-source runs/lib.sh  # launch: a script on $NPROC processes
 
 if [ ! -f "$MARKS/data.done" ]; then  # a new run: a new report
     "$PYTHON" -m nanochat.report reset
@@ -86,7 +87,9 @@ fi
 get_data() {
     if [ -n "${NANOCHAT_DATA_DIR:-}" ]; then
         echo "using the shards in NANOCHAT_DATA_DIR=$NANOCHAT_DATA_DIR"
-        "$PYTHON" -c "from nanochat.dataset import check_data; check_data()"
+        "$PYTHON" -c "from nanochat.dataset import check_data, DataError; from nanochat.common import fail
+try: check_data()
+except DataError as e: fail(str(e))"
         return
     fi
     # shards for the horizon (~4.8 chars/token, ~250M chars/shard, 1.5x for cropping) + 1 validation,

@@ -1,5 +1,14 @@
 # Shell helpers shared by speedrun.sh and the runs/ scripts (sourced, not run).
 
+# absolute VAR...: each variable holding a relative path made absolute against the folder the script was called from
+# (the scripts cd into the repo first)
+absolute() {
+    local v
+    for v in "$@"; do
+        if [ -n "${!v:-}" ] && [ "${!v:0:1}" != / ]; then export "$v=$PWD/${!v}"; fi
+    done
+}
+
 # launch MODULE ARGS...: a script on $NPROC processes (torchrun), or plainly when NPROC is 1. torchrun reads
 # the options after the script too and stops at an abbreviation of its own (--run could be --run-path): `--`
 # ends its options, so every script flag reaches the script.

@@ -12,6 +12,8 @@
 # it stopped: a depth with a row in the CSV (trained and evaluated) is skipped; delete the row, or the CSV, to train it
 # again (with other settings, say).
 set -euo pipefail
+source "$(dirname "$0")/lib.sh"  # launch, logged, absolute
+absolute NANOCHAT_BASE_DIR NANOCHAT_DATA_DIR EVAL_BUNDLE
 cd "$(dirname "$0")/.."
 export NANOCHAT_BASE_DIR="${NANOCHAT_BASE_DIR:-$HOME/.cache/nanochat}"
 DEPTHS="${DEPTHS:-10 12 14 16 18 20 22 24 26}"
@@ -38,7 +40,6 @@ except EvalBundleError as e:
 EOF
 fi
 
-source runs/lib.sh
 
 for depth in $DEPTHS; do
     tag="mini_d${depth}"

@@ -10,6 +10,8 @@
 # each call deletes the previous call's runcpu checkpoints and runs every stage again; 0 keeps them, resumes, and
 # skips the stages that finished).
 set -euo pipefail
+source "$(dirname "$0")/lib.sh"  # launch, logged, absolute
+absolute NANOCHAT_BASE_DIR EVAL_BUNDLE
 cd "$(dirname "$0")/.."
 export NANOCHAT_BASE_DIR="${NANOCHAT_BASE_DIR:-$HOME/.cache/nanochat/runcpu}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"

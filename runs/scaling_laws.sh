@@ -10,6 +10,8 @@
 # PYTHON, NANOCHAT_BASE_DIR, NANOCHAT_DATA_DIR. Needs a tokenizer (python -m scripts.tok_train). Running it again goes
 # on where it stopped: a (budget, depth) with a row in the CSV is skipped; delete the row, or the CSV, to train it again.
 set -euo pipefail
+source "$(dirname "$0")/lib.sh"  # launch, logged, absolute
+absolute NANOCHAT_BASE_DIR NANOCHAT_DATA_DIR
 cd "$(dirname "$0")/.."
 export NANOCHAT_BASE_DIR="${NANOCHAT_BASE_DIR:-$HOME/.cache/nanochat}"
 DEPTHS="${DEPTHS:-8 10 12 14 16}"
@@ -20,7 +22,6 @@ TRAIN_ARGS="${TRAIN_ARGS:-}"
 OUT="$NANOCHAT_BASE_DIR/scaling_laws.csv"
 LOGS="$NANOCHAT_BASE_DIR/scaling_laws_logs"
 mkdir -p "$LOGS"
-source runs/lib.sh
 [ -s "$OUT" ] || echo "budget,depth,flops,params,scaling_params,tokens,val_bpb" > "$OUT"
 
 for flops in $FLOPS; do

@@ -72,7 +72,11 @@ print(f"exported {model_tag} step {step} to {args.out}: {len(files)} weight file
       f"{time.time() - t0:.1f}s")
 
 if args.push_to_hub:
-    api.create_repo(args.push_to_hub, private=args.private, exist_ok=True, repo_type="model")
-    api.upload_folder(folder_path=args.out, repo_id=args.push_to_hub, repo_type="model",
-                      commit_message=f"nanochat {model_tag} step {step}")
+    try:
+        api.create_repo(args.push_to_hub, private=args.private, exist_ok=True, repo_type="model")
+        api.upload_folder(folder_path=args.out, repo_id=args.push_to_hub, repo_type="model",
+                          commit_message=f"nanochat {model_tag} step {step}")
+    except Exception as e:  # no write access to the repo, the network gone: the export stays
+        fail(f"the upload to {args.push_to_hub} failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+             f"{args.out} is exported: upload it again with huggingface_hub's upload_folder, or fix access and re-run")
     print(f"uploaded to https://huggingface.co/{args.push_to_hub}")
