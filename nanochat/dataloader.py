@@ -109,7 +109,8 @@ class BestFitPacker:
 
     @property
     def crop_fraction(self):
-        return self.tokens_cropped / max(1, self.tokens_in)
+        """Of the tokens taken out of the buffer (packed, or cropped away), the share cropped away."""
+        return self.tokens_cropped / max(1, self.tokens_in - sum(self.lengths))
 
 
 def reshard_states(states, new_dp_size):

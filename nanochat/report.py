@@ -143,12 +143,14 @@ def generate():
     train = pairs.get("base-model-training", {})
     rows = [(label, pairs[slug(section)][key]) for section, keys in SUMMARY_KEYS.items() for key, label in keys
             if key in pairs.get(slug(section), {})]
-    if start := read_json(os.path.join(d, "run.json"), {}).get("start_time"):
-        wall = time.time() - start
+    stages, start = read_json(os.path.join(d, "stages.json"), {}), read_json(os.path.join(d, "run.json"), {}).get("start_time")
+    if stages or start:  # the stages' own times where recorded: not the waits between them, nor a later regeneration
+        wall = sum(stages.values()) if stages else time.time() - start
         # GPUs billed: those the training used, else every visible one (environment)
         m = re.match(r"(\d+) x", pairs.get("environment", {}).get("gpus", ""))
         n_gpus = int(train["gpus used"].replace(",", "")) if "gpus used" in train else int(m.group(1) if m else 0)
-        rows.append(("total wall time", f"{wall / 3600:.2f} h ({wall / 60:.1f} min)"))
+        rows.append(("total wall time", f"{wall / 3600:.2f} h ({wall / 60:.1f} min" +
+                     (", the stages' sum)" if stages else ", since the report was started)")))
         rows.append((f"cost at ${GPU_HOUR_USD:.2f}/GPU-hour (NANOCHAT_GPU_HOUR_USD)",
                      f"${wall / 3600 * n_gpus * GPU_HOUR_USD:.2f} ({n_gpus} GPUs)" if n_gpus else "$0.00 (CPU run)"))
     out += ["## Summary", "", "| metric | value |", "| --- | --- |"] + [f"| {k} | {v} |" for k, v in rows] + [""]

@@ -343,8 +343,8 @@ class Run:
 
     def training_time(self):
         """(seconds, what they are): each launch's steps after its first UNTIMED_STEPS + 1 (compilation), else all."""
-        return (self.total_time, "") if self.total_time > 0 else \
-            (self.launch_time, f" ({self.step - self.first_step} steps, compilation included)")
+        return (self.total_time, f" (each launch's steps after its first {UNTIMED_STEPS + 1}: compilation left out)") \
+            if self.total_time > 0 else (self.launch_time, f" ({self.step - self.first_step} steps, compilation included)")
 
     def finish(self, completed):
         """The summary lines, the report section (a completed run, not a stopped one), and the closing of loaders and
@@ -385,7 +385,8 @@ class Run:
                 "gpus used": layout.world_size if self.device.type == "cuda" else 0,
                 "final validation bpb": measured(self.val_bpb), "CORE during training": self.core_status,
                 "minimum validation bpb": measured(self.min_val_bpb),
-                "training time (min)": round(self.training_time()[0] / 60, 3), "tok/sec (last step)": round(self.tok_per_sec),
+                "training time (min)": "{:.3f}{}".format(self.training_time()[0] / 60, self.training_time()[1]),
+                "tok/sec (last step)": round(self.tok_per_sec),
                 "spikes (loss or grad norm)": self.spike_count,
                 "context (tokens)": ", then ".join(f"{n:,}" + (f" from step {s}" if s else "") for s, n in self.plan.contexts),
                 "data": "the same shards throughout" if not self.new_data_at else

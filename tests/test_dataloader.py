@@ -21,7 +21,8 @@ def test_rows_start_with_bos_and_are_full(tokenizer):
         assert block.shape == (B, T + 1)
         assert (block[:, 0] == bos).all()
         assert (block >= 0).all() and (block < tokenizer.get_vocab_size()).all()  # no padding
-    assert 0 < p.crop_fraction < 1
+    assert 0 < p.crop_fraction < 1  # of what was taken out: 5 blocks' tokens and what was cropped away, not the buffer
+    assert p.crop_fraction == p.tokens_cropped / (5 * B * (T + 1) + p.tokens_cropped)
 
 
 def test_rows_are_whole_documents_best_fit(tokenizer):
