@@ -84,9 +84,12 @@ def evaluate(args, layout, device):
         csv_path = os.path.join(get_base_dir(), "base_eval", f"{model_tag}_{step:06d}.csv")
         if layout.rank == 0:  # the table, and the CORE row that scripts/export_hf.py reads
             os.makedirs(os.path.dirname(csv_path), exist_ok=True)
-            rows = [[label, f"{r['accuracy']:.6f}", f"{r['centered']:.6f}"] for label, r in core["results"].items()]
+            rows = [[label, f"{r['accuracy']:.6f}", f"{r['centered']:.6f}", ""] for label, r in core["results"].items()]
+            note = (f"{core['tasks_run']} of {core['tasks_total']} tasks, "  # what the score stands on (export_hf's card)
+                    + ("all items" if args.max_per_task < 0 else f"{args.max_per_task} items a task"))
             with open(csv_path, "w", newline="") as f:
-                csv.writer(f).writerows([["task", "accuracy", "centered"], *rows, ["CORE", "", f"{core['core']:.6f}"]])
+                csv.writer(f).writerows([["task", "accuracy", "centered", "note"], *rows,
+                                         ["CORE", "", f"{core['core']:.6f}", note]])
         print0(f"wrote {csv_path}")
         items.update({"CORE": round(core["core"], 6), "CORE tasks": f"{core['tasks_run']}/{core['tasks_total']}",
                       "missing tasks": ", ".join(core["missing"]) or "none",

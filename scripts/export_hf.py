@@ -53,9 +53,10 @@ try:
     meta["model_tag"] = model_tag
     step = meta["step"]
     core, csv_path = None, os.path.join(get_base_dir(), "base_eval", f"{model_tag}_{step:06d}.csv")
-    if os.path.exists(csv_path):  # base_eval's table, ending with the CORE row
+    if os.path.exists(csv_path):  # base_eval's table, ending with the CORE row (and, since it has one, its note)
         with open(csv_path, newline="") as f:
-            core = next((float(row[2]) for row in csv.reader(f) if row and row[0] == "CORE"), None)
+            row = next((row for row in csv.reader(f) if row and row[0] == "CORE"), None)
+        core = row and f"{float(row[2]):.4f} (scripts.base_eval: {row[3] if len(row) > 3 else 'tasks and items not recorded'})"
     # written beside --out and renamed onto it when whole: a failure leaves no partial export behind
     tmp = f"{os.path.abspath(args.out).rstrip(os.sep)}.tmp.{os.getpid()}"
     try:

@@ -45,8 +45,9 @@ def test_base_eval_table_core_csv_and_report(single_run):
     assert m and m.group(1, 2) == ("3", "4")
     assert re.search(r"^train bpb: \d+\.\d{6}$", stdout, re.M) and re.search(r"^val bpb: \d+\.\d{6}$", stdout, re.M)
     # the CSV: one row per task, then CORE = the mean of the centered accuracies
-    assert rows[0] == ["task", "accuracy", "centered"]
+    assert rows[0] == ["task", "accuracy", "centered", "note"]
     assert [r[0] for r in rows[1:-1]] == [t.label for t in tasks] and rows[-1][:2] == ["CORE", ""]
+    assert rows[-1][3] == "3 of 4 tasks, 4 items a task"  # what the score stands on, for export_hf's model card
     centered = [float(r[2]) for r in rows[1:-1]]
     assert float(rows[-1][2]) == pytest.approx(sum(centered) / 3, abs=1e-5)
     assert f"{float(rows[-1][2]):.4f}" == m.group(3)

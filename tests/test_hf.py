@@ -196,7 +196,12 @@ def test_round_trip_sample_eval_resume(env, tmp_path):
     run_script("scripts.export_hf", ["--model-tag", "hf_src", "--step", "2", "--out", str(first)], env)
     p = run_script("scripts.import_hf", ["--dir", str(first), "--model-tag", "hf_back"], env)
     assert "weights only" in p.stdout
+    scores = os.path.join(env["NANOCHAT_BASE_DIR"], "base_eval", "hf_back_000002.csv")  # as base_eval writes it
+    os.makedirs(os.path.dirname(scores), exist_ok=True)
+    with open(scores, "w") as f:
+        f.write('task,accuracy,centered,note\ncapitals,0.5,0.25,\nCORE,,0.250000,"3 of 4 tasks, 8 items a task"\n')
     run_script("scripts.export_hf", ["--model-tag", "hf_back", "--out", str(second)], env)
+    assert "| CORE | 0.2500 (scripts.base_eval: 3 of 4 tasks, 8 items a task) |" in (second / "README.md").read_text()
     assert safetensors_bytes(first) == safetensors_bytes(second)
     card = (first / "README.md").read_text()
     assert "| tokens seen | 1,024 |" in card and "| CORE | not recorded |" in card

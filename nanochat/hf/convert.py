@@ -107,7 +107,7 @@ def model_card(meta, repo_id=None, core=None):
     bpb = meta.get("loop_state", {}).get("min_val_bpb")
     bpb = f"{bpb:.4f} (best during training)" if isinstance(bpb, (int, float)) and math.isfinite(bpb) else na
     tokens = f"{meta['tokens_seen']:,}" if meta.get("tokens_seen") else na
-    core = f"{core:.4f} (scripts.base_eval)" if core is not None else na
+    core = core or na
     flags = meta.get("user_config")
     flag_lines = "\n".join(f"{k}: {v}" for k, v in sorted(flags.items())) if flags else na
     return f"""---
@@ -151,7 +151,8 @@ Training flags:
 
 def export(model_state, meta, tok: Tokenizer, out_dir, dtype=torch.float32, core=None, repo_id=None,
            max_shard_size=MAX_SHARD_SIZE):
-    """Write an export folder from a checkpoint's full tensors and meta. Returns the weight files."""
+    """Write an export folder from a checkpoint's full tensors and meta (core: the model card's CORE cell, as
+    scripts/export_hf.py reads it from base_eval's CSV). Returns the weight files."""
     from transformers import GenerationConfig
     from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors import SafetensorError
