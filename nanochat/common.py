@@ -44,8 +44,9 @@ RUNCPU_BASE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "nanochat", "r
 
 
 def base_dir_hint():
-    """For "not found" messages: where runs/runcpu.sh keeps its files, unless that is the base dir in use."""
-    return "" if os.path.abspath(get_base_dir()) == RUNCPU_BASE_DIR else (
+    """For "not found" messages: where runs/runcpu.sh keeps its files, where it has run and that is not the base dir in
+    use."""
+    return "" if os.path.abspath(get_base_dir()) == RUNCPU_BASE_DIR or not os.path.isdir(RUNCPU_BASE_DIR) else (
         f" (runs/runcpu.sh keeps its tokenizer and checkpoints under {RUNCPU_BASE_DIR}: "
         f"run with NANOCHAT_BASE_DIR={RUNCPU_BASE_DIR} to use them)")
 

@@ -128,15 +128,23 @@ def test_checkpoint_with_another_tokenizer_is_refused(base_dir, checkpoint, tmp_
         assert re.search(r"was trained with tokenizer [0-9a-f]{16}, but the tokenizer in .*other/tokenizer is [0-9a-f]{16}", out), module
 
 
-def test_sample_without_checkpoints_says_where_runcpu_put_them(base_dir, tmp_path):
+def test_sample_without_checkpoints_says_where_runcpu_put_them(base_dir, tmp_path, monkeypatch):
+    """Where runs/runcpu.sh has run (its folder exists), the "not found" lines point there; elsewhere they do not."""
     import shutil
-    p = run_script("scripts.sample", ["--prompt", "The"], script_env(str(tmp_path)), check=False)
-    out = p.stdout + p.stderr  # nothing at all: the tokenizer is missing first
-    assert p.returncode == 1 and "no tokenizer in" in out and "runs/runcpu.sh keeps its tokenizer and checkpoints under" in out
-    shutil.copytree(os.path.join(base_dir, "tokenizer"), tmp_path / "tokenizer")
-    p = run_script("scripts.sample", ["--prompt", "The"], script_env(str(tmp_path)), check=False)
+    from nanochat import common
+    monkeypatch.setattr(common, "RUNCPU_BASE_DIR", str(tmp_path / "runcpu_home"))
+    hint = f"runs/runcpu.sh keeps its tokenizer and checkpoints under {tmp_path / 'runcpu_home'}"
+    base = tmp_path / "base"
+    p = run_script("scripts.sample", ["--prompt", "The"], script_env(str(base)), check=False)
+    out = p.stdout + p.stderr  # nothing at all: the tokenizer is missing first; runcpu never ran: no hint
+    assert p.returncode == 1 and "no tokenizer in" in out and "runs/runcpu.sh" not in out, out
+    os.makedirs(tmp_path / "runcpu_home")
+    p = run_script("scripts.sample", ["--prompt", "The"], script_env(str(base)), check=False)
+    assert p.returncode == 1 and "no tokenizer in" in p.stdout + p.stderr and hint in p.stdout + p.stderr
+    shutil.copytree(os.path.join(base_dir, "tokenizer"), base / "tokenizer")
+    p = run_script("scripts.sample", ["--prompt", "The"], script_env(str(base)), check=False)
     out = p.stdout + p.stderr
-    assert p.returncode == 1 and "no checkpoints in" in out and "runs/runcpu.sh keeps its tokenizer and checkpoints under" in out
+    assert p.returncode == 1 and "no checkpoints in" in out and hint in out
 
 
 def test_base_eval_skip_core_is_said_in_the_report(base_dir, checkpoint):
