@@ -67,9 +67,10 @@ FP8_BLOCK_EXTRA = 8.0
 HEAD_BYTES = 1.6  # per token, times the vocabulary (the lm_head and loss's kept tensors; vocab-parallel under TP)
 TP_SHARDED = 24 / 34  # of a layer's activations, the share inside the TP regions (Megatron-LM: 24 of 34 bytes x width)
 TP_WHOLE_SP = 4 / 34  # under SP, the share still whole: two all-gathered matmul inputs, kept for the weight gradients
-# relative tok/s per GPU, measured on H200s (dev/BENCHMARKS.md): recompute at d20/d26, TP=2 at d32, CP=2 at d12
-# and 32K; each further TP or CP doubling is charged again, sharding nothing (unmeasured); PP: the bubble's formula
-SPEED = {"selective": 0.91, "block": 0.88, "tp2": 0.756, "cp2": 0.755}
+# relative tok/s per GPU, measured on H200s (dev/BENCHMARKS.md): recompute at d20/d26, TP=2 at d32 (2026-11-28, device
+# batch 8), CP=2 at d12 and 32K, sharding at d32 DP 4 (against plain DP 4); each further TP or CP doubling is charged
+# again; PP: the bubble's formula
+SPEED = {"selective": 0.91, "block": 0.88, "tp2": 0.771, "cp2": 0.755, "sharded": 0.934}
 GPUS = {"h100": 79.6, "h200": 140.4, "a100": 79.2, "a100-40gb": 39.4}  # GiB, as nvidia-smi gives the memory
 
 
@@ -221,7 +222,8 @@ def largest_batch(config, s, capacity):
 
 def relative_speed(s, micro_batches):
     """Tok/s per GPU against one GPU without savers, from the measured SPEED (an ordering, not a prediction)."""
-    speed = SPEED.get(s.recompute, 1.0) * SPEED["tp2"] ** math.log2(s.tp) * SPEED["cp2"] ** math.log2(s.cp)
+    speed = SPEED.get(s.recompute, 1.0) * SPEED["tp2"] ** math.log2(s.tp) * SPEED["cp2"] ** math.log2(s.cp) * \
+        (SPEED["sharded"] if s.shard_params else 1.0)
     if s.pp > 1:
         speed *= micro_batches * s.pp_virtual / (micro_batches * s.pp_virtual + s.pp - 1)
     return speed

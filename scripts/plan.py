@@ -111,6 +111,8 @@ def main(argv=None):
              f"and depths as whole numbers")
     if any(f.startswith("--resume-from-step") for f in rest):
         fail("scripts.plan plans a run from its flags: leave out --resume-from-step")
+    if len(names) > 1 and not args.compare:
+        fail(f"--gpu {args.gpu!r}: one GPU a plan (several go with --compare)")
     if any(g not in GPUS for g in names) and not args.gpu_memory:
         fail(f"--gpu {args.gpu!r}: use {', '.join(GPUS)}, or give --gpu-memory GiB")
     try:
@@ -120,6 +122,7 @@ def main(argv=None):
             return
         capacity = usable_bytes(args.gpu_memory or GPUS[names[0]])
         config, s = run_setting(rest, args.gpus, args.vocab_size)
+        s.check(config)  # a layout base_train would refuse: its one line, before any table
         print_setting(config, s, capacity)
         print_candidates(config, args.gpus, s.total_batch, s.fp8, capacity, args.top)
     except ConfigError as e:

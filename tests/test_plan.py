@@ -113,3 +113,11 @@ def test_plan_script(env):
     assert p.returncode != 0 and "--gpus 0" in p.stdout and "positive vocabulary and GPU count" in p.stdout
     p = run("--depth", "12", "--gpus", "3", "--tp", "2")
     assert p.returncode != 0 and "ERROR: --gpus 3 is not divisible by tp x pp x cp = 2" in p.stdout
+    p = run("--depth", "12", "--gpus", "3")  # a layout base_train refuses: its line, no table before it
+    assert p.returncode != 0 and p.stdout.startswith("ERROR: the batch") and "| pipeline rank" not in p.stdout
+    p = run("--depth", "12", "--gpus", "2", "--gpu", "h100,h200")
+    assert p.returncode != 0 and "several go with --compare" in p.stdout
+    p = run("--depth", "32", "--gpus", "4", "--gpu", "h200", "--top", "30")  # sharding is charged its measured cost
+    speeds = {row.split(" | ")[0]: float(row.split(" | ")[-1].rstrip(" |")) for row in p.stdout.splitlines()
+              if row.startswith("| dp 4") and "recompute none" in row and "batch 16" in row}
+    assert speeds["| dp 4, sharded; batch 16; recompute none"] < speeds["| dp 4; batch 16; recompute none"], speeds
