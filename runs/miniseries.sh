@@ -40,7 +40,6 @@ except EvalBundleError as e:
 EOF
 fi
 
-
 for depth in $DEPTHS; do
     tag="mini_d${depth}"
     if grep -q "^$depth," "$OUT"; then
