@@ -98,6 +98,9 @@ def test_a_nan_on_one_rank_after_a_save_keeps_that_checkpoint(env):
     assert ckpt.saved_steps(ckpt_dir(env, "nan_rank")) == [2]
     run_script("scripts.base_train", args + ["--resume-from-step", "2"], env, nproc=2)
     assert sorted(run_losses(env, "nan_rank")) == list(range(6))
+    # each DP rank went on from its own data position: rank r reads row groups r, r + 2, ... (not rank 0's)
+    states = json.load(open(os.path.join(ckpt_dir(env, "nan_rank"), "meta_000006.json")))["dataloader_states"]
+    assert [(s["dp_rank"], s["g"] % 2) for s in states] == [(0, 0), (1, 1)], states
 
 
 def flip_byte(path, offset):

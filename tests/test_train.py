@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 
+import pytest
 
 from conftest import run_script, run_losses, read_run, write_damaged_shard, ckpt_dir, errors, TINY_MODEL, REPO, SAMPLE_DATA
 
@@ -18,6 +19,7 @@ def test_exact_resume_is_bitwise(env):
     full = run_script("scripts.base_train", TRAIN + ["--num-iterations", "20", "--save-every", "5", "--keep-last", "2",
                                                      "--model-tag", "resume", "--eval-every", "-1"], env)
     losses = run_losses(env, "resume")
+    smooth = read_run(env, "resume").series("loss_smooth")
     assert sorted(losses) == list(range(20))
     assert losses[19] < losses[0]  # it learns
     folder = ckpt_dir(env, "resume")
@@ -28,6 +30,12 @@ def test_exact_resume_is_bitwise(env):
     assert run.header["start_step"] == 15 and sorted(run.losses()) == list(range(20))
     for s in range(15, 20):
         assert run.losses()[s] == losses[s], f"step {s}: {run.losses()[s]} != {losses[s]}"
+    # the loop state came back too: the smoothed loss goes on from step 15's, the training time from step 15's, and
+    # the saved token count is the steps' (a run stopped and resumed reports what one run would)
+    meta15 = json.load(open(os.path.join(folder, "meta_000015.json")))
+    assert meta15["tokens_seen"] == 15 * 512 and meta15["loop_state"]["total_time"] > 0
+    assert run.end["training_time_s"] == pytest.approx(meta15["loop_state"]["total_time"])  # 15-19: compile warm-up
+    assert run.series("loss_smooth")[19] == smooth[19], (run.series("loss_smooth")[19], smooth[19])
     # the final checkpoint of both runs holds the same weights (the first run's went aside when the resume began)
     import torch
     from nanochat.checkpoint_manager import load_checkpoint
