@@ -39,6 +39,39 @@ def test_damaged_checkpoint_files_are_named(tmp_path):
         ckpt.load_checkpoint(str(tmp_path), 2)
 
 
+def test_a_damaged_optimizer_file_is_named_and_a_temporary_meta_is_no_step(tmp_path):
+    sums = ckpt.save_stage_files(str(tmp_path), 1, {"w": torch.ones(4)}, {"adamw_step": 1, "params": {}})
+    ckpt.save_meta(str(tmp_path), 1, {"model_config": {}, "checksums": sums})  # as base_train saves: with checksums
+    optim = tmp_path / "optim_000001.pt"
+    data = bytearray(optim.read_bytes())
+    data[-10] ^= 0xFF  # a flipped byte: it still unpickles
+    optim.write_bytes(bytes(data))
+    with pytest.raises(ckpt.CheckpointError, match=r"optim_000001.pt is damaged"):
+        ckpt.load_checkpoint(str(tmp_path), 1)
+    assert ckpt.load_checkpoint(str(tmp_path), 1, load_optimizer=False)[0]["w"].sum() == 4  # weights only: fine
+    (tmp_path / "meta_000003.json.tmp.5").write_text("{}")  # a save killed before its meta's rename
+    assert ckpt.saved_steps(str(tmp_path)) == [1] and ckpt.find_last_step(str(tmp_path)) == 1
+
+
+def test_a_checkpoint_that_does_not_fit_the_model_is_one_line(tmp_path):
+    """Missing tensors, or tensors of another shape, are named (not a KeyError, not a copy that broadcasts)."""
+    from nanochat.gpt import GPTConfig, build_model
+    model = build_model(GPTConfig(sequence_len=16, vocab_size=64, n_layer=2, n_head=2, n_kv_head=2, n_embd=32), "cpu")
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ckpt.CheckpointError, match=r"checkpoint lacks 1 tensors the model needs, e.g. \['wte.weight'\]"):
+        ckpt.load_model_state(model, {k: v for k, v in state.items() if k != "wte.weight"})
+    name = next(k for k, v in state.items() if v.ndim == 2 and v.shape[0] == 32)
+    with pytest.raises(ckpt.CheckpointError, match=rf"{re.escape(name)}: checkpoint shape \(1, 32\) does not fit"):
+        ckpt.load_model_state(model, dict(state, **{name: state[name][:1]}))  # (1, 32) would broadcast into (32, 32)
+
+
+def test_the_latest_tag_is_the_newest(tmp_path):
+    for i, tag in enumerate(("old", "new", "older")):
+        (tmp_path / "base_checkpoints" / tag).mkdir(parents=True)
+        os.utime(tmp_path / "base_checkpoints" / tag, (1000 + 10 * i * (tag != "older"),) * 2)
+    assert ckpt.latest_model_tag(str(tmp_path)) == "new"
+
+
 def test_a_damaged_model_config_is_one_line():
     """A meta's model config without a shape key, or with keys of another version, is named (it built a default-sized
     model, or traced from the dataclass); an old checkpoint's l3_tied still loads."""
