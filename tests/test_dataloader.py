@@ -124,7 +124,32 @@ def test_reshard_keeps_position_and_buffer(tokenizer):
     assert q.next_block().shape == (B, T + 1)
     three = reshard_states(states, 3)
     assert sum(len(s["buffer"]) for s in three) == sum(len(s["buffer"]) for s in states)
+    # the newest epoch any rank reached, and the token counts shared out (the crop fraction stays what it was)
+    states = [dict(states[0], epoch=1), dict(states[1], epoch=2)]
+    total = sum(s["tokens_in"] for s in states)
+    assert reshard_states(states, 1)[0]["epoch"] == 2 and reshard_states(states, 1)[0]["tokens_in"] == total
+    assert 0 <= total - sum(s["tokens_in"] for s in reshard_states(states, 3)) < 3
+    assert reshard_states(states, 2) == states
     assert [s["g"] for s in three] == [three[0]["g"] + r for r in range(3)]
+
+
+def test_past_an_epoch_and_with_equal_lengths_a_state_resumes_exactly(tokenizer, tmp_path):
+    """A split of 16 short documents of one length (ties in the best fit) read several times over: the epoch advances,
+    and a state taken past the first epoch restores the epoch and the token counts, and the same rows follow."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    texts = [f"the river {w} runs past the old mill town" for w in "abcdefghijklmnop"]
+    for i in range(2):
+        pq.write_table(pa.table({"text": texts}), tmp_path / f"s{i}.parquet", row_group_size=4)
+    p = BestFitPacker(tokenizer, 2, 32, "train", str(tmp_path), buffer_docs=8)
+    for _ in range(12):
+        p.next_block()
+    assert p.epoch >= 3
+    state = p.state()
+    q = BestFitPacker(tokenizer, 2, 32, "train", str(tmp_path), buffer_docs=8, state=state)
+    assert q.state() == state and q.crop_fraction == p.crop_fraction
+    for _ in range(6):
+        assert np.array_equal(q.next_block(), p.next_block())
 
 
 def test_reshard_without_states_means_fresh_loaders():
