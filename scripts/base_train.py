@@ -144,7 +144,7 @@ class Run:
         self.grad_norm_slots = [(g, 1 + i) for i, g in enumerate(PARAM_GROUPS) if used.get(g, True)]  # in grad_norms
         self.val_bpb, self.evals = None, {}
         self.core_status = "not run" if args.core_metric_every > 0 else "off (--core-metric-every -1)"
-        self.mfu, self.tok_per_sec, self.epoch = None, 0.0, 1
+        self.mfu, self.tok_per_sec, self.epoch = None, 0.0, (loader_state or {}).get("epoch", 1)  # a resume's, till a step
         self.train_loader = training.make_loader(plan.tokenizer, "train", args.device_batch_size, args.max_seq_len,
                                                  device, layout, plan.data_dir, plan.micro_batches, loader_state,
                                                  args.keep_remainder) if training.reads_data(layout) else None

@@ -232,8 +232,13 @@ def test_bad_flags_are_clear_errors(env):
 def test_resume_at_the_final_step_wraps_up(env):
     args = TRAIN + ["--num-iterations", "2", "--model-tag", "final", "--eval-every", "-1"]
     run_script("scripts.base_train", args, env)
+    meta_path = os.path.join(ckpt_dir(env, "final"), "meta_000002.json")
+    meta = json.load(open(meta_path))
+    meta["dataloader_states"][0]["epoch"] = 3  # as if the data had been read three times: the report says so
+    json.dump(meta, open(meta_path, "w"))
     p = run_script("scripts.base_train", args + ["--resume-from-step", "2"], env)
     assert "training from step 2 to 2" in p.stdout and "Validation bpb:" in p.stdout
+    assert "- epoch: 3" in open(os.path.join(env["NANOCHAT_BASE_DIR"], "report", "base-model-training.md")).read()
 
 
 def test_l3_run_resumes_bitwise_with_its_allocation(env):
