@@ -4,13 +4,14 @@ the jump in loss on the new text is warned about and counted; TensorBoard gets t
 The gradient norms themselves: tests/test_training.py and tests/test_parallel.py."""
 
 import os
+import json
 import re
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import run_script, read_run, SAMPLE_DATA, TINY_RUN
+from conftest import run_script, read_run, ckpt_dir, SAMPLE_DATA, TINY_RUN
 from nanochat.dataset import listing_changes
 from nanochat.run_log import SpikeWatch
 
@@ -92,6 +93,9 @@ def test_new_data_is_refused_then_continued_with_the_flag_and_its_loss_spike_is_
     with open(os.path.join(env["NANOCHAT_BASE_DIR"], "report", "base-model-training.md")) as f:
         report = f.read()
     assert "- data: new shards from step 24 on (--resume-on-new-data)" in report
+    positions = [json.load(open(os.path.join(ckpt_dir(env, "newdata"), f"meta_0000{s}.json")))["dataloader_states"][0]
+                 for s in (24, 26)]  # the new data read from its start, not from step 24's place in the old
+    assert positions[1]["g"] < positions[0]["g"] and positions[1]["epoch"] == 1, positions
     assert f"- spikes (loss or grad norm): {count}\n" in report
     # TensorBoard holds the first launch's numbers, as metrics.jsonl does
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
