@@ -89,6 +89,21 @@ def test_without_file_locks_a_live_pid_of_this_host_holds_the_folder(tmp_path, m
     gone.wait()
     write_lock(str(tmp_path), socket.gethostname(), gone.pid)
     run_lock.release_lock(run_lock.take_lock(str(tmp_path)))
+    def not_ours(pid, sig):  # a live process of another user: signal 0 is refused, yet it is alive
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+    monkeypatch.setattr(run_lock.os, "kill", not_ours)
+    write_lock(str(tmp_path), socket.gethostname(), 4242)
+    with pytest.raises(ckpt.CheckpointError, match="in use by another run \\(PID 4242 on"):
+        run_lock.take_lock(str(tmp_path))
+
+
+def test_a_release_removes_only_its_own_lock_file_and_closes_it(tmp_path):
+    """A lock file replaced since it was taken (another run's now) stays when the first run releases its own."""
+    lock = run_lock.take_lock(str(tmp_path))
+    os.remove(tmp_path / "run.lock")
+    (tmp_path / "run.lock").write_text('{"pid": 1}')
+    run_lock.release_lock(lock)
+    assert (tmp_path / "run.lock").read_text() == '{"pid": 1}' and lock.closed
 
 
 # -----------------------------------------------------------------------------
