@@ -53,6 +53,44 @@ def test_a_damaged_optimizer_file_is_named_and_a_temporary_meta_is_no_step(tmp_p
     assert ckpt.saved_steps(str(tmp_path)) == [1] and ckpt.find_last_step(str(tmp_path)) == 1
 
 
+def test_a_save_that_fails_part_way_leaves_no_part_of_its_step(tmp_path, monkeypatch):
+    """The optimizer's file or the meta refused (a folder made read-only, say): the step's files written before it go,
+    the error names the file, and the step before stays the newest; a prune that fails part way has already made its
+    step not count (the meta goes first)."""
+    import errno
+    sums = ckpt.save_stage_files(str(tmp_path), 2, {"w": torch.ones(4)}, {"adamw_step": 1, "params": {}})
+    ckpt.save_meta(str(tmp_path), 2, {"model_config": {}, "checksums": sums})
+    replace = os.replace
+
+    def refuse(name):
+        def fake(src, dst):
+            if os.path.basename(dst) == name:
+                raise PermissionError(errno.EACCES, "Permission denied", dst)
+            return replace(src, dst)
+        monkeypatch.setattr(os, "replace", fake)
+    refuse("optim_000004.pt")
+    with pytest.raises(ckpt.CheckpointError, match=r"cannot write .*optim_000004.pt \(Permission denied\)"):
+        ckpt.save_stage_files(str(tmp_path), 4, {"w": torch.ones(4)}, {"adamw_step": 2, "params": {}})
+    refuse("meta_000004.json")
+    sums = ckpt.save_stage_files(str(tmp_path), 4, {"w": torch.ones(4)}, {"adamw_step": 2, "params": {}})
+    with pytest.raises(ckpt.CheckpointError, match=r"cannot write .*meta_000004.json \(Permission denied\)"):
+        ckpt.save_meta(str(tmp_path), 4, {"model_config": {}, "checksums": sums})
+    assert sorted(os.listdir(tmp_path)) == ["meta_000002.json", "model_000002.pt", "optim_000002.pt"]
+    monkeypatch.setattr(os, "replace", replace)
+    ckpt.save_meta(str(tmp_path), 4, {"model_config": {}, "checksums": ckpt.save_stage_files(
+        str(tmp_path), 4, {"w": torch.ones(4)}, {"adamw_step": 2, "params": {}})})
+    remove = os.remove
+
+    def remove_json_only(path):
+        if not path.endswith(".json"):
+            raise PermissionError(errno.EACCES, "Permission denied", path)
+        remove(path)
+    monkeypatch.setattr(os, "remove", remove_json_only)
+    with pytest.raises(PermissionError):
+        ckpt.prune_checkpoints(str(tmp_path), keep_last=1)
+    assert ckpt.saved_steps(str(tmp_path)) == [4]
+
+
 def test_a_checkpoint_that_does_not_fit_the_model_is_one_line(tmp_path):
     """Missing tensors, or tensors of another shape, are named (not a KeyError, not a copy that broadcasts)."""
     from nanochat.gpt import GPTConfig, build_model
