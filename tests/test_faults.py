@@ -51,6 +51,9 @@ def test_a_damaged_optimizer_file_is_named_and_a_temporary_meta_is_no_step(tmp_p
     assert ckpt.load_checkpoint(str(tmp_path), 1, load_optimizer=False)[0]["w"].sum() == 4  # weights only: fine
     (tmp_path / "meta_000003.json.tmp.5").write_text("{}")  # a save killed before its meta's rename
     assert ckpt.saved_steps(str(tmp_path)) == [1] and ckpt.find_last_step(str(tmp_path)) == 1
+    sums = ckpt.save_stage_files(str(tmp_path), 0, {"w": torch.ones(4)}, {"adamw_step": 0, "params": {}})
+    ckpt.save_meta(str(tmp_path), 0, {"model_config": {}, "checksums": sums})
+    assert ckpt.intact_hint(str(tmp_path)).startswith("step 0 is intact")  # step 1's optimizer file is damaged
 
 
 def test_a_save_that_fails_part_way_leaves_no_part_of_its_step(tmp_path, monkeypatch):
