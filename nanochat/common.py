@@ -61,7 +61,8 @@ class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def atomic_write(path, data):
-    """`data` (bytes, or a function writing to a file) to a temporary file, fsync, rename over `path`: crash-safe."""
+    """`data` (bytes, or a function writing to a file) to a temporary file, fsync, rename over `path`, fsync the folder
+    (the rename itself survives a power loss): crash-safe."""
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
@@ -72,6 +73,11 @@ def atomic_write(path, data):
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        folder = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+        try:
+            os.fsync(folder)
+        finally:
+            os.close(folder)
     except BaseException:  # a full disk, a refused rename, a kill: nothing half-written stays behind
         with contextlib.suppress(OSError):
             os.remove(tmp)

@@ -94,6 +94,16 @@ def test_a_save_that_fails_part_way_leaves_no_part_of_its_step(tmp_path, monkeyp
     assert ckpt.saved_steps(str(tmp_path)) == [4]
 
 
+def test_a_write_is_synced_file_and_folder(tmp_path, monkeypatch):
+    """atomic_write syncs the file before the rename and the folder after it (without either, a power loss can leave
+    an empty file under the final name, or the old one)."""
+    from nanochat.common import atomic_write
+    synced, fsync = [], os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.path.exists(tmp_path / "f")) or fsync(fd))
+    atomic_write(str(tmp_path / "f"), b"x")
+    assert synced == [False, True] and (tmp_path / "f").read_bytes() == b"x"
+
+
 def test_a_checkpoint_that_does_not_fit_the_model_is_one_line(tmp_path):
     """Missing tensors, or tensors of another shape, are named (not a KeyError, not a copy that broadcasts)."""
     from nanochat.gpt import GPTConfig, build_model
