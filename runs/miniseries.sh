@@ -5,7 +5,7 @@
 #
 #   bash runs/miniseries.sh                                # d10 ... d26 on the visible GPUs
 #   DEPTHS="2 3" RATIO=1 TRAIN_ARGS="--aspect-ratio 32 --head-dim 32 --max-seq-len 128 --device-batch-size 8 \
-#     --total-batch-size 4096 --eval-tokens 16384" EVAL_ARGS="--max-per-task 8 --eval-tokens 16384" bash runs/miniseries.sh
+#     --total-batch-size 4096 --eval-tokens 4096" EVAL_ARGS="--max-per-task 8 --eval-tokens 4096" bash runs/miniseries.sh
 #
 # Settings (environment): DEPTHS, RATIO, NPROC, TRAIN_ARGS, EVAL_ARGS, EVAL_BUNDLE, PYTHON,
 # NANOCHAT_BASE_DIR, NANOCHAT_DATA_DIR. Needs a tokenizer (python -m scripts.tok_train). Running it again goes on where

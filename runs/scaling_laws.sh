@@ -4,7 +4,7 @@
 #
 #   bash runs/scaling_laws.sh                                        # GPU defaults
 #   DEPTHS="2 3 4" FLOPS="2e11 5e11" TRAIN_ARGS="--aspect-ratio 32 --head-dim 32 --max-seq-len 128 \
-#     --device-batch-size 8 --total-batch-size 4096 --eval-tokens 16384" bash runs/scaling_laws.sh   # CPU, minutes
+#     --device-batch-size 8 --total-batch-size 4096 --eval-tokens 4096" bash runs/scaling_laws.sh   # CPU, minutes
 #
 # Settings (environment): DEPTHS, FLOPS (budgets), NPROC, TRAIN_ARGS (extra base_train flags),
 # PYTHON, NANOCHAT_BASE_DIR, NANOCHAT_DATA_DIR. Needs a tokenizer (python -m scripts.tok_train). Running it again goes
