@@ -4,8 +4,9 @@ optim_<step>.pt (layout-free optimizer state), meta_<step>.json (config, loop an
 Under PP or EP one file per stage and EP rank (_stage<k>, k = stage x EP + EP rank; later EP ranks hold their experts
 only), merged on load: whole tensors, so any (DP, TP, PP, EP) layout loads any checkpoint. Files are written to a
 temporary name and renamed, meta last: a step is saved once its meta exists; a failed save leaves no part of it, a
-killed one at most its tensor files without a meta (no saved step: a resume sets them aside). Loading unpickles nothing and refuses a file failing its checksum, non-finite weights and another tokenizer, naming
-the newest intact step. A run locks its folder (run_lock.py); a new run refuses a folder holding another run's files.
+killed one at most its tensor files without a meta (no saved step: a resume sets them aside). Loading unpickles
+nothing and refuses a file failing its checksum, non-finite weights and another tokenizer, naming the newest intact
+step. A run locks its folder (run_lock.py); a new run refuses a folder holding another run's files.
 """
 
 import os
