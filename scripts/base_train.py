@@ -373,7 +373,7 @@ class Run:
             self.train_loader.close()
 
     def report_items(self, peak_mem):
-        r, layout = self.recipe, self.layout
+        (r, layout), (seconds, what) = (self.recipe, self.layout), self.training_time()
         crop = self.train_loader.stats["crop_fraction"] if self.train_loader is not None else None
         measured = lambda v: float(v) if v is not None and math.isfinite(v) else "not measured"
         return {"parameters": r.param_counts["total"], "scaling parameters": r.param_counts["scaling"],
@@ -385,7 +385,7 @@ class Run:
                 "gpus used": layout.world_size if self.device.type == "cuda" else 0,
                 "final validation bpb": measured(self.val_bpb), "CORE during training": self.core_status,
                 "minimum validation bpb": measured(self.min_val_bpb),
-                "training time (min)": "{:.3f}{}".format(self.training_time()[0] / 60, self.training_time()[1]),
+                "training time (min)": f"{seconds / 60:.3f}{what}",
                 "tok/sec (last step)": round(self.tok_per_sec),
                 "spikes (loss or grad norm)": self.spike_count,
                 "context (tokens)": ", then ".join(f"{n:,}" + (f" from step {s}" if s else "") for s, n in self.plan.contexts),
