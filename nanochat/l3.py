@@ -139,17 +139,15 @@ def allocate_for_model(model, tokenizer, data_dir, layout, sample_tokens=L3_LZW_
     if layout.rank == 0:
         t0 = time.time()
         tokens = sample_training_tokens(tokenizer, data_dir, sample_tokens)
-        t1 = time.time()
         if tokens.size < sample_tokens:
             print0(f"NOTICE: the training shards hold only {tokens.size:,} tokens; L3's LZW ran on all of them "
                    f"(L3_LZW_SAMPLE_TOKENS = {sample_tokens:,})")
         credits = lzw_credits(tokens, V)
-        t2 = time.time()
         d = allocate_rows(credits, n_emb, k_max)
         counts.copy_(torch.from_numpy(d))
         mean_rows.fill_(float((np.bincount(tokens, minlength=V) * d).sum() / max(1, tokens.size)))
         top100 = np.sort(d)[::-1][:100].sum() / n_emb
-        print0(f"L3 allocation: {tokens.size:,} training tokens (tokenized in {t1 - t0:.1f}s), LZW {t2 - t1:.1f}s, "
+        print0(f"L3 allocation: {tokens.size:,} training tokens (tokenized, LZW: {time.time() - t0:.1f}s), "
                f"{int(credits.sum()) - V:,} dictionary entries; {n_emb:,} rows over {V:,} tokens, k_max {k_max}")
         print0(f"L3 rows per token: min {d.min()}, median {np.median(d):g}, max {d.max()}; "
                f"top-100 tokens hold {100 * top100:.1f}% of the table; {(d == k_max).sum()} tokens at k_max; "
@@ -163,10 +161,6 @@ def allocate_for_model(model, tokenizer, data_dir, layout, sample_tokens=L3_LZW_
 
 # ---- The lookup h = E_t^T softmax(E_t x), two ways ----
 
-def _acc_dtype(dtype):
-    return torch.promote_types(dtype, torch.float32)
-
-
 def lookup_padded(x, ids, table, bounds):
     """x (N, d), ids (N,) -> h (N, d). Padding slots read row 0 with weight exactly 0: they add no gradient to it."""
     start = bounds[ids]
@@ -174,7 +168,7 @@ def lookup_padded(x, ids, table, bounds):
     slot = torch.arange(int(count.max()), device=x.device)
     valid = slot < count[:, None]
     rows = table[torch.where(valid, start[:, None] + slot, 0)].to(x.dtype)  # gathered first: its gradient sums in fp32
-    scores = (rows @ x.unsqueeze(-1)).squeeze(-1).to(_acc_dtype(x.dtype))
+    scores = (rows @ x.unsqueeze(-1)).squeeze(-1).to(torch.promote_types(x.dtype, torch.float32))
     a = torch.softmax(scores.masked_fill(~valid, float("-inf")), dim=-1)
     return (a.to(x.dtype).unsqueeze(1) @ rows).squeeze(1)
 
@@ -240,15 +234,15 @@ def _block_attention(xb, kb, mask, acc):
 
 
 class _BlockedLookup(torch.autograd.Function):
-    """h = E_t^T softmax(E_t x) by blocks of sorted positions (_Plan); the backward recomputes each chunk's softmax."""
+    """h = E_t^T softmax(E_t x) by blocks of sorted positions (_Plan); the backward recomputes each chunk's softmax.
+    tc: the table in x's dtype (L3Layer.table_in: one cast of the table beats casting the larger gathered blocks)."""
 
     @staticmethod
-    def forward(ctx, x, table, plan, chunk_bytes):
-        acc = _acc_dtype(x.dtype)
+    def forward(ctx, x, table, tc, plan, chunk_bytes):
+        acc = torch.promote_types(x.dtype, torch.float32)
         order, slot, target, rel_start, rel_end, lo = plan.to(x.device)
         # rows a chunk may gather: a row costs its channels, or its column of fp32 scores (block entries) if more
         chunks = plan.chunks(max(1, chunk_bytes // max(table.size(1) * x.element_size(), 4 * plan.block)))
-        tc = table.to(x.dtype)  # one cast of the table beats casting the (larger) gathered blocks
         xs = x.index_select(0, order)
         hs = x.new_empty(x.size(0) + L3_SPARE_ROWS, tc.size(1))  # + the padding slots' rows
         span, saved = torch.arange(chunks[0][2] if chunks else 0, device=x.device), []
@@ -259,51 +253,44 @@ class _BlockedLookup(torch.autograd.Function):
             a = _block_attention(xs[slot[i:j]], eb, mask, acc)
             hs.index_copy_(0, target[i:j].flatten(), torch.bmm(a.to(x.dtype), eb).flatten(0, 1))
             saved += [slot[i:j], target[i:j].flatten(), rows, mask]
-        # the cast table: a second cast costs more time than the copy costs memory. The plan's tensors as saved
-        # tensors too, so that autograd frees them after the backward (attributes of ctx would stay with the node)
+        # the plan's tensors as saved tensors, so that autograd frees them after the backward (not ctx's attributes)
         ctx.save_for_backward(xs, tc, order, *saved)
         ctx.table_dtype = table.dtype
+        ctx.param = table if table.is_leaf else None  # its .grad is summed into in place (backward)
         return torch.empty_like(x).index_copy_(0, order, hs[:x.size(0)])
 
     @staticmethod
     def backward(ctx, grad_h):
         xs, tc, order, *flat = ctx.saved_tensors
         chunks = [flat[i:i + 4] for i in range(0, len(flat), 4)]  # (slot, target, rows, mask) each
-        acc = _acc_dtype(xs.dtype)
+        acc = torch.promote_types(xs.dtype, torch.float32)
         gs = grad_h.to(xs.dtype).index_select(0, order)
         gs = torch.cat([gs, gs.new_zeros(L3_SPARE_ROWS, gs.size(1))])  # padding slots read zeros: no gradient
         dxs = xs.new_empty(xs.size(0) + L3_SPARE_ROWS, xs.size(1))  # + the padding slots' rows
-        # fp32 table gradient (each block's bmm sums its slots in fp32) by an accumulating index_put, which sorts the
-        # rows and sums duplicates in order (atomic index_add_ contends on a frequent token's rows: slower, dev/LOG.md
-        # 2026-11-27); unchecked as in autograd's own indexing backward (the public one reads the range back to the
-        # host, a sync a chunk): the forward clamped the rows
-        de = torch.zeros(tc.shape, dtype=acc, device=tc.device)
+        # fp32 table gradient by an accumulating index_put, which sorts the rows and sums duplicates in order (atomic
+        # index_add_ contends on a frequent token's rows: slower, dev/LOG.md 2026-11-27), unchecked (the public one
+        # reads the range back to the host; the forward clamped the rows). Summed into the .grad of earlier
+        # micro-batches, taken and handed back (autograd keeps what comes to an empty .grad as it is): no dense zeros
+        # and add a micro-batch (~2 ms each at d12)
+        param = ctx.param
+        if param is not None and param.grad is not None and param.grad.dtype == acc:
+            de, param.grad = param.grad, None
+        else:
+            de = torch.zeros(tc.shape, dtype=acc, device=tc.device)
         for slot, target, rows, mask in chunks:
             xb, eb, gb = xs[slot], tc[rows], gs[target].view(*slot.shape, -1)
             a = _block_attention(xb, eb, mask, acc)
             da = torch.bmm(gb, eb.transpose(1, 2)).to(acc)
             ds = torch.ops.aten._softmax_backward_data(da, a, -1, acc).to(xs.dtype)  # a (da - sum(a da)), one pass
             dxs.index_copy_(0, target, torch.bmm(ds, eb).flatten(0, 1))
-            # a row's gradient as a key and as a value, ds^T x + a^T g, summed inside one bmm (K = 2 block)
-            lhs, rhs = torch.cat([ds, a.to(xs.dtype)], dim=1), torch.cat([xb, gb], dim=1)
-            grad_rows = torch.bmm(lhs.transpose(1, 2), rhs).flatten(0, 1).to(acc)
+            # a row's gradient as a key and as a value, ds^T x + a^T g, summed inside one bmm (K = 2 block); on CUDA
+            # in fp32 straight from the accumulators (a bf16 product cast moved 6 GB more a micro-batch at d12)
+            lhs, rhs = torch.cat([ds, a.to(xs.dtype)], dim=1).transpose(1, 2), torch.cat([xb, gb], dim=1)
+            grad_rows = (torch.bmm(lhs, rhs, out_dtype=acc) if lhs.is_cuda and lhs.dtype != acc else
+                         torch.bmm(lhs, rhs).to(acc)).flatten(0, 1)
             torch.ops.aten._index_put_impl_(de, (rows.flatten(),), grad_rows, accumulate=True, unsafe=True)
         dx = torch.empty_like(xs).index_copy_(0, order, dxs[:xs.size(0)])
-        return dx, de.to(ctx.table_dtype), None, None
-
-
-def on_host(t):
-    """A tensor as a numpy array (a copy from the GPU waits for it); numpy arrays as they are."""
-    return t if isinstance(t, np.ndarray) else t.cpu().numpy()
-
-
-def lookup_blocked(x, ids, table, bounds, block=L3_BLOCK_POSITIONS, chunk_bytes=L3_CHUNK_BYTES, window=None):
-    """x (N, d), ids (N,) -> h (N, d); ids, bounds on the host (or copied there); window >= k_max (None: from
-    bounds)."""
-    ids, bounds = on_host(ids), on_host(bounds)
-    if window is None:
-        window = int((bounds[1:] - bounds[:-1]).max())
-    return _BlockedLookup.apply(x, table, _Plan(ids, bounds, block, window, pin=x.is_cuda), chunk_bytes)
+        return dx, de.to(ctx.table_dtype), None, None, None
 
 
 def choose_path(x, ids, bounds):
@@ -339,6 +326,7 @@ class L3Layer(nn.Module):
         self.token_share = nn.Identity()  # sequence parallelism swaps in this rank's share of the token ids
         self.plans_ahead = collections.deque()  # Futures from plan_ahead; a lookup takes the first
         self.bounds_on_host = (None, None)  # (the buffer's identity and version, a numpy copy)
+        self.step_casts = None  # in a training step (plans_made_ahead): {dtype: the table cast once for the step}
 
     @classmethod
     def from_config(cls, config):
@@ -398,7 +386,7 @@ class L3Layer(nn.Module):
         """bounds as a numpy array, copied again only after the buffer changed (an allocation, a loaded checkpoint)."""
         key = (self.bounds.data_ptr(), self.bounds._version)
         if self.bounds_on_host[0] != key:
-            self.bounds_on_host = (key, on_host(self.bounds))
+            self.bounds_on_host = (key, self.bounds.cpu().numpy())
         return self.bounds_on_host[1]
 
     @eager  # data-dependent sizes; W_up, the LayerNorm and W_mix around it compile
@@ -411,8 +399,17 @@ class L3Layer(nn.Module):
         path = choose_path(x, ids, self.bounds) if self.path == "auto" else self.path
         if path == "padded":
             return lookup_padded(x, ids, self.key_table, self.bounds)
-        plan = plan or _Plan(on_host(ids), self.host_bounds(), L3_BLOCK_POSITIONS, self.k_max, pin=x.is_cuda)
-        return _BlockedLookup.apply(x, self.key_table, plan, L3_CHUNK_BYTES)
+        plan = plan or _Plan(ids.cpu().numpy(), self.host_bounds(), L3_BLOCK_POSITIONS, self.k_max, pin=x.is_cuda)
+        return _BlockedLookup.apply(x, self.key_table, self.table_in(x.dtype), plan, L3_CHUNK_BYTES)
+
+    def table_in(self, dtype):
+        """The table in `dtype` for the blocked lookup: cast once a training step (the optimizer changes it only between
+        steps; 0.86 ms a cast at d12), else at each call; never kept when gathered (sharded: not a leaf)."""
+        if self.step_casts is None or not self.key_table.is_leaf:
+            return self.key_table.detach().to(dtype)
+        if dtype not in self.step_casts:
+            self.step_casts[dtype] = self.key_table.detach().to(dtype)
+        return self.step_casts[dtype]
 
     def forward(self, x, idx):
         """x (B, T, d) hidden states, idx (B, T) token ids -> (B, T, d) to add to the residual stream."""
@@ -441,6 +438,8 @@ def plans_made_ahead(model, inputs):
     for idx in inputs if layers else []:
         if idx is not None:
             plan_lookups(layers, model.sequence.local(idx))
+    for layer in layers:
+        layer.step_casts = {}  # the table cast once for the step (L3Layer.table_in)
     try:
         yield
         if any(layer.plans_ahead for layer in layers):
@@ -448,3 +447,4 @@ def plans_made_ahead(model, inputs):
     finally:
         for layer in layers:
             layer.plans_ahead.clear()
+            layer.step_casts = None

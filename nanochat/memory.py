@@ -128,7 +128,7 @@ def rank_memory(config, s):
     head = HEAD_BYTES * config.vocab_size / s.tp  # on the last chunk
     # per MoE layer, beyond a dense one (under TP, with SP: on this rank's tokens)
     moe = extra_activation_bytes(config, tokens / s.tp, s.recompute, s.ep)
-    # per L3 layer, its table cast to the compute dtype, which the lookup saves for its backward (sharded: the
+    # per L3 layer, its table cast to the compute dtype, kept for the step's lookups and backwards (sharded: the
     # gathered table is that copy, counted with the gathered weights); its other activations are not counted
     l3 = {int(i): 0 if s.shard_params and D > 1 else layer.key_table.numel() * dt for i, layer in model.l3.items()}
     kept = [tokens * ((b - a) * config.n_embd * per_layer * tp_share + (head if c == len(chunks) - 1 else 0)) +

@@ -12,7 +12,7 @@ from nanochat.dataset import SAMPLE_DIR
 from nanochat.gpt import GPTConfig, build_model
 from nanochat.optim import param_groups
 from nanochat.l3 import (L3Layer, allocate_for_model, allocate_rows, choose_path, default_n_emb, plans_made_ahead,
-                         lookup_blocked, lookup_padded, lzw_credits, sample_training_tokens, uniform_rows)
+                         lookup_padded, lzw_credits, sample_training_tokens, uniform_rows, _Plan, _BlockedLookup)
 
 
 def zipf_tokens(n, vocab, seed=0):
@@ -30,6 +30,13 @@ def make_layer(vocab=40, d=16, n_emb=300, k_max=24, dtype=torch.float64, seed=0)
     layer.set_allocation(allocate_rows(lzw_credits(zipf_tokens(5000, vocab, seed), vocab), n_emb, k_max), 1.0)
     torch.nn.init.normal_(layer.w_mix.weight, std=0.1)
     return layer.to(dtype)
+
+
+def lookup_blocked(x, ids, table, bounds, block=64, chunk_bytes=512 << 20):
+    """The blocked lookup alone: x (N, d), ids (N,) -> h (N, d), its blocks of `block` positions cut at k_max windows."""
+    ids, bounds = np.asarray(torch.as_tensor(ids).cpu()), np.asarray(torch.as_tensor(bounds).cpu())
+    plan = _Plan(ids, bounds, block, int((bounds[1:] - bounds[:-1]).max()), pin=x.is_cuda)
+    return _BlockedLookup.apply(x, table, table.detach().to(x.dtype), plan, chunk_bytes)
 
 
 def naive_lookup(x, ids, table, bounds):
@@ -182,6 +189,37 @@ def test_bf16_activations():
     reference = grads["padded", torch.float32]
     for key in (("padded", torch.bfloat16), ("blocked", torch.bfloat16)):
         assert (grads[key] - reference).norm() < 0.003 * reference.norm(), key
+
+
+def test_a_step_casts_the_table_once_and_sums_its_gradient_in_place():
+    """In a training step (plans_made_ahead) the blocked lookup casts the table to the compute dtype once for all its
+    micro-batches, and the next step casts what the optimizer wrote (through .data, which no version counter sees);
+    each micro-batch's table gradient is summed into the one fp32 .grad in place, equal to the sum of their own."""
+    torch.manual_seed(0)
+    model = build_model(tiny_l3_config(), "cpu")
+    layer = next(iter(model.l3.values()))
+    layer.path = "blocked"
+    xs = [torch.randn(64, model.config.n_embd).bfloat16() for _ in range(3)]
+    ids = [torch.randint(0, 256, (64,)) for _ in range(3)]
+    assert layer.table_in(torch.bfloat16) is not layer.table_in(torch.bfloat16)  # outside a step: at each call
+    alone = []
+    for x, i in zip(xs, ids):
+        layer.zero_grad()
+        layer.lookup(x, i).float().square().sum().backward()
+        alone.append(layer.key_table.grad.clone())
+    layer.zero_grad()
+    with plans_made_ahead(model, []):
+        cast = layer.table_in(torch.bfloat16)
+        storage = set()
+        for x, i in zip(xs, ids):
+            layer.lookup(x, i).float().square().sum().backward()
+            storage.add(layer.key_table.grad.data_ptr())
+        assert layer.table_in(torch.bfloat16) is cast
+    assert len(storage) == 1 and layer.step_casts is None
+    torch.testing.assert_close(layer.key_table.grad, sum(alone), rtol=1e-5, atol=1e-6)
+    layer.key_table.data.add_(1.0)  # as the optimizer writes
+    with plans_made_ahead(model, []):
+        torch.testing.assert_close(layer.table_in(torch.bfloat16), layer.key_table.detach().bfloat16())
 
 
 def test_choose_path():
