@@ -10,7 +10,9 @@ fraction and the most micro-batch chunks each rank holds alive (peak_in_flight, 
 
 --measure times, on one GPU in bf16, the forward (F) and the backward (B) of every block, the embedding and the head
 with its loss, on micro-batches of --batch x --seq tokens (window L; --compile inductor: each block and the loss
-compiled, as training compiles them with overlapped reduction), and the bytes each forward saves. --times sums them
+compiled, as training compiles them with overlapped reduction), the bytes each forward saves, and the optimizer's
+step (MuonAdamW, compiled alike) over the whole model, over the embedding's part and over the head's: a rank's step
+ends with the step over its own parameters (a block's share of the blocks' Muon step priced at one GPU's stacking). --times sums them
 into each chunk of the layout (pipeline_parallel.split_stages, as training splits). A message between ranks takes
 its bytes as train_step sends them over --p2p-gbps (a forward's x, x0, x_mid past the backout layer and the ids; a
 backward's gradients of those activations); with unit times, --p2p-ms each.
@@ -121,11 +123,38 @@ def measure(depth, batch, seq, reps, compile_backend=None):
         run_forward = lambda: state.update(outputs=forward())
         result["F"] = timed(run_forward)
         result["backward"] = timed(lambda: torch.autograd.backward(state["outputs"], grads), run_forward)
+    results["optimizer"] = {part: timed(step) for part, step in optimizer_steps(model, compile_backend).items()}
     for i, r in enumerate(results["blocks"]):
         print(f"block {i}: " + ", ".join(f"{k} {v:.3f}" if k != "bytes" else f"{v / 2**20:.0f} MiB"
                                          for k, v in r.items()), flush=True)
-    print("embed:", results["embed"], "\nhead:", results["head"])
+    print("embed:", results["embed"], "\nhead:", results["head"], "\noptimizer step (ms):", results["optimizer"])
     return results
+
+
+def optimizer_steps(model, compile_backend):
+    """{part: a function running one optimizer step}: over the whole model ("all"), over the embedding's parameters
+    (wte, the smear gate, the value embeddings: the first stage's) and over the head's (lm_head: the last stage's),
+    each with gradients in place and its state made by a first step."""
+    import torch
+    from nanochat.data_parallel import DataParallel
+    from nanochat.optim import MuonAdamW, muon_stacks, param_groups
+    names = {p: n for n, p in model.named_parameters()}
+    part_of = lambda n: "head" if n.startswith("lm_head") else "blocks" if n.startswith("blocks.") else "embed"
+    steps = {}
+    for part in ("all", "embed", "head"):
+        groups = [dict(g, params=[p for p in g["params"] if part in ("all", part_of(names[p]))])
+                  for g in param_groups(model, 0.1, 0.001, 0.01, 0.1, 0.0)]
+        groups = [g for g in groups if g["params"]]
+        adamw = [p for g in groups if g["kind"] == "adamw" for p in g["params"]]
+        dp = DataParallel([params for _, _, params in muon_stacks(groups)], adamw)
+        optimizer = MuonAdamW(groups, names, dp, compute_dtype=next(model.parameters()).dtype,
+                              compile=compile_backend == "inductor")
+        for g in groups:
+            for p in g["params"]:
+                p.grad = torch.randn_like(p) * 1e-3
+        optimizer.step()  # its state, and its compilation
+        steps[part] = optimizer.step
+    return steps
 
 
 def typical(blocks):
@@ -143,7 +172,7 @@ def chunk_layout(measured, p, virtual):
     """The p x virtual chunks training would cut (split_stages on the FLOP costs), priced: {(kind, chunk): ms}, the
     bytes each chunk's forward keeps, the FLOP costs train_step orders its messages by (Pipeline.chunk_costs), and
     {(kind, chunk): bytes of the message that action sends}: a forward's x, x0 (and x_mid past the backout layer) in
-    bf16 and the ids, a backward's gradients of the chunk's inputs."""
+    bf16 and the ids, a backward's gradients of the chunk's inputs; {("step", chunk): ms of its optimizer step}."""
     import torch
     from nanochat.gpt import GPT
     from nanochat.recipe import config_for_depth
@@ -156,25 +185,30 @@ def chunk_layout(measured, p, virtual):
     tokens = measured["batch"] * measured["seq"]
     activation = tokens * measured["n_embd"] * 2
     blocks = typical(measured["blocks"])
+    opt = measured.get("optimizer", {})  # measured before the optimizer was: none
+    per_block = (opt.get("all", 0.0) - opt.get("embed", 0.0) - opt.get("head", 0.0)) / measured["depth"]
     times, kept, sizes = {}, [], {}
     for c, (a, b) in enumerate(bounds):
         parts = blocks[a:b] + ([measured["embed"]] if c == 0 else []) + \
             ([measured["head"]] if c == last else [])
         times["F", c] = sum(t["F"] for t in parts)
         times["B", c] = sum(t["backward"] for t in parts)
+        times["step", c] = (b - a) * per_block + (opt.get("embed", 0.0) if c == 0 else 0.0) + \
+            (opt.get("head", 0.0) if c == last else 0.0)
         kept.append(sum(t["bytes"] for t in parts))
         sizes["F", c] = (3 if back < b else 2) * activation + tokens * 8
         sizes["B", c] = (3 if back < a else 2) * activation
     return times, kept, chunk_costs(costs, head_cost, bounds), sizes
 
 
-def replay_queued(actions, programs, duration, message):
+def replay_queued(actions, programs, duration, message, tail=None):
     """The step time of train_step's programs (message_order's) with their messages as NCCL runs them: per rank one
     compute stream; per pair of neighbouring ranks one stream (their process group), on which messages run one at a
     time in the order both ranks posted them; a message starts once both ranks have posted it, and not before the
     compute each rank queued before posting it has run (the communicator's stream waits for the compute stream), and
-    takes message(the action whose output it carries); an action waits for the message that brings its input.
-    simulate() instead charges every message as a delay and lets messages overlap freely."""
+    takes message(the action whose output it carries); an action waits for the message that brings its input; a rank
+    ends with tail[rank] ms after its last run (its optimizer step). simulate() instead charges every message as a
+    delay and lets messages overlap freely."""
     p = len(actions)
     num_chunks = 1 + max(c for acts in actions for _, _, c in acts)
     runs = [[a for step, a in prog if step == "run"] for prog in programs]
@@ -223,7 +257,7 @@ def replay_queued(actions, programs, duration, message):
                     progressed = True
         if not progressed:
             raise ValueError("the programs wait on each other")
-    return max(max(free), max(stream.values(), default=0.0))
+    return max(max(f + t for f, t in zip(free, tail or [0.0] * p)), max(stream.values(), default=0.0))
 
 
 def price(measured, schedule, p, m, virtual, gbps):
@@ -234,10 +268,12 @@ def price(measured, schedule, p, m, virtual, gbps):
     duration = lambda a: times[a[0], a[2]]
     message = lambda a: sizes[a[0], a[2]] / (gbps * 1e9) * 1e3
     timeline = simulate(actions, duration, message)
-    ideal = m * sum(times.values()) / p
-    step, idle = step_and_idle(timeline)
+    tail = [sum(times["step", c] for c in range(r, p * virtual, p)) for r in range(p)]  # rank r holds chunks r + k p
+    ideal = m * sum(t for (kind, _), t in times.items() if kind != "step") / p + max(tail)
+    step = max(events[-1][2] + t for events, t in zip(timeline, tail))
+    idle = step_and_idle(timeline)[1]
     peak = [b / 2**30 for b in peak_in_flight(actions, kept)]
-    queued = replay_queued(actions, [message_order(actions, r, flops) for r in range(p)], duration, message)
+    queued = replay_queued(actions, [message_order(actions, r, flops) for r in range(p)], duration, message, tail)
     return step, ideal, idle, peak, queued
 
 

@@ -240,6 +240,7 @@ def test_pipeline_sim_measures_blocks_and_prices_every_schedule(env, tmp_path):
     run("--measure", "4", "--batch", "1", "--seq", "32", "--reps", "1", "--out", str(times))
     measured = json.loads(times.read_text())
     assert len(measured["blocks"]) == 4 and all(b["F"] > 0 and b["backward"] > 0 and b["bytes"] > 0 for b in measured["blocks"])
+    assert measured["optimizer"]["all"] > max(measured["optimizer"]["embed"], measured["optimizer"]["head"]) > 0
     table = run("--times", str(times), "--table")
     for schedule in ("gpipe", "1f1b"):
         assert f"| 4 | 16 | {schedule} |" in table
@@ -265,6 +266,9 @@ def test_pipeline_sim_prices_messages_by_what_they_carry_and_blocks_by_their_kin
     step = price(measured, "1f1b", 4, 8, 1, 100.0)[-1]
     blocks[5] = dict(blocks[5], F=2.0, backward=4.0)  # one slow sample
     assert price(measured, "1f1b", 4, 8, 1, 100.0)[-1] == step
+    # each rank's step ends with its optimizer step: under 1F1B rank 0 ends last, with 7 blocks and the embedding
+    measured["optimizer"] = {"all": 30.0, "embed": 2.0, "head": 2.0}  # 1 ms a block
+    assert price(measured, "1f1b", 4, 8, 1, 100.0)[-1] == pytest.approx(step + 7 * 1.0 + 2.0)
 
 
 @pytest.mark.parametrize("schedule, virtual", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)])

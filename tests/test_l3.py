@@ -138,15 +138,16 @@ def test_blocked_backward_gradcheck():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_lookup_never_waits_for_the_gpu_on_cuda(dtype):
     """With the lookup planned ahead (training plans a step's at its start), the layer's forward and backward on CUDA
-    make no host sync, and give the CPU's results, in fp32 and with bf16 activations (CUDA kernels take fewer dtype
-    mixes than CPU ones)."""
+    make no host sync, and give the CPU's fp32 results, in fp32 and with bf16 activations (CUDA kernels take fewer
+    dtype mixes than CPU ones; the bf16 CPU path rounds the row gradients' products, which CUDA keeps in fp32)."""
     layer = make_layer(dtype=torch.float32)
     ids = torch.from_numpy(zipf_tokens(2 * 96, 40, seed=3)).view(2, 96)
     x = torch.randn(2, 96, 16, dtype=dtype)
     results = {}
     for device in ("cpu", "cuda"):
         layer.to(device).zero_grad()
-        xd, idsd = x.to(device).detach().requires_grad_(), ids.to(device)
+        xd = x.to(device, torch.float32 if device == "cpu" else dtype).detach().requires_grad_()
+        idsd = ids.to(device)
         layer(xd, idsd)  # a first call allocates pinned host memory (which may sync), later ones reuse it
         layer.plans_ahead.append(layer.plan_ahead(idsd))
         torch.cuda.synchronize()
@@ -156,10 +157,12 @@ def test_lookup_never_waits_for_the_gpu_on_cuda(dtype):
             out.square().sum().backward()
         finally:
             torch.cuda.set_sync_debug_mode(0)
-        results[device] = [t.detach().cpu() for t in (out, xd.grad, layer.key_table.grad)]
-    tol = 1e-4 if dtype == torch.float32 else 3e-2
-    for a, b in zip(*results.values()):
-        torch.testing.assert_close(a, b, rtol=tol, atol=tol / 10 if dtype == torch.float32 else tol)
+        results[device] = [t.detach().cpu().float() for t in (out, xd.grad, layer.key_table.grad)]
+    for want, got in zip(*results.values()):
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        else:  # bf16's rounding: the CPU's own bf16 path is 0.4-0.8% off by norm here
+            assert (got - want).norm() < 0.02 * want.norm()
 
 
 def test_bf16_activations():
