@@ -147,7 +147,7 @@ def optimizer_steps(model, compile_backend):
         groups = [g for g in groups if g["params"]]
         adamw = [p for g in groups if g["kind"] == "adamw" for p in g["params"]]
         dp = DataParallel([params for _, _, params in muon_stacks(groups)], adamw)
-        optimizer = MuonAdamW(groups, names, dp, compute_dtype=next(model.parameters()).dtype,
+        optimizer = MuonAdamW(groups, names, dp, compute_dtype=model.compute_dtype,
                               compile=compile_backend == "inductor")
         for g in groups:
             for p in g["params"]:
