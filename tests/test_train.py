@@ -43,6 +43,10 @@ def test_exact_resume_is_bitwise(env):
     assert len(aside) == 1, os.listdir(folder)
     first, again = (load_checkpoint(d, 20, load_optimizer=False)[0] for d in (aside[0], folder))
     assert first.keys() == again.keys() and all(torch.equal(first[k], again[k]) for k in first)
+    # and the rest of the loop state at step 20 as one run has it: the spike check's window, spikes, data changes
+    states = [json.load(open(os.path.join(d, "meta_000020.json")))["loop_state"] for d in (aside[0], folder)]
+    assert [{k: v for k, v in s.items() if k != "total_time"} for s in states] == \
+        [{k: v for k, v in states[0].items() if k != "total_time"}] * 2 and len(states[0]["spike_window"]) == 20
     assert "Validation bpb:" in full.stdout and "Validation bpb:" in resumed.stdout
     assert full.stdout.split("Validation bpb:")[1].split()[0] == resumed.stdout.split("Validation bpb:")[1].split()[0]
 
