@@ -343,16 +343,25 @@ class GPT(nn.Module):
         if cos.size(1) != idx.size(1):
             raise ValueError(f"a sequence of {idx.size(1)} tokens runs past the rotary table ({self.rotary_len} positions)")
         cos, sin = cos.to(self.compute_dtype), sin.to(self.compute_dtype)
+        return self._blocks(h, idx, cos, sin, start, end, seq)
+
+    def _blocks(self, h: Residual, idx, cos, sin, start, end, seq):
+        """run_blocks' loop up to the first L3 layer, that layer, then the rest by recursion: L3's lookup breaks the
+        compiled graph, and torch.compile resumes after a break outside a loop but not inside one (where each block
+        would become a graph of its own, with eager adds between them)."""
+        l3_at = [i for i in range(start, end) if str(i) in self.l3]
+        stop = l3_at[0] + 1 if l3_at else end
         x, x_mid = h.x, h.x_mid
-        for i in range(start, end):
+        for i in range(start, stop):
             if i == self.backout_layer:
                 x_mid = x
             block = self.blocks[i]
             x = self.weights.run(block, block, x, h.x0, idx, cos, sin, self.window_sizes[i], seq)
-            if str(i) in self.l3:
-                layer = self.l3[str(i)]
-                x = x + self.weights.run(layer, layer, x, idx)
-        return Residual(x=x, x0=h.x0, x_mid=x_mid)
+        if not l3_at:
+            return Residual(x=x, x0=h.x0, x_mid=x_mid)
+        layer = self.l3[str(l3_at[0])]
+        x = x + self.weights.run(layer, layer, x, idx)
+        return self._blocks(Residual(x=x, x0=h.x0, x_mid=x_mid), idx, cos, sin, stop, end, seq)
 
     def head(self, h: Residual, targets=None, loss_reduction="mean", positions=None, seq=None):
         """Backout, final norm, lm_head, soft-cap (fp32), and the loss if targets (the whole sequences'; the sequence

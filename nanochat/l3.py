@@ -216,8 +216,7 @@ class _Plan:
 
     def chunks(self, max_rows):
         """(i, j, w): blocks [i, j) gathering <= max_rows rows (blocks x max(w, block)), widths within 2x of the
-        chunk's widest, so padding to it at most doubles the work; w a multiple of L3_WIDTH_ALIGN (cuBLAS Hopper:
-        16-byte row strides)."""
+        chunk's widest (padding at most doubles the work); w a multiple of L3_WIDTH_ALIGN (Hopper: 16-byte rows)."""
         widths, chunks, i = self.widths, [], 0
         ascending = [-w for w in widths]
         while i < len(widths):
@@ -238,7 +237,7 @@ class _BlockedLookup(torch.autograd.Function):
     tc: the table in x's dtype (L3Layer.table_in: one cast of the table beats casting the larger gathered blocks)."""
 
     @staticmethod
-    def forward(ctx, x, table, tc, plan, chunk_bytes):
+    def forward(ctx, x, table, tc, plan, chunk_bytes, sum_into):
         acc = torch.promote_types(x.dtype, torch.float32)
         order, slot, target, rel_start, rel_end, lo = plan.to(x.device)
         # rows a chunk may gather: a row costs its channels, or its column of fp32 scores (block entries) if more
@@ -256,7 +255,7 @@ class _BlockedLookup(torch.autograd.Function):
         # the plan's tensors as saved tensors, so that autograd frees them after the backward (not ctx's attributes)
         ctx.save_for_backward(xs, tc, order, *saved)
         ctx.table_dtype = table.dtype
-        ctx.param = table if table.is_leaf else None  # its .grad is summed into in place (backward)
+        ctx.param = sum_into  # in a training step: the table parameter whose .grad the backward sums into in place
         return torch.empty_like(x).index_copy_(0, order, hs[:x.size(0)])
 
     @staticmethod
@@ -267,11 +266,10 @@ class _BlockedLookup(torch.autograd.Function):
         gs = grad_h.to(xs.dtype).index_select(0, order)
         gs = torch.cat([gs, gs.new_zeros(L3_SPARE_ROWS, gs.size(1))])  # padding slots read zeros: no gradient
         dxs = xs.new_empty(xs.size(0) + L3_SPARE_ROWS, xs.size(1))  # + the padding slots' rows
-        # fp32 table gradient by an accumulating index_put, which sorts the rows and sums duplicates in order (atomic
-        # index_add_ contends on a frequent token's rows: slower, dev/LOG.md 2026-11-27), unchecked (the public one
-        # reads the range back to the host; the forward clamped the rows). Summed into the .grad of earlier
-        # micro-batches, taken and handed back (autograd keeps what comes to an empty .grad as it is): no dense zeros
-        # and add a micro-batch (~2 ms each at d12)
+        # fp32 table gradient by an accumulating index_put: sorts the rows, sums duplicates in order (atomic index_add_
+        # contends on a frequent token's rows: slower), unchecked (the forward clamped the rows). In a training step
+        # summed into the .grad of earlier micro-batches, taken and handed back (autograd keeps what comes to an empty
+        # .grad as it is): no dense zeros and add a micro-batch (~2 ms each at d12)
         param = ctx.param
         if param is not None and param.grad is not None and param.grad.dtype == acc:
             de, param.grad = param.grad, None
@@ -290,7 +288,7 @@ class _BlockedLookup(torch.autograd.Function):
                          torch.bmm(lhs, rhs).to(acc)).flatten(0, 1)
             torch.ops.aten._index_put_impl_(de, (rows.flatten(),), grad_rows, accumulate=True, unsafe=True)
         dx = torch.empty_like(xs).index_copy_(0, order, dxs[:xs.size(0)])
-        return dx, de.to(ctx.table_dtype), None, None, None
+        return dx, de.to(ctx.table_dtype), None, None, None, None
 
 
 def choose_path(x, ids, bounds):
@@ -400,16 +398,18 @@ class L3Layer(nn.Module):
         if path == "padded":
             return lookup_padded(x, ids, self.key_table, self.bounds)
         plan = plan or _Plan(ids.cpu().numpy(), self.host_bounds(), L3_BLOCK_POSITIONS, self.k_max, pin=x.is_cuda)
-        return _BlockedLookup.apply(x, self.key_table, self.table_in(x.dtype), plan, L3_CHUNK_BYTES)
+        sum_into = self.key_table if self.step_casts is not None and self.key_table.is_leaf else None  # (a step's)
+        return _BlockedLookup.apply(x, self.key_table, self.table_in(x.dtype), plan, L3_CHUNK_BYTES, sum_into)
 
     def table_in(self, dtype):
         """The table in `dtype` for the blocked lookup: cast once a training step (the optimizer changes it only between
         steps; 0.86 ms a cast at d12), else at each call; never kept when gathered (sharded: not a leaf)."""
         if self.step_casts is None or not self.key_table.is_leaf:
             return self.key_table.detach().to(dtype)
-        if dtype not in self.step_casts:
-            self.step_casts[dtype] = self.key_table.detach().to(dtype)
-        return self.step_casts[dtype]
+        key = (dtype, self.key_table.data_ptr())  # a tensor swapped in for the parameter gets a cast of its own
+        if key not in self.step_casts:
+            self.step_casts[key] = self.key_table.detach().to(dtype)
+        return self.step_casts[key]
 
     def forward(self, x, idx):
         """x (B, T, d) hidden states, idx (B, T) token ids -> (B, T, d) to add to the residual stream."""
@@ -439,7 +439,7 @@ def plans_made_ahead(model, inputs):
         if idx is not None:
             plan_lookups(layers, model.sequence.local(idx))
     for layer in layers:
-        layer.step_casts = {}  # the table cast once for the step (L3Layer.table_in)
+        layer.step_casts = {}  # the table cast once for the step (L3Layer.table_in), its gradient summed in place
     try:
         yield
         if any(layer.plans_ahead for layer in layers):

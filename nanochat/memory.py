@@ -128,17 +128,18 @@ def rank_memory(config, s):
     head = HEAD_BYTES * config.vocab_size / s.tp  # on the last chunk
     # per MoE layer, beyond a dense one (under TP, with SP: on this rank's tokens)
     moe = extra_activation_bytes(config, tokens / s.tp, s.recompute, s.ep)
-    # per L3 layer, its table cast to the compute dtype, kept for the step's lookups and backwards (sharded: the
-    # gathered table is that copy, counted with the gathered weights); its other activations are not counted
-    l3 = {int(i): 0 if s.shard_params and D > 1 else layer.key_table.numel() * dt for i, layer in model.l3.items()}
     kept = [tokens * ((b - a) * config.n_embd * per_layer * tp_share + (head if c == len(chunks) - 1 else 0)) +
-            moe * sum(i in moe_layers(config) for i in range(a, b)) + sum(l3.get(i, 0) for i in range(a, b))
-            for c, (a, b) in enumerate(chunks)]
+            moe * sum(i in moe_layers(config) for i in range(a, b)) for c, (a, b) in enumerate(chunks)]
     if s.pp > 1:
         actions = [stage_actions(s.pp_schedule, s.pp, m, r, s.pp_virtual) for r in range(s.pp)]
         act_peaks = peak_in_flight(actions, kept)
     else:
         act_peaks = [kept[0]]
+    # per L3 layer, its table cast to the compute dtype, once for the step's micro-batches (sharded: the gathered
+    # table is that copy, counted with the gathered weights); its other activations are not counted
+    l3 = {int(i): 0 if s.shard_params and D > 1 else layer.key_table.numel() * dt for i, layer in model.l3.items()}
+    act_peaks = [peak + sum(l3.get(i, 0) for c, (a, b) in enumerate(chunks) if c % s.pp == r for i in range(a, b))
+                 for r, peak in enumerate(act_peaks)]
     if s.cp > 1 and s.exchange == "all-gather":  # a layer's backward holds the whole sequence's K/V (compute
         # dtype), then their gradients (fp32, and again in the compute dtype for the reduce-scatter), beside activations
         kv = s.device_batch * config.sequence_len * 2 * config.n_kv_head * (config.n_embd // config.n_head) / s.tp

@@ -36,7 +36,7 @@ def lookup_blocked(x, ids, table, bounds, block=64, chunk_bytes=512 << 20):
     """The blocked lookup alone: x (N, d), ids (N,) -> h (N, d), its blocks of `block` positions cut at k_max windows."""
     ids, bounds = np.asarray(torch.as_tensor(ids).cpu()), np.asarray(torch.as_tensor(bounds).cpu())
     plan = _Plan(ids, bounds, block, int((bounds[1:] - bounds[:-1]).max()), pin=x.is_cuda)
-    return _BlockedLookup.apply(x, table, table.detach().to(x.dtype), plan, chunk_bytes)
+    return _BlockedLookup.apply(x, table, table.detach().to(x.dtype), plan, chunk_bytes, None)
 
 
 def naive_lookup(x, ids, table, bounds):
@@ -197,7 +197,8 @@ def test_bf16_activations():
 def test_a_step_casts_the_table_once_and_sums_its_gradient_in_place():
     """In a training step (plans_made_ahead) the blocked lookup casts the table to the compute dtype once for all its
     micro-batches, and the next step casts what the optimizer wrote (through .data, which no version counter sees);
-    each micro-batch's table gradient is summed into the one fp32 .grad in place, equal to the sum of their own."""
+    each micro-batch's table gradient is summed into the one fp32 .grad in place, equal to the sum of their own;
+    outside a step the gradient follows autograd's rules."""
     torch.manual_seed(0)
     model = build_model(tiny_l3_config(), "cpu")
     layer = next(iter(model.l3.values()))
@@ -220,6 +221,11 @@ def test_a_step_casts_the_table_once_and_sums_its_gradient_in_place():
         assert layer.table_in(torch.bfloat16) is cast
     assert len(storage) == 1 and layer.step_casts is None
     torch.testing.assert_close(layer.key_table.grad, sum(alone), rtol=1e-5, atol=1e-6)
+    # outside a step autograd's own rules: autograd.grad gives this call's gradient alone and leaves .grad be
+    summed = layer.key_table.grad.clone()
+    g, = torch.autograd.grad(layer.lookup(xs[0], ids[0]).float().square().sum(), [layer.key_table])
+    torch.testing.assert_close(g, alone[0])
+    assert torch.equal(layer.key_table.grad, summed)
     layer.key_table.data.add_(1.0)  # as the optimizer writes
     with plans_made_ahead(model, []):
         torch.testing.assert_close(layer.table_in(torch.bfloat16), layer.key_table.detach().bfloat16())
@@ -370,21 +376,31 @@ def test_a_steps_lookups_are_planned_ahead_and_taken_in_order(monkeypatch):
 
 def test_compiled_forward_and_backward_cpu():
     """Traced by torch.compile (aot_eager: dynamo and autograd's graphs, without a CPU code generator), the lookup
-    with its data-dependent sizes runs eagerly between the graphs and gives the eager loss and table gradients."""
-    torch.manual_seed(0)
-    model = build_model(tiny_l3_config(), "cpu")
-    torch.nn.init.normal_(model.l3["0"].w_mix.weight, std=0.02)
-    idx = torch.randint(0, 256, (2, 32))
-    eager = model(idx, idx)
-    eager.backward()
-    want = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad()
-    loss = torch.compile(model, dynamic=False, backend="aot_eager")(idx, idx)
-    loss.backward()
-    torch.testing.assert_close(loss, eager, rtol=1e-5, atol=1e-5)
-    assert model.l3["0"].key_table.grad.abs().sum() > 0
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, want[name], rtol=1e-4, atol=1e-6, msg=name)
+    with its data-dependent sizes runs eagerly between the graphs and gives the eager loss and table gradients; the
+    blocks after it compile too (with the lookup inside run_blocks' loop they once all ran eagerly), so the graphs
+    capture at least as many ops as the dense model's one graph."""
+    from torch._dynamo.utils import counters
+    captured = {}
+    for l3_after in ((), (1,)):
+        torch.manual_seed(0)
+        model = build_model(tiny_l3_config(n_layer=4, l3_after_layers=l3_after), "cpu")
+        for layer in model.l3.values():
+            torch.nn.init.normal_(layer.w_mix.weight, std=0.02)
+        idx = torch.randint(0, 256, (2, 32))
+        eager = model(idx, idx)
+        eager.backward()
+        want = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad()
+        torch._dynamo.reset()
+        counters.clear()
+        loss = torch.compile(model, dynamic=False, backend="aot_eager")(idx, idx)
+        loss.backward()
+        captured[l3_after] = counters["stats"]["calls_captured"]
+        torch.testing.assert_close(loss, eager, rtol=1e-5, atol=1e-5)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, want[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert model.l3["1"].key_table.grad.abs().sum() > 0
+    assert captured[(1,)] >= captured[()], captured
 
 
 def test_allocate_for_model(tokenizer, capsys):
