@@ -12,11 +12,12 @@ fraction and the most micro-batch chunks each rank holds alive (peak_in_flight, 
 with its loss, on micro-batches of --batch x --seq tokens (window L; --compile inductor: each block and the loss
 compiled, as training compiles them with overlapped reduction), the bytes each forward saves, and the optimizer's
 step (MuonAdamW, compiled alike) over the whole model, over the embedding's part and over the head's: a rank's step
-ends with the step over its own parameters (a block's share of the blocks' Muon step priced at one GPU's stacking). --times sums them
-into each chunk of the layout (pipeline_parallel.split_stages, as training splits). A message between ranks takes
+ends with the step over its own parameters (a block's share is the blocks' part over the depth: one GPU's stacking of
+Muon's matrices, the value embeddings' AdamW spread over all blocks). --times sums them into each chunk of the layout (pipeline_parallel.split_stages, as training splits). A message between ranks takes
 its bytes as train_step sends them over --p2p-gbps (a forward's x, x0, x_mid past the backout layer and the ids; a
 backward's gradients of those activations); with unit times, --p2p-ms each.
-The ideal step is every chunk's work over p ranks: m x sum(F + B) / p. Each priced layout also gets the step of
+The ideal step is every chunk's work over p ranks, m x sum(F + B) / p, then the slowest rank's optimizer step; idle
+fractions are of the step before the optimizer's. Each priced layout also gets the step of
 replay_queued: the programs training runs (messages ordered by the chunks' FLOP costs, as Pipeline orders them) with
 each message waiting its turn on its pair of ranks' stream, as NCCL runs them, instead of a fixed delay.
 """
@@ -133,7 +134,7 @@ def measure(depth, batch, seq, reps, compile_backend=None):
 
 def optimizer_steps(model, compile_backend):
     """{part: a function running one optimizer step}: over the whole model ("all"), over the embedding's parameters
-    (wte, the smear gate, the value embeddings: the first stage's) and over the head's (lm_head: the last stage's),
+    (wte and the smear gate: the first stage's; value embeddings sit in their blocks) and over the head's (lm_head),
     each with gradients in place and its state made by a first step."""
     import torch
     from nanochat.data_parallel import DataParallel

@@ -269,6 +269,12 @@ def test_pipeline_sim_prices_messages_by_what_they_carry_and_blocks_by_their_kin
     # each rank's step ends with its optimizer step: under 1F1B rank 0 ends last, with 7 blocks and the embedding
     measured["optimizer"] = {"all": 30.0, "embed": 2.0, "head": 2.0}  # 1 ms a block
     assert price(measured, "1f1b", 4, 8, 1, 100.0)[-1] == pytest.approx(step + 7 * 1.0 + 2.0)
+    # interleaved V=2: rank r holds chunks r and r + 4; rank 0, which ends last, blocks 0-2 with the embedding and
+    # blocks 12-15 (chunks [0, 3), [3, 6), [6, 9), [9, 12), [12, 16), [16, 20), [20, 24), [24, 26)): 9 ms
+    del measured["optimizer"]
+    step = price(measured, "interleaved", 4, 8, 2, 100.0)[-1]
+    measured["optimizer"] = {"all": 30.0, "embed": 2.0, "head": 2.0}
+    assert price(measured, "interleaved", 4, 8, 2, 100.0)[-1] == pytest.approx(step + 3 + 4 + 2.0)
 
 
 @pytest.mark.parametrize("schedule, virtual", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)])
