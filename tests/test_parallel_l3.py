@@ -58,6 +58,15 @@ def test_l3_pp2(l3_reference, schedule, virtual):
     assert_same_run(run_layout(pp=2, schedule=schedule, virtual=virtual, config_overrides=L3), l3_reference)
 
 
+def test_l3_pp2_compiled_follows_one_process(l3_reference):
+    """Each stage's blocks compiled (aot_eager) around its L3 layer's eager lookup, the blocks after it too (the
+    lookup breaks the graph outside run_blocks' loop), without recompiling after the first step."""
+    from test_compiled_pipeline import assert_close_runs
+    run = run_layout(pp=2, config_overrides=L3, compile_backend="aot_eager")
+    assert_close_runs(run, l3_reference, 1e-4)
+    assert all(graphs == [graphs[0]] * len(graphs) for graphs in run["graphs"])
+
+
 def test_l3_pp3_middle_stage_plans_from_the_ids_it_receives(l3_reference):
     """A middle stage reads no data, as in base_train: its lookups are planned ahead from the ids its inputs bring
     (a plan made at the lookup waits for the GPU), and the run follows one process."""
