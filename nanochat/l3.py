@@ -324,7 +324,7 @@ class L3Layer(nn.Module):
         self.token_share = nn.Identity()  # sequence parallelism swaps in this rank's share of the token ids
         self.plans_ahead = collections.deque()  # Futures from plan_ahead; a lookup takes the first
         self.bounds_on_host = (None, None)  # (the buffer's identity and version, a numpy copy)
-        self.step_casts = None  # in a training step (plans_made_ahead): {dtype: the table cast once for the step}
+        self.step_casts = None  # in a training step (plans_made_ahead): the table's casts, made once for the step
 
     @classmethod
     def from_config(cls, config):
@@ -398,7 +398,7 @@ class L3Layer(nn.Module):
         if path == "padded":
             return lookup_padded(x, ids, self.key_table, self.bounds)
         plan = plan or _Plan(ids.cpu().numpy(), self.host_bounds(), L3_BLOCK_POSITIONS, self.k_max, pin=x.is_cuda)
-        sum_into = self.key_table if self.step_casts is not None and self.key_table.is_leaf else None  # (a step's)
+        sum_into = self.key_table if self.step_casts is not None and self.key_table.is_leaf else None  # in a step
         return _BlockedLookup.apply(x, self.key_table, self.table_in(x.dtype), plan, L3_CHUNK_BYTES, sum_into)
 
     def table_in(self, dtype):
