@@ -12,8 +12,9 @@ fraction and the most micro-batch chunks each rank holds alive (peak_in_flight, 
 with its loss, on micro-batches of --batch x --seq tokens (window L; --compile inductor: each block and the loss
 compiled, as training compiles them with overlapped reduction), the bytes each forward saves, and the optimizer's
 step (MuonAdamW, compiled alike) over the whole model, over the embedding's part and over the head's: a rank's step
-ends with the step over its own parameters (a block's share is the blocks' part over the depth: one GPU's stacking of
-Muon's matrices, the value embeddings' AdamW spread over all blocks). --times sums them into each chunk of the layout (pipeline_parallel.split_stages, as training splits). A message between ranks takes
+ends with the step over its own parameters, after the loss's broadcast that ends train_step has waited for every rank
+(a block's share is the blocks' part over the depth: one GPU's stacking of Muon's matrices, the value embeddings'
+AdamW spread over all blocks). --times sums them into each chunk of the layout (pipeline_parallel.split_stages, as training splits). A message between ranks takes
 its bytes as train_step sends them over --p2p-gbps (a forward's x, x0, x_mid past the backout layer and the ids; a
 backward's gradients of those activations); with unit times, --p2p-ms each.
 The ideal step is every chunk's work over p ranks, m x sum(F + B) / p, then the slowest rank's optimizer step; idle
@@ -202,14 +203,14 @@ def chunk_layout(measured, p, virtual):
     return times, kept, chunk_costs(costs, head_cost, bounds), sizes
 
 
-def replay_queued(actions, programs, duration, message, tail=None):
+def replay_queued(actions, programs, duration, message, tail=0.0):
     """The step time of train_step's programs (message_order's) with their messages as NCCL runs them: per rank one
     compute stream; per pair of neighbouring ranks one stream (their process group), on which messages run one at a
     time in the order both ranks posted them; a message starts once both ranks have posted it, and not before the
     compute each rank queued before posting it has run (the communicator's stream waits for the compute stream), and
-    takes message(the action whose output it carries); an action waits for the message that brings its input; a rank
-    ends with tail[rank] ms after its last run (its optimizer step). simulate() instead charges every message as a
-    delay and lets messages overlap freely."""
+    takes message(the action whose output it carries); an action waits for the message that brings its input; then
+    tail ms (the slowest rank's optimizer step, once all ranks are done). simulate() instead charges every message as
+    a delay and lets messages overlap freely."""
     p = len(actions)
     num_chunks = 1 + max(c for acts in actions for _, _, c in acts)
     runs = [[a for step, a in prog if step == "run"] for prog in programs]
@@ -258,7 +259,7 @@ def replay_queued(actions, programs, duration, message, tail=None):
                     progressed = True
         if not progressed:
             raise ValueError("the programs wait on each other")
-    return max(max(f + t for f, t in zip(free, tail or [0.0] * p)), max(stream.values(), default=0.0))
+    return max(max(free), max(stream.values(), default=0.0)) + tail
 
 
 def price(measured, schedule, p, m, virtual, gbps):
@@ -269,9 +270,10 @@ def price(measured, schedule, p, m, virtual, gbps):
     duration = lambda a: times[a[0], a[2]]
     message = lambda a: sizes[a[0], a[2]] / (gbps * 1e9) * 1e3
     timeline = simulate(actions, duration, message)
-    tail = [sum(times["step", c] for c in range(r, p * virtual, p)) for r in range(p)]  # rank r holds chunks r + k p
-    ideal = m * sum(t for (kind, _), t in times.items() if kind != "step") / p + max(tail)
-    step = max(events[-1][2] + t for events, t in zip(timeline, tail))
+    # each rank's optimizer step over its chunks (r, r + p, ...), after the loss's broadcast has waited for all ranks
+    tail = max(sum(times["step", c] for c in range(r, p * virtual, p)) for r in range(p))
+    ideal = m * sum(t for (kind, _), t in times.items() if kind != "step") / p + tail
+    step = max(events[-1][2] for events in timeline) + tail
     idle = step_and_idle(timeline)[1]
     peak = [b / 2**30 for b in peak_in_flight(actions, kept)]
     queued = replay_queued(actions, [message_order(actions, r, flops) for r in range(p)], duration, message, tail)

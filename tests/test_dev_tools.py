@@ -266,10 +266,10 @@ def test_pipeline_sim_prices_messages_by_what_they_carry_and_blocks_by_their_kin
     step = price(measured, "1f1b", 4, 8, 1, 100.0)[-1]
     blocks[5] = dict(blocks[5], F=2.0, backward=4.0)  # one slow sample
     assert price(measured, "1f1b", 4, 8, 1, 100.0)[-1] == step
-    # each rank's step ends with its optimizer step: under 1F1B rank 0 ends last, with 7 blocks and the embedding
+    # then the slowest rank's optimizer step, once every rank is done: rank 0's, 7 blocks and the embedding
     measured["optimizer"] = {"all": 30.0, "embed": 2.0, "head": 2.0}  # 1 ms a block
     assert price(measured, "1f1b", 4, 8, 1, 100.0)[-1] == pytest.approx(step + 7 * 1.0 + 2.0)
-    # interleaved V=2: rank r holds chunks r and r + 4; rank 0, which ends last, blocks 0-2 with the embedding and
+    # interleaved V=2: rank r holds chunks r and r + 4; the slowest, rank 0, blocks 0-2 with the embedding and
     # blocks 12-15 (chunks [0, 3), [3, 6), [6, 9), [9, 12), [12, 16), [16, 20), [20, 24), [24, 26)): 9 ms
     del measured["optimizer"]
     step = price(measured, "interleaved", 4, 8, 2, 100.0)[-1]
