@@ -233,6 +233,22 @@ def test_bad_flags_are_clear_errors(env):
         assert "Traceback" not in p.stderr, flags
 
 
+def test_resume_carries_on_the_loop_state_saved_with_the_step(env):
+    """The minimum validation bpb, the spike count and the steps where new data began come back from the meta (set
+    here by hand to values the resumed steps cannot reach, so that a value started afresh shows)."""
+    args = TRAIN + ["--num-iterations", "4", "--save-every", "2", "--model-tag", "loopstate", "--eval-every", "-1"]
+    run_script("scripts.base_train", args, env)
+    path = os.path.join(ckpt_dir(env, "loopstate"), "meta_000002.json")
+    meta = json.load(open(path))
+    meta["loop_state"].update(min_val_bpb=0.5, spike_count=7, new_data_at=[1])
+    with open(path, "w") as f:
+        json.dump(meta, f)
+    p = run_script("scripts.base_train", args + ["--resume-from-step", "2"], env)
+    assert "minimum validation bpb: 0.500000" in p.stdout and "spikes (loss or grad norm): 7" in p.stdout, p.stdout[-800:]
+    with open(os.path.join(env["NANOCHAT_BASE_DIR"], "report", "base-model-training.md")) as f:
+        assert "- data: new shards from step 1 on (--resume-on-new-data)" in f.read()
+
+
 def test_resume_at_the_final_step_wraps_up(env):
     args = TRAIN + ["--num-iterations", "2", "--model-tag", "final", "--eval-every", "-1"]
     run_script("scripts.base_train", args, env)
