@@ -347,8 +347,8 @@ class GPT(nn.Module):
 
     def _blocks(self, h: Residual, idx, cos, sin, start, end, seq):
         """run_blocks' loop up to the first L3 layer, that layer, then the rest by recursion: L3's lookup breaks the
-        compiled graph, and torch.compile resumes after a break outside a loop but not inside one (where the rest of
-        the loop ran uncompiled, op by op)."""
+        compiled graph, and torch.compile resumes after a break outside a loop but not inside one (there each block
+        became a graph of its own, the code between them eager, and past 8 blocks the rest ran eagerly)."""
         l3_at = [i for i in range(start, end) if str(i) in self.l3]
         stop = l3_at[0] + 1 if l3_at else end
         x, x_mid = h.x, h.x_mid

@@ -121,6 +121,9 @@ def compile_for_training(model, pipeline, per_block, backend):
     """torch.compile for the training step: the whole model as one graph (returned; the uncompiled module serves
     checkpoints, sampling, CORE); under a pipeline, this stage's blocks and the loss as two graphs, the schedule eager;
     per_block (gradients wanted as each block's backward ends; gathers between blocks): each block compiled in place."""
+    # each L3 layer's eager lookup resumes the graph in a frame of its own (gpt.GPT._blocks), in training and again in
+    # evaluation: past torch's limit of copies of one frame the rest would run uncompiled
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * (len(model.l3) + 1))
     if pipeline is None and not per_block:
         return torch.compile(model, dynamic=False, backend=backend)
     if per_block:
