@@ -10,16 +10,17 @@ fraction and the most micro-batch chunks each rank holds alive (peak_in_flight, 
 
 --measure times, on one GPU in bf16, the forward (F) and the backward (B) of every block, the embedding and the head
 with its loss, on micro-batches of --batch x --seq tokens (window L; --compile inductor: each block and the loss
-compiled, as training compiles them with overlapped reduction), the bytes each forward saves, and the optimizer's
-step (MuonAdamW, compiled alike) over the whole model, over the embedding's part and over the head's: a rank's step
-ends with the step over its own parameters, after the loss's broadcast that ends train_step has waited for every rank
-(a block's share is the blocks' part over the depth: one GPU's stacking of Muon's matrices, the value embeddings'
-AdamW spread over all blocks). --times sums them into each chunk of the layout (pipeline_parallel.split_stages, as
-training splits). A message between ranks takes its bytes as train_step sends them over --p2p-gbps (a forward's x, x0, x_mid past the backout layer and the ids; a
-backward's gradients of those activations); with unit times, --p2p-ms each.
+compiled, as training compiles them with overlapped reduction), the bytes each forward saves, and the optimizer's step
+(MuonAdamW, compiled alike) over the whole model, over the embedding's part and over the head's: a rank's step ends
+with the step over its own parameters, after the loss's broadcast that ends train_step has waited for every rank (a
+block's share is the blocks' part over the depth: one GPU's stacking of Muon's matrices, the value embeddings' AdamW
+spread over all blocks). --times sums them into each chunk of the layout (pipeline_parallel.split_stages, as training
+splits). A message between ranks takes its bytes as train_step sends them over --p2p-gbps (a forward's x, x0, x_mid
+past the backout layer and the ids; a backward's gradients of those activations); with unit times, --p2p-ms each.
 The ideal step is every chunk's work over p ranks, m x sum(F + B) / p, then the slowest rank's optimizer step; idle
-fractions are of the step before the optimizer's. Each priced layout also gets the step of replay_queued: the programs training runs (messages ordered by the chunks' FLOP costs, as Pipeline orders them) with
-each message waiting its turn on its pair of ranks' stream, as NCCL runs them, instead of a fixed delay.
+fractions are of the step before the optimizer's. Each priced layout also gets the step of replay_queued: the programs
+training runs (messages ordered by the chunks' FLOP costs, as Pipeline orders them) with each message waiting its turn
+on its pair of ranks' stream, as NCCL runs them, instead of a fixed delay.
 """
 
 import argparse
