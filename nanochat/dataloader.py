@@ -56,7 +56,8 @@ class BestFitPacker:
         """{row: int32 array of [bos] + tokens} for row group g (all rows with text, or the given ones)."""
         texts = read_row_group(*self.row_groups[g % self.N])
         rows = [r for r in range(len(texts)) if texts[r]] if rows is None else sorted(set(rows))
-        return dict(zip(rows, self.tokenizer.encode_arrays([texts[r] for r in rows], self.bos, self.threads)))
+        ids = self.tokenizer.encode([texts[r] for r in rows], prepend=self.bos, num_threads=self.threads)
+        return {r: np.asarray(x, dtype=np.int32) for r, x in zip(rows, ids)}
 
     def _insert(self, tokens, ref):
         i = bisect.bisect_right(self.lengths, len(tokens))

@@ -120,8 +120,9 @@ def sample_training_tokens(tokenizer, data_dir, n_tokens):
     docs = iter_documents(split_files(resolve_data_dir(data_dir, quiet=True), "train"))
     parts, total = [], 0
     while total < n_tokens and (batch := list(itertools.islice(docs, 64))):
-        ids = tokenizer.encode_arrays(batch, prepend=tokenizer.get_bos_token_id())
-        parts, total = parts + ids, total + sum(map(len, ids))
+        for ids in tokenizer.encode(batch, prepend=tokenizer.get_bos_token_id()):
+            parts.append(np.asarray(ids, dtype=np.int32))
+            total += len(ids)
     return np.concatenate(parts)[:n_tokens] if parts else np.zeros(0, dtype=np.int32)
 
 

@@ -11,9 +11,7 @@ import os
 import json
 import base64
 import hashlib
-from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
 import torch
 
 from nanochat.common import UserError, get_base_dir, atomic_write, base_dir_hint, file_checksum, read_json
@@ -125,14 +123,6 @@ class Tokenizer:
         if isinstance(text, str):
             return pre + self.enc.encode_ordinary(text) + post
         return [pre + ids + post for ids in self.enc.encode_ordinary_batch(text, num_threads=num_threads)]
-
-    def encode_arrays(self, texts, prepend=None, num_threads=8):
-        """Strings -> int32 numpy arrays of ids, as encode gives them. The ids never become Python ints, so that the
-        threads that tokenize (the data loader's) hold the GIL only briefly and leave the training thread running."""
-        pre = np.asarray([] if prepend is None else [self.special_tokens.get(prepend, prepend)], dtype=np.int32)
-        encode = lambda t: np.concatenate([pre, self.enc.encode_to_numpy(t, disallowed_special=()).view(np.int32)])
-        with ThreadPoolExecutor(num_threads) as pool:
-            return list(pool.map(encode, texts))
 
     def decode(self, ids):
         """Text of the ids, U+FFFD where they cut a UTF-8 character (decode_bytes gives the exact bytes)."""

@@ -1,6 +1,5 @@
 import os
 
-import numpy as np
 import pytest
 import torch
 
@@ -32,13 +31,6 @@ def test_batch_encode_matches_single(tokenizer):
         assert ids[0] == tokenizer.get_bos_token_id()
         assert ids[-1] == tokenizer.encode_special("<|assistant_end|>")
         assert ids[1:-1] == tokenizer.encode(text)
-
-
-def test_array_encode_matches_list_encode(tokenizer):
-    arrays = tokenizer.encode_arrays(TEXTS, prepend="<|bos|>", num_threads=2)
-    assert [a.dtype for a in arrays] == [np.int32] * len(TEXTS)
-    assert [a.tolist() for a in arrays] == tokenizer.encode(TEXTS, prepend="<|bos|>")  # special-token text stays plain
-    assert tokenizer.encode_arrays(["", "a b"])[1].tolist() == tokenizer.encode("a b")
 
 
 def test_split_utf8_bytes_round_trip(tokenizer):
