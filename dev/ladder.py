@@ -1,8 +1,9 @@
 """
 Depth ladder: does a change pay, in compute and in wall clock? Trains side A (the baseline) and side B (the change)
 at several depths on the same data and tokens per scaling parameter (--ratio), a few seeds each, scores every run's
-final model on the same validation tokens, and prints per depth and side the val bpb (median and spread over the
-seeds), tok/s, training FLOPs and seconds, and B's two multipliers:
+final model on the same validation tokens, and prints per depth and side the val bpb (each run's, with the loss or
+gradient-norm spikes it had; median and spread over the seeds), tok/s, training FLOPs and seconds, and B's two
+multipliers:
 
 - compute multiplier: the training FLOPs A needs to reach B's bpb, read off A's ladder (log FLOPs against bpb,
   interpolated between A's depths), divided by B's FLOPs. Above 1, B gets there with less compute;
@@ -110,12 +111,14 @@ def main(argv=None):
             print(f"   {s} d{depth} seed {seed}: failed: no val bpb recorded (see {job.log_path})", flush=True)
             return
         record = dict(config=sides[s]["config"], side=s, depth=depth, seed=seed, val_bpb=summary["val_bpb"],
+                      spikes=len(run.series("spikes")),  # steps where a loss or gradient-norm spike began
                       tok_per_sec=summary["tok_per_sec"], steps=steps, seconds=steps * summary["step_ms"] / 1000,
                       flops=h["flops_per_token"] * h["total_batch_size"] * steps, log=job.log_path)
         results.append(record)
         with open(results_path, "a") as f:
             f.write(json.dumps(record) + "\n")
-        print(f"   {s} d{depth} seed {seed}: val bpb {record['val_bpb']:.4f}, {record['tok_per_sec']:,.0f} tok/s, "
+        print(f"   {s} d{depth} seed {seed}: val bpb {record['val_bpb']:.4f}, {record['spikes']} spikes, "
+              f"{record['tok_per_sec']:,.0f} tok/s, "
               f"{record['flops']:.3e} FLOPs, {record['seconds']:.1f} s", flush=True)
 
     deadline = time.time() + 60 * args.stop_after if args.stop_after is not None else None
@@ -162,13 +165,15 @@ def table(sides, depths, results):
             if not rs:
                 lines.append(f"| d{d} | {s} | 0 | | | | | | | | |")
                 continue
-            bpbs = [r["val_bpb"] for r in sorted(rs, key=lambda r: r["seed"])]
+            rs = sorted(rs, key=lambda r: r["seed"])
+            bpbs = [r["val_bpb"] for r in rs]
+            each = [f"{r['val_bpb']:.4f}" + (f" ({r['spikes']} spikes)" if r.get("spikes") else "") for r in rs]
             mult = {}
             for key in ("flops", "seconds"):
                 if s == "B" and len(ladders[key]) >= 2:
                     x, mark = equivalent(ladders[key], statistics.median(bpbs))
                     mult[key] = f"{mark}{math.exp(x) / med(rs, key):.2f}" if not math.isnan(x) else "n/a"
-            lines.append(f"| d{d} | {s} | {len(rs)} | {', '.join(f'{v:.4f}' for v in bpbs)} | "
+            lines.append(f"| d{d} | {s} | {len(rs)} | {', '.join(each)} | "
                          f"{statistics.median(bpbs):.4f} | {max(bpbs) - min(bpbs):.4f} | "
                          f"{med(rs, 'tok_per_sec'):,.0f} | "
                          f"{med(rs, 'flops'):.3e} | {med(rs, 'seconds'):.1f} | {mult.get('flops', '')} | "

@@ -90,6 +90,17 @@ def test_ladder_reads_b_off_a_s_ladder():
     assert equivalent([(0.0, 3.0), (1.0, 3.1), (2.0, 1.0)], 0.2)[1] == "*~"  # that line, beyond A's ladder
 
 
+def test_ladder_table_names_the_runs_that_spiked():
+    """A seed far from the others is explained in the table itself: its spikes stand beside its bpb."""
+    from dev.ladder import table
+    run = lambda side, depth, seed, bpb, **more: dict(side=side, depth=depth, seed=seed, val_bpb=bpb, tok_per_sec=1.0,
+                                                      flops=10.0 ** depth, seconds=float(depth), **more)
+    results = [run("A", 1, 42, 3.0), run("A", 2, 42, 2.0), run("B", 1, 42, 2.9, spikes=0),
+               run("B", 2, 42, 2.5, spikes=2), run("B", 2, 43, 1.9)]  # seed 43 as an earlier part recorded it
+    out = table({s: {"name": s} for s in "AB"}, [1, 2], results)
+    assert "| d2 | B | 2 | 2.5000 (2 spikes), 1.9000 |" in out and "| d1 | B | 1 | 2.9000 |" in out
+
+
 OLD_LOG = """attention: SDPA (cuDNN)
 LR scale sqrt(B/2^19) = 0.3536; Muon weight decay = 0.28 x 0.3536 x D_ref/D 100.8500 = 9.98400; total FLOPs 1e15
 step 00000/00002 (0.00%) | loss: 10.397000 | lrm: 0.03 | dt: 9000.00ms | tok/sec: 7,282 | mfu: 1.10 | epoch: 1
