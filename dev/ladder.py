@@ -122,8 +122,11 @@ def main(argv=None):
               f"{record['flops']:.3e} FLOPs, {record['seconds']:.1f} s", flush=True)
 
     deadline = time.time() + 60 * args.stop_after if args.stop_after is not None else None
-    left = runs.run_queue(queue, [g for g in args.gpus.split(",") if g], launch, finished, deadline)
+    gpus = [g for g in args.gpus.split(",") if g]
+    left = runs.run_queue(queue, gpus, launch, finished, deadline)
     print(table(sides, depths, results))
+    if len(set(gpus)) < len(gpus):
+        print("(GPUs named twice ran two runs at once: tok/s, seconds and the wall-clock multipliers are of shared GPUs)")
     plot(sides, depths, results, os.path.join(args.out, "ladder.png"))
     if left:
         print(f"\nstopped after {args.stop_after} minutes with {len(left)} runs to go: run the same command again")
