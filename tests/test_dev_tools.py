@@ -53,7 +53,8 @@ def test_runs_launches_base_train_and_reads_its_metrics(env, tmp_path):
 
 def test_ladder_goes_on_where_a_part_stopped_and_prices_b_on_a_ladder(env, tmp_path, monkeypatch, capsys):
     """Three depths, one seed a side, in two parts: the first starts one run (--stop-after), the second the five
-    left; the table has every depth and side, and B's multipliers read off A's ladder; the plot is written."""
+    left, two at a time; the table has every depth and side, and B's multipliers read off A's ladder; the plot is
+    written."""
     from dev import ladder
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     argv = ["--depths", "1,2,3", "--ratio", "0.02", "--eval-tokens", "512", "--out", str(tmp_path),
@@ -64,9 +65,9 @@ def test_ladder_goes_on_where_a_part_stopped_and_prices_b_on_a_ladder(env, tmp_p
     ladder.main(argv + ["--stop-after", "0.001"])
     out = capsys.readouterr().out
     assert launched(out) == 1 and "with 5 runs to go: run the same command again" in out
-    ladder.main(argv)
+    ladder.main(argv + ["--gpus", "0,0"])  # two runs at a time
     out = capsys.readouterr().out
-    assert "1 runs; to go: 5" in out and launched(out) == 5
+    assert "1 runs; to go: 5" in out and launched(out) == 5 and "of shared GPUs)" in out
     rows = {tuple(c.strip() for c in line.split("|")[1:3]): line
             for line in out.splitlines() if re.match(r"\| d\d", line)}
     assert sorted(rows) == [(f"d{d}", s) for d in (1, 2, 3) for s in "AB"]
