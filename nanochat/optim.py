@@ -46,9 +46,9 @@ NORMUON_EPS = 1e-10
 PARAM_GROUPS = ("embeddings", "lm_head", "scalars", "matrices", "l3_tables", "moe_routers", "moe_experts")  # its order
 
 
-def param_groups(model, embedding_lr, unembedding_lr, matrix_lr, scalar_lr, weight_decay):
-    """Each parameter's update rule and LR; the embeddings' and lm_head's AdamW LRs scale with (model_dim/768)^-0.5
-    (tuned at d12); MoE routers take the lm_head's (moe.py says why)."""
+def param_groups(model, embedding_lr, unembedding_lr, matrix_lr, scalar_lr, weight_decay, l3_table_lr=None):
+    """Each parameter's update rule and LR; the embeddings', L3 tables' (the embeddings' LR unless given) and lm_head's
+    AdamW LRs scale with (model_dim/768)^-0.5 (tuned at d12); MoE routers take the lm_head's (moe.py says why)."""
     dim_scale = (model.config.n_embd / 768) ** -0.5
     from nanochat.moe import expert_parameters
     table_ids = {id(p) for layer in model.l3.values() for p in layer.table_parameters()}
@@ -73,7 +73,8 @@ def param_groups(model, embedding_lr, unembedding_lr, matrix_lr, scalar_lr, weig
     muon = dict(kind="muon", lr=matrix_lr, momentum=0.95, weight_decay=weight_decay)
     rules = {"embeddings": dict(adamw, lr=embedding_lr * dim_scale), "scalars": dict(adamw, lr=scalar_lr),
              "lm_head": dict(adamw, lr=unembedding_lr * dim_scale), "matrices": muon}
-    rules |= {"l3_tables": rules["embeddings"], "moe_routers": rules["lm_head"], "moe_experts": muon}  # if any
+    table_lr = embedding_lr if l3_table_lr is None else l3_table_lr
+    rules |= {"l3_tables": dict(adamw, lr=table_lr * dim_scale), "moe_routers": rules["lm_head"], "moe_experts": muon}
     return [dict(rules[group], name=group, params=params[group]) for group in PARAM_GROUPS if params[group]]
 
 

@@ -28,8 +28,8 @@ B_REF = 2 ** 19  # the reference batch (tokens) at which LRs and weight decay we
 # flags that shape the schedule, the batch and the data: a resume must give the saved run's (not --max-seq-len: a
 # longer one is a context extension, context_lengths)
 RECIPE_FLAGS = ["num_iterations", "target_flops", "target_param_data_ratio", "total_batch_size",
-                "embedding_lr", "unembedding_lr", "matrix_lr", "scalar_lr", "weight_decay", "warmup_steps",
-                "warmdown_ratio", "final_lr_frac", "keep_remainder"]
+                "embedding_lr", "unembedding_lr", "matrix_lr", "scalar_lr", "weight_decay", "l3_table_lr",
+                "warmup_steps", "warmdown_ratio", "final_lr_frac", "keep_remainder"]
 # flags that shape the model: a resume refuses other values, and takes the checkpoint's where they are left out
 MODEL_FLAGS = ["depth", "aspect_ratio", "head_dim", "n_kv_head", "window_pattern", "l3_after_layers", "l3_n_emb",
                "l3_d_up", "l3_k_max", "moe_experts", "moe_topk", "moe_shared", "moe_expert_dim", "moe_layers"]
@@ -43,6 +43,7 @@ class LearningRates:
     matrix_lr: float = 0.02
     scalar_lr: float = 0.5
     weight_decay: float = 0.28
+    l3_table_lr: float = 0.3  # AdamW; the embeddings' by default
 
 
 def parse_args(argv=None):
@@ -76,6 +77,7 @@ def parse_args(argv=None):
     add("--matrix-lr", type=float, default=lrs.matrix_lr, help="Muon LR of the block matrices")
     add("--scalar-lr", type=float, default=lrs.scalar_lr, help="AdamW LR of the scalars")
     add("--weight-decay", type=float, default=lrs.weight_decay, help="Muon weight decay at the reference batch and horizon")
+    add("--l3-table-lr", type=float, default=lrs.l3_table_lr, help="AdamW LR of L3's tables (their rows' scale is the lookup's softmax temperature)")
     add("--warmup-steps", type=int, default=40, help="LR warmup steps")
     add("--warmdown-ratio", type=float, default=0.65, help="fraction of steps in the final linear LR decay")
     add("--final-lr-frac", type=float, default=0.05, help="LR multiplier at the end of warmdown")
@@ -264,7 +266,7 @@ class Recipe:
     def learning_rates(self, args):
         s = self.lr_scale
         return LearningRates(args.embedding_lr * s, args.unembedding_lr * s, args.matrix_lr * s, args.scalar_lr * s,
-                             self.weight_decay)
+                             self.weight_decay, args.l3_table_lr * s)
 
     def describe(self, args, config, setting, micro_batches):
         """The lines base_train prints at start: the model, the horizon, the batch, the LRs and decay."""

@@ -334,6 +334,10 @@ def test_in_a_tiny_gpt():
     assert len(kinds) == len(list(model.parameters()))
     table_groups = [g for g in groups if any(p is layer.key_table for p in g["params"])]
     assert len(table_groups) == 1 and len(table_groups[0]["params"]) == 1
+    dim_scale = (model.config.n_embd / 768) ** -0.5  # the tables' LR: the embeddings' unless given
+    assert table_groups[0]["lr"] == pytest.approx(0.3 * dim_scale)
+    (tables,) = [g for g in param_groups(model, 0.3, 0.008, 0.02, 0.5, 0.1, l3_table_lr=0.03) if g["name"] == "l3_tables"]
+    assert tables["lr"] == pytest.approx(0.03 * dim_scale) and tables["params"] == [layer.key_table]
 
 
 def test_a_steps_lookups_are_planned_ahead_and_taken_in_order(monkeypatch):

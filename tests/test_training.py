@@ -237,6 +237,6 @@ def test_the_recipe_follows_its_formulas():
     assert recipe.lr_scale == pytest.approx(scale)
     assert recipe.weight_decay == pytest.approx(0.28 * scale * ratio * n12 / (steps * batch))
     base, lrs = LearningRates(), recipe.learning_rates(args)
-    assert [lrs.embedding_lr, lrs.unembedding_lr, lrs.matrix_lr, lrs.scalar_lr, lrs.weight_decay] == pytest.approx(
-        [base.embedding_lr * scale, base.unembedding_lr * scale, base.matrix_lr * scale, base.scalar_lr * scale,
-         recipe.weight_decay])
+    assert [lrs.embedding_lr, lrs.unembedding_lr, lrs.matrix_lr, lrs.scalar_lr, lrs.weight_decay, lrs.l3_table_lr] == \
+        pytest.approx([base.embedding_lr * scale, base.unembedding_lr * scale, base.matrix_lr * scale,
+                       base.scalar_lr * scale, recipe.weight_decay, base.l3_table_lr * scale])
