@@ -43,7 +43,7 @@ class LearningRates:
     matrix_lr: float = 0.02
     scalar_lr: float = 0.5
     weight_decay: float = 0.28
-    l3_table_lr: float = 0.3  # AdamW; the embeddings' by default
+    l3_table_lr: float = None  # AdamW; None: the embeddings'
 
 
 def parse_args(argv=None):
@@ -77,7 +77,7 @@ def parse_args(argv=None):
     add("--matrix-lr", type=float, default=lrs.matrix_lr, help="Muon LR of the block matrices")
     add("--scalar-lr", type=float, default=lrs.scalar_lr, help="AdamW LR of the scalars")
     add("--weight-decay", type=float, default=lrs.weight_decay, help="Muon weight decay at the reference batch and horizon")
-    add("--l3-table-lr", type=float, default=lrs.l3_table_lr, help="AdamW LR of L3's tables (their rows' scale is the lookup's softmax temperature)")
+    add("--l3-table-lr", type=float, default=None, help="AdamW LR of L3's tables (default: --embedding-lr; their rows' scale is the lookup's softmax temperature)")
     add("--warmup-steps", type=int, default=40, help="LR warmup steps")
     add("--warmdown-ratio", type=float, default=0.65, help="fraction of steps in the final linear LR decay")
     add("--final-lr-frac", type=float, default=0.05, help="LR multiplier at the end of warmdown")
@@ -264,9 +264,9 @@ class Recipe:
     param_counts: dict          # gpt.parameter_counts
 
     def learning_rates(self, args):
-        s = self.lr_scale
+        s, table = self.lr_scale, args.embedding_lr if args.l3_table_lr is None else args.l3_table_lr
         return LearningRates(args.embedding_lr * s, args.unembedding_lr * s, args.matrix_lr * s, args.scalar_lr * s,
-                             self.weight_decay, args.l3_table_lr * s)
+                             self.weight_decay, table * s)
 
     def describe(self, args, config, setting, micro_batches):
         """The lines base_train prints at start: the model, the horizon, the batch, the LRs and decay."""

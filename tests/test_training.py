@@ -239,4 +239,5 @@ def test_the_recipe_follows_its_formulas():
     base, lrs = LearningRates(), recipe.learning_rates(args)
     assert [lrs.embedding_lr, lrs.unembedding_lr, lrs.matrix_lr, lrs.scalar_lr, lrs.weight_decay, lrs.l3_table_lr] == \
         pytest.approx([base.embedding_lr * scale, base.unembedding_lr * scale, base.matrix_lr * scale,
-                       base.scalar_lr * scale, recipe.weight_decay, base.l3_table_lr * scale])
+                       base.scalar_lr * scale, recipe.weight_decay, base.embedding_lr * scale])
+    assert recipe.learning_rates(parse_args(["--l3-table-lr", "0.05"])).l3_table_lr == pytest.approx(0.05 * scale)
