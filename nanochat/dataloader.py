@@ -5,8 +5,6 @@ SHORTEST is cropped to fill it (the rest dropped, or with keep_remainder kept as
 Data order: DP rank r of n (TP and PP peers share one) reads row group g % N of the global (shard, row group) list,
 epoch g // N + 1, for g = r, r+n, ... A small state per batch (the next g; (g, row, offset) per buffered document)
 rebuilds the buffer exactly: a resume is bit-exact at the same DP size; reshard_states continues at another.
-Tokenizing holds the GIL (parquet strings, then Python ints for every token): on a GPU it runs in a process of its
-own, a few row groups ahead, so that the training thread never waits on it.
 """
 
 import os
@@ -15,47 +13,22 @@ import queue
 import atexit
 import threading
 import contextlib
-import multiprocessing
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
 
 import numpy as np
 import torch
 
 from nanochat.dataset import resolve_data_dir, split_files, list_row_groups, read_row_group, row_group_rows, DataError
 
-READ_AHEAD = 4  # row groups in flight in the tokenizing process (a d12 step of 524,288 tokens reads ~3.4)
-_process_tokenizer = None  # in the tokenizing process: the tokenizer it was started with
-
-
-def _start_tokenizing_process(tokenizer):
-    global _process_tokenizer
-    _process_tokenizer = tokenizer
-
-
-def tokenize_row_group(path, index, rows=None, threads=4, tokenizer=None):
-    """{row: int32 array of [bos] + tokens} for one row group (all rows with text, or the given ones); without a
-    tokenizer, the tokenizing process's."""
-    tokenizer = tokenizer or _process_tokenizer
-    texts = read_row_group(path, index)
-    rows = [r for r in range(len(texts)) if texts[r]] if rows is None else sorted(set(rows))
-    ids = tokenizer.encode([texts[r] for r in rows], prepend=tokenizer.get_bos_token_id(), num_threads=threads)
-    return {r: np.asarray(x, dtype=np.int32) for r, x in zip(rows, ids)}
-
 
 class BestFitPacker:
     """The packing itself, on one DP rank's stream of row groups. Not thread-safe; see DataLoader."""
 
     def __init__(self, tokenizer, B, T, split="train", data_dir=None, dp_rank=0, dp_size=1,
-                 buffer_docs=512, keep_remainder=False, tokenizer_threads=4, state=None, tokenizer_process=False):
+                 buffer_docs=512, keep_remainder=False, tokenizer_threads=4, state=None):
         self.tokenizer, self.B, self.T = tokenizer, B, T
         self.bos = tokenizer.get_bos_token_id()
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.keep_remainder, self.threads = keep_remainder, tokenizer_threads
-        # forkserver: a process forked from a clean server, never from this one (its CUDA context and threads)
-        self.process = ProcessPoolExecutor(1, multiprocessing.get_context("forkserver"), _start_tokenizing_process,
-                                           (tokenizer,)) if tokenizer_process else None
-        self.ahead = {}  # row group g -> its tokenization in flight in the process
         data_dir = resolve_data_dir(data_dir, quiet=(split == "val"))
         self.files = split_files(data_dir, split)
         self.row_groups = list_row_groups(self.files)
@@ -80,20 +53,11 @@ class BestFitPacker:
             self._insert(tokens, (g, row, offset))
 
     def _tokenize_rows(self, g, rows=None):
-        """Row group g's documents (tokenize_row_group); the next ones read ahead when a process tokenizes."""
-        if self.process is None or rows is not None:
-            return tokenize_row_group(*self.row_groups[g % self.N], rows, self.threads, self.tokenizer)
-        for h in range(g, g + READ_AHEAD * self.dp_size, self.dp_size):
-            if h not in self.ahead:
-                self.ahead[h] = self.process.submit(tokenize_row_group, *self.row_groups[h % self.N], None, self.threads)
-        try:
-            return self.ahead.pop(g).result()
-        except BrokenProcessPool as e:
-            raise DataError(f"the data loader's tokenizing process died ({e}): was it killed, out of host memory?") from None
-
-    def close(self):
-        if self.process is not None:
-            self.process.shutdown(wait=True, cancel_futures=True)
+        """{row: int32 array of [bos] + tokens} for row group g (all rows with text, or the given ones)."""
+        texts = read_row_group(*self.row_groups[g % self.N])
+        rows = [r for r in range(len(texts)) if texts[r]] if rows is None else sorted(set(rows))
+        ids = self.tokenizer.encode([texts[r] for r in rows], prepend=self.bos, num_threads=self.threads)
+        return {r: np.asarray(x, dtype=np.int32) for r, x in zip(rows, ids)}
 
     def _insert(self, tokens, ref):
         i = bisect.bisect_right(self.lengths, len(tokens))
@@ -170,9 +134,9 @@ class DataLoader:
     next `prefetch` batches while the model computes; close() (also at exit) stops it between native calls."""
 
     def __init__(self, tokenizer, B, T, split, device, data_dir=None, dp_rank=0, dp_size=1, state=None,
-                 keep_remainder=False, prefetch=2, buffer_docs=512, tokenizer_process=False):
+                 keep_remainder=False, prefetch=2, buffer_docs=512):
         self.packer = BestFitPacker(tokenizer, B, T, split, data_dir, dp_rank, dp_size, buffer_docs=buffer_docs,
-                                    keep_remainder=keep_remainder, state=state, tokenizer_process=tokenizer_process)
+                                    keep_remainder=keep_remainder, state=state)
         self.device = torch.device(device)
         self.queue = queue.Queue(maxsize=prefetch)
         self.stats = {"epoch": self.packer.epoch, "crop_fraction": self.packer.crop_fraction}  # until a batch arrives
@@ -200,7 +164,6 @@ class DataLoader:
     def close(self):
         self.stopping.set()
         self.thread.join()
-        self.packer.close()
         atexit.unregister(self.close)
 
     def __iter__(self):

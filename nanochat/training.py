@@ -171,13 +171,10 @@ def reads_data(layout):
 def make_loader(tokenizer, split, batch_size, seq_len, device, layout, data_dir, grad_accum=1, state=None,
                 keep_remainder=False):
     """This DP rank's (x, y, state) batches, prefetching a whole step (a step starts once all its micro-batches are in:
-    with less, the GPU would wait each step for the loader); evaluation (grad_accum 1): one batch at a time. On a GPU
-    training's loader tokenizes in a process of its own (the GIL it held stalled the training thread in each step's
-    first micro-batches, the GPU waiting)."""
-    train = split == "train"
+    with less, the GPU would wait each step for the loader); evaluation (grad_accum 1): one batch at a time."""
     return DataLoader(tokenizer, batch_size, seq_len, split, device, data_dir=data_dir, dp_rank=layout.dp_rank,
-                      dp_size=layout.dp_size, state=state, prefetch=grad_accum + 1, keep_remainder=keep_remainder and train,
-                      tokenizer_process=train and torch.device(device).type == "cuda")
+                      dp_size=layout.dp_size, state=state, prefetch=grad_accum + 1,
+                      keep_remainder=keep_remainder and split == "train")
 
 
 # -----------------------------------------------------------------------------

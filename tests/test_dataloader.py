@@ -185,19 +185,3 @@ def test_rows_of_empty_text_are_skipped_and_no_text_is_refused(tokenizer, tmp_pa
         pq.write_table(pa.table({"text": [""] * 8}), empty / f"s{i}.parquet", row_group_size=4)
     with pytest.raises(DataError, match=r"the shards s0.parquet in .* hold no text"):
         BestFitPacker(tokenizer, 2, 16, "train", str(empty)).next_block()
-
-
-def test_tokenizing_process_gives_the_same_blocks_and_resumes(tokenizer):
-    """Tokenized in a process of its own (as training on a GPU does), read ahead: the same blocks as in this process,
-    at two DP ranks, and a state taken there resumes here exactly."""
-    for dp_rank in (0, 1):
-        here = packer(tokenizer, dp_rank=dp_rank, dp_size=2)
-        there = packer(tokenizer, dp_rank=dp_rank, dp_size=2, tokenizer_process=True)
-        try:
-            for _ in range(6):
-                assert np.array_equal(there.next_block(), here.next_block())
-            assert there.ahead  # the next row groups were in flight
-            resumed = packer(tokenizer, dp_rank=dp_rank, dp_size=2, state=there.state())
-            assert np.array_equal(resumed.next_block(), there.next_block())
-        finally:
-            there.close()
