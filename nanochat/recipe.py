@@ -264,9 +264,9 @@ class Recipe:
     param_counts: dict          # gpt.parameter_counts
 
     def learning_rates(self, args):
-        s, table = self.lr_scale, args.embedding_lr if args.l3_table_lr is None else args.l3_table_lr
+        s, table = self.lr_scale, args.l3_table_lr  # None: optim.param_groups gives the tables the embeddings' LR
         return LearningRates(args.embedding_lr * s, args.unembedding_lr * s, args.matrix_lr * s, args.scalar_lr * s,
-                             self.weight_decay, table * s)
+                             self.weight_decay, None if table is None else table * s)
 
     def describe(self, args, config, setting, micro_batches):
         """The lines base_train prints at start: the model, the horizon, the batch, the LRs and decay."""
