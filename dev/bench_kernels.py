@@ -40,6 +40,10 @@ CUDA events (the median of --repeats calls). One subcommand per kernel:
                   --link-gbs GB/s each way how long the exchange takes against the step's compute: hidden where
                   shorter, the rest exposed; full-context and window layers apart. Against it, one GPU attending
                   the whole sequence (cuDNN full, FlexAttention window).
+  l3              L3's lookup over one micro-batch of training tokens (the shards' first batch, the LZW allocation
+                  of their first 2M tokens, 2^19 rows, k_max 512): the Triton kernels (kernels/l3_lookup.py)
+                  against the blocked bmm path, bf16, forward + backward with the table's gradient summed into a
+                  .grad as in a step. Checked against each other; then each timed, and the kernels' forward alone.
   fp8-shards      fp8 against bf16 for the matmuls one rank of a tensor-parallel model runs: each linear of a
                   block at its shard's shape (the q, k, v column shards n_embd -> its heads, attention's c_proj
                   row shard, the MLP's shard n_embd -> 4 n_embd / tp -> n_embd), forward + backward, compiled
@@ -55,6 +59,7 @@ CUDA events (the median of --repeats calls). One subcommand per kernel:
     python -m dev.bench_kernels rotary-norm --depth 20 --device-batch-size 32
     python -m dev.bench_kernels softcap-ce                       # 32 x 2048 tokens at d12 (dim 768), vocab 32768
     python -m dev.bench_kernels ring --depth 12 --seq-len 32768 --cps 2,4,8
+    python -m dev.bench_kernels l3 --depth 12                    # needs data and a tokenizer, as base_train
     python -m dev.bench_kernels fp8-shards                       # d32 at TP=2, 16 x 2048 tokens
     python -m dev.bench_kernels fp8-shards --depth 26 --tp 4 --device-batch-size 8
 
@@ -465,6 +470,52 @@ def softcap_ce(args):
 
 
 # -----------------------------------------------------------------------------
+# l3
+
+
+def l3_lookup(args):
+    import numpy as np
+    from nanochat import l3
+    from nanochat.dataloader import BestFitPacker
+    from nanochat.kernels.l3_lookup import Lookup
+    from nanochat.tokenizer import get_tokenizer
+    tokenizer, D = get_tokenizer(), config_for_depth(args.depth).n_embd
+    layer = l3.L3Layer(tokenizer.get_vocab_size(), D, 1 << 19).cuda()
+    layer.init_weights()
+    tokens = l3.sample_training_tokens(tokenizer, None, 2_000_000)
+    d = l3.allocate_rows(l3.lzw_credits(tokens, layer.vocab_size), layer.n_emb, layer.k_max)
+    layer.set_allocation(d, float((np.bincount(tokens, minlength=layer.vocab_size) * d).sum() / tokens.size))
+    ids = BestFitPacker(tokenizer, args.device_batch_size, args.seq_len).next_block()[:, :-1].reshape(-1)
+    plan = l3._Plan(ids.astype(np.int64), layer.bounds.cpu().numpy(), l3.L3_BLOCK_POSITIONS, layer.k_max, pin=True)
+    print(f"depth {args.depth}: {ids.size} tokens, dim {D}, {layer.n_emb:,} rows, {len(plan.widths)} blocks, "
+          f"{float(layer.rows_per_token):.1f} rows a token on average")
+    torch.manual_seed(0)
+    x = torch.randn(ids.size, D, device="cuda").bfloat16().requires_grad_()
+    g, table = torch.randn_like(x), layer.key_table
+    tc = table.detach().bfloat16()
+    paths = {"Triton kernels": lambda: Lookup.apply(x, table, tc, plan, table),
+             "blocked bmm": lambda: l3._BlockedLookup.apply(x, table, tc, plan, l3.L3_CHUNK_BYTES, table)}
+    results = {}
+    for name, lookup in paths.items():
+        x.grad = table.grad = None
+        h = lookup()
+        h.backward(g)
+        results[name] = (h, x.grad, table.grad)
+    for what, mine, ref in zip(("h", "dx", "dtable"), *results.values()):
+        print(f"{what}: relative difference of the kernels from the bmm path {rel_err(mine, ref):.2e}")
+
+    def step(lookup):
+        def run():
+            x.grad = table.grad = None
+            lookup().backward(g)
+        return run
+    for name, lookup in paths.items():
+        print(f"{name + ', forward + backward':<40} {cuda_time_ms(step(lookup), args.repeats):7.2f} ms")
+    with torch.no_grad():
+        print(f"{'Triton kernels, forward':<40} {cuda_time_ms(paths['Triton kernels'], args.repeats):7.2f} ms")
+
+
+# -----------------------------------------------------------------------------
 # fp8-shards
 
 
@@ -554,6 +605,7 @@ def main(argv=None):
     p.add_argument("--link-gbs", type=float, default=450.0, help="GB/s each way between two ranks (NVLink: ~450)")
     p.add_argument("--block-kernels", type=lambda s: s.split(","), default=list(sdpa.BLOCK_BACKENDS),
                    help="kernels of the causal and unmasked blocks to time (the band's is the memory-efficient one)")
+    add("l3", l3_lookup, "L3's lookup: Triton kernels against the blocked bmm path", depth=12)
     add("fp8-shards", fp8_shards, "fp8 against bf16 for one tensor-parallel rank's linears", depth=32,
         device_batch_size=16).add_argument("--tp", type=int, default=2,
                                            help="the tensor-parallel degree whose per-rank shapes are timed")

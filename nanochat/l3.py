@@ -41,7 +41,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.distributed as dist
 
-from nanochat.kernels import Linear
+from nanochat.kernels import KERNELS, Linear, l3_lookup
 from nanochat.common import ConfigError, print0, eager
 
 L3_LZW_SAMPLE_TOKENS = 10_000_000  # enough to estimate the credit of the few thousand tokens that own most rows
@@ -202,13 +202,17 @@ class _Plan:
         valid = np.arange(block) < count[:, None]
         slot = first[:, None] + np.where(valid, np.arange(block), 0)
         target = np.where(valid, slot, n + np.arange(slot.size).reshape(slot.shape) % L3_SPARE_ROWS)
-        parts = [order, slot, target, start[slot] - lo[:, None], end[slot] - lo[:, None], lo]
+        klo, wpad, off, base, self.scratch = l3_lookup.scratch_layout(first, count, lo, width[by_width], block)
+        parts = [order, slot, target, start[slot] - lo[:, None], end[slot] - lo[:, None], lo, start, end, first, count,
+                 klo, wpad, off, base]
         self.packed = torch.from_numpy(np.concatenate([p.ravel() for p in parts]).astype(np.int64))
         self.packed = self.packed.pin_memory() if pin else self.packed  # pinned: queued behind the GPU's work
         self.sizes, self.on_device = [p.size for p in parts], None
 
     def to(self, device):
-        """(order, slot, target, rel_start, rel_end, lo) on `device`, copied once (the layers of a model share it)."""
+        """(order, slot, target, rel_start, rel_end, lo, and for the Triton kernels each sorted position's rows start,
+        end, each block's first, count, klo, wpad, off, and each position's base) on `device`, copied once (the
+        layers of a model share it)."""
         if self.on_device is None:
             parts = torch.split(self.packed.to(device, non_blocking=True), self.sizes)
             self.on_device = [p.view(-1, self.block) if 0 < i < 5 else p for i, p in enumerate(parts)]
@@ -239,7 +243,7 @@ class _BlockedLookup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, table, tc, plan, chunk_bytes, sum_into):
         acc = torch.promote_types(x.dtype, torch.float32)
-        order, slot, target, rel_start, rel_end, lo = plan.to(x.device)
+        order, slot, target, rel_start, rel_end, lo = plan.to(x.device)[:6]
         # rows a chunk may gather: a row costs its channels, or its column of fp32 scores (block entries) if more
         chunks = plan.chunks(max(1, chunk_bytes // max(table.size(1) * x.element_size(), 4 * plan.block)))
         xs = x.index_select(0, order)
@@ -267,14 +271,8 @@ class _BlockedLookup(torch.autograd.Function):
         gs = torch.cat([gs, gs.new_zeros(L3_SPARE_ROWS, gs.size(1))])  # padding slots read zeros: no gradient
         dxs = xs.new_empty(xs.size(0) + L3_SPARE_ROWS, xs.size(1))  # + the padding slots' rows
         # fp32 table gradient by an accumulating index_put: sorts the rows, sums duplicates in order (atomic index_add_
-        # contends on a frequent token's rows: slower), unchecked (the forward clamped the rows). In a training step
-        # summed into the .grad of earlier micro-batches, taken and handed back (autograd keeps what comes to an empty
-        # .grad as it is): no dense zeros and add a micro-batch (~2 ms each at d12)
-        param = ctx.param
-        if param is not None and param.grad is not None and param.grad.dtype == acc:
-            de, param.grad = param.grad, None
-        else:
-            de = torch.zeros(tc.shape, dtype=acc, device=tc.device)
+        # contends on a frequent token's rows: slower), unchecked (the forward clamped the rows)
+        de = l3_lookup.table_gradient(ctx.param, tc, acc)
         for slot, target, rows, mask in chunks:
             xb, eb, gb = xs[slot], tc[rows], gs[target].view(*slot.shape, -1)
             a = _block_attention(xb, eb, mask, acc)
@@ -399,6 +397,8 @@ class L3Layer(nn.Module):
             return lookup_padded(x, ids, self.key_table, self.bounds)
         plan = plan or _Plan(ids.cpu().numpy(), self.host_bounds(), L3_BLOCK_POSITIONS, self.k_max, pin=x.is_cuda)
         sum_into = self.key_table if self.step_casts is not None and self.key_table.is_leaf else None  # in a step
+        if KERNELS.on and l3_lookup.supported(x):
+            return l3_lookup.Lookup.apply(x, self.key_table, self.table_in(x.dtype), plan, sum_into)
         return _BlockedLookup.apply(x, self.key_table, self.table_in(x.dtype), plan, L3_CHUNK_BYTES, sum_into)
 
     def table_in(self, dtype):

@@ -13,6 +13,7 @@ write every op as its reference PyTorch math and ask here first, as nanoGPT asks
     fp8 MLP            fp8.fc_relu_square, relu_square_input_grad  the same kernels on fp8 operands
     soft-capped loss   gpt.SoftcapCrossEntropy                   lm_head matmul + Triton loss (softcap_ce.py)
     MoE experts        moe.looped_experts: expert by expert       moe.grouped_experts (torch._grouped_mm), bf16, SM90+
+    L3 lookup          l3: padded (CPU) and blocked (bmm) paths   three Triton kernels reading rows in place (l3_lookup.py)
 
 KERNELS.mode: "auto" (default) or "reference" (every answer no), from NANOCHAT_KERNELS or --kernels (which wins);
 read at each call: set it before building and compiling. The reference attention is SDPA as PyTorch dispatches it
