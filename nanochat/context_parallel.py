@@ -5,7 +5,8 @@ at `model.sequence`, set by training.setup); CORE and sampling run the same weig
 
 Collectives, over the CP group, per attention layer (--cp-exchange all-gather, the default above CP 2):
   all_gather         forward: every rank's K/V (one tensor), while this rank's diagonal blocks run
-  all_gather         backward: the same again (not kept from the forward: a whole sequence's K/V per layer)
+  all_gather         backward: the same again (not kept from the forward: a whole sequence's K/V per layer; kept,
+                     the d20 32K CP 4 step was no faster, dev/LOG.md 2026-11-28)
   reduce_scatter     backward: dK/dV of the whole sequence (in K/V's dtype) -> this rank's, behind its diagonals
 or with --cp-exchange ring (point to point; the default at CP 2):
   batch_isend_irecv  forward, per ring step s: this rank's K/V (one tensor) to rank r+s, rank r-s's into a buffer
@@ -245,25 +246,25 @@ class ContextParallel(WholeSequence):
             spans.append((some_see, min(all_see, start), start - some_see))
         return spans
 
-    def _by_rank_and_in_order(self, by_rank, in_order):
-        """(rank-order view, sequence-order view) of every chunk: by_rank (N, ..., 2c, D), in_order (..., T, D)."""
-        c = self.chunk
-        for r in range(self.size):
-            for j, chunk in enumerate(rank_chunks(r, self.size)):
-                yield by_rank[r, ..., j * c:(j + 1) * c, :], in_order[..., chunk * c:(chunk + 1) * c, :]
+    def _pieces(self, lo, hi):
+        """Where keys lo .. hi-1 sit among every rank's (N, 2, B, Hkv, 2c, D), as [(rank, first, count)] in order."""
+        c, N, pieces = self.chunk, self.size, []
+        for chunk in range(lo // c, (hi - 1) // c + 1):
+            first = max(lo, chunk * c)
+            rank, half = (chunk, 0) if chunk < N else (2 * N - 1 - chunk, 1)  # head-tail: chunk r and 2N-1-r on rank r
+            pieces.append((rank, half * c + first - chunk * c, min(hi, (chunk + 1) * c) - first))
+        return pieces
+
+    def _span(self, gathered, lo, hi):
+        """K and V of keys lo .. hi-1, each contiguous (as the kernels take them), from every rank's gathered K/V."""
+        kv = torch.cat([gathered[r, ..., first:first + n, :] for r, first, n in self._pieces(lo, hi)], dim=-2)
+        return kv[0], kv[1]
 
     def _post_gather(self, kv):
+        """Every rank's K/V (N, 2, B, Hkv, 2c, D), in rank order, and the all-gather's handle."""
         gathered = kv.new_empty((self.size * kv.size(0), *kv.shape[1:]))  # gloo wants every rank's along dim 0
         work = all_gather_single(gathered, kv, group=self.layout.cp_group, async_op=True)
         return gathered.view(self.size, *kv.shape), work
-
-    def _in_order(self, gathered, work):
-        """The whole sequence's K/V (2, B, Hkv, T, D) from an all-gather of every rank's."""
-        work.wait()
-        whole = gathered.new_empty((*gathered.shape[1:-2], self.sequence_len, gathered.size(-1)))
-        for mine, seq in self._by_rank_and_in_order(gathered, whole):
-            seq.copy_(mine)
-        return whole
 
     def gather_forward(self, q, k, v, window):
         """(out, lse) of this rank's queries: own chunks' diagonals while every rank's K/V are gathered, then the rest."""
@@ -271,31 +272,34 @@ class ContextParallel(WholeSequence):
         gathered, work = self._post_gather(kv)
         merged = [merge(None, *block_attention(qa, ka, va, 0, window))
                   for qa, ka, va in zip(qs, self._halves(kv[0]), self._halves(kv[1]))]
-        whole = self._in_order(gathered, work)  # (K, V) stacked: whole[..., lo:hi, :] unpacks to a K and a V span
+        work.wait()
         for a, chunk in enumerate(self.chunks):
             for lo, hi, offset in self.key_spans(chunk, window)[1:]:
-                merged[a] = merge(merged[a], *block_attention(qs[a], *whole[..., lo:hi, :], offset, window))
+                merged[a] = merge(merged[a], *block_attention(qs[a], *self._span(gathered, lo, hi), offset, window))
         return torch.cat([m[0] for m in merged], dim=2).to(q.dtype), torch.cat([m[1] for m in merged], dim=2)
 
     def gather_backward(self, dout, q, k, v, out, lse, window):
         """(dq, dk, dv); dK/dV off the diagonals summed over CP by a reduce-scatter, behind the diagonals' backward."""
         qs, douts, outs, lses = (self._copied_halves(t) for t in (q, dout, out, lse))
         kv = torch.stack([k, v])
-        whole = self._in_order(*self._post_gather(kv))
-        dwhole = torch.zeros(whole.shape, dtype=torch.float32, device=q.device)
+        gathered, work = self._post_gather(kv)
+        work.wait()
+        # every rank's dK/dV, as the reduce-scatter takes them, summed in K/V's dtype: a key's share from this rank
+        # comes from at most two spans (one per query chunk), and adding two values rounds once, as an fp32 sum would
+        by_rank = torch.zeros_like(gathered)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dqs = self._halves(dq)
         for a, chunk in enumerate(self.chunks):
             for lo, hi, offset in self.key_spans(chunk, window)[1:]:
-                grads = block_attention_backward(douts[a], qs[a], *whole[..., lo:hi, :], outs[a], lses[a], offset,
-                                                 window)
-                for total, grad in zip((dqs[a], *dwhole[..., lo:hi, :]), grads):  # views: added in place
-                    total.add_(grad)
-        del whole  # so that beside the fp32 gradients there is one sequence's K/V or their compute-dtype gradients
-        # summed over CP in K/V's dtype: half fp32's bytes; each rank's share is rounded to it, and so is the sum
-        by_rank = k.new_empty((self.size, *dwhole.shape[:-2], 2 * self.chunk, dwhole.size(-1)))
-        for mine, seq in self._by_rank_and_in_order(by_rank, dwhole):
-            mine.copy_(seq)
+                dq_a, *dkv_span = block_attention_backward(douts[a], qs[a], *self._span(gathered, lo, hi), outs[a],
+                                                           lses[a], offset, window)
+                dqs[a].add_(dq_a)
+                at = 0
+                for r, first, n in self._pieces(lo, hi):
+                    for i, grad in enumerate(dkv_span):
+                        by_rank[r, i, ..., first:first + n, :] += grad[..., at:at + n, :]
+                    at += n
+        del gathered
         dkv = by_rank.new_empty(by_rank.shape[1:])
         work = reduce_scatter_single(dkv, by_rank.flatten(0, 1), group=self.layout.cp_group, async_op=True)
         diagonal = [block_attention_backward(*args, 0, window)

@@ -140,10 +140,10 @@ def rank_memory(config, s):
     l3 = {int(i): 0 if s.shard_params and D > 1 else layer.key_table.numel() * dt for i, layer in model.l3.items()}
     act_peaks = [peak + sum(l3.get(i, 0) for c, (a, b) in enumerate(chunks) if c % s.pp == r for i in range(a, b))
                  for r, peak in enumerate(act_peaks)]
-    if s.cp > 1 and s.exchange == "all-gather":  # a layer's backward holds the whole sequence's K/V (compute
-        # dtype), then their gradients (fp32, and again in the compute dtype for the reduce-scatter), beside activations
+    if s.cp > 1 and s.exchange == "all-gather":  # a layer's backward holds every rank's K/V and their gradients
+        # (both in the compute dtype) beside the activations
         kv = s.device_batch * config.sequence_len * 2 * config.n_kv_head * (config.n_embd // config.n_head) / s.tp
-        act_peaks = [a + kv * (dt + 4) for a in act_peaks]
+        act_peaks = [a + kv * 2 * dt for a in act_peaks]
     groups = param_groups(model, 0.0, 0.0, 0.0, 0.0, 0.0)
     out = []
 

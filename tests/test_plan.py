@@ -75,9 +75,9 @@ def test_activations_follow_tokens_recompute_tp_and_cp():
     long = config_for_depth(20, sequence_len=8192)
     cp2 = lambda exchange: rank_memory(long, Setting(dp=4, cp=2, cp_exchange=exchange, device_batch=4))[0]["activations"]
     assert cp2("ring") == pytest.approx(rank_memory(long, Setting(dp=8, device_batch=2))[0]["activations"])
-    # the all-gather: a layer's backward holds the whole sequence's K/V gradients in fp32 and in bf16
+    # the all-gather: a layer's backward holds the whole sequence's K/V and their gradients, both in bf16
     kv_elements = 4 * 8192 * 2 * 1280
-    assert cp2("all-gather") - cp2("ring") == pytest.approx(kv_elements * (2 + 4))
+    assert cp2("all-gather") - cp2("ring") == pytest.approx(kv_elements * (2 + 2))
 
 
 def test_pipeline_stages_hold_their_schedules_micro_batches():
