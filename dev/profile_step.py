@@ -14,7 +14,7 @@ any torch.optim.Optimizer (base_train's MuonAdamW is one): after --skip steps (c
 process (the script's remaining steps, evaluation and checkpoint are skipped):
 - the wall time per step beside the GPU kernel time (the gap is GPU idle: host syncs, launch overhead, eager
   code), and the kernels by total GPU time, grouped into attention, matmuls, communication, copies and the
-  elementwise/reduction rest;
+  elementwise/reduction rest; the communication with no other kernel beside it, in all and by collective;
 - where the idle time sits: each stretch with no kernel running is charged to the part of the step and the
   innermost host op the CPU was in when the GPU ran dry, with the largest single gaps.
 The parts come from torch's own labels: "optimizer" (Optimizer.step), "backward" (autograd's thread) and
@@ -58,6 +58,13 @@ def group_of(name):
     if "memcpy" in low or "memset" in low:
         return "memcpy/memset"
     return "elementwise/reduction (triton, aten)"
+
+
+def collective_of(name):
+    """NCCL's collective of a kernel name (AllGather, ReduceScatter, SendRecv, ...), else None."""
+    if "nccl" not in name.lower():
+        return None
+    return name.split("Kernel_", 1)[-1].split("_")[0].split("(")[0]
 
 
 def part_of(names):
@@ -122,6 +129,11 @@ def report(trace_path, n, wall_ms, top=40):
     if "communication" in groups:  # communication kernels overlap compute on their own streams: what is left bare
         alone = busy - busy_time([k for k in kernels if group_of(k["name"]) != "communication"]) / n / 1000
         print(f"  communication with no other kernel running (exposed, waits for peers included): {alone:.1f} ms")
+        # by collective (NCCL's kernel names: ncclDevKernel_AllGather_RING_LL, ...): where it alone runs
+        kinds = {collective_of(k["name"]) for k in kernels if group_of(k["name"]) == "communication"}
+        bare = {c: busy - busy_time([k for k in kernels if collective_of(k["name"]) != c]) / n / 1000 for c in kinds}
+        print("    of which with no other kernel at all: " + ", ".join(
+            f"{c} {t:.1f} ms" for c, t in sorted(bare.items(), key=lambda kv: -kv[1])))
     print(f"\n{'kernel':<100} {'ms/step':>9} {'%':>6} {'calls':>7}")
     for name, t in sorted(by_kernel.items(), key=lambda kv: -kv[1])[:top]:
         print(f"{name[:100]:<100} {t / n / 1000:9.2f} {100 * t / total:6.1f} {calls[name] // n:7d}")

@@ -48,12 +48,16 @@ def test_cpu_trace_has_no_kernels(tmp_path, capsys):
 
 
 def test_exposed_communication(tmp_path, capsys):
-    """A communication kernel on its own stream counts as exposed only where no other kernel runs beside it."""
+    """A communication kernel on its own stream counts as exposed only where no other kernel runs beside it; by
+    collective, where no other kernel at all (another collective included) runs."""
     events = [
         kernel("nvjet_sm90_tst_gemm", 0, 1000),
         kernel("ncclDevKernel_SendRecv", 500, 1000),  # 500 us under the matmul, 300 us bare, 200 us under the next
         kernel("triton_poi_fused_add", 1300, 400),
+        kernel("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 2000, 300),  # bare
+        kernel("ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL", 2200, 200),  # 100 us beside the all-gather
     ]
-    out = report_of(events, tmp_path, capsys, 1, 2.0)
-    assert "some kernel running 1.7 ms (profiled; unprofiled wall less that: 0.3 ms)" in out
-    assert "(exposed, waits for peers included): 0.3 ms" in out
+    out = report_of(events, tmp_path, capsys, 1, 2.4)
+    assert "some kernel running 2.1 ms (profiled; unprofiled wall less that: 0.3 ms)" in out
+    assert "(exposed, waits for peers included): 0.7 ms" in out
+    assert "of which with no other kernel at all: SendRecv 0.3 ms, AllGather 0.2 ms, ReduceScatter 0.1 ms" in out
