@@ -253,7 +253,7 @@ def time_blocks(q, k, v, dout, plan, source, pairs, window, backend, repeats):
         return cpm.block_attention_backward(db, qb, kb, vb, out, lse, o, window)
 
     outs = [forward(qb, kb, vb, o) for qb, kb, vb, _, o in blocks]
-    fwd = cuda_time_ms(lambda: [cpm.merge(None, *forward(qb, kb, vb, o)) for qb, kb, vb, _, o in blocks], repeats)
+    fwd = cuda_time_ms(lambda: [cpm.merge([forward(qb, kb, vb, o)]) for qb, kb, vb, _, o in blocks], repeats)
     bwd = cuda_time_ms(lambda: [backward(db, qb, kb, vb, out, lse, o)
                                 for (qb, kb, vb, db, o), (out, lse) in zip(blocks, outs)], repeats)
     return fwd, bwd

@@ -197,14 +197,23 @@ class ContextParallel(WholeSequence):
             pending = self._exchange(mine, *steps[i + 1]) if i + 1 < len(steps) else None
             yield step, send, buffer
 
+    def _merged(self, blocks, q):
+        """(out in q's dtype, lse) of this rank's queries from each query chunk's blocks [(out, lse)], merged."""
+        out, lse = q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)  # contiguous, as the fake
+        for a, parts in enumerate(blocks):
+            for whole, part in zip((out, lse), merge(parts)):
+                self._halves(whole)[a].copy_(part)
+        return out, lse
+
     def ring_forward(self, q, k, v, window):
-        """(out, lse) of this rank's queries over every visible block."""
-        merged, qs = [None, None], self._copied_halves(q)  # per query chunk: (out fp32, lse)
+        """(out, lse) of this rank's queries over every visible block (their outputs held until the merge: at most a
+        sequence's length of them, in the compute dtype)."""
+        blocks, qs = [[], []], self._copied_halves(q)  # per query chunk: its blocks' (out, lse)
         for step, _, kv in self._ring(torch.stack([k, v]), window):  # K/V: one message per step
             for a, b, offset in self.visible_pairs(self.rank, (self.rank - step) % self.size, window):  # none without kv
                 kb, vb = self._halves(kv[0])[b], self._halves(kv[1])[b]
-                merged[a] = merge(merged[a], *block_attention(qs[a], kb, vb, offset, window))
-        return torch.cat([m[0] for m in merged], dim=2).to(q.dtype), torch.cat([m[1] for m in merged], dim=2)
+                blocks[a].append(block_attention(qs[a], kb, vb, offset, window))
+        return self._merged(blocks, q)
 
     def ring_backward(self, dout, q, k, v, out, lse, window):
         """(dq, dk, dv) from the gradient of the merged output."""
@@ -270,13 +279,13 @@ class ContextParallel(WholeSequence):
         """(out, lse) of this rank's queries: own chunks' diagonals while every rank's K/V are gathered, then the rest."""
         qs, kv = self._copied_halves(q), torch.stack([k, v])
         gathered, work = self._post_gather(kv)
-        merged = [merge(None, *block_attention(qa, ka, va, 0, window))
+        blocks = [[block_attention(qa, ka, va, 0, window)]
                   for qa, ka, va in zip(qs, self._halves(kv[0]), self._halves(kv[1]))]
         work.wait()
         for a, chunk in enumerate(self.chunks):
             for lo, hi, offset in self.key_spans(chunk, window)[1:]:
-                merged[a] = merge(merged[a], *block_attention(qs[a], *self._span(gathered, lo, hi), offset, window))
-        return torch.cat([m[0] for m in merged], dim=2).to(q.dtype), torch.cat([m[1] for m in merged], dim=2)
+                blocks[a].append(block_attention(qs[a], *self._span(gathered, lo, hi), offset, window))
+        return self._merged(blocks, q)
 
     def gather_backward(self, dout, q, k, v, out, lse, window):
         """(dq, dk, dv); dK/dV off the diagonals summed over CP by a reduce-scatter, behind the diagonals' backward."""
@@ -307,7 +316,8 @@ class ContextParallel(WholeSequence):
         work.wait()
         for a, (dq_a, _, _) in enumerate(diagonal):
             dqs[a].add_(dq_a)
-        dk, dv = (dkv[i].float() + torch.cat([d[1 + i] for d in diagonal], dim=2) for i in (0, 1))
+        # the diagonals' share added to the others' in one rounding (in K/V's dtype on a GPU, as an fp32 sum would)
+        dk, dv = (torch.cat([d[1 + i] for d in diagonal], dim=2).add_(dkv[i]) for i in (0, 1))
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -316,14 +326,15 @@ def finite(lse):
     return lse.masked_fill(lse == float("-inf"), 0.0)
 
 
-def merge(merged, out, lse):
-    """Add a block's partial (out, lse) to the running (out fp32, lse), each weighted by exp(its lse - the total's)."""
-    if merged is None:
-        return out.float(), lse
-    total_out, total_lse = merged
-    new_lse = torch.logaddexp(total_lse, lse)
-    weight_total, weight_part = ((t - finite(new_lse)).exp().unsqueeze(-1) for t in (total_lse, lse))
-    return total_out * weight_total + out.float() * weight_part, new_lse
+def merge(parts):
+    """(out fp32, lse) of some queries from their blocks' partial [(out, lse)]: each out weighted by exp(its lse - the
+    total's) and added in place, one pass over each."""
+    lse = torch.logsumexp(torch.stack([part_lse for _, part_lse in parts]), dim=0)
+    total = None
+    for out, part_lse in parts:
+        weight = (part_lse - finite(lse)).exp().unsqueeze(-1)
+        total = out.float() * weight if total is None else total.addcmul_(out, weight)
+    return total, lse
 
 
 def ring_in_one_process(q, k, v, dout, N, window):
@@ -332,10 +343,10 @@ def ring_in_one_process(q, k, v, dout, N, window):
     c = q.size(2) // (2 * N)
     blocks = [(slice(qc * c, (qc + 1) * c), slice(kc * c, (kc + 1) * c), qc, block_offset(qc, kc, c))
               for qc in range(2 * N) for kc in range(qc + 1) if block_visible(block_offset(qc, kc, c), c, window)]
-    merged = {}
+    parts = {}
     for qs, ks, qc, offset in blocks:
-        merged[qc] = merge(merged.get(qc), *block_attention(q[:, :, qs], k[:, :, ks], v[:, :, ks], offset, window))
-    outs = {qc: (out.to(q.dtype), lse) for qc, (out, lse) in merged.items()}
+        parts.setdefault(qc, []).append(block_attention(q[:, :, qs], k[:, :, ks], v[:, :, ks], offset, window))
+    outs = {qc: (out.to(q.dtype), lse) for qc, (out, lse) in ((qc, merge(p)) for qc, p in parts.items())}
     dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v))
     for qs, ks, qc, offset in blocks:
         grads = block_attention_backward(dout[:, :, qs], q[:, :, qs], k[:, :, ks], v[:, :, ks], *outs[qc], offset, window)
