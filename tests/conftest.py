@@ -80,6 +80,32 @@ def run_script(module, args, env, nproc=1, timeout=600, check=True, process=Fals
     return p
 
 
+class Started:
+    """A script started in a new process, its stdout read line by line up to a line with `until`; its stderr goes to
+    a temporary file (a pipe nobody reads would stall the script once some warnings filled it)."""
+
+    def __init__(self, cmd, env, until, **popen):
+        import tempfile
+        self.err_file = tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=self.err_file, text=True,
+                                     **popen)
+        self.pid, self.out = self.proc.pid, ""
+        while until not in self.out:
+            line = self.proc.stdout.readline()
+            assert line, self.stderr()[-3000:]
+            self.out += line
+
+    def stderr(self):
+        self.err_file.seek(0)
+        return self.err_file.read()
+
+    def finish(self, timeout):
+        """(all of stdout, stderr) once it has exited; its exit status in .returncode."""
+        rest, _ = self.proc.communicate(timeout=timeout)
+        self.out, self.returncode = self.out + rest, self.proc.returncode
+        return self.out, self.stderr()
+
+
 def _pool_rank(rank, module, args, envs, port, nproc, per_node, out_dir):
     """One rank of run_on_pool: the environment torchrun gives its workers, then the module as a script."""
     env = dict(envs[rank], RANK=str(rank), LOCAL_RANK=str(rank % per_node), WORLD_SIZE=str(nproc),

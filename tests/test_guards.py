@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from conftest import run_script, write_damaged_shard, ckpt_dir, errors, REPO, SAMPLE_DATA, TINY_RUN
+from conftest import run_script, write_damaged_shard, ckpt_dir, errors, Started, REPO, SAMPLE_DATA, TINY_RUN
 from nanochat import checkpoint_manager as ckpt, run_lock
 from nanochat.common import UserError
 from nanochat.dataset import DataError, check_data
@@ -219,14 +219,7 @@ def test_a_run_whose_disk_fills_up_stops_with_one_line(env, small_disk):
 def start_torchrun(env, tag):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
            "scripts.base_train"] + TINY + ["--num-iterations", "100000", "--model-tag", tag, "--device-batch-size", "2"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # its own process group, as a terminal's foreground job
-    out = ""
-    while "step 00003/" not in out:
-        line = proc.stdout.readline()
-        assert line, proc.stderr.read()[-3000:]
-        out += line
-    return proc, out
+    return Started(cmd, env, "step 00003/", start_new_session=True)  # its own process group, as a terminal's job
 
 
 @pytest.mark.parametrize("how", ["STOP file", "Ctrl-C"])
@@ -234,13 +227,12 @@ def test_a_stop_under_torchrun_saves_and_says_how_to_resume(env, how):
     """The STOP file: the workers save and torchrun exits 0. Ctrl-C reaches torchrun too, which then exits 1
     whatever its workers did (the README says so); the workers still save and print the same last line."""
     tag = f"stop_{how.split()[0].lower().replace('-', '')}"
-    proc, out = start_torchrun(env, tag)
+    proc = start_torchrun(env, tag)
     if how == "STOP file":
         open(os.path.join(ckpt_dir(env, tag), "STOP"), "w").close()
     else:
         os.killpg(proc.pid, signal.SIGINT)
-    rest, err = proc.communicate(timeout=120)
-    out += rest
+    out, err = proc.finish(timeout=120)
     step = int(re.search(r"saved checkpoint for step (\d+)", out).group(1))
     assert out.splitlines()[-1] == f"stopped: saved step {step}: resume with --resume-from-step {step}", out[-1000:]
     assert os.path.exists(os.path.join(ckpt_dir(env, tag), f"meta_{step:06d}.json"))

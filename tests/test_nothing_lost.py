@@ -12,12 +12,11 @@ import errno
 import signal
 import types
 import shutil
-import subprocess
 import sys
 
 import pytest
 
-from conftest import run_script, run_losses, ckpt_dir, errors, REPO, TINY_RUN
+from conftest import run_script, run_losses, ckpt_dir, errors, Started, TINY_RUN
 from nanochat import checkpoint_manager as ckpt
 from nanochat.common import UserError
 from nanochat.run_log import read_records
@@ -248,18 +247,12 @@ def test_a_rank_killed_under_torchrun_ends_in_one_short_report(env):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
            "scripts.base_train"] + RUN + ["--num-iterations", "100000", "--save-every", "3", "--model-tag", "killed",
                                           "--device-batch-size", "2"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    out = ""
-    while "saved checkpoint for step 3" not in out:
-        line = proc.stdout.readline()
-        assert line, proc.stderr.read()[-3000:]
-        out += line
+    proc = Started(cmd, env, "saved checkpoint for step 3")
     children = [int(c) for c in open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()]
     rank1 = next(c for c in children if "RANK=1" in open(f"/proc/{c}/environ").read().split("\0"))
     time.sleep(0.5)
     os.kill(rank1, signal.SIGKILL)
-    rest, err = proc.communicate(timeout=120)
-    out += rest
+    out, err = proc.finish(timeout=120)
     assert proc.returncode != 0
     reports = [line for line in (out + err).splitlines() if "ERROR: rank" in line]
     assert len(reports) == 1 and re.search(r"ERROR: rank 0 stopped at step \d+ in '.+': another rank failed or is gone "

@@ -4,12 +4,11 @@ import os
 import re
 import json
 import signal
-import subprocess
 import sys
 
 import pytest
 
-from conftest import run_script, run_losses, read_run, write_damaged_shard, ckpt_dir, errors, TINY_MODEL, REPO, SAMPLE_DATA
+from conftest import run_script, run_losses, read_run, write_damaged_shard, ckpt_dir, errors, Started, TINY_MODEL, SAMPLE_DATA
 
 TRAIN = ["--device-batch-size", "4", "--total-batch-size", "512", "--warmup-steps", "2",
          "--embedding-lr", "0.05", "--scalar-lr", "0.05"] + TINY_MODEL
@@ -138,15 +137,9 @@ def test_sample_and_eval_refuse_nonfinite_weights(env):
 def test_sigterm_saves_then_exits(env):
     cmd = [sys.executable, "-m", "scripts.base_train"] + TRAIN + ["--num-iterations", "100000", "--model-tag", "sig",
                                                                   "--eval-every", "-1"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    out = ""
-    while "step 00003/" not in out:  # wait until it trains
-        line = proc.stdout.readline()
-        assert line, proc.stderr.read()
-        out += line
-    proc.send_signal(signal.SIGTERM)
-    rest, err = proc.communicate(timeout=120)
-    out += rest
+    proc = Started(cmd, env, "step 00003/")  # wait until it trains
+    os.kill(proc.pid, signal.SIGTERM)
+    out, err = proc.finish(timeout=120)
     assert proc.returncode == 0, err
     folder = ckpt_dir(env, "sig")
     metas = [f for f in os.listdir(folder) if f.startswith("meta_")]
@@ -325,15 +318,10 @@ def test_sigterm_during_evaluation_stops_within_seconds_and_saves(env):
     import time
     cmd = [sys.executable, "-m", "scripts.base_train"] + TRAIN + ["--num-iterations", "100", "--model-tag", "sigeval",
                                                                   "--eval-every", "3", "--eval-tokens", "100000000"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    out = ""
-    while "step 00002/" not in out:  # the next thing is the step-3 evaluation: hours of it at 10^8 tokens
-        line = proc.stdout.readline()
-        assert line, proc.stderr.read()
-        out += line
+    proc = Started(cmd, env, "step 00002/")  # the next thing is the step-3 evaluation: hours of it at 10^8 tokens
     time.sleep(3)
     t0 = time.time()
-    proc.send_signal(signal.SIGTERM)
-    rest, err = proc.communicate(timeout=60)
+    os.kill(proc.pid, signal.SIGTERM)
+    out, err = proc.finish(timeout=60)
     assert time.time() - t0 < 30 and proc.returncode == 0, err[-2000:]
-    assert "saved checkpoint for step 3" in out + rest and "Traceback" not in err
+    assert "saved checkpoint for step 3" in out and "Traceback" not in err
