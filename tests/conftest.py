@@ -10,6 +10,7 @@ import inspect
 import importlib
 import importlib.util
 import signal
+import tempfile
 import traceback
 import subprocess
 import contextlib
@@ -85,7 +86,6 @@ class Started:
     a temporary file (a pipe nobody reads would stall the script once some warnings filled it)."""
 
     def __init__(self, cmd, env, until, **popen):
-        import tempfile
         self.err_file = tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=self.err_file, text=True,
                                      **popen)
