@@ -25,8 +25,9 @@ merge by their log-sum-exp, in fp32. The all-gather runs each query chunk over a
 the ring, only pairs of chunks where some key is visible (never the future, never `window` or more back), each
 block sent straight to the rank that needs it (on NVLink a shift by s costs what a shift by one does) and its dK/dV
 straight home. On four H200s at 32K tokens, SSSL, CP 4, the all-gather trained 1.08x as fast as the ring at d12 and
-d20 (the ring's N-1 dependent steps in fewer, larger kernels); at CP 2 the ring was 1.03x as fast (d12, twice;
-dev/LOG.md), hence the defaults.
+d20 (the ring's N-1 dependent steps in fewer, larger kernels); at CP 2 the ring was 1.03x as fast (d12, twice), and
+the two tie since the all-gather's reorder copies went (dev/LOG.md, 2026-11-28): the ring keeps CP 2 for the
+memory it saves (no gathered K/V). Hence the defaults.
 """
 
 import torch

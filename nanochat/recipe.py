@@ -357,7 +357,7 @@ class Setting:
 
     @property
     def exchange(self):
-        """--cp-exchange, by default the faster measured (32K, two and four H200s; dev/LOG.md): the ring at CP 2."""
+        """--cp-exchange by default: the faster measured at 32K (dev/LOG.md), the ring where they tie (CP 2)."""
         return self.cp_exchange or ("ring" if self.cp == 2 else "all-gather")
 
     @classmethod
