@@ -107,7 +107,8 @@ def tree_version(tree):
     """A checkout's commit and a hash of its uncommitted changes ("" outside git): which code a result came from."""
     git = lambda *a: subprocess.run(["git", "-C", tree, *a], capture_output=True).stdout
     untracked = git("ls-files", "--others", "--exclude-standard", "-z").split(b"\0")
-    changes = git("diff", "HEAD") + b"".join(n + open(os.path.join(tree, n.decode()), "rb").read() for n in untracked if n)
+    files = [n for n in untracked if n and os.path.isfile(os.path.join(tree, n.decode()))]  # not a linked folder
+    changes = git("diff", "HEAD") + b"".join(n + open(os.path.join(tree, n.decode()), "rb").read() for n in files)
     return git("rev-parse", "HEAD").decode().strip() + (f"+{zlib.crc32(changes):08x}" if changes else "")
 
 

@@ -81,6 +81,27 @@ def test_ladder_goes_on_where_a_part_stopped_and_prices_b_on_a_ladder(env, tmp_p
     assert "done in an earlier part" not in capsys.readouterr().out
 
 
+def test_tree_version_names_the_commit_and_the_changes_not_yet_committed(tmp_path):
+    """A result's code: the commit, and a hash of the uncommitted changes (untracked files' contents included, an
+    untracked link to a folder, such as a linked .venv, passed over) that changes with them."""
+    import subprocess
+    from dev import runs
+    git = lambda *a: subprocess.run(["git", "-C", str(tmp_path), *a], check=True, capture_output=True)
+    git("init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git("add", "a.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "a")
+    clean = runs.tree_version(str(tmp_path))
+    assert re.fullmatch(r"[0-9a-f]{40}", clean)
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "linked").symlink_to(tmp_path / "folder")
+    assert runs.tree_version(str(tmp_path)) == clean
+    (tmp_path / "new.py").write_text("y = 2\n")
+    changed = runs.tree_version(str(tmp_path))
+    (tmp_path / "new.py").write_text("y = 3\n")
+    assert changed.startswith(clean + "+") and runs.tree_version(str(tmp_path)) not in (clean, changed)
+
+
 def test_ladder_reads_b_off_a_s_ladder():
     from dev.ladder import equivalent
     falling = [(0.0, 3.0), (1.0, 2.0), (2.0, 1.5)]  # (log FLOPs, bpb) by depth
