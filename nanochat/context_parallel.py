@@ -347,7 +347,8 @@ def ring_in_one_process(q, k, v, dout, N, window):
     parts = {}
     for qs, ks, qc, offset in blocks:
         parts.setdefault(qc, []).append(block_attention(q[:, :, qs], k[:, :, ks], v[:, :, ks], offset, window))
-    outs = {qc: (out.to(q.dtype), lse) for qc, (out, lse) in ((qc, merge(p)) for qc, p in parts.items())}
+    merged = {qc: merge(p) for qc, p in parts.items()}
+    outs = {qc: (out.to(q.dtype), lse) for qc, (out, lse) in merged.items()}
     dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v))
     for qs, ks, qc, offset in blocks:
         grads = block_attention_backward(dout[:, :, qs], q[:, :, qs], k[:, :, ks], v[:, :, ks], *outs[qc], offset, window)
