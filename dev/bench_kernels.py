@@ -243,12 +243,12 @@ def time_blocks(q, k, v, dout, plan, source, pairs, window, backend, repeats):
     blocks = [(q[:, :, qs[a]], k[:, :, ks[b]], v[:, :, ks[b]], dout[:, :, qs[a]], offset) for a, b, offset in pairs]
 
     def forward(qb, kb, vb, o):  # the kernel where it takes the block, else the reference math (as training runs)
-        if kernels.takes_attention_block(qb, kb, o, window):
+        if kernels.takes_attention_block(qb, kb, o, window, backend):
             return kernels.attention_block(qb, kb, vb, o, window, backend)
         return cpm.block_attention(qb, kb, vb, o, window)
 
     def backward(db, qb, kb, vb, out, lse, o):
-        if kernels.takes_attention_block(qb, kb, o, window):
+        if kernels.takes_attention_block(qb, kb, o, window, backend):
             return kernels.attention_block_backward(db, qb, kb, vb, out, lse, o, window, backend)
         return cpm.block_attention_backward(db, qb, kb, vb, out, lse, o, window)
 

@@ -21,7 +21,8 @@ positions), the smear of the token before (embedded here from the whole ids ever
 loss's scale see the cut (ContextParallel's methods); all else in the model is per token.
 
 Attention is one custom op, so that torch.compile keeps its messages out of its graphs. Blocks of queries x keys
-merge by their log-sum-exp, in fp32. The all-gather runs each query chunk over at most three blocks (key_spans);
+merge by their log-sum-exp, in fp32. The all-gather runs each query chunk over at most three blocks (key_spans;
+two with FlashAttention-4, which takes any band: its diagonal, and every key before it that some query sees);
 the ring, only pairs of chunks where some key is visible (never the future, never `window` or more back), each
 block sent straight to the rank that needs it (on NVLink a shift by s costs what a shift by one does) and its dK/dV
 straight home. On four H200s at 32K tokens, SSSL, CP 4, the all-gather trained 1.08x as fast as the ring at d12 and
@@ -185,8 +186,9 @@ class ContextParallel(WholeSequence):
         return t[:, :, :self.chunk], t[:, :, self.chunk:]
 
     def _copied_halves(self, t):
-        """Halves that several blocks read, copied once: the blocks' kernels take contiguous inputs (sdpa.py)."""
-        return [h.contiguous() for h in self._halves(t)]
+        """Halves that several blocks read: copied once where cuDNN takes them (contiguous inputs, sdpa.py);
+        FlashAttention-4 reads 16-bit ones in place."""
+        return list(self._halves(t)) if kernels.block_bands(t) else [h.contiguous() for h in self._halves(t)]
 
     def _ring(self, mine, window):
         """(step, whether my K/V went to r+step, r-step's K/V or None) per step, own first; each posted a step ahead."""
@@ -242,16 +244,20 @@ class ContextParallel(WholeSequence):
         return dq.to(q.dtype), dkv_mine[0].to(k.dtype, copy=True), dkv_mine[1].to(v.dtype, copy=True)
 
     # --- the all-gather: every rank's K/V at once, each query chunk over the keys it sees in at most three blocks --
-    def key_spans(self, chunk, window):
+    def key_spans(self, chunk, window, bands=False):
         """[(first key, end, offset)]: the keys query chunk `chunk` sees, as blocks the kernels take whole: its own
         chunk (causal), the keys before it that all its queries see (none), and those only some see: a chunk's length
-        one window back (upper), or less where the sequence starts (a band). Offset: first query - first key."""
+        one window back (upper), or less where the sequence starts (a band); with `bands` (FlashAttention-4) all the
+        keys before it as one band. Offset: first query - first key."""
         c, start = self.chunk, chunk * self.chunk
         all_see = max(0, start + c - window)  # keys from here to `start` are in every query's window
         spans = [(start, start + c, 0)]
+        if bands:  # from the first key the first query sees
+            first = max(0, start - window + 1)
+            return spans + ([(first, start, start - first)] if first < start else [])
+        some_see = max(0, start - window)
         if all_see < start:
             spans.append((all_see, start, start - all_see))
-        some_see = max(0, start - window)
         if some_see < min(all_see, start):
             spans.append((some_see, min(all_see, start), start - some_see))
         return spans
@@ -280,11 +286,12 @@ class ContextParallel(WholeSequence):
         """(out, lse) of this rank's queries: own chunks' diagonals while every rank's K/V are gathered, then the rest."""
         qs, kv = self._copied_halves(q), torch.stack([k, v])
         gathered, work = self._post_gather(kv)
+        bands = kernels.block_bands(q)
         blocks = [[block_attention(qa, ka, va, 0, window)]
                   for qa, ka, va in zip(qs, self._halves(kv[0]), self._halves(kv[1]))]
         work.wait()
         for a, chunk in enumerate(self.chunks):
-            for lo, hi, offset in self.key_spans(chunk, window)[1:]:
+            for lo, hi, offset in self.key_spans(chunk, window, bands)[1:]:
                 blocks[a].append(block_attention(qs[a], *self._span(gathered, lo, hi), offset, window))
         return self._merged(blocks, q)
 
@@ -300,7 +307,7 @@ class ContextParallel(WholeSequence):
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dqs = self._halves(dq)
         for a, chunk in enumerate(self.chunks):
-            for lo, hi, offset in self.key_spans(chunk, window)[1:]:
+            for lo, hi, offset in self.key_spans(chunk, window, kernels.block_bands(q))[1:]:
                 dq_a, *dkv_span = block_attention_backward(douts[a], qs[a], *self._span(gathered, lo, hi), outs[a],
                                                            lses[a], offset, window)
                 dqs[a].add_(dq_a)

@@ -89,15 +89,16 @@ def test_checkpoint_cp2_resumes_at_cp1():
 def spans_in_one_process(q, k, v, dout, N, window):
     """What the all-gather computes, every query chunk in one process: (out, dq, dk, dv) of whole sequences from each
     chunk's key_spans blocks merged, the backward from the merged output (ring_in_one_process for the ring's blocks)."""
-    cp = cpm.ContextParallel(_Layout(0, N), q.size(2), q.device, "all-gather")
+    from nanochat import kernels
+    cp, bands = cpm.ContextParallel(_Layout(0, N), q.size(2), q.device, "all-gather"), kernels.block_bands(q)
     chunk = lambda t, g: t[:, :, g * cp.chunk:(g + 1) * cp.chunk]
     merged = {g: cpm.merge([cpm.block_attention(chunk(q, g), k[:, :, lo:hi], v[:, :, lo:hi], offset, window)
-                            for lo, hi, offset in cp.key_spans(g, window)]) for g in range(2 * N)}
+                            for lo, hi, offset in cp.key_spans(g, window, bands)]) for g in range(2 * N)}
     out, lse = (torch.cat([merged[g][i] for g in range(2 * N)], dim=2) for i in (0, 1))
     out = out.to(q.dtype)
     dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v))
     for g in range(2 * N):
-        for lo, hi, offset in cp.key_spans(g, window):
+        for lo, hi, offset in cp.key_spans(g, window, bands):
             grads = cpm.block_attention_backward(chunk(dout, g), chunk(q, g), k[:, :, lo:hi], v[:, :, lo:hi],
                                                  chunk(out, g), chunk(lse, g), offset, window)
             chunk(dq, g).add_(grads[0])
@@ -106,14 +107,70 @@ def spans_in_one_process(q, k, v, dout, N, window):
     return out, dq, dk, dv
 
 
+class FA4Math:
+    """flash-attn-4's two entry points as PyTorch math, standing in for its kernels on CPU: FA's window convention
+    (query i sits at key i + S - T and sees the keys from `window_size_left` before to `window_size_right` after it,
+    None unbounded), GQA, and a backward from the given output and log-sum-exp (a CP block's share of the merged
+    attention's gradients), as flash kernels compute it."""
+
+    @staticmethod
+    def _scores(q, k, left, right):
+        T, S = q.size(1), k.size(1)
+        k = k.repeat_interleave(q.size(2) // k.size(2), dim=2).double()
+        scores = torch.einsum("bqhd,bkhd->bhqk", q.double(), k) * q.size(-1) ** -0.5
+        at, key = torch.arange(T)[:, None] + S - T, torch.arange(S)[None, :]
+        seen = torch.ones(T, S, dtype=torch.bool)
+        if left is not None:
+            seen &= key >= at - left
+        if right is not None:
+            seen &= key <= at + right
+        return scores.masked_fill(~seen, float("-inf")), k
+
+    @staticmethod
+    def _flash_attn_fwd(q, k, v, window_size_left=None, window_size_right=None, return_lse=True):
+        assert all(t.stride(-1) == 1 for t in (q, k, v)) and q.dtype == k.dtype == v.dtype  # as FA4 asserts
+        scores, _ = FA4Math._scores(q, k, window_size_left, window_size_right)
+        lse = scores.logsumexp(-1)
+        p = (scores - cpm.finite(lse)[..., None]).exp()
+        out = torch.einsum("bhqk,bkhd->bqhd", p, v.repeat_interleave(q.size(2) // v.size(2), dim=2).double())
+        return out.to(q.dtype), lse.float()
+
+    @staticmethod
+    def _flash_attn_bwd(q, k, v, out, dout, lse, window_size_left=None, window_size_right=None):
+        assert all(t.stride(-1) == 1 for t in (q, k, v, out, dout)) and out.dtype == dout.dtype == q.dtype
+        assert lse.dtype == torch.float32
+        scores, k_heads = FA4Math._scores(q, k, window_size_left, window_size_right)
+        v_heads = v.repeat_interleave(q.size(2) // v.size(2), dim=2).double()
+        p, dout = (scores - lse.double()[..., None]).exp(), dout.double()
+        dv = torch.einsum("bhqk,bqhd->bkhd", p, dout)
+        rows = (dout * out.double()).sum(-1).transpose(1, 2)[..., None]
+        ds = p * (torch.einsum("bqhd,bkhd->bhqk", dout, v_heads) - rows) * q.size(-1) ** -0.5
+        dq = torch.einsum("bhqk,bkhd->bqhd", ds, k_heads)
+        dk = torch.einsum("bhqk,bqhd->bkhd", ds, q.double())
+        dk, dv = (t.unflatten(2, (k.size(2), -1)).sum(3) for t in (dk, dv))
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def use_fa4_math(monkeypatch):
+    """CP blocks through the FlashAttention-4 path (any band in one call, on views), FA4Math for its kernels."""
+    from nanochat import kernels
+    from nanochat.kernels import flash_attention
+    monkeypatch.setattr(kernels, "fa4_runs", lambda device, dtype, head_dim: True)
+    monkeypatch.setattr(flash_attention, "_fa4", lambda: FA4Math)
+
+
+@pytest.mark.parametrize("kernel", ["reference", "fa4 bands"])
 @pytest.mark.parametrize("one_process", [cpm.ring_in_one_process, spans_in_one_process], ids=["ring", "all-gather"])
-@pytest.mark.parametrize("N, window", [(2, 64), (4, 64), (4, 20), (4, 9), (2, 1), (8, 10), (8, 3)])
-def test_block_math_and_merge_equal_whole_attention(N, window, one_process):
+@pytest.mark.parametrize("N, window", [(2, 64), (4, 64), (4, 20), (4, 9), (2, 5), (4, 2), (2, 1), (8, 10), (8, 3)])
+def test_block_math_and_merge_equal_whole_attention(N, window, one_process, kernel, monkeypatch):
     """Blocks merged by log-sum-exp, and their backward from the merged output, give whole-sequence attention and
     its gradients (SDPA with the dense window mask, GQA 4 query heads over 2 kv heads), with windows from the
     whole sequence down to one token (band blocks with queries that see none of a block's keys), in the ring's
-    blocks and in the all-gather's spans."""
+    blocks and in the all-gather's spans; in the reference math, and through the FlashAttention-4 path (every key
+    before a chunk as one band; FA's window convention, here as math)."""
     from nanochat.kernels.sdpa import reference_attention
+    if kernel == "fa4 bands":
+        use_fa4_math(monkeypatch)
     g = torch.Generator().manual_seed(0)
     T = 64
     q = torch.randn(2, 4, T, 16, generator=g, dtype=torch.float64).requires_grad_()
@@ -162,9 +219,9 @@ class _Layout:  # what ContextParallel reads of a Layout, for the schedule alone
 @pytest.mark.parametrize("one_process", [cpm.ring_in_one_process, spans_in_one_process], ids=["ring", "all-gather"])
 @pytest.mark.parametrize("N, window", [(2, 1024), (4, 1024), (4, 256), (4, 128), (8, 256), (4, 100)])
 def test_cp_blocks_in_the_cuda_kernels_match_the_reference_math(N, window, one_process):
-    """The ring's blocks and the all-gather's spans in cuDNN (causal, unmasked and upper-triangle masks; other bands
-    in the reference math), bf16, against the same all in the reference math (fp32), GQA 4 query heads over 2 kv
-    heads."""
+    """The ring's blocks and the all-gather's spans in the kernels (FlashAttention-4 where installed, any band; else
+    cuDNN: causal, unmasked and upper-triangle masks, other bands in the reference math), bf16, against the same all
+    in the reference math (fp32), GQA 4 query heads over 2 kv heads."""
     from nanochat import kernels
     g = torch.Generator(device="cuda").manual_seed(0)
     q, dout = (torch.randn(2, 4, 1024, 64, device="cuda", generator=g).bfloat16() for _ in range(2))
@@ -213,6 +270,11 @@ def test_all_gather_key_spans_are_whole_kernel_blocks():
     assert kinds(7, 32768) == [(28672, 32768, "causal"), (0, 28672, "none")]
     assert kinds(5, 6000) == [(20480, 24576, "causal"), (18576, 20480, "none"), (14480, 18576, "upper")]
     assert kinds(1, 6000) == [(4096, 8192, "causal"), (2192, 4096, "none"), (0, 2192, "band")]
+    # FlashAttention-4 takes any band: a query chunk's diagonal, then every key before it that some query sees
+    assert cp.key_spans(5, 8192, bands=True) == [(20480, 24576, 0), (12289, 20480, 8191)]
+    assert cp.key_spans(1, 6000, bands=True) == [(4096, 8192, 0), (0, 4096, 4096)]
+    assert cp.key_spans(7, 32768, bands=True) == [(28672, 32768, 0), (0, 28672, 28672)]
+    assert cp.key_spans(0, 8192, bands=True) == [(0, 4096, 0)]
     with pytest.raises(ValueError, match="'all-gather' or 'ring'"):
         cpm.ContextParallel(_Layout(0, 4), 32768, "cpu", "rings")  # never a silent fall-back to the all-gather
 
@@ -264,8 +326,19 @@ def test_cp2_fp8():
                         run_layout(steps=4, config_overrides=FP8, fp8=True))
 
 
-def _exchange_in_bf16(rank, port, out_dir):
-    """One rank of a CP 2 group: both exchanges' forward and backward on bf16 chunks (what a GPU runs), saved."""
+def _exchange_in_bf16(rank, port, out_dir, fa4):
+    """One rank of a CP 2 group: both exchanges' forward and backward on bf16 chunks (what a GPU runs), saved; with
+    `fa4`, through the FlashAttention-4 path (FA4Math for its kernels)."""
+    patches = pytest.MonkeyPatch()  # undone at the end: the pool's processes run other tests after this one
+    if fa4:
+        use_fa4_math(patches)
+    try:
+        _exchanges_saved(rank, port, out_dir)
+    finally:
+        patches.undo()
+
+
+def _exchanges_saved(rank, port, out_dir):
     import os
     import datetime
     import torch.distributed as dist
@@ -293,12 +366,13 @@ def _exchange_inputs():  # q, k, v, dout: GQA, 4 query heads over 2 kv heads
     return [torch.randn(1, heads, 128, 16, generator=g).bfloat16() for heads in (4, 2, 2, 4)]
 
 
-def test_exchanges_in_bf16_agree_with_whole_attention(tmp_path):
+@pytest.mark.parametrize("fa4", [False, True], ids=["blocks", "fa4 bands"])
+def test_exchanges_in_bf16_agree_with_whole_attention(tmp_path, fa4):
     """In bf16, as on a GPU (the dK/dV reduce-scatter in K/V's dtype), with GQA and a window of a chunk and a half: both
     exchanges give each rank's chunks of the whole sequence's output and gradients, within bf16's rounding of the fp32
-    reference."""
+    reference; also through the FlashAttention-4 path (its blocks read the chunks in place, as views)."""
     from parallel_harness import spawn, _free_port
-    spawn(_exchange_in_bf16, (_free_port(), str(tmp_path)), 2)
+    spawn(_exchange_in_bf16, (_free_port(), str(tmp_path), fa4), 2)
     q, k, v, dout = (t.float() for t in _exchange_inputs())
     want = cpm.ring_in_one_process(q, k, v, dout, 2, WINDOW_BF16)
     for rank in range(2):

@@ -6,7 +6,8 @@ write every op as its reference PyTorch math and ask here first, as nanoGPT asks
     Linear             F.linear (Linear below)                   split-K weight gradient, per tuned shape (splitk.py)
     attention          SDPA: is_causal for the full context,     FlashAttention-4 (flash_attention.py); else
                        a dense boolean mask for a window (sdpa)  cuDNN (full) and FlexAttention (window) (sdpa.py)
-    ring block + LSE   context_parallel.block_attention          cuDNN where the mask is causal, none or upper (sdpa.py)
+    ring block + LSE   context_parallel.block_attention          FlashAttention-4, any band; else cuDNN where the
+                                                                 mask is causal, none or upper (sdpa.py)
     rotary + QK-norm   gpt.rotary_norm                           Triton forward and backward (rotary.py)
     MLP                gpt.MLP: c_proj(relu(c_fc(x))^2)          ReLU^2 inside both matmuls (relu_square_mm.py);
                                                                  elsewhere ReLU^2 keeping only its output
@@ -123,26 +124,46 @@ def prepare_attention(config, window_sizes, device, dtype):
     return "SDPA (cuDNN)" + (" + FlexAttention for the sliding windows" if min(window_sizes) < T else "")
 
 
-def attention_block_name(device, dtype):
+def attention_block_name(device, dtype, head_dim):
     """What computes a ring block's attention here, for the log."""
     on = KERNELS.on and torch.device(device).type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+    if on and fa4_runs(device, dtype, head_dim):
+        return "FlashAttention-4, each band in one call"
     return "cuDNN; bands that are not whole chunks in the reference math" if on else "the reference math"
 
 
-def takes_attention_block(q, k, offset, window):
-    """Whether cuDNN takes a ring block (context_parallel.py): CUDA, 16-bit, and not a "band" (sdpa.block_kind)."""
+def block_bands(q):
+    """Whether FlashAttention-4 takes CP blocks here: any band of keys in one call, on q's (B, Hq, T, D) view as it is
+    (cuDNN takes the causal, unmasked and upper-triangle blocks of whole chunks, on contiguous copies)."""
+    return KERNELS.on and fa4_runs(q.device, q.dtype, q.size(-1))
+
+
+def takes_attention_block(q, k, offset, window, backend=None):
+    """Whether a kernel takes a CP block (context_parallel.py): FlashAttention-4 any (where it runs, or asked for by
+    `backend`), cuDNN or PyTorch's flash (CUDA, 16-bit) all but a "band" (sdpa.block_kind)."""
+    if backend == "fa4" or backend is None and block_bands(q):
+        return True
     return (KERNELS.on and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
             and sdpa.block_kind(q.size(2), k.size(2), offset, window) != "band")
 
 
-def attention_block(q, k, v, offset, window, backend="cudnn"):
-    return sdpa.block_attention(q, *sdpa.expand_heads(q, k, v), offset, window, backend)
+def attention_block(q, k, v, offset, window, backend=None):
+    """(out, lse) of a CP block. backend None: FlashAttention-4 where it runs, else cuDNN; or "fa4"/"cudnn"/"flash"."""
+    if backend == "fa4" or backend is None and block_bands(q):
+        left, right = flash_attention.block_window(offset, window, q.size(2), k.size(2))
+        out, lse = flash_attention.block_forward(*(t.transpose(1, 2) for t in (q, k, v)), left, right)
+        return out.transpose(1, 2), lse
+    return sdpa.block_attention(q, *sdpa.expand_heads(q, k, v), offset, window, backend or "cudnn")
 
 
-def attention_block_backward(dout, q, k, v, out, lse, offset, window, backend="cudnn"):
+def attention_block_backward(dout, q, k, v, out, lse, offset, window, backend=None):
     """(dq, dk, dv); dk/dv summed back over the query heads that shared a kv head."""
+    if backend == "fa4" or backend is None and block_bands(q):
+        left, right = flash_attention.block_window(offset, window, q.size(2), k.size(2))
+        grads = flash_attention.block_backward(*(t.transpose(1, 2) for t in (dout, q, k, v, out)), lse, left, right)
+        return tuple(g.transpose(1, 2) for g in grads)
     return sdpa.sum_heads(k.size(1), *sdpa.block_attention_backward(dout, q, *sdpa.expand_heads(q, k, v), out, lse,
-                                                                    offset, window, backend))
+                                                                    offset, window, backend or "cudnn"))
 
 
 # what --recompute selective keeps rather than reruns (gpt.Block): the outputs that cost most to recompute per byte,

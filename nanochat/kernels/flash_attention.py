@@ -44,6 +44,24 @@ def _left(window, T):
     return window - 1 if window < T else None
 
 
+def block_window(offset, window, T, S):
+    """FA4's (window_size_left, window_size_right) for T queries over S keys whose first query sits `offset` tokens
+    after the first key, each query seeing the keys 0 .. window-1 back: FA aligns query i with key i + S - T, so the
+    band is [i + offset - window + 1, i + offset] around it; None where a side does not bind within the keys."""
+    right = offset - (S - T)
+    left = window - 1 - right
+    return (None if offset + T - window <= 0 else left), (None if offset >= S - 1 else right)
+
+
+def block_forward(q, k, v, left, right):
+    """(out, lse) of q (B, T, Hq, D) over k/v (B, S, Hkv, D) (views whose last dim is contiguous) in a band."""
+    return _fa4()._flash_attn_fwd(q, k, v, window_size_left=left, window_size_right=right, return_lse=True)
+
+
+def block_backward(dout, q, k, v, out, lse, left, right):
+    return _fa4()._flash_attn_bwd(q, k, v, out, dout, lse, window_size_left=left, window_size_right=right)
+
+
 @torch.library.custom_op("nanochat::flash_attention", mutates_args=())
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
     return _fa4()._flash_attn_fwd(q, k, v, causal=True, window_size_left=_left(window, q.size(1)), return_lse=True)
