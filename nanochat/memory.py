@@ -65,7 +65,10 @@ ACTIVATION_BYTES = {"none": 33.0, "selective": 13.2, "block": 11.2}
 FP8_SAVING = 3.0
 FP8_BLOCK_EXTRA = 8.0
 HEAD_BYTES = 1.6  # per token, times the vocabulary (the lm_head and loss's kept tensors; vocab-parallel under TP)
-TP_SHARDED = 24 / 34  # of a layer's activations, the share inside the TP regions (Megatron-LM: 24 of 34 bytes x width)
+# of a layer's activations, the share TP leaves whole without SP: fitted to the peaks of d32 TP 2, d32 and d20
+# TP 2 x DP 2 (H200, 2026-11-27: planned 1.00, 1.00, 0.93 of them; Megatron-LM's 10 of 34 bytes x width planned 0.95,
+# 0.94, 0.85: this block also keeps whole its residual and x0 mixes and each region's reduced output)
+TP_WHOLE = 0.43
 TP_WHOLE_SP = 4 / 34  # under SP, the share still whole: two all-gathered matmul inputs, kept for the weight gradients
 # relative tok/s per GPU, measured on H200s (dev/BENCHMARKS.md): recompute at d20/d26, TP=2 at d32 (2026-11-28, device
 # batch 8), CP=2 at d12 and 32K, sharding at d32 DP 4 (against plain DP 4); each further TP or CP doubling is charged
@@ -116,10 +119,10 @@ def rank_memory(config, s):
     if s.fp8:
         per_layer += FP8_BLOCK_EXTRA if s.recompute == "block" else -FP8_SAVING * per_layer / ACTIVATION_BYTES["none"]
     # the share of a layer's kept bytes TP leaves whole: block recompute keeps the blocks' inputs alone, selective
-    # those and the attention's output (cut), none Megatron-LM's mix; SP cuts the inputs, but without recompute the
+    # those and the attention's output (cut), none TP_WHOLE; SP cuts the inputs, but without recompute the
     # all-gathered inputs of the attention's and the MLP's first matmuls are kept whole
     left_whole = ({"none": TP_WHOLE_SP} if s.sequence_parallel else
-                  {"none": 1 - TP_SHARDED, "selective": 0.5, "block": 1.0}).get(s.recompute, 0.0)
+                  {"none": TP_WHOLE, "selective": 0.5, "block": 1.0}).get(s.recompute, 0.0)
     tp_share = left_whole + (1 - left_whole) / s.tp
     tokens = s.device_batch * config.sequence_len / s.cp
     # split as the run splits: by the whole model's costs (before TP cuts it)
