@@ -6,6 +6,8 @@ outside the band skipped), in the projections' (B, T, H, D) layout. CUDA only (t
     out, lse = flash_attention(q, k, v, window)     q: (B, T, Hq, D), k/v: (B, T, Hkv, D), bf16
     out: causal attention, each query seeing at most `window` keys (itself included); lse (B, Hq, T), fp32: each
     query's log-sum-exp of scaled scores, for the backward.
+    block_forward / block_backward: a context-parallel block (context_parallel.py, through the kernels facade), any
+    band of keys in one call, its window as FA's left/right bounds (block_window); uncompiled, outside any graph.
 """
 
 import functools
