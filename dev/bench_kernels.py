@@ -35,7 +35,8 @@ CUDA events (the median of --repeats calls). One subcommand per kernel:
   ring            context parallelism's ring attention (nanochat/context_parallel.py) at the chunk shapes of each
                   --cps for one sequence of --seq-len: first the ring's arithmetic on this GPU's kernels, every
                   rank's blocks in one process, against one GPU attending the whole sequence (relative errors);
-                  then per ring step the time of its blocks' forward and backward (the busiest rank's), the bytes
+                  then per ring step the time of its blocks' forward and backward (the busiest rank's; in cuDNN
+                  and in FlashAttention-4, --block-kernels), the bytes
                   it exchanges (K/V in bf16 each way forward and again backward, dK/dV home in fp32), and at
                   --link-gbs GB/s each way how long the exchange takes against the step's compute: hidden where
                   shorter, the rest exposed; full-context and window layers apart. Against it, one GPU attending
@@ -206,6 +207,9 @@ def ring(args):
             print(f"  exchanged per step: K/V {kv_bytes / 2**20:.1f} MiB ({fwd_link:.3f} ms at the link), backward "
                   f"+ dK/dV {home_bytes / 2**20:.1f} MiB ({bwd_link:.3f} ms)")
             for backend in args.block_kernels:
+                if backend == "fa4" and not kernels.fa4_runs(q.device, q.dtype, q.size(-1)):
+                    print("  fa4: flash-attn-4 does not run here (not installed, or not sm90/sm100)")
+                    continue
                 # per step s, the busiest rank's blocks (0: its own), forward and backward
                 rows = []
                 for s in range(N):
@@ -603,8 +607,9 @@ def main(argv=None):
             depth=12, device_batch_size=1)
     p.add_argument("--cps", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4, 8], help="CP degrees")
     p.add_argument("--link-gbs", type=float, default=450.0, help="GB/s each way between two ranks (NVLink: ~450)")
-    p.add_argument("--block-kernels", type=lambda s: s.split(","), default=list(sdpa.BLOCK_BACKENDS),
-                   help="kernels of the causal and unmasked blocks to time (the band's is the memory-efficient one)")
+    p.add_argument("--block-kernels", type=lambda s: s.split(","), default=["cudnn", "fa4"],
+                   help="kernels of the blocks to time: cudnn (causal, unmasked and upper; bands in the reference "
+                        "math), fa4 (any band)")
     add("l3", l3_lookup, "L3's lookup: Triton kernels against the blocked bmm path", depth=12)
     add("fp8-shards", fp8_shards, "fp8 against bf16 for one tensor-parallel rank's linears", depth=32,
         device_batch_size=16).add_argument("--tp", type=int, default=2,

@@ -140,7 +140,7 @@ def block_bands(q):
 
 def takes_attention_block(q, k, offset, window, backend=None):
     """Whether a kernel takes a CP block (context_parallel.py): FlashAttention-4 any (where it runs, or asked for by
-    `backend`), cuDNN or PyTorch's flash (CUDA, 16-bit) all but a "band" (sdpa.block_kind)."""
+    `backend`), cuDNN (CUDA, 16-bit) all but a "band" (sdpa.block_kind)."""
     if backend == "fa4" or backend is None and block_bands(q):
         return True
     return (KERNELS.on and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
@@ -148,12 +148,12 @@ def takes_attention_block(q, k, offset, window, backend=None):
 
 
 def attention_block(q, k, v, offset, window, backend=None):
-    """(out, lse) of a CP block. backend None: FlashAttention-4 where it runs, else cuDNN; or "fa4"/"cudnn"/"flash"."""
+    """(out, lse) of a CP block. backend None: FlashAttention-4 where it runs, else cuDNN; or "fa4" / "cudnn"."""
     if backend == "fa4" or backend is None and block_bands(q):
         left, right = flash_attention.block_window(offset, window, q.size(2), k.size(2))
         out, lse = flash_attention.block_forward(*(t.transpose(1, 2) for t in (q, k, v)), left, right)
         return out.transpose(1, 2), lse
-    return sdpa.block_attention(q, *sdpa.expand_heads(q, k, v), offset, window, backend or "cudnn")
+    return sdpa.block_attention(q, *sdpa.expand_heads(q, k, v), offset, window)
 
 
 def attention_block_backward(dout, q, k, v, out, lse, offset, window, backend=None):
@@ -163,7 +163,7 @@ def attention_block_backward(dout, q, k, v, out, lse, offset, window, backend=No
         grads = flash_attention.block_backward(*(t.transpose(1, 2) for t in (dout, q, k, v, out)), lse, left, right)
         return tuple(g.transpose(1, 2) for g in grads)
     return sdpa.sum_heads(k.size(1), *sdpa.block_attention_backward(dout, q, *sdpa.expand_heads(q, k, v), out, lse,
-                                                                    offset, window, backend or "cudnn"))
+                                                                    offset, window))
 
 
 # what --recompute selective keeps rather than reruns (gpt.Block): the outputs that cost most to recompute per byte,

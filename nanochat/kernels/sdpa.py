@@ -20,7 +20,7 @@ def band_mask(T, S, offset, window, device):
 
 
 def expand_heads(q, k, v):
-    """k/v with as many heads as q (GQA), as cuDNN, flash and the reference blocks want."""
+    """k/v with as many heads as q (GQA), as cuDNN and the reference blocks want."""
     g = q.size(1) // k.size(1)
     return (k, v) if g == 1 else (k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1))
 
@@ -74,10 +74,10 @@ def flex_attention(q, k, v, mask):
 
 
 # --- one block of the ring (context_parallel.py): q (B, H, T, D), k/v (B, H, S, D) with equal head counts ----------
-# cuDNN through PyTorch (or its flash kernel, for comparison) returns the log-sum-exp and takes it back in the
-# backward, for a block's three masks when the window is whole chunks (the recipe's quarter context is N/2 chunks at
-# CP N): the causal triangle, none, and the strict upper triangle (query i sees key j iff j > i: keys one window back),
-# the reversed causal triangle less a row and a column. Other bands take the reference math: PyTorch's
+# cuDNN through PyTorch returns the log-sum-exp and takes it back in the backward, for a block's three masks when the
+# window is whole chunks (the recipe's quarter context is N/2 chunks at CP N): the causal triangle, none, and the
+# strict upper triangle (query i sees key j iff j > i: keys one window back), the reversed causal triangle less a row
+# and a column. Other bands take the reference math (FlashAttention-4 takes any band, where installed): PyTorch's
 # memory-efficient kernel takes a bias mask but gave NaNs and wrong gradients on rows that see no key.
 
 
@@ -92,29 +92,20 @@ def block_kind(T, S, offset, window):
     return "band"
 
 
-BLOCK_BACKENDS = ("cudnn", "flash")  # the kernel of the blocks (dev.bench_kernels ring times both)
-
-
-def _forward(q, k, v, causal, backend):
+def _forward(q, k, v, causal):
     # contiguous: PyTorch's cuDNN attention (2.11) keys its plans on less than every stride, and one made for a layout
     # gave wrong results on another of the same shape (seen running the CP block tests in a row; dout alone: not enough)
     q, k, v = (t.contiguous() for t in (q, k, v))
-    if backend == "cudnn":
-        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal)[:2]
-    else:
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)[:2]
+    out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal)[:2]
     return out, lse.reshape(q.size(0), q.size(1), q.size(2))  # cuDNN's is (B, H, T, 1)
 
 
-def _backward(dout, q, k, v, out, lse, causal, backend):
+def _backward(dout, q, k, v, out, lse, causal):
     dout, q, k, v, out = (t.contiguous() for t in (dout, q, k, v, out))  # as in _forward
     no_rng, T, S = torch.empty((), dtype=torch.long, device=q.device), q.size(2), k.size(2)
     # None below: no bias, no cumulative sequence lengths (not the variable-length kernels)
-    if backend == "cudnn":
-        return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            dout, q, k, v, out, lse.unsqueeze(-1).contiguous(), no_rng, no_rng, None, None, None, T, S, 0.0, causal)
-    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        dout, q, k, v, out, lse.contiguous(), None, None, T, S, 0.0, causal, no_rng, no_rng)
+    return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        dout, q, k, v, out, lse.unsqueeze(-1).contiguous(), no_rng, no_rng, None, None, None, T, S, 0.0, causal)
 
 
 def _upper(t):
@@ -122,24 +113,24 @@ def _upper(t):
     return t.flip(2)
 
 
-def block_attention(q, k, v, offset, window, backend="cudnn"):
+def block_attention(q, k, v, offset, window):
     """(out, lse): the block's attention and each query's log-sum-exp of scaled scores, (B, H, T) fp32; -inf and
     zeros on a query that sees none of the keys. Not for "band" blocks."""
     kind = block_kind(q.size(2), k.size(2), offset, window)
     if kind != "upper":
-        return _forward(q, k, v, kind == "causal", backend)
-    out, lse = _forward(_upper(q[:, :, :-1]), _upper(k[:, :, 1:]), _upper(v[:, :, 1:]), True, backend)
+        return _forward(q, k, v, kind == "causal")
+    out, lse = _forward(_upper(q[:, :, :-1]), _upper(k[:, :, 1:]), _upper(v[:, :, 1:]), True)
     out = torch.cat([out.flip(2), torch.zeros_like(out[:, :, :1])], dim=2)  # the last query sees no key
     return out, torch.cat([lse.flip(2), torch.full_like(lse[:, :, :1], float("-inf"))], dim=2)
 
 
-def block_attention_backward(dout, q, k, v, out, lse, offset, window, backend="cudnn"):
+def block_attention_backward(dout, q, k, v, out, lse, offset, window):
     """(dq, dk, dv) of one block from the merged output and log-sum-exp over all blocks: the kernel's softmax is
     then the whole row's, so the block's share of each gradient comes out directly."""
     kind = block_kind(q.size(2), k.size(2), offset, window)
     if kind != "upper":
-        return _backward(dout, q, k, v, out, lse, kind == "causal", backend)
+        return _backward(dout, q, k, v, out, lse, kind == "causal")
     dq, dk, dv = _backward(*(_upper(t[:, :, :-1]) for t in (dout, q)), _upper(k[:, :, 1:]), _upper(v[:, :, 1:]),
-                           _upper(out[:, :, :-1]), lse[:, :, :-1].flip(2), True, backend)
+                           _upper(out[:, :, :-1]), lse[:, :, :-1].flip(2), True)
     zero = torch.zeros_like(dq[:, :, :1])
     return torch.cat([dq.flip(2), zero], dim=2), torch.cat([zero, dk.flip(2)], dim=2), torch.cat([zero, dv.flip(2)], dim=2)
