@@ -69,6 +69,7 @@ GPU for --fp8 and fp8-shards.
 """
 
 import copy
+import argparse
 import contextlib
 
 import torch
@@ -232,6 +233,13 @@ def ring(args):
                       f"forward {exposed_f:.3f} ms, backward {exposed_b:.3f} ms")
 
 
+def block_kernels(text):
+    names = text.split(",")
+    if not set(names) <= {"cudnn", "fa4"}:
+        raise argparse.ArgumentTypeError(f"{text!r}: name cudnn and/or fa4, comma-separated")
+    return names
+
+
 class _RingLayout:  # what ContextParallel reads of a Layout where no process group is needed
     def __init__(self, rank, size):
         self.cp_rank, self.cp_size = rank, size
@@ -246,15 +254,22 @@ def time_blocks(q, k, v, dout, plan, source, pairs, window, backend, repeats):
     ks = [slice(i * c, (i + 1) * c) for i in cpm.rank_chunks(source, plan.size)]
     blocks = [(q[:, :, qs[a]], k[:, :, ks[b]], v[:, :, ks[b]], dout[:, :, qs[a]], offset) for a, b, offset in pairs]
 
-    def forward(qb, kb, vb, o):  # the kernel where it takes the block, else the reference math (as training runs)
+    def reference(fn, *args):  # a block `backend` does not take: the reference math (as training runs), no other kernel
+        saved = kernels.set_mode("reference")
+        try:
+            return fn(*args)
+        finally:
+            kernels.set_mode(saved)
+
+    def forward(qb, kb, vb, o):
         if kernels.takes_attention_block(qb, kb, o, window, backend):
             return kernels.attention_block(qb, kb, vb, o, window, backend)
-        return cpm.block_attention(qb, kb, vb, o, window)
+        return reference(cpm.block_attention, qb, kb, vb, o, window)
 
     def backward(db, qb, kb, vb, out, lse, o):
         if kernels.takes_attention_block(qb, kb, o, window, backend):
             return kernels.attention_block_backward(db, qb, kb, vb, out, lse, o, window, backend)
-        return cpm.block_attention_backward(db, qb, kb, vb, out, lse, o, window)
+        return reference(cpm.block_attention_backward, db, qb, kb, vb, out, lse, o, window)
 
     outs = [forward(qb, kb, vb, o) for qb, kb, vb, _, o in blocks]
     fwd = cuda_time_ms(lambda: [cpm.merge([forward(qb, kb, vb, o)]) for qb, kb, vb, _, o in blocks], repeats)
@@ -607,7 +622,7 @@ def main(argv=None):
             depth=12, device_batch_size=1)
     p.add_argument("--cps", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4, 8], help="CP degrees")
     p.add_argument("--link-gbs", type=float, default=450.0, help="GB/s each way between two ranks (NVLink: ~450)")
-    p.add_argument("--block-kernels", type=lambda s: s.split(","), default=["cudnn", "fa4"],
+    p.add_argument("--block-kernels", type=block_kernels, default=["cudnn", "fa4"],
                    help="kernels of the blocks to time: cudnn (causal, unmasked and upper; bands in the reference "
                         "math), fa4 (any band)")
     add("l3", l3_lookup, "L3's lookup: Triton kernels against the blocked bmm path", depth=12)

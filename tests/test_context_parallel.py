@@ -4,6 +4,8 @@ shorter and longer than a chunk, composed with DP, TP (+SP), PP, recompute, comp
 from CP 2 to CP 1; the ring's pieces (the block math, the merge, the head-tail balance, the steps a window skips);
 bad layouts refused; and base_train under torchrun."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -111,7 +113,9 @@ class FA4Math:
     """flash-attn-4's two entry points as PyTorch math, standing in for its kernels on CPU: FA's window convention
     (query i sits at key i + S - T and sees the keys from `window_size_left` before to `window_size_right` after it,
     None unbounded), GQA, and a backward from the given output and log-sum-exp (a CP block's share of the merged
-    attention's gradients), as flash kernels compute it."""
+    attention's gradients), as flash kernels compute it. `calls` counts both (a test that means to run through it
+    checks it did)."""
+    calls = 0
 
     @staticmethod
     def _scores(q, k, left, right):
@@ -129,6 +133,7 @@ class FA4Math:
     @staticmethod
     def _flash_attn_fwd(q, k, v, window_size_left=None, window_size_right=None, return_lse=True):
         assert all(t.stride(-1) == 1 for t in (q, k, v)) and q.dtype == k.dtype == v.dtype  # as FA4 asserts
+        FA4Math.calls += 1
         scores, _ = FA4Math._scores(q, k, window_size_left, window_size_right)
         lse = scores.logsumexp(-1)
         p = (scores - cpm.finite(lse)[..., None]).exp()
@@ -139,6 +144,7 @@ class FA4Math:
     def _flash_attn_bwd(q, k, v, out, dout, lse, window_size_left=None, window_size_right=None):
         assert all(t.stride(-1) == 1 for t in (q, k, v, out, dout)) and out.dtype == dout.dtype == q.dtype
         assert lse.dtype == torch.float32
+        FA4Math.calls += 1
         scores, k_heads = FA4Math._scores(q, k, window_size_left, window_size_right)
         v_heads = v.repeat_interleave(q.size(2) // v.size(2), dim=2).double()
         p, dout = (scores - lse.double()[..., None]).exp(), dout.double()
@@ -152,11 +158,14 @@ class FA4Math:
 
 
 def use_fa4_math(monkeypatch):
-    """CP blocks through the FlashAttention-4 path (any band in one call, on views), FA4Math for its kernels."""
+    """CP blocks through the FlashAttention-4 path (any band in one call, on views), FA4Math for its kernels (the
+    kernels on, whatever NANOCHAT_KERNELS says; FA4Math.calls from 0)."""
     from nanochat import kernels
     from nanochat.kernels import flash_attention
+    monkeypatch.setattr(kernels.KERNELS, "mode", "auto")
     monkeypatch.setattr(kernels, "fa4_runs", lambda device, dtype, head_dim: True)
     monkeypatch.setattr(flash_attention, "_fa4", lambda: FA4Math)
+    monkeypatch.setattr(FA4Math, "calls", 0)
 
 
 @pytest.mark.parametrize("kernel", ["reference", "fa4 bands"])
@@ -182,6 +191,21 @@ def test_block_math_and_merge_equal_whole_attention(N, window, one_process, kern
     out, dq, dk, dv = one_process(q.detach(), k.detach(), v.detach(), dout, N, window)
     for mine, ref in ((out, whole), (dq, q.grad), (dk, k.grad), (dv, v.grad)):
         torch.testing.assert_close(mine.double(), ref.double(), atol=1e-5, rtol=1e-5)
+    assert kernel == "reference" or FA4Math.calls > 0  # the blocks did go through the FlashAttention-4 path
+
+
+def test_block_window_is_the_band_in_fas_convention():
+    """flash_attention.block_window against the definition, every small block: query i (offset + i keys after the
+    first) sees key j iff 0 <= offset + i - j < window; FA aligns query i with key i + S - T and sees keys from
+    `left` before to `right` after it, None unbounded."""
+    from nanochat.kernels.flash_attention import block_window
+    for T, S in itertools.product(range(1, 7), repeat=2):
+        for offset, window in itertools.product(range(-S, T + S + 2), range(1, T + S + 3)):
+            left, right = block_window(offset, window, T, S)
+            for i, j in itertools.product(range(T), range(S)):
+                at = i + S - T
+                fa = (left is None or j >= at - left) and (right is None or j <= at + right)
+                assert fa == (0 <= offset + i - j < window), (T, S, offset, window, i, j, left, right)
 
 
 def contiguous_work(rank, size, T, window):
@@ -215,14 +239,17 @@ class _Layout:  # what ContextParallel reads of a Layout, for the schedule alone
         self.cp_rank, self.cp_size = rank, size
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="PyTorch's flash and memory-efficient kernels need CUDA")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuDNN's and FlashAttention-4's kernels need CUDA")
+@pytest.mark.parametrize("kernel", ["as installed", "cudnn"])
 @pytest.mark.parametrize("one_process", [cpm.ring_in_one_process, spans_in_one_process], ids=["ring", "all-gather"])
 @pytest.mark.parametrize("N, window", [(2, 1024), (4, 1024), (4, 256), (4, 128), (8, 256), (4, 100)])
-def test_cp_blocks_in_the_cuda_kernels_match_the_reference_math(N, window, one_process):
-    """The ring's blocks and the all-gather's spans in the kernels (FlashAttention-4 where installed, any band; else
-    cuDNN: causal, unmasked and upper-triangle masks, other bands in the reference math), bf16, against the same all
-    in the reference math (fp32), GQA 4 query heads over 2 kv heads."""
+def test_cp_blocks_in_the_cuda_kernels_match_the_reference_math(N, window, one_process, kernel, monkeypatch):
+    """The ring's blocks and the all-gather's spans in the kernels (FlashAttention-4 where installed, any band; else,
+    and with `cudnn`, cuDNN: causal, unmasked and upper-triangle masks, other bands in the reference math), bf16,
+    against the same all in the reference math (fp32), GQA 4 query heads over 2 kv heads."""
     from nanochat import kernels
+    if kernel == "cudnn":  # where FlashAttention-4 is installed, its fallback too
+        monkeypatch.setattr(kernels, "fa4_runs", lambda device, dtype, head_dim: False)
     g = torch.Generator(device="cuda").manual_seed(0)
     q, dout = (torch.randn(2, 4, 1024, 64, device="cuda", generator=g).bfloat16() for _ in range(2))
     k, v = (torch.randn(2, 2, 1024, 64, device="cuda", generator=g).bfloat16() for _ in range(2))
@@ -355,6 +382,7 @@ def _exchanges_saved(rank, port, out_dir):
             (cp.gather_forward, cp.gather_backward)
         out, lse = forward(*mine[:3], WINDOW_BF16)
         results[exchange] = [out, *backward(mine[3], *mine[:3], out, lse, WINDOW_BF16)]
+    results["fa4 calls"] = FA4Math.calls
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
@@ -378,6 +406,7 @@ def test_exchanges_in_bf16_agree_with_whole_attention(tmp_path, fa4):
     for rank in range(2):
         positions = cpm.ContextParallel(_Layout(rank, 2), 128, "cpu", "ring").positions
         got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert (got["fa4 calls"] > 0) == fa4  # through FlashAttention-4's path exactly when asked
         for exchange in ("all-gather", "ring"):
             for mine, whole in zip(got[exchange], want):
                 assert mine.dtype == torch.bfloat16

@@ -57,7 +57,7 @@ def block_window(offset, window, T, S):
 
 def block_forward(q, k, v, left, right):
     """(out, lse) of q (B, T, Hq, D) over k/v (B, S, Hkv, D) (views whose last dim is contiguous) in a band."""
-    return _fa4()._flash_attn_fwd(q, k, v, window_size_left=left, window_size_right=right, return_lse=True)
+    return _fa4()._flash_attn_fwd(q, k, v, window_size_left=left, window_size_right=right, return_lse=True)[:2]
 
 
 def block_backward(dout, q, k, v, out, lse, left, right):
@@ -66,7 +66,8 @@ def block_backward(dout, q, k, v, out, lse, left, right):
 
 @torch.library.custom_op("nanochat::flash_attention", mutates_args=())
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return _fa4()._flash_attn_fwd(q, k, v, causal=True, window_size_left=_left(window, q.size(1)), return_lse=True)
+    # [:2]: (out, lse) first (later flash-attn-4 versions return two more after them)
+    return _fa4()._flash_attn_fwd(q, k, v, causal=True, window_size_left=_left(window, q.size(1)), return_lse=True)[:2]
 
 
 @torch.library.custom_op("nanochat::flash_attention_backward", mutates_args=())
