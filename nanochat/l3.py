@@ -13,14 +13,14 @@ tokens, each new dictionary entry crediting its last token (every token starts w
 * credit_t, 1, k_max) with lambda bisected so that sum r_t = n_emb, then d_t = floor(r_t) and the rows left to the
 largest fractional parts (ties: lower id). Deterministic; kept as cumulative bounds in a buffer.
 
-The lookup, two ways:
+The lookup, three ways:
 - padded (CPU reference): gather (N, max d_t, d) rows, mask the padding, softmax, weighted sum; autograd.
-- blocked (GPU; CPU when the padded gather is big or mostly padding): sorted by token id, the score matrix is
-  block-diagonal; runs of <= L3_BLOCK_POSITIONS sorted positions with rows in a window of < 2 k_max rows are each a
-  small masked attention, batched (bmm) in chunks under L3_CHUNK_BYTES; the backward recomputes each chunk (the table
-  gradient in fp32). The cutting up (_Plan, numpy) runs on the host, from a copy of the ids: in training on a
-  planner thread, for all of a step's micro-batches from its start (plans_made_ahead), so that the lookup neither
-  waits for the GPU nor spends the time of the thread that feeds it.
+- blocked (CPU when the padded gather is big or mostly padding; GPU with --kernels reference): sorted by token id, the
+  score matrix is block-diagonal; runs of <= L3_BLOCK_POSITIONS sorted positions with rows in a window of < 2 k_max
+  rows are each a small masked attention, batched (bmm) in chunks under L3_CHUNK_BYTES; the backward recomputes each
+  chunk (the table gradient in fp32). On CUDA the same blocks run as Triton kernels (kernels/l3_lookup.py).
+  The cutting up (_Plan, numpy) runs on the host from a copy of the ids; in training on a planner thread, for all of a
+  step's micro-batches from its start (plans_made_ahead): the lookup neither waits for the GPU nor slows its feeder.
 
 Parallelism: replicated over TP ranks (tensor_parallel.py says why); with sequence parallelism each rank looks up
 its own tokens (`token_share`) and the optimizer sums the partial gradients over TP. Dtypes follow gpt.py: fp32
@@ -159,7 +159,7 @@ def allocate_for_model(model, tokenizer, data_dir, layout, sample_tokens=L3_LZW_
         layer.set_allocation(counts, mean_rows.item())
 
 
-# ---- The lookup h = E_t^T softmax(E_t x), two ways ----
+# ---- The lookup h = E_t^T softmax(E_t x): padded and blocked (Triton's kernels: kernels/l3_lookup.py) ----
 
 def lookup_padded(x, ids, table, bounds):
     """x (N, d), ids (N,) -> h (N, d). Padding slots read row 0 with weight exactly 0: they add no gradient to it."""
