@@ -300,6 +300,7 @@ class ContextParallel(WholeSequence):
         qs, douts, outs, lses = (self._copied_halves(t) for t in (q, dout, out, lse))
         kv = torch.stack([k, v])
         gathered, work = self._post_gather(kv)
+        bands = kernels.block_bands(q)
         work.wait()
         # every rank's dK/dV, as the reduce-scatter takes them, summed in K/V's dtype: a key's share from this rank
         # comes from at most two spans (one per query chunk), and adding two values rounds once, as an fp32 sum would
@@ -307,7 +308,7 @@ class ContextParallel(WholeSequence):
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dqs = self._halves(dq)
         for a, chunk in enumerate(self.chunks):
-            for lo, hi, offset in self.key_spans(chunk, window, kernels.block_bands(q))[1:]:
+            for lo, hi, offset in self.key_spans(chunk, window, bands)[1:]:
                 dq_a, *dkv_span = block_attention_backward(douts[a], qs[a], *self._span(gathered, lo, hi), outs[a],
                                                            lses[a], offset, window)
                 dqs[a].add_(dq_a)

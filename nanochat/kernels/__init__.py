@@ -132,16 +132,17 @@ def attention_block_name(device, dtype, head_dim):
     return "cuDNN; bands that are not whole chunks in the reference math" if on else "the reference math"
 
 
-def block_bands(q):
-    """Whether FlashAttention-4 takes CP blocks here: any band of keys in one call, on q's (B, Hq, T, D) view as it is
-    (cuDNN takes the causal, unmasked and upper-triangle blocks of whole chunks, on contiguous copies)."""
-    return KERNELS.on and fa4_runs(q.device, q.dtype, q.size(-1))
+def block_bands(q, backend=None):
+    """Whether FlashAttention-4 takes CP blocks: asked for (backend "fa4"), or by default (None) where it runs; any
+    band of keys in one call, on q's (B, Hq, T, D) view as it is (cuDNN takes the causal, unmasked and upper-triangle
+    blocks of whole chunks, on contiguous copies)."""
+    return backend == "fa4" or backend is None and KERNELS.on and fa4_runs(q.device, q.dtype, q.size(-1))
 
 
 def takes_attention_block(q, k, offset, window, backend=None):
     """Whether a kernel takes a CP block (context_parallel.py): FlashAttention-4 any (where it runs, or asked for by
     `backend`), cuDNN (CUDA, 16-bit) all but a "band" (sdpa.block_kind)."""
-    if backend == "fa4" or backend is None and block_bands(q):
+    if block_bands(q, backend):
         return True
     return (KERNELS.on and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
             and sdpa.block_kind(q.size(2), k.size(2), offset, window) != "band")
@@ -149,7 +150,7 @@ def takes_attention_block(q, k, offset, window, backend=None):
 
 def attention_block(q, k, v, offset, window, backend=None):
     """(out, lse) of a CP block. backend None: FlashAttention-4 where it runs, else cuDNN; or "fa4" / "cudnn"."""
-    if backend == "fa4" or backend is None and block_bands(q):
+    if block_bands(q, backend):
         left, right = flash_attention.block_window(offset, window, q.size(2), k.size(2))
         out, lse = flash_attention.block_forward(*(t.transpose(1, 2) for t in (q, k, v)), left, right)
         return out.transpose(1, 2), lse
@@ -158,7 +159,7 @@ def attention_block(q, k, v, offset, window, backend=None):
 
 def attention_block_backward(dout, q, k, v, out, lse, offset, window, backend=None):
     """(dq, dk, dv); dk/dv summed back over the query heads that shared a kv head."""
-    if backend == "fa4" or backend is None and block_bands(q):
+    if block_bands(q, backend):
         left, right = flash_attention.block_window(offset, window, q.size(2), k.size(2))
         grads = flash_attention.block_backward(*(t.transpose(1, 2) for t in (dout, q, k, v, out)), lse, left, right)
         return tuple(g.transpose(1, 2) for g in grads)
