@@ -19,7 +19,8 @@ The configurations, one set per call:
                 PP      d26, micro-batches of 8 x 2048, m = 16: one GPU, PP n 1F1B and interleaved (V=2);
                         ideal step = one-GPU step / p x (m + p - 1) / m (the bubble of p stages over m micro-batches);
                         simulated step = dev.pipeline_sim's (messages queued as NCCL runs them) from block times
-                        it measures on a free GPU meanwhile (compiled, 100 GB/s a message)
+                        it measures on a free GPU meanwhile (compiled, 100 GB/s a message; compute stretched as
+                        in training, pipeline_sim's defaults)
                 CP      32,768-token sequences, SSSL: d12 (device batch 4, 262,144-token steps) at CP 2 and n, d20
                         (2, 131,072) at CP n, against one GPU
               Every row also gives how far its losses strayed from its baseline's, step by step (the largest

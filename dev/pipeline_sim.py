@@ -20,7 +20,9 @@ past the backout layer and the ids; a backward's gradients of those activations)
 The ideal step is every chunk's work over p ranks, m x sum(F + B) / p, then the slowest rank's optimizer step; idle
 fractions are of the step before the optimizer's. Each priced layout also gets the step of replay_queued: the programs
 training runs (messages ordered by the chunks' FLOP costs, as Pipeline orders them) with each message waiting its turn
-on its pair of ranks' stream, as NCCL runs them, instead of a fixed delay.
+on its pair of ranks' stream, as NCCL runs them, instead of a fixed delay; there compute also runs as it does in
+training: --sustained x its time alone, and --contention slower again while an NCCL kernel is resident on its rank
+(defaults measured on four H200s at d26; 1 and 0 price the blocks as timed).
 """
 
 import argparse
@@ -30,6 +32,13 @@ import statistics
 from nanochat.pipeline_parallel import split_stages
 from nanochat.pipeline_schedules import (SCHEDULES, idle_formula, peak_in_flight, simulate, stage_actions, action_name,
                                          input_of, message_order, output_chunk)
+
+
+# Measured on four H200s at d26 (PP 4, m = 16; every rank profiled under 1F1B and interleaving, dev/LOG.md,
+# 2026-11-28): a rank's compute kernels in training take ~1.09x the blocks' times alone (sustained load against
+# short bursts), and ~1.21x that while an NCCL kernel is resident beside them (a receive posted early spins on SMs)
+SUSTAINED, CONTENTION = 1.09, 0.21
+CONTENTION_ROUNDS = 30  # replays averaged until the stretched timeline settles (within 0.1 ms at d26)
 
 
 def step_and_idle(timeline):
@@ -203,14 +212,41 @@ def chunk_layout(measured, p, virtual):
     return times, kept, chunk_costs(costs, head_cost, bounds), sizes
 
 
-def replay_queued(actions, programs, duration, message, tail=0.0):
+def replay_queued(actions, programs, duration, message, tail=0.0, contention=0.0):
     """The step time of train_step's programs (message_order's) with their messages as NCCL runs them: per rank one
     compute stream; per pair of neighbouring ranks one stream (their process group), on which messages run one at a
     time in the order both ranks posted them; a message starts once both ranks have posted it, and not before the
     compute each rank queued before posting it has run (the communicator's stream waits for the compute stream), and
     takes message(the action whose output it carries); an action waits for the message that brings its input; then
     tail ms (the slowest rank's optimizer step, once all ranks are done). simulate() instead charges every message as
-    a delay and lets messages overlap freely."""
+    a delay and lets messages overlap freely.
+
+    contention: how much slower compute runs while an NCCL kernel is resident on its rank (from the rank's posting
+    of a send or receive, or its pair stream coming free, until the message lands: a posted receive spins on SMs
+    until its peer sends). Each run is stretched by contention x the share of its time spent beside one; since that
+    share moves the timeline it depends on, the replay is repeated with the shares averaged until it settles."""
+    shares = None  # per rank, per run: the share of its time beside a resident NCCL kernel
+    for _ in range(CONTENTION_ROUNDS if contention else 1):
+        step, spans, resident = _replay(actions, programs, duration, message, tail, contention, shares)
+        beside = [[_covered(resident[r], start, end) for start, end in spans[r]] for r in range(len(actions))]
+        shares = beside if shares is None else [[(a + b) / 2 for a, b in zip(old, new)]
+                                               for old, new in zip(shares, beside)]
+    return step
+
+
+def _covered(intervals, start, end):
+    """The share of [start, end) that the intervals cover (they may overlap each other: counted once)."""
+    covered, reach = 0.0, start
+    for a, b in sorted(intervals):
+        a, b = max(a, reach), min(b, end)
+        if b > a:
+            covered, reach = covered + b - a, b
+    return covered / (end - start) if end > start else 0.0
+
+
+def _replay(actions, programs, duration, message, tail, contention, shares):
+    """replay_queued's one pass, each run stretched by 1 + contention x its share (none: unstretched) -> the step,
+    each rank's runs' (start, end) and each rank's intervals with an NCCL kernel resident."""
     p = len(actions)
     num_chunks = 1 + max(c for acts in actions for _, _, c in acts)
     runs = [[a for step, a in prog if step == "run"] for prog in programs]
@@ -223,25 +259,27 @@ def replay_queued(actions, programs, duration, message, tail=0.0):
                 continue
             peer = output_chunk(a) % p if step == "send" else a[2] % p
             queues[r].setdefault(peer, []).append((step, a, n))
-    ended = [[] for _ in range(p)]  # per rank, the end time of each run so far
+    spans = [[] for _ in range(p)]  # per rank, (start, end) of each run so far
+    resident = [[] for _ in range(p)]
     arrived, free, head = {}, [0.0] * p, [{peer: 0 for peer in q} for q in queues]
     stream = {}  # pair -> when its stream is free
 
     def posted(r, n):  # when rank r's op posted after n runs may start (None: those runs not all run yet)
-        return 0.0 if n == 0 else (ended[r][n - 1] if len(ended[r]) >= n else None)
-    while any(len(ended[r]) < len(runs[r]) for r in range(p)) or any(head[r][k] < len(q) for r in range(p)
-                                                                        for k, q in queues[r].items()):
+        return 0.0 if n == 0 else (spans[r][n - 1][1] if len(spans[r]) >= n else None)
+    while any(len(spans[r]) < len(runs[r]) for r in range(p)) or any(head[r][k] < len(q) for r in range(p)
+                                                                       for k, q in queues[r].items()):
         progressed = False
         for r in range(p):
-            while len(ended[r]) < len(runs[r]):
-                a = runs[r][len(ended[r])]
+            while len(spans[r]) < len(runs[r]):
+                i = len(spans[r])
+                a = runs[r][i]
                 dep = input_of(a, num_chunks)
                 remote = dep is not None and dep[2] % p != r
                 if remote and dep not in arrived:
                     break
                 start = max(free[r], arrived[dep] if remote else 0.0)
-                free[r] = start + duration(a)
-                ended[r].append(free[r])
+                free[r] = start + duration(a) * (1 + contention * shares[r][i] if shares else 1)
+                spans[r].append((start, free[r]))
                 progressed = True
             for peer, q in queues[r].items():
                 while head[r][peer] < len(q) and q[head[r][peer]][0] == "send":
@@ -253,19 +291,24 @@ def replay_queued(actions, programs, duration, message, tail=0.0):
                     if None in ready:
                         break
                     pair = (min(r, peer), max(r, peer))
-                    arrived[a] = stream[pair] = max(*ready, stream.get(pair, 0.0)) + message(a)
+                    turn = stream.get(pair, 0.0)
+                    arrived[a] = stream[pair] = max(*ready, turn) + message(a)
+                    resident[r].append((max(ready[0], turn), arrived[a]))
+                    resident[peer].append((max(ready[1], turn), arrived[a]))
                     head[r][peer] += 1
                     head[peer][r] += 1
                     progressed = True
         if not progressed:
             raise ValueError("the programs wait on each other")
-    return max(max(free), max(stream.values(), default=0.0)) + tail
+    return max(max(free), max(stream.values(), default=0.0)) + tail, spans, resident
 
 
-def price(measured, schedule, p, m, virtual, gbps):
+def price(measured, schedule, p, m, virtual, gbps, sustained=SUSTAINED, contention=CONTENTION):
     """Simulated step (ms), its ideal, each rank's idle fraction and peak activation GiB, and the step with the
-    messages queued as NCCL runs them (replay_queued); each message its bytes over gbps GB/s."""
+    messages queued as NCCL runs them (replay_queued, with `contention`); each message its bytes over gbps GB/s,
+    all compute `sustained` x its measured time."""
     times, kept, flops, sizes = chunk_layout(measured, p, virtual)
+    times = {key: t * sustained for key, t in times.items()}
     actions = [stage_actions(schedule, p, m, r, virtual) for r in range(p)]
     duration = lambda a: times[a[0], a[2]]
     message = lambda a: sizes[a[0], a[2]] / (gbps * 1e9) * 1e3
@@ -276,11 +319,12 @@ def price(measured, schedule, p, m, virtual, gbps):
     step = max(events[-1][2] for events in timeline) + tail
     idle = step_and_idle(timeline)[1]
     peak = [b / 2**30 for b in peak_in_flight(actions, kept)]
-    queued = replay_queued(actions, [message_order(actions, r, flops) for r in range(p)], duration, message, tail)
+    queued = replay_queued(actions, [message_order(actions, r, flops) for r in range(p)], duration, message, tail,
+                           contention)
     return step, ideal, idle, peak, queued
 
 
-def table(measured, gbps):
+def table(measured, gbps, sustained=SUSTAINED, contention=CONTENTION):
     rows = ["| p | m | schedule | step ms | queued messages: step ms | step / ideal | idle (mean over ranks) | "
             "idle at equal times | peak activations per rank (GiB, max) |", "| --- " * 9 + "|"]
     for p in (4, 8):
@@ -288,7 +332,8 @@ def table(measured, gbps):
             for schedule, virtual in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 4)):
                 if p * virtual > measured["depth"] or (schedule == "interleaved" and m % p):
                     continue
-                step, ideal, idle, peak, queued = price(measured, schedule, p, m, virtual, gbps)
+                step, ideal, idle, peak, queued = price(measured, schedule, p, m, virtual, gbps, sustained,
+                                                        contention)
                 name = f"interleaved V={virtual}" if schedule == "interleaved" else schedule
                 rows.append(f"| {p} | {m} | {name} | {step:,.1f} | {queued:,.1f} | {step / ideal:.3f} | "
                             f"{statistics.mean(idle):.3f} | "
@@ -312,6 +357,10 @@ def main(argv=None):
     parser.add_argument("--out", default="", help="--measure: JSON to write")
     parser.add_argument("--times", default="", help="JSON from --measure: price the layouts with these times")
     parser.add_argument("--table", action="store_true", help="with --times: p 4, 8 x m 8, 16, 32 x every schedule")
+    parser.add_argument("--sustained", type=float, default=SUSTAINED, help="with --times: compute's time in training "
+                        "over the blocks' times alone (default: %(default)s, four H200s at d26; 1: as timed)")
+    parser.add_argument("--contention", type=float, default=CONTENTION, help="with --times: how much slower compute "
+                        "runs beside a resident NCCL kernel (default: %(default)s, four H200s at d26; 0: none)")
     args = parser.parse_args(argv)
     if args.measure:
         results = measure(args.measure, args.batch, args.seq, args.reps, args.compile or None)
@@ -327,9 +376,10 @@ def main(argv=None):
         print(f"d{measured['depth']}, micro-batches of {measured['batch']} x {measured['seq']} tokens, "
               f"messages at {args.p2p_gbps:g} GB/s")
         if args.table:
-            print(table(measured, args.p2p_gbps))
+            print(table(measured, args.p2p_gbps, args.sustained, args.contention))
             return
-        step, ideal, idle, peak, queued = price(measured, args.schedule, p, m, virtual, args.p2p_gbps)
+        step, ideal, idle, peak, queued = price(measured, args.schedule, p, m, virtual, args.p2p_gbps,
+                                                args.sustained, args.contention)
         print(f"{args.schedule}, p={p}, m={m}, V={virtual}: step {step:.1f} ms ({step / ideal:.3f}x the ideal "
               f"{ideal:.1f}; {queued:.1f} with the messages queued per pair of ranks); idle per rank: {', '.join(f'{x:.3f}' for x in idle)}; peak activations per rank (GiB): "
               f"{', '.join(f'{x:.1f}' for x in peak)}")

@@ -296,18 +296,35 @@ def test_pipeline_sim_prices_messages_by_what_they_carry_and_blocks_by_their_kin
     assert [sizes["B", c] for c in range(1, 4)] == [2 * activation, 3 * activation, 3 * activation]
     assert kept[0] == sum(b["bytes"] for b in blocks[:7]) + 5 and kept[3] == sum(b["bytes"] for b in blocks[21:]) + 7
     assert flops[3] > 6 / 7 * flops[2]  # five blocks and the head's FLOPs, as Pipeline.chunk_costs counts them
-    step = price(measured, "1f1b", 4, 8, 1, 100.0)[-1]
+    step = price(measured, "1f1b", 4, 8, 1, 100.0, 1.0, 0.0)[-1]
     blocks[5] = dict(blocks[5], F=2.0, backward=4.0)  # one slow sample
-    assert price(measured, "1f1b", 4, 8, 1, 100.0)[-1] == step
+    assert price(measured, "1f1b", 4, 8, 1, 100.0, 1.0, 0.0)[-1] == step
     # then the slowest rank's optimizer step, once every rank is done: rank 0's, 7 blocks and the embedding
     measured["optimizer"] = {"all": 30.0, "embed": 2.0, "head": 2.0}  # 1 ms a block
-    assert price(measured, "1f1b", 4, 8, 1, 100.0)[-1] == pytest.approx(step + 7 * 1.0 + 2.0)
+    assert price(measured, "1f1b", 4, 8, 1, 100.0, 1.0, 0.0)[-1] == pytest.approx(step + 7 * 1.0 + 2.0)
     # interleaved V=2: rank r holds chunks r and r + 4; the slowest, rank 0, blocks 0-2 with the embedding and
     # blocks 12-15 (chunks [0, 3), [3, 6), [6, 9), [9, 12), [12, 16), [16, 20), [20, 24), [24, 26)): 9 ms
     del measured["optimizer"]
-    step = price(measured, "interleaved", 4, 8, 2, 100.0)[-1]
+    step = price(measured, "interleaved", 4, 8, 2, 100.0, 1.0, 0.0)[-1]
     measured["optimizer"] = {"all": 30.0, "embed": 2.0, "head": 2.0}
-    assert price(measured, "interleaved", 4, 8, 2, 100.0)[-1] == pytest.approx(step + 3 + 4 + 2.0)
+    assert price(measured, "interleaved", 4, 8, 2, 100.0, 1.0, 0.0)[-1] == pytest.approx(step + 3 + 4 + 2.0)
+
+
+def test_pipeline_sim_stretches_compute_under_load_and_beside_resident_nccl_kernels():
+    """--sustained scales every compute time (with free messages, the whole step); --contention slows only the
+    compute that runs while an NCCL kernel is resident on its rank: a rank waiting idle for a message is not slowed
+    (p=2, m=1: each rank's receive spans only its idle time), interleaving's receives posted ahead of compute are."""
+    from dev.pipeline_sim import _covered, price
+    blocks = [{"F": 1.0, "backward": 2.0, "bytes": 100} for _ in range(26)]
+    measured = {"depth": 26, "batch": 2, "seq": 64, "n_embd": 1664, "blocks": blocks,
+                "embed": {"F": 0.1, "backward": 0.2, "bytes": 5}, "head": {"F": 1.5, "backward": 3.0, "bytes": 7}}
+    queued = lambda *layout, gbps=100.0, sustained=1.0, contention=0.0: price(measured, *layout, gbps, sustained,
+                                                                            contention)[-1]
+    assert queued("1f1b", 4, 8, 1, gbps=1e12, sustained=1.5) == pytest.approx(1.5 * queued("1f1b", 4, 8, 1, gbps=1e12))
+    assert queued("1f1b", 2, 1, 1, contention=0.5) == queued("1f1b", 2, 1, 1)
+    plain, slowed = queued("interleaved", 4, 8, 2), queued("interleaved", 4, 8, 2, contention=0.5)
+    assert plain * 1.05 < slowed < plain * 1.5
+    assert _covered([(0, 2), (1, 3), (5, 6)], 0, 10) == pytest.approx(0.4)  # overlapping intervals counted once
 
 
 @pytest.mark.parametrize("schedule, virtual", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)])
