@@ -72,8 +72,7 @@ def setup(config, setting, layout, device, dtype, lrs, l3_data=None, after_init=
         attention = (f"attention over cp {layout.cp_size}, K/V by {setting.exchange} "
                      f"({kernels.attention_block_name(device, dtype, config.head_dim)})")
         odd = sorted({w for w in model.window_sizes if w < config.sequence_len and w % chunk})
-        fa4_blocks = kernels.KERNELS.on and kernels.fa4_runs(device, dtype, config.head_dim)  # any band in one call
-        if odd and device.type == "cuda" and not fa4_blocks:
+        if odd and device.type == "cuda" and not kernels.fa4_takes_blocks(device, dtype, config.head_dim):
             print0(f"WARNING: windows {odd} are not whole chunks of {chunk} tokens (--max-seq-len / 2 x --cp): some of "
                    f"their blocks run the reference math (slow, an fp32 score matrix per head; with the all-gather "
                    f"near the sequence's start, and every diagonal where a window is shorter than a chunk; with the "

@@ -124,19 +124,24 @@ def prepare_attention(config, window_sizes, device, dtype):
     return "SDPA (cuDNN)" + (" + FlexAttention for the sliding windows" if min(window_sizes) < T else "")
 
 
+def fa4_takes_blocks(device, dtype, head_dim):
+    """Whether CP blocks go to FlashAttention-4 by default here: any band of keys in one call (cuDNN takes the causal,
+    unmasked and upper-triangle blocks of whole chunks, on contiguous copies)."""
+    return KERNELS.on and fa4_runs(device, dtype, head_dim)
+
+
 def attention_block_name(device, dtype, head_dim):
     """What computes a ring block's attention here, for the log."""
     on = KERNELS.on and torch.device(device).type == "cuda" and dtype in (torch.bfloat16, torch.float16)
-    if on and fa4_runs(device, dtype, head_dim):
+    if on and fa4_takes_blocks(device, dtype, head_dim):
         return "FlashAttention-4, each band in one call"
     return "cuDNN; bands that are not whole chunks in the reference math" if on else "the reference math"
 
 
 def block_bands(q, backend=None):
-    """Whether FlashAttention-4 takes CP blocks: asked for (backend "fa4"), or by default (None) where it runs; any
-    band of keys in one call, on q's (B, Hq, T, D) view as it is (cuDNN takes the causal, unmasked and upper-triangle
-    blocks of whole chunks, on contiguous copies)."""
-    return backend == "fa4" or backend is None and KERNELS.on and fa4_runs(q.device, q.dtype, q.size(-1))
+    """Whether FlashAttention-4 takes a CP block of q's (B, Hq, T, D) view as it is: asked for (backend "fa4"), or by
+    default (None) where fa4_takes_blocks."""
+    return backend == "fa4" or backend is None and fa4_takes_blocks(q.device, q.dtype, q.size(-1))
 
 
 def takes_attention_block(q, k, offset, window, backend=None):

@@ -175,7 +175,7 @@ class Lookup(torch.autograd.Function):
     def forward(ctx, x, table, tc, plan, sum_into):
         order, *_, start, end, first, count, klo, wpad, off, base = plan.to(x.device)
         xs, blocks = x.index_select(0, order), (first, count, klo, wpad, off)
-        hs, a, _ = forward(xs, tc, blocks, start, end, plan.scratch, plan.block)
+        hs, a = forward(xs, tc, blocks, start, end, plan.scratch, plan.block)
         ctx.save_for_backward(xs, hs, a, tc, order, start, end, base, *blocks)
         ctx.table_dtype, ctx.param, ctx.block = table.dtype, sum_into, plan.block
         return torch.empty_like(x).index_copy_(0, order, hs)
@@ -200,7 +200,7 @@ def _sizes(d, block):
 def forward(xs, tc, blocks, start, end, scratch, block):
     """xs (n, d) sorted positions, tc (n_rows, d) the table in xs' dtype, blocks (first, count, lo, wpad, off) of at
     most `block` positions, start/end (n,) each position's rows, scratch: elements of the blocks' score tiles
-    -> hs (n, d), a (scratch,) in xs' dtype, lse (n,) fp32."""
+    -> hs (n, d), a (scratch,) in xs' dtype (lse, each position's logsumexp, is the scores kernel's own)."""
     shape, score_args, bc = _sizes(xs.size(1), block)
     s = torch.empty(scratch, dtype=torch.float32, device=xs.device)
     a = torch.empty(scratch, dtype=xs.dtype, device=xs.device)
@@ -209,7 +209,7 @@ def forward(xs, tc, blocks, start, end, scratch, block):
     _scores[(nb,)](xs, tc, s, a, lse, *blocks, start, end, tc.size(0), **shape, **score_args)
     _mix[(nb * triton.cdiv(xs.size(1), bc),)](a, tc, hs, *blocks, start, end, tc.size(0), **shape, BC=bc,
                                               num_warps=WARPS)
-    return hs, a, lse
+    return hs, a
 
 
 def backward(xs, gs, hs, a, tc, blocks, start, end, base, de, block):
