@@ -75,8 +75,8 @@ def print_comparison(depths, gpu_names, gpus, rest, vocab_size, gpu_memory):
             cells = []
             for _, tp, shard in columns:
                 flags = rest + ["--depth", str(depth), "--tp", str(tp)] + (["--shard-params"] if shard else [])
-                config, s = run_setting(flags, gpus, vocab_size)
                 try:
+                    config, s = run_setting(flags, gpus, vocab_size)
                     replace(s, device_batch=1).check(config)  # the layout (largest_batch tries the batches)
                 except ConfigError as e:  # a layout the run would refuse, not one that does not fit
                     cells.append(f"- ({str(e).split(';')[0]})")

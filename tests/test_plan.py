@@ -108,6 +108,8 @@ def test_plan_script(env):
     assert "layouts of 2 GPUs that fit, fastest first" in p.stdout
     p = run("--compare", "--depths", "26", "--gpus", "8", "--gpu", "h100")
     assert p.returncode == 0 and "- (--tp 2 does not divide the query heads (n_head) = 13) |" in p.stdout, p.stdout + p.stderr
+    p = run("--compare", "--depths", "12", "--gpus", "1", "--gpu", "h100")  # one GPU: the TP columns say why not
+    assert p.returncode == 0 and "- (--gpus 1 is not divisible by tp x pp x cp = 2) |" in p.stdout, p.stdout + p.stderr
     p = run("--compare", "--depths", "20,x")
     assert p.returncode != 0 and "depths as whole numbers" in p.stdout
     p = run("--depth", "12", "--gpus", "0")
