@@ -36,9 +36,10 @@ from nanochat.pipeline_schedules import (SCHEDULES, idle_formula, peak_in_flight
 
 # Measured on four H200s at d26 (PP 4, m = 16; every rank profiled under 1F1B and interleaving, dev/LOG.md,
 # 2026-11-28): a rank's compute kernels in training take ~1.09x the blocks' times alone (sustained load against
-# short bursts), and ~1.21x that while an NCCL kernel is resident beside them (a receive posted early spins on SMs)
+# short bursts), and ~1.21x that while an NCCL kernel is resident beside them (one posted before its peer's spins on
+# SMs until the peer posts)
 SUSTAINED, CONTENTION = 1.09, 0.21
-CONTENTION_ROUNDS = 30  # replays averaged until the stretched timeline settles (within 0.1 ms at d26)
+CONTENTION_ROUNDS, SETTLED = 100, 1e-5  # replays until the step moves less than SETTLED of itself (d26: 10-30)
 
 
 def step_and_idle(timeline):
@@ -222,16 +223,21 @@ def replay_queued(actions, programs, duration, message, tail=0.0, contention=0.0
     a delay and lets messages overlap freely.
 
     contention: how much slower compute runs while an NCCL kernel is resident on its rank (from the rank's posting
-    of a send or receive, or its pair stream coming free, until the message lands: a posted receive spins on SMs
-    until its peer sends). Each run is stretched by contention x the share of its time spent beside one; since that
-    share moves the timeline it depends on, the replay is repeated with the shares averaged until it settles."""
-    shares = None  # per rank, per run: the share of its time beside a resident NCCL kernel
+    of a send or receive, or its pair stream coming free, until the message lands: a kernel posted before its peer's
+    spins on SMs until the peer posts). Compute runs at 1 / (1 + contention) of its speed beside one, so a run that
+    spends share s of its time so takes its time / (1 - s x contention / (1 + contention)). Since the shares move the
+    timeline they are read from, the replay is repeated, each round's shares half the last round's, until the step
+    settles (the mean of the last rounds' steps where it does not)."""
+    shares, steps = None, []  # shares: per rank, per run, the share of its time beside a resident NCCL kernel
     for _ in range(CONTENTION_ROUNDS if contention else 1):
         step, spans, resident = _replay(actions, programs, duration, message, tail, contention, shares)
         beside = [[_covered(resident[r], start, end) for start, end in spans[r]] for r in range(len(actions))]
         shares = beside if shares is None else [[(a + b) / 2 for a, b in zip(old, new)]
                                                for old, new in zip(shares, beside)]
-    return step
+        if steps and abs(step - steps[-1]) < SETTLED * step:
+            return step
+        steps.append(step)
+    return step if not contention else statistics.mean(steps[-10:])
 
 
 def _covered(intervals, start, end):
@@ -278,7 +284,7 @@ def _replay(actions, programs, duration, message, tail, contention, shares):
                 if remote and dep not in arrived:
                     break
                 start = max(free[r], arrived[dep] if remote else 0.0)
-                free[r] = start + duration(a) * (1 + contention * shares[r][i] if shares else 1)
+                free[r] = start + duration(a) / (1 - contention / (1 + contention) * shares[r][i] if shares else 1)
                 spans[r].append((start, free[r]))
                 progressed = True
             for peer, q in queues[r].items():
@@ -306,9 +312,10 @@ def _replay(actions, programs, duration, message, tail, contention, shares):
 def price(measured, schedule, p, m, virtual, gbps, sustained=SUSTAINED, contention=CONTENTION):
     """Simulated step (ms), its ideal, each rank's idle fraction and peak activation GiB, and the step with the
     messages queued as NCCL runs them (replay_queued, with `contention`); each message its bytes over gbps GB/s,
-    all compute `sustained` x its measured time."""
+    every forward and backward `sustained` x its measured time (the optimizer's step as measured: the fit that gave
+    SUSTAINED left it out)."""
     times, kept, flops, sizes = chunk_layout(measured, p, virtual)
-    times = {key: t * sustained for key, t in times.items()}
+    times = {key: t * (sustained if key[0] != "step" else 1) for key, t in times.items()}
     actions = [stage_actions(schedule, p, m, r, virtual) for r in range(p)]
     duration = lambda a: times[a[0], a[2]]
     message = lambda a: sizes[a[0], a[2]] / (gbps * 1e9) * 1e3

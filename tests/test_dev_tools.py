@@ -311,20 +311,42 @@ def test_pipeline_sim_prices_messages_by_what_they_carry_and_blocks_by_their_kin
 
 
 def test_pipeline_sim_stretches_compute_under_load_and_beside_resident_nccl_kernels():
-    """--sustained scales every compute time (with free messages, the whole step); --contention slows only the
+    """--sustained scales every forward and backward (with free messages, the step but the optimizer's); --contention
+    slows only the
     compute that runs while an NCCL kernel is resident on its rank: a rank waiting idle for a message is not slowed
-    (p=2, m=1: each rank's receive spans only its idle time), interleaving's receives posted ahead of compute are."""
+    (p=2, m=1: each rank's receive spans only its idle time), interleaving's messages posted beside compute are."""
     from dev.pipeline_sim import _covered, price
     blocks = [{"F": 1.0, "backward": 2.0, "bytes": 100} for _ in range(26)]
     measured = {"depth": 26, "batch": 2, "seq": 64, "n_embd": 1664, "blocks": blocks,
                 "embed": {"F": 0.1, "backward": 0.2, "bytes": 5}, "head": {"F": 1.5, "backward": 3.0, "bytes": 7}}
     queued = lambda *layout, gbps=100.0, sustained=1.0, contention=0.0: price(measured, *layout, gbps, sustained,
                                                                             contention)[-1]
-    assert queued("1f1b", 4, 8, 1, gbps=1e12, sustained=1.5) == pytest.approx(1.5 * queued("1f1b", 4, 8, 1, gbps=1e12))
+    bare = queued("1f1b", 4, 8, 1, gbps=1e12)
+    assert queued("1f1b", 4, 8, 1, gbps=1e12, sustained=1.5) == pytest.approx(1.5 * bare)
+    measured["optimizer"] = {"all": 30.0, "embed": 2.0, "head": 2.0}  # 1 ms a block: rank 0's 7 and the embedding's 2
+    assert queued("1f1b", 4, 8, 1, gbps=1e12, sustained=1.5) == pytest.approx(1.5 * bare + 9.0)  # the step as timed
+    del measured["optimizer"]
     assert queued("1f1b", 2, 1, 1, contention=0.5) == queued("1f1b", 2, 1, 1)
     plain, slowed = queued("interleaved", 4, 8, 2), queued("interleaved", 4, 8, 2, contention=0.5)
     assert plain * 1.05 < slowed < plain * 1.5
     assert _covered([(0, 2), (1, 3), (5, 6)], 0, 10) == pytest.approx(0.4)  # overlapping intervals counted once
+
+
+def test_pipeline_sim_contention_by_hand():
+    """Two ranks, two forwards each (1 ms on rank 0, 3 ms on rank 1), messages of 0.5 ms; rank 1 posts both receives
+    at once. Rank 0's second forward [1, ...) runs beside its first send's kernel, resident [1, 1.5]; rank 1's first
+    forward [1.5, ...) beside its second receive's, resident from 1.5 (the stream frees) until that message lands.
+    At contention 0.5 compute beside a kernel runs at 2/3 speed, so a run takes its time + overlap / 3."""
+    from dev.pipeline_sim import replay_queued
+    F = lambda i, c: ("F", i, c)
+    actions = [[F(0, 0), F(1, 0)], [F(0, 1), F(1, 1)]]
+    programs = [[("run", F(0, 0)), ("send", F(0, 0)), ("run", F(1, 0)), ("send", F(1, 0))],
+                [("recv", F(0, 0)), ("recv", F(1, 0)), ("run", F(0, 1)), ("run", F(1, 1))]]
+    duration = lambda a: 1.0 if a[2] == 0 else 3.0
+    assert replay_queued(actions, programs, duration, lambda a: 0.5) == pytest.approx(7.5)
+    second = 1 + 0.5 / 3  # rank 0's F(1, 0): [1, 2 1/6], its message lands at 2 2/3
+    first = 3 + (second + 1 + 0.5 - 1.5) / 3  # rank 1's F(0, 1) from 1.5, beside the receive until 2 2/3
+    assert replay_queued(actions, programs, duration, lambda a: 0.5, contention=0.5) == pytest.approx(1.5 + first + 3, rel=1e-4)
 
 
 @pytest.mark.parametrize("schedule, virtual", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)])
