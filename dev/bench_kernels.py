@@ -44,7 +44,8 @@ CUDA events (the median of --repeats calls). One subcommand per kernel:
   l3              L3's lookup over one micro-batch of training tokens (the shards' first batch, the LZW allocation
                   of their first 2M tokens, 2^19 rows, k_max 512): the Triton kernels (kernels/l3_lookup.py)
                   against the blocked bmm path, bf16, forward + backward with the table's gradient summed into a
-                  .grad as in a step. Checked against each other; then each timed, and the kernels' forward alone.
+                  .grad as in a step. Checked against each other; then each timed, and the kernels' forward alone;
+                  with --grad-table, the kernels again with the table gradient's kernel in other tilings.
   fp8-shards      fp8 against bf16 for the matmuls one rank of a tensor-parallel model runs: each linear of a
                   block at its shard's shape (the q, k, v column shards n_embd -> its heads, attention's c_proj
                   row shard, the MLP's shard n_embd -> 4 n_embd / tp -> n_embd), forward + backward, compiled
@@ -61,6 +62,7 @@ CUDA events (the median of --repeats calls). One subcommand per kernel:
     python -m dev.bench_kernels softcap-ce                       # 32 x 2048 tokens at d12 (dim 768), vocab 32768
     python -m dev.bench_kernels ring --depth 12 --seq-len 32768 --cps 2,4,8
     python -m dev.bench_kernels l3 --depth 12                    # needs data and a tokenizer, as base_train
+    python -m dev.bench_kernels l3 --grad-table 32,128,4 64,64,4 64,128,8
     python -m dev.bench_kernels fp8-shards                       # d32 at TP=2, 16 x 2048 tokens
     python -m dev.bench_kernels fp8-shards --depth 26 --tp 4 --device-batch-size 8
 
@@ -496,6 +498,7 @@ def l3_lookup(args):
     import numpy as np
     from nanochat import l3
     from nanochat.dataloader import BestFitPacker
+    from nanochat.kernels import l3_lookup as l3_lookup_module
     from nanochat.kernels.l3_lookup import Lookup
     from nanochat.tokenizer import get_tokenizer
     tokenizer, D = get_tokenizer(), config_for_depth(args.depth).n_embd
@@ -532,6 +535,13 @@ def l3_lookup(args):
         print(f"{name + ', forward + backward':<40} {cuda_time_ms(step(lookup), args.repeats):7.2f} ms")
     with torch.no_grad():
         print(f"{'Triton kernels, forward':<40} {cuda_time_ms(paths['Triton kernels'], args.repeats):7.2f} ms")
+    default, kernels_grad = l3_lookup_module.GRAD_TABLE, results["Triton kernels"][2]
+    for tiling in args.grad_table or []:  # the table gradient's kernel in other tilings, forward + backward
+        l3_lookup_module.GRAD_TABLE = tiling
+        ms = cuda_time_ms(step(paths["Triton kernels"]), args.repeats)  # leaves the last call's table.grad
+        name = "Triton kernels, grad_table " + ",".join(map(str, tiling))
+        print(f"{name:<40} {ms:7.2f} ms (dtable {rel_err(table.grad, kernels_grad):.1e} from the tiling {default})")
+    l3_lookup_module.GRAD_TABLE = default
 
 
 # -----------------------------------------------------------------------------
@@ -625,7 +635,9 @@ def main(argv=None):
     p.add_argument("--block-kernels", type=block_kernels, default=["cudnn", "fa4"],
                    help="kernels of the blocks to time: cudnn (causal, unmasked and upper; bands in the reference "
                         "math), fa4 (any band)")
-    add("l3", l3_lookup, "L3's lookup: Triton kernels against the blocked bmm path", depth=12)
+    add("l3", l3_lookup, "L3's lookup: Triton kernels against the blocked bmm path", depth=12).add_argument(
+        "--grad-table", nargs="*", type=lambda s: tuple(int(v) for v in s.split(",")), default=None,
+        help="tilings POSITIONS,CHANNELS,WARPS of the table gradient's kernel to time besides its own")
     add("fp8-shards", fp8_shards, "fp8 against bf16 for one tensor-parallel rank's linears", depth=32,
         device_batch_size=16).add_argument("--tp", type=int, default=2,
                                            help="the tensor-parallel degree whose per-rank shapes are timed")

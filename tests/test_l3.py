@@ -143,8 +143,12 @@ def check_kernels():
     mishandles bf16) with 48 channels and in fp32 with 200 (several steps of the scores' channels and two chunks of
     the mix's, ragged), rows that begin and end at the edges of the kernels' 64-row tiles (a token astride two), a
     frequent token whose 150 rows span three tiles and whose 200+ positions several blocks, rare tokens sharing
-    blocks, and the table's gradient summed into the .grad of an earlier micro-batch (as in a training step)."""
-    for d, dtype, tolerance in ((48, torch.float16, 3e-3), (200, torch.float32, 1e-5)):
+    blocks, and the table's gradient summed into the .grad of an earlier micro-batch (as in a training step); the
+    table gradient's kernel in its own tiling and in another (fewer positions a step than a block, channels, warps)."""
+    cases = ((48, torch.float16, 3e-3, l3_lookup.GRAD_TABLE), (200, torch.float32, 1e-5, l3_lookup.GRAD_TABLE),
+             (200, torch.float32, 1e-5, (16, 64, 2)))
+    for d, dtype, tolerance, tiling in cases:
+        l3_lookup.GRAD_TABLE = tiling  # this process runs only these checks
         layer = make_layer(d=d, n_emb=1200, k_max=150, dtype=torch.float32)
         rows = np.array([63, 2, 1, 150, 60, 4] + [27] * 34)  # token 1: rows 63 and 64, astride two tiles
         rows[6:8] += 1

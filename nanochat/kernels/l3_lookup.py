@@ -29,6 +29,7 @@ except ImportError:  # CPU-only installs: l3.py's PyTorch paths are used
 
 ROWS = 64  # table rows a tile (the scratch's widths are multiples of it)
 BK, BC, WARPS = 64, 128, 4  # channels a step of the scores, channels a mix program, warps a program
+GRAD_TABLE = (64, 128, 4)  # _grad_table's tiling: positions a step, channels a program, warps (dev.bench_kernels l3)
 
 if triton is not None:
     @triton.jit
@@ -223,6 +224,9 @@ def backward(xs, gs, hs, a, tc, blocks, start, end, base, de, block):
     firsts = torch.arange(0, tc.size(0), ROWS, device=xs.device, dtype=start.dtype)
     p_lo, p_hi = torch.searchsorted(end, firsts, right=True), torch.searchsorted(start, firsts + ROWS)
     tiles = torch.argsort(p_hi - p_lo, descending=True)
-    _grad_table[(tiles.numel() * chunks,)](xs, gs, a, ds, base, de, tiles, p_lo, p_hi, start, end, tc.size(0),
-                                           **shape, BC=bc, num_warps=WARPS)
+    positions, channels, warps = GRAD_TABLE
+    channels = min(channels, triton.next_power_of_2(xs.size(1)))
+    _grad_table[(tiles.numel() * triton.cdiv(xs.size(1), channels),)](
+        xs, gs, a, ds, base, de, tiles, p_lo, p_hi, start, end, tc.size(0), D=xs.size(1), P=positions, R=ROWS,
+        BC=channels, num_warps=warps)
     return dxs
