@@ -25,9 +25,10 @@ minutes for the six), and a run of fewer steps than --warmup-steps (40) never re
 0.25, d8-d12 train 33-53 steps): take --ratio 1 or more to judge a change. A long ladder runs in parts: each
 finished run is kept in <out>/results.jsonl, --stop-after MINUTES starts no run after that many minutes, and the
 same command again runs only what is missing (a run of another configuration, data or commit, or of
-uncommitted changes since, is never counted). Runs alternate
-A, B over --gpus, one per GPU at a time; a GPU named twice runs two at a time, and its tok/s, seconds and wall-clock
-multipliers are then of a shared GPU. Needs data and a tokenizer as base_train does (--data-dir, --base-dir).
+uncommitted changes since, is never counted). A runs go out over --gpus, one per GPU at a time, and each B run
+follows its A run (same depth and seed) on the same GPU (GPUs differ by 2-3%); a GPU named twice runs two at a time,
+and the tok/s, seconds and wall-clock multipliers of its runs are then of a shared GPU (the table says so, and when
+its runs came from several kinds of GPU). Needs data and a tokenizer as base_train does (--data-dir, --base-dir).
 """
 
 import os
@@ -38,20 +39,23 @@ import time
 import statistics
 
 from dev import runs
+from nanochat.recipe import DEFAULT_SEQ_LEN
 
 EVAL_TOKENS = 2 ** 21  # the final val bpb of every run: the same 2M validation tokens
-TIMED_FROM = 10  # the steps before include compilation
+TIMED_FROM = 11  # base_train's untimed steps (UNTIMED_STEPS + 1): they include compilation
 
 
 def main(argv=None):
     parser = runs.argument_parser(__doc__)
     runs.add_side_args(parser)
     parser.add_argument("--args", type=str, default="", help="base_train flags for both sides, one string")
-    parser.add_argument("--depths", type=str, default="8,10,12", help="comma-separated depths, three or more")
+    parser.add_argument("--depths", type=str, default="8,10,12",
+                        help="comma-separated depths, two or more (three or more to trust the multipliers)")
     parser.add_argument("--seeds", type=int, default=1, help="runs per depth and side (seeds 42, 43, ...)")
     parser.add_argument("--ratio", type=float, default=1.0, help="tokens per scaling parameter at every depth")
     parser.add_argument("--eval-tokens", type=int, default=EVAL_TOKENS, help="validation tokens of each run's score")
-    parser.add_argument("--gpus", type=str, default="0", help="comma-separated GPU indices, one run on each at a time")
+    parser.add_argument("--gpus", type=str, default="0",
+                        help="comma-separated GPU indices, one run on each at a time (a GPU named twice: two)")
     parser.add_argument("--stop-after", type=float, default=None, metavar="MINUTES",
                         help="start no run after this many minutes (the same command again goes on)")
     parser.add_argument("--out", type=str, default="ladder_out", help="logs, results.jsonl and ladder.png")
@@ -66,10 +70,17 @@ def main(argv=None):
     seq = {s: runs.flag_value(common + spec["extra"], "--max-seq-len") for s, spec in sides.items()}
     if seq["A"] != seq["B"]:
         raise SystemExit(f"--max-seq-len {seq['A']} (A) and {seq['B']} (B): the sides must score the same bytes")
+    for s, spec in sides.items():  # base_train scores whole micro-batches: the same tokens only if both divide
+        batch = int(runs.flag_value(common + spec["extra"], "--device-batch-size", 32))
+        micro = batch * int(seq[s] or DEFAULT_SEQ_LEN)
+        if args.eval_tokens % micro:
+            raise SystemExit(f"--eval-tokens {args.eval_tokens} is not a multiple of side {s}'s micro-batch ({micro} "
+                             f"tokens): the sides must score the same bytes; give a multiple of both sides'")
     shell = {k: v for k, v in sorted(os.environ.items()) if k.startswith("NANOCHAT_")}
     for s, spec in sides.items():  # what a run's result depends on: its code, data, settings and flags
-        spec["config"] = json.dumps([spec["tree"], runs.tree_version(spec["tree"]), {**shell, **runs.data_env(args)},
-                                     spec["env"], common + spec["extra"], args.ratio, args.eval_tokens])
+        spec["config"] = json.dumps([spec["tree"], runs.tree_version(spec["tree"], args.out),
+                                     {**shell, **runs.data_env(args)}, spec["env"], common + spec["extra"], args.ratio,
+                                     args.eval_tokens])
         print(f"side {s}: {spec['name']}")
 
     # what earlier parts finished, of this configuration
@@ -80,9 +91,12 @@ def main(argv=None):
         with open(results_path) as f:
             results = [r for r in map(json.loads, f) if r["config"] == sides[r["side"]]["config"]]
     done = {(r["side"], r["depth"], r["seed"]) for r in results}
-    queue = [(s, d, 42 + k) for d in depths for k in range(args.seeds) for s in "AB" if (s, d, 42 + k) not in done]
+    todo = [(s, d, 42 + k) for d in depths for k in range(args.seeds) for s in "AB" if (s, d, 42 + k) not in done]
+    follows = {("A", d, seed): ("B", d, seed) for s, d, seed in todo if s == "B" and ("A", d, seed) in todo}
+    queue = [task for task in todo if task not in follows.values()]  # a B whose A is to run goes after it
     if done:
-        print(f"done in an earlier part ({results_path}): {len(done)} runs; to go: {len(queue)}")
+        print(f"done in an earlier part ({results_path}): {len(done)} runs; to go: {len(todo)}")
+    all_gpus = [g for g in args.gpus.split(",") if g]
 
     def launch(task, gpus):
         s, depth, seed = task
@@ -95,7 +109,11 @@ def main(argv=None):
         print(f"== {s} d{depth} seed {seed} on GPU {gpus[0]}: {' '.join(job.cmd[1:])} (log {job.log_path})", flush=True)
         return job
 
-    def finished(task, job, gpus):
+    def finished(task, job, gpus):  # the run's record; then its B run, on the same GPU
+        record_run(task, job, gpus)
+        return follows.get(task)
+
+    def record_run(task, job, gpus):
         s, depth, seed = task
         try:
             run = job.run()
@@ -113,7 +131,8 @@ def main(argv=None):
         record = dict(config=sides[s]["config"], side=s, depth=depth, seed=seed, val_bpb=summary["val_bpb"],
                       spikes=len(run.series("spikes")),  # steps where a loss or gradient-norm spike began
                       tok_per_sec=summary["tok_per_sec"], steps=steps, seconds=steps * summary["step_ms"] / 1000,
-                      flops=h["flops_per_token"] * h["total_batch_size"] * steps, log=job.log_path)
+                      flops=h["flops_per_token"] * h["total_batch_size"] * steps, log=job.log_path,
+                      device=h.get("device"), gpu=gpus[0], shared=all_gpus.count(gpus[0]) > 1)
         results.append(record)
         with open(results_path, "a") as f:
             f.write(json.dumps(record) + "\n")
@@ -122,14 +141,18 @@ def main(argv=None):
               f"{record['flops']:.3e} FLOPs, {record['seconds']:.1f} s", flush=True)
 
     deadline = time.time() + 60 * args.stop_after if args.stop_after is not None else None
-    gpus = [g for g in args.gpus.split(",") if g]
-    left = runs.run_queue(queue, gpus, launch, finished, deadline)
+    runs.run_queue(queue, all_gpus, launch, finished, deadline)
+    recorded = {(r["side"], r["depth"], r["seed"]) for r in results}
+    left = [task for task in todo if task not in recorded]  # not started, or failed: the next part runs them
     print(table(sides, depths, results))
-    if len(set(gpus)) < len(gpus):
+    if any(r.get("shared") for r in results):
         print("(GPUs named twice ran two runs at once: tok/s, seconds and the wall-clock multipliers are of shared GPUs)")
+    if len(devices := sorted({r["device"] for r in results if r.get("device")})) > 1:
+        print(f"(runs on {', '.join(devices)}: tok/s, seconds and the wall-clock multipliers mix them)")
     plot(sides, depths, results, os.path.join(args.out, "ladder.png"))
     if left:
-        print(f"\nstopped after {args.stop_after} minutes with {len(left)} runs to go: run the same command again")
+        why = f"stopped after {args.stop_after} minutes" if deadline and time.time() >= deadline else "runs failed"
+        print(f"\n{why}, with {len(left)} runs to go: run the same command again")
 
 
 def per_depth(results, side, depths):

@@ -103,12 +103,16 @@ def flag_value(flags, name, default=None):
     return values[-1] if values else default
 
 
-def tree_version(tree):
-    """A checkout's commit and a hash of its uncommitted changes ("" outside git): which code a result came from."""
+def tree_version(tree, outputs=None):
+    """A checkout's commit and a hash of its uncommitted changes ("" outside git): which code a result came from.
+    outputs: a folder of the tool's own results, left out where it lies inside the checkout (they are not code)."""
     git = lambda *a: subprocess.run(["git", "-C", tree, *a], capture_output=True).stdout
-    untracked = git("ls-files", "--others", "--exclude-standard", "-z").split(b"\0")
+    inside = os.path.relpath(os.path.abspath(outputs), os.path.abspath(tree)) if outputs else os.pardir
+    paths = ["--", ".", f":(exclude){inside}"] if not inside.startswith(os.pardir) else []
+    untracked = git("ls-files", "--others", "--exclude-standard", "-z", *paths).split(b"\0")
     files = [n for n in untracked if n and os.path.isfile(os.path.join(tree, n.decode()))]  # not a linked folder
-    changes = git("diff", "HEAD") + b"".join(n + open(os.path.join(tree, n.decode()), "rb").read() for n in files)
+    changes = git("diff", "HEAD", *paths) + b"".join(n + open(os.path.join(tree, n.decode()), "rb").read()
+                                                     for n in files)
     return git("rev-parse", "HEAD").decode().strip() + (f"+{zlib.crc32(changes):08x}" if changes else "")
 
 

@@ -65,9 +65,12 @@ def test_ladder_goes_on_where_a_part_stopped_and_prices_b_on_a_ladder(env, tmp_p
     ladder.main(argv + ["--stop-after", "0.001"])
     out = capsys.readouterr().out
     assert launched(out) == 1 and "with 5 runs to go: run the same command again" in out
-    ladder.main(argv + ["--gpus", "0,0"])  # two runs at a time
+    ladder.main(argv + ["--gpus", "0,0,1"])  # three at a time, two of them sharing GPU 0
     out = capsys.readouterr().out
     assert "1 runs; to go: 5" in out and launched(out) == 5 and "of shared GPUs)" in out
+    records = {(r["side"], r["depth"]): r for r in map(json.loads, open(tmp_path / "results.jsonl"))}
+    assert all(records["B", d]["gpu"] == records["A", d]["gpu"] for d in (2, 3))  # each B on its A's GPU
+    assert records["A", 3]["gpu"] == "1" and not records["A", 3]["shared"] and records["A", 2]["shared"]
     rows = {tuple(c.strip() for c in line.split("|")[1:3]): line
             for line in out.splitlines() if re.match(r"\| d\d", line)}
     assert sorted(rows) == [(f"d{d}", s) for d in (1, 2, 3) for s in "AB"]
@@ -77,6 +80,8 @@ def test_ladder_goes_on_where_a_part_stopped_and_prices_b_on_a_ladder(env, tmp_p
         ladder.main(argv + ["--a-args=--max-seq-len=128"])
     with pytest.raises(SystemExit, match="the sides must score the same bytes"):
         ladder.main(argv + ["--b-args", "--max-seq-len 128"])
+    with pytest.raises(SystemExit, match="not a multiple of side A's micro-batch"):  # 512 tokens in batches of 192
+        ladder.main(argv + ["--a-args=--device-batch-size=3"])
     ladder.main(argv + ["--data-dir", str(tmp_path / "other"), "--stop-after", "0.001"])  # other data: nothing counts
     assert "done in an earlier part" not in capsys.readouterr().out
 
@@ -100,6 +105,11 @@ def test_tree_version_names_the_commit_and_the_changes_not_yet_committed(tmp_pat
     changed = runs.tree_version(str(tmp_path))
     (tmp_path / "new.py").write_text("y = 3\n")
     assert changed.startswith(clean + "+") and runs.tree_version(str(tmp_path)) not in (clean, changed)
+    (tmp_path / "new.py").unlink()
+    (tmp_path / "ladder_out").mkdir()  # a tool's results inside the checkout are not code
+    (tmp_path / "ladder_out" / "results.jsonl").write_text("{}\n")
+    assert runs.tree_version(str(tmp_path), str(tmp_path / "ladder_out")) == clean != runs.tree_version(str(tmp_path))
+    assert runs.tree_version(str(tmp_path), str(tmp_path.parent / "elsewhere")) != clean  # outside: nothing left out
 
 
 def test_ladder_reads_b_off_a_s_ladder():
@@ -110,6 +120,22 @@ def test_ladder_reads_b_off_a_s_ladder():
     x, mark = equivalent([(0.0, 3.0), (1.0, 3.1), (2.0, 1.0)], 2.0)  # a noisy ladder: the least-squares line
     assert mark == "*" and x == pytest.approx(1 + (2.0 - 7.1 / 3) / -1.0)
     assert equivalent([(0.0, 3.0), (1.0, 3.1), (2.0, 1.0)], 0.2)[1] == "*~"  # that line, beyond A's ladder
+
+
+def test_ladder_table_prices_b_on_a_s_ladder():
+    """The multipliers by hand: A's bpb falls 3 -> 2 -> 1 over 1e10 -> 1e11 -> 1e12 FLOPs (10, 20, 40 s); B's median
+    over three seeds, 1.5, is reached by A at 10^11.5 FLOPs and at sqrt(20 x 40) s: B at 1e11 FLOPs and 40 s gets
+    there with 3.16x less compute and 0.71x the wall clock; below A's best bpb, from its last segment (~)."""
+    from dev.ladder import table
+    run = lambda side, depth, seed, bpb, flops, seconds: dict(side=side, depth=depth, seed=seed, val_bpb=bpb,
+                                                              tok_per_sec=1.0, flops=flops, seconds=seconds)
+    results = [run("A", 1, 42, 3.0, 1e10, 10.0), run("A", 2, 42, 2.0, 1e11, 20.0), run("A", 3, 42, 1.0, 1e12, 40.0),
+               run("B", 2, 42, 1.9, 1e11, 40.0), run("B", 2, 43, 1.4, 1e11, 40.0), run("B", 2, 44, 1.5, 1e11, 40.0),
+               run("B", 3, 42, 0.5, 1e12, 40.0)]
+    rows = {line.split("|")[1].strip() + line.split("|")[2].strip(): line for line in
+            table({s: {"name": s} for s in "AB"}, [1, 2, 3], results).splitlines() if line.startswith("| d")}
+    assert rows["d2B"].endswith("| 3 | 1.9000, 1.4000, 1.5000 | 1.5000 | 0.5000 | 1 | 1.000e+11 | 40.0 | 3.16 | 0.71 |")
+    assert rows["d3B"].endswith("| ~3.16 | ~1.41 |") and rows["d1B"].endswith("| 0 | | | | | | | | |")
 
 
 def test_ladder_table_names_the_runs_that_spiked():
