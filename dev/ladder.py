@@ -198,7 +198,8 @@ def table(sides, depths, results):
             for key in ("flops", "seconds"):
                 if s == "B" and len(ladders[key]) >= 2:
                     x, mark = equivalent(ladders[key], statistics.median(bpbs))
-                    mult[key] = f"{mark}{math.exp(x) / med(rs, key):.2f}" if not math.isnan(x) else "n/a"
+                    m = math.exp(x) / med(rs, key) if not math.isnan(x) else math.nan
+                    mult[key] = "n/a" if math.isnan(m) else f"{mark}{m:.2f}" if m >= 0.1 else f"{mark}{m:.1e}"
             lines.append(f"| d{d} | {s} | {len(rs)} | {', '.join(each)} | "
                          f"{statistics.median(bpbs):.4f} | {max(bpbs) - min(bpbs):.4f} | "
                          f"{med(rs, 'tok_per_sec'):,.0f} | "

@@ -74,7 +74,8 @@ def test_ladder_goes_on_where_a_part_stopped_and_prices_b_on_a_ladder(env, tmp_p
     rows = {tuple(c.strip() for c in line.split("|")[1:3]): line
             for line in out.splitlines() if re.match(r"\| d\d", line)}
     assert sorted(rows) == [(f"d{d}", s) for d in (1, 2, 3) for s in "AB"]
-    assert all(re.search(r"\| [~*]{0,2}\d+\.\d\d \| [~*]{0,2}\d+\.\d\d \|$", rows[(f"d{d}", "B")]) for d in (1, 2, 3))
+    multiplier = r"[~*]{0,2}(\d+\.\d\d|\d\.\de-\d\d)"  # below 0.1 in powers of ten
+    assert all(re.search(rf"\| {multiplier} \| {multiplier} \|$", rows[(f"d{d}", "B")]) for d in (1, 2, 3))
     assert os.path.getsize(tmp_path / "ladder.png") > 0 and len(open(tmp_path / "results.jsonl").readlines()) == 6
     with pytest.raises(SystemExit, match="the sides must score the same bytes"):
         ladder.main(argv + ["--a-args=--max-seq-len=128"])
@@ -136,6 +137,8 @@ def test_ladder_table_prices_b_on_a_s_ladder():
             table({s: {"name": s} for s in "AB"}, [1, 2, 3], results).splitlines() if line.startswith("| d")}
     assert rows["d2B"].endswith("| 3 | 1.9000, 1.4000, 1.5000 | 1.5000 | 0.5000 | 1 | 1.000e+11 | 40.0 | 3.16 | 0.71 |")
     assert rows["d3B"].endswith("| ~3.16 | ~1.41 |") and rows["d1B"].endswith("| 0 | | | | | | | | |")
+    results.append(run("B", 1, 42, 6.0, 1e10, 10.0))  # far above A's ladder: a multiplier of 1e-3
+    assert table({s: {"name": s} for s in "AB"}, [1, 2, 3], results).count("| ~1.0e-03 |") == 1
 
 
 def test_ladder_table_names_the_runs_that_spiked():
