@@ -17,14 +17,17 @@ The configurations, one set per call:
                 TP      d32 (device batch 8, 131,072-token steps): one GPU, TP 2
                 ZeRO-3  d32 (262,144-token steps): DP n, DP n --shard-params, TP 2 x DP n/2 (against DP n)
                 PP      d26, micro-batches of 8 x 2048, m = 16: one GPU, PP n 1F1B and interleaved (V=2);
-                        ideal step = one-GPU step / p x (m + p - 1) / m (the bubble of p stages over m micro-batches);
+                        ideal step = one-GPU step / p x (m + (p - 1) / V) / m (the bubble of p stages over m
+                        micro-batches, V chunks a rank);
                         simulated step = dev.pipeline_sim's (messages queued as NCCL runs them) from block times
                         it measures on a free GPU meanwhile (compiled, 100 GB/s a message; compute stretched as
                         in training, pipeline_sim's defaults)
                 CP      32,768-token sequences, SSSL: d12 (device batch 4, 262,144-token steps) at CP 2 and n, d20
                         (2, 131,072) at CP n, against one GPU
               Every row also gives how far its losses strayed from its baseline's, step by step (the largest
-              relative difference): the layouts train on the same batches, so only float order separates them.
+              relative difference) where both have one DP size: they train on the same batches, so only float
+              order separates them (the loader deals row groups out by DP rank: DP n against one GPU, or TP 2 x DP
+              n/2 against DP n, train on other batches, and say so).
 
     python -m dev.bench_train                                   # d12 and d20, bf16 and fp8, windows L and SSSL
     python -m dev.bench_train --depths 20 --precisions bf16,fp8 --windows L --gpus 1
@@ -51,6 +54,7 @@ import re
 import sys
 import csv
 import json
+import math
 import time
 import subprocess
 from dataclasses import dataclass, field
@@ -79,6 +83,10 @@ class Config:
     microbatches: int = 0    # simulated steps
     schedule: str = ""
     virtual: int = 1
+
+    @property
+    def dp(self):  # the loader deals row groups out by DP rank: layouts of one DP size train on the same batches
+        return self.nproc // math.prod(int(runs.flag_value(self.flags, f, 1)) for f in ("--tp", "--pp", "--cp"))
 
     def base_train_flags(self, extra):
         return [f"--depth={self.depth}", f"--num-iterations={self.steps}", f"--total-batch-size={self.total_batch}",
@@ -206,6 +214,9 @@ def measure(config, tree, args, job):
         print(f"   {name}: {config.label}: failed: {e}", flush=True)
         return None
     s = runs.summary(run, config.warmup)
+    if not s["steps_timed"]:
+        print(f"   {name}: {config.label}: failed: no step after the {config.warmup} of warm-up (flags after --?)")
+        return None
     causal = causal_share(run.header) if s["mfu"] else None
     planned = planned_peak(run.header)
     peaks = {tag: round(gib, 2) for tag, gib in runs.rank_peaks(run).items()}
@@ -247,13 +258,13 @@ def planned_peak(header):
     from nanochat.recipe import Setting
     if "model_config" not in header or "layout" not in header:
         return None
-    f, layout = header["flags"], header["layout"]
-    setting = Setting(dp=layout["dp"], tp=layout["tp"], pp=layout["pp"], cp=layout.get("cp", 1), ep=layout.get("ep", 1),
-                      cp_exchange=f.get("cp_exchange", "ring"), pp_schedule=f["pp_schedule"], pp_virtual=f["pp_virtual"],
-                      sequence_parallel=f["sequence_parallel"], shard_params=f.get("shard_params", False),
-                      keep_gathered=f.get("keep_gathered", False),
+    f, layout = header["flags"], header["layout"]  # flags a tree did not have yet: their defaults
+    setting = Setting(dp=layout["dp"], tp=layout["tp"], pp=layout["pp"], cp=layout.get("cp", 1), ep=f.get("ep", 1),
+                      cp_exchange=f.get("cp_exchange", "ring"), pp_schedule=f.get("pp_schedule", "1f1b"),
+                      pp_virtual=f.get("pp_virtual", 1), sequence_parallel=f.get("sequence_parallel", False),
+                      shard_params=f.get("shard_params", False), keep_gathered=f.get("keep_gathered", False),
                       device_batch=f["device_batch_size"], total_batch=header["total_batch_size"],
-                      recompute=f["recompute"], fp8=header["fp8"])
+                      recompute=f.get("recompute", "none"), fp8=header.get("fp8", False))
     return worst_rank_peak(GPTConfig.from_dict(header["model_config"]), setting) / GIB
 
 
@@ -282,7 +293,7 @@ def table(configs, trees, results, simulated=None):
         header += [prefix(n) + h for h in ("tok/s", "vs baseline", "MFU", "causal MFU", "step", "vs ideal",
                                             "vs simulated", "peak memory", "loss vs baseline")]
     header += [f"{n} / {names[0]} tok/s" for n in names[1:]]
-    rows = []
+    rows, by_label = [], {c.label: c for c in configs}
     for c in configs:
         row = [c.label]
         for tree in trees:
@@ -296,7 +307,8 @@ def table(configs, trees, results, simulated=None):
             mfu = f"{r['mfu % (median)']:.1f}%" + ("*" if "--fp8" in c.flags else "") if r["mfu % (median)"] else ""
             vs_ideal = ""
             if base and c.stages:
-                ideal = base["step ms (median)"] / c.stages * (c.microbatches + c.stages - 1) / c.microbatches
+                bubble = (c.stages - 1) / c.virtual  # interleaving's V chunks a rank shrink it V-fold
+                ideal = base["step ms (median)"] / c.stages * (c.microbatches + bubble) / c.microbatches
                 vs_ideal = f"{step / ideal:.3f} (ideal {ideal:,.0f} ms)"
             sim = (simulated or {}).get((c.label, tree))
             vs_sim = f"{step / sim:.3f} (simulated {sim:,.0f} ms)" if sim else ""
@@ -306,8 +318,9 @@ def table(configs, trees, results, simulated=None):
             if r.get("planned GiB") and r["peak mem GiB (max)"]:  # scripts.plan's worst rank against the largest peak
                 peak_cell += f" (planned {r['planned GiB']}, {float(r['planned GiB']) / float(r['peak mem GiB (max)']):.3f}x)"
             causal = f"{r['causal mfu %']:.1f}%" if r.get("causal mfu %") not in (None, "") else ""
+            same_data = by_label.get(c.baseline, c).dp == c.dp
             row += [f"{tok:,}", vs_base, mfu, causal, f"{step:,.1f} ms", vs_ideal, vs_sim, peak_cell,
-                    loss_difference(r, base)]
+                    loss_difference(r, base) if same_data or not base else "other batches"]
         first = results.get((c.label, trees[0]))
         for tree in trees[1:]:
             r = results.get((c.label, tree))
@@ -346,15 +359,15 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=0, help="steps left out of the medians (0: 6 at d12, 5 at other depths, "
                                                               f"{PARALLEL_STEPS[1]} in the parallel set)")
     parser.add_argument("--tree", action="append", default=[], help="a checkout to run in (repeatable; default: this one)")
-    parser.add_argument("--gpus", type=str, default="", help="comma-separated GPU indices; a run of n processes takes the "
-                                                             "first n (empty: all that nvidia-smi lists)")
+    parser.add_argument("--gpus", type=str, default="", help="comma-separated GPU indices; a run of n processes takes n of "
+                        "them (the parallel set: free ones; the default set: the first n) (empty: all nvidia-smi lists)")
     runs.add_data_args(parser)
     parser.add_argument("--timeout", type=int, default=900, help="seconds one run may take (compilation included)")
     parser.add_argument("--out", type=str, default="bench_train.csv", help="CSV the runs append to")
     parser.add_argument("--log-dir", type=str, default="bench_train_logs", help="where each run's output goes")
     parser.add_argument("extra", nargs="*", help="after --: base_train flags for every run")
     args = parser.parse_args(argv)
-    args.out = os.path.abspath(args.out)
+    args.out, args.log_dir = os.path.abspath(args.out), os.path.abspath(args.log_dir)  # runs start in their tree
 
     trees = args.trees = [runs.check_tree(t, "--tree") for t in (args.tree or ["."])]
     if len(set(trees)) < len(trees):  # results are kept by tree: the same tree twice would be one column

@@ -155,20 +155,23 @@ class Job:
         try:
             self.proc.wait(timeout=max(1.0, self.timeout - (time.time() - self.t0)) if self.timeout else None)
         except subprocess.TimeoutExpired:
-            # SIGTERM: torchrun passes it on to its workers, each in a session of its own (a SIGKILL to torchrun
-            # would leave them running on the GPUs the queue hands on); a process that does not end in a minute dies
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            self.stop()
             self.timed_out = True
         self.wall_s = time.time() - self.t0
         self.log.close()
         with open(self.log_path, errors="replace") as f:
             self.text = f.read()
         return self.text
+
+    def stop(self):
+        """End the process: SIGTERM, which torchrun passes on to its workers, each in a session of its own (a SIGKILL
+        to torchrun would leave them running on the GPUs the queue hands on); one that does not end in a minute dies."""
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
     def failure(self):
         """Why the process failed (None if it exited 0): the exit status or timeout and the log's last lines."""
@@ -232,26 +235,32 @@ def run_queue(queue, gpus, launch, finished, deadline=None, width=lambda task: 1
     a task takes width(task) free slots, the first task in the queue that fits starting first; launch(task, its GPUs)
     starts its Job, finished(task, job, its GPUs) takes it when it ends, and may return a task to start at once on
     the same GPUs (the same GPUs for runs to compare: GPUs differ by 2-3%). No task starts after time.time()
-    `deadline`; returns the tasks left in the queue (also those wider than `gpus`)."""
+    `deadline`; returns the tasks left in the queue (also those wider than `gpus`). An error on the way ends the
+    runs it leaves (a run left behind would share its GPUs with the next call's)."""
     running, free = [], list(range(len(gpus)))  # [(task, job, slots)], the slots no task holds
-    while running or (queue and (deadline is None or time.time() < deadline)):
-        for task in list(queue):
-            if width(task) <= len(free) and (deadline is None or time.time() < deadline):
-                slots, free = free[:width(task)], free[width(task):]
-                queue.remove(task)
-                running.append((task, launch(task, [gpus[s] for s in slots]), slots))
-        if not running:
-            break  # what is left fits no more
-        time.sleep(1)
-        for item in [r for r in running if r[1].done()]:
-            running.remove(item)
-            mine = [gpus[s] for s in item[2]]
-            follow = finished(item[0], item[1], mine)
-            if follow is not None and (deadline is None or time.time() < deadline):
-                running.append((follow, launch(follow, mine), item[2]))
-            else:
-                free = sorted(free + item[2])
-    return queue
+    try:
+        while running or (queue and (deadline is None or time.time() < deadline)):
+            for task in list(queue):
+                if width(task) <= len(free) and (deadline is None or time.time() < deadline):
+                    slots, free = free[:width(task)], free[width(task):]
+                    queue.remove(task)
+                    running.append((task, launch(task, [gpus[s] for s in slots]), slots))
+            if not running:
+                break  # what is left fits no more
+            time.sleep(1)
+            for item in [r for r in running if r[1].done()]:
+                running.remove(item)
+                mine = [gpus[s] for s in item[2]]
+                follow = finished(item[0], item[1], mine)
+                if follow is not None and (deadline is None or time.time() < deadline):
+                    running.append((follow, launch(follow, mine), item[2]))
+                else:
+                    free = sorted(free + item[2])
+        return queue
+    except BaseException:
+        for _, job, _ in running:
+            job.stop()
+        raise
 
 
 # -----------------------------------------------------------------------------

@@ -272,6 +272,30 @@ def test_run_queue_runs_a_follow_up_on_the_same_gpus(monkeypatch):
     assert started.index((("c", "old"), gpus[("c", "old")])) > started.index((("a", "new"), gpus[("a", "new")]))
 
 
+def test_run_queue_ends_the_runs_it_leaves_when_it_fails():
+    """An error while taking one run's result (a CSV of other columns: SystemExit) ends the runs still going, which
+    would otherwise share their GPUs with the next call's."""
+    from dev import runs
+
+    class Job:
+        def __init__(self, task):
+            self.task, self.stopped = task, False
+
+        def done(self):
+            return self.task == "a"
+
+        def stop(self):
+            self.stopped = True
+    jobs = {}
+    launch = lambda task, gpus: jobs.setdefault(task, Job(task))
+
+    def finished(task, job, gpus):
+        raise SystemExit("--out has other columns")
+    with pytest.raises(SystemExit):
+        runs.run_queue(["a", "b"], [0, 1], launch, finished)
+    assert jobs["b"].stopped and not jobs["a"].stopped
+
+
 def test_bench_train_table_ratios():
     from dev import bench_train
     configs = [c for c in bench_train.parallel_configs() if c.label.startswith("d26 m=16")]
@@ -292,6 +316,18 @@ def test_bench_train_table_ratios():
     assert pp4[6] == "35.0 / 27.8 / 19.9 / 12.7 GiB" and pp4[7] == "5.0e-04" and pp4[-1].rstrip(" |") == "1.030"
     assert "MFU" not in lines[0]  # no run measured one: the column is left out
     assert "| 50.0 GiB (planned 55.0, 1.100x) |" in " | ".join(pp4)  # the new tree's peak against scripts.plan's
+    results[("d26 m=16 PP=4 interleaved V=2", "/old")] = row(120000, 1050.0)  # its ideal: half 1F1B's bubble
+    interleaved = next(line for line in bench_train.table(configs, trees, results).splitlines()
+                       if line.startswith("| d26 m=16 PP=4 interleaved")).split(" | ")
+    ideal = 3438.4 / 4 * (16 + 3 / 2) / 16
+    assert interleaved[4] == f"{1050.0 / ideal:.3f} (ideal {ideal:,.0f} ms)"
+    # DP 2 reads other row groups than one GPU: its losses are not compared; TP 2 x DP 2 against DP 4 neither
+    dp = [c for c in bench_train.parallel_configs() if c.label.startswith("d20")]
+    results = {(c.label, "/old"): row(1.0, 1.0, losses="10.0 8.0") for c in dp}
+    cells = {line.split(" | ")[0].lstrip("| "): line.split(" | ")[-1].rstrip(" |")
+             for line in bench_train.table(dp, ["/old"], results).splitlines()[2:]}
+    assert [c.dp for c in dp] == [1, 2, 4, 2, 1, 1] and cells["d20 DP=2"] == cells["d20 TP=2 x DP=2"] == "other batches"
+    assert cells["d20 32K CP=4"] == "0.0e+00"  # CP ranks read the same sequences as one GPU
 
 
 def test_pipeline_sim_measures_blocks_and_prices_every_schedule(env, tmp_path):
