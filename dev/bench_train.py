@@ -390,7 +390,10 @@ def main(argv=None):
 
     # the parallel set packs its runs side by side on free GPUs; the default set runs one at a time on the first
     results, blocks, t0 = {}, {}, time.time()
-    pipelined = [c for c in configs if c.stages]  # priced by dev.pipeline_sim from block times measured beside them
+    # priced by dev.pipeline_sim from block times measured beside them, unless flags after -- change the blocks
+    reshaped = [f for f in ("--device-batch-size", "--max-seq-len", "--window-pattern", "--fp8", "--recompute")
+                if any(e == f or e.startswith(f + "=") for e in args.extra)]
+    pipelined = [c for c in configs if c.stages] if not reshaped else []
     # a configuration's runs in the trees one after the other on the same GPUs (finished hands on the next tree)
     queue = [(BLOCK_TIMES, tree) for tree in trees if pipelined] + [(c, trees[0]) for c in configs]
 
@@ -411,6 +414,8 @@ def main(argv=None):
     print(f"\n{len(results)} runs in {(time.time() - t0) / 60:.1f} minutes")
     if skipped:
         print(f"\nnot run (more processes than the {len(gpus)} GPU(s)): " + ", ".join(skipped))
+    if reshaped and any(c.stages for c in configs):
+        print(f"(no simulated pipeline steps: {' '.join(reshaped)} after -- would time other blocks than the runs')")
     print(f"(results appended to {args.out})")
 
 

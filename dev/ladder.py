@@ -34,6 +34,7 @@ its runs came from several kinds of GPU). Needs data and a tokenizer as base_tra
 import os
 import json
 import math
+import zlib
 import shlex
 import time
 import statistics
@@ -103,7 +104,8 @@ def main(argv=None):
         spec = sides[s]
         flags = [f"--depth={depth}", f"--target-param-data-ratio={args.ratio}", f"--seed={seed}", "--eval-every=-1",
                  f"--eval-tokens={args.eval_tokens}", "--save-every=0"] + runs.QUIET + common + spec["extra"]
-        job = runs.start(flags, f"ladder_{s}_d{depth}_s{seed}", tree=spec["tree"], gpus=gpus, timeout=args.timeout,
+        tag = f"ladder_{zlib.crc32(os.path.abspath(args.out).encode()):08x}_{s}_d{depth}_s{seed}"  # ladders apart
+        job = runs.start(flags, tag, tree=spec["tree"], gpus=gpus, timeout=args.timeout,
                          env={**runs.data_env(args), **spec["env"]},
                          log=os.path.join(args.out, f"{s}_d{depth}_s{seed}.log"))
         print(f"== {s} d{depth} seed {seed} on GPU {gpus[0]}: {' '.join(job.cmd[1:])} (log {job.log_path})", flush=True)
