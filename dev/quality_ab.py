@@ -4,20 +4,21 @@ val bpb on 2M tokens at the end) several times for each of two sides, printing e
 side's median and spread, read from the runs' metrics.jsonl (dev/runs.py). A side is a checkout (--a-tree /
 --b-tree: e.g. two git worktrees of two commits), environment settings (--a-env / --b-env, e.g.
 NANOCHAT_KERNELS=reference to run every op on its PyTorch reference) and extra base_train flags (--a-args /
---b-args, e.g. "--fp8"). Runs alternate A, B, A, B, ... over the given GPUs, one run per GPU at a time.
+--b-args, e.g. "--fp8"). A runs go out over the given GPUs, one run per GPU at a time, and B run i follows A run i
+on the same GPU (GPUs differ by 2-3%).
 
     python -m dev.quality_ab --b-env NANOCHAT_KERNELS=reference          # kernels against the reference math
     python -m dev.quality_ab --b-args=--fp8 --runs 3 --gpus 0,1,2,3    # bf16 against fp8
     python -m dev.quality_ab --a-tree ../nanochat-old --b-tree .         # two commits
 
-base_train seeds its initialization the same way every run; on a GPU, non-deterministic kernels (atomics,
-split reductions) make repeated runs differ anyway, and that run-to-run spread is what a difference between the
-sides must be compared against (keep every run: an occasional loss spike ends a run visibly higher).
+Run i of each side takes seed 42 + i (paired across the sides), so the run-to-run spread holds the initialization's
+as well as the GPU's non-determinism (atomics, split reductions): a difference between the sides must be compared
+against it (keep every run: an occasional loss spike ends a run visibly higher).
 
 Needs GPUs (CUDA_VISIBLE_DEVICES is set per run from --gpus), data and a tokenizer as base_train does (--data-dir
 / NANOCHAT_DATA_DIR: parquet shards, the last one validation; --base-dir / NANOCHAT_BASE_DIR). 200 x 65,536
 tokens is ~13M tokens: with fewer training tokens than that the run repeats data; the epoch each run ended in is
-printed beside its val bpb, with the median tok/s of its steps from step 10 on (at 65,536-token steps a rough
+printed beside its val bpb, with the median tok/s of its steps from step 11 on (at 65,536-token steps a rough
 figure: compare ratios). A run that asked for --fp8 and fell back to bf16 counts as failed. A tree from before
 metrics.jsonl is read from its printout (dev/runs.py). A GPU named twice in --gpus runs two at a time (compilation
 overlaps; the tok/s are then of shared GPUs).
@@ -49,16 +50,18 @@ import sys
 import shlex
 import shutil
 import statistics
+import zlib
 import subprocess
 import concurrent.futures
 
 from dev import runs
 from nanochat.common import fail
+from nanochat.recipe import DEFAULT_SEQ_LEN
 
 # the equal-steps configuration (dev/vs_upstream.py's steps part runs it too)
 TRAIN = ["--depth=12", "--window-pattern=L", "--device-batch-size=32", "--total-batch-size=65536",
          "--num-iterations=200", "--eval-tokens=2097152"]
-TOK_FROM_STEP = 10  # tok/s from here on: the steps before include compilation
+TOK_FROM_STEP = 11  # tok/s from here on: base_train's untimed steps (UNTIMED_STEPS + 1) include compilation
 
 
 def main(argv=None):
@@ -90,8 +93,14 @@ def main(argv=None):
         [f"--num-iterations={args.num_iterations}", "--eval-every=-1", saves] + runs.QUIET
     tok_from = {"A": TOK_FROM_STEP, "B": TOK_FROM_STEP + max(fork, 0)}
 
-    # alternate, so that drift hits both sides alike; a forked B run is queued when its A run has saved step N
-    queue = [(s, i) for i in range(args.runs) for s in ("A", "B") if s == "A" or fork == -1]
+    # B run i after A run i on the same GPU (a forked one from A's step N)
+    queue = [("A", i) for i in range(args.runs)]
+    seq = {s: runs.flag_value(flags + spec["extra"], "--max-seq-len") for s, spec in sides.items()}
+    micro = {s: int(runs.flag_value(flags + spec["extra"], "--device-batch-size")) * int(seq[s] or DEFAULT_SEQ_LEN)
+             for s, spec in sides.items()}
+    evaluated = {s: int(runs.flag_value(flags + spec["extra"], "--eval-tokens")) for s, spec in sides.items()}
+    other_bytes = seq["A"] != seq["B"] or evaluated["A"] != evaluated["B"] or any(evaluated[s] % micro[s] for s in sides)
+    tag = lambda s, i: f"quality_ab_{zlib.crc32(os.path.abspath(args.log_dir).encode()):08x}_{s}{i}"  # calls apart
     results = {"A": [], "B": []}  # [val bpb, median tok/s, run index, scored bpbs (None where failed)]
     scoring = concurrent.futures.ThreadPoolExecutor(max_workers=len(gpus))  # beside the runs: each is one process
 
@@ -99,23 +108,26 @@ def main(argv=None):
         s, i = task
         spec = sides[s]
         resume = [f"--resume-from-step={fork}"] if s == "B" and fork > 0 else []
-        job = runs.start(flags + spec["extra"] + resume, f"quality_ab_{s}{i}", tree=spec["tree"],
+        job = runs.start(flags + [f"--seed={42 + i}"] + spec["extra"] + resume, tag(s, i), tree=spec["tree"],
                          env={**runs.data_env(args), **spec["env"]}, gpus=gpus, timeout=args.timeout,
                          log=os.path.join(args.log_dir, f"{s}{i}.log"))
         print(f"== {s}{i} on GPU {gpus[0]}: {' '.join(job.cmd[1:])} (in {spec['tree']}; log {job.log_path})", flush=True)
         return job
 
-    def finished(task, job, gpus):
+    def finished(task, job, gpus):  # the run's result; after an A run, its B run on the same GPU
         s, i = task
         try:
             summary = runs.summary(job.run(), tok_from[s])
         except runs.RunFailed as e:
             print(f"   {s}{i}: failed: {e}", flush=True)
-            return
+            return ("B", i) if s == "A" and fork == -1 else None
         if s == "A" and fork > 0:  # B's run i starts from this one's step N, in a folder of its own
             copy_step(runs.checkpoint_folder(side_env(args, sides["A"]), job.model_tag),
-                      runs.checkpoint_folder(side_env(args, sides["B"]), f"quality_ab_B{i}"), fork)
-            queue.insert(0, ("B", i))
+                      runs.checkpoint_folder(side_env(args, sides["B"]), tag("B", i)), fork)
+        record(s, i, summary, job, gpus)
+        return ("B", i) if s == "A" else None
+
+    def record(s, i, summary, job, gpus):
         if summary["val_bpb"] is None:
             print(f"   {s}{i}: failed: no val bpb recorded (see {job.log_path})", flush=True)
             return
@@ -134,6 +146,9 @@ def main(argv=None):
 
     measures = [(lambda r: r[0], "val bpb")] + [(lambda r, k=k: r[3][k], f"score_bpb bpb ({flags})")
                                                   for k, flags in enumerate(args.score)]
+    if other_bytes:
+        print(f"\n(val bpb of other tokens: --max-seq-len {seq['A']} and {seq['B']}, whole micro-batches of {micro['A']} "
+              f"and {micro['B']} tokens of {evaluated['A']} and {evaluated['B']} asked for; compare with --score)")
     for column, what in measures:
         print(f"\n| side | runs | {what} (each run) | median | spread (min - max) | mean +- stdev | tok/s (median of runs) |")
         print("| --- | --- | --- | --- | --- | --- | --- |")
@@ -192,8 +207,13 @@ def score(args, spec, job, gpu):
            "--checkpoint-dir", ckpt, "--tokenizer-dir", os.path.join(base_dir, "tokenizer"), "--val", val]
     scores = []
     for k, flags in enumerate(args.score):
-        p = subprocess.run(cmd + shlex.split(flags), cwd=spec["tree"], env=env, capture_output=True, text=True,
-                           timeout=args.timeout)
+        try:
+            p = subprocess.run(cmd + shlex.split(flags), cwd=spec["tree"], env=env, capture_output=True, text=True,
+                               timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            print(f"   scoring {job.model_tag} ({flags}) failed: not done in {args.timeout} s", flush=True)
+            scores.append(None)
+            continue
         with open(os.path.splitext(job.log_path)[0] + f".score{k}.txt", "w") as f:
             f.write(p.stdout + p.stderr)
         m = re.search(r"SCORE bpb=([\d.]+)", p.stdout)

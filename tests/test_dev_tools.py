@@ -87,6 +87,26 @@ def test_ladder_goes_on_where_a_part_stopped_and_prices_b_on_a_ladder(env, tmp_p
     assert "done in an earlier part" not in capsys.readouterr().out
 
 
+def test_quality_ab_runs_each_b_after_its_a_on_the_same_gpu_with_paired_seeds(env, tmp_path, monkeypatch, capsys):
+    """Two runs a side over two GPUs: B run i follows A run i on A's GPU, both with seed 42 + i; the table has both
+    sides, and B - A; sides that evaluate other tokens are told so."""
+    from dev import quality_ab
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    toy = ("--device-type=cpu --depth=1 --aspect-ratio=32 --head-dim=32 --max-seq-len=64 --device-batch-size=4 "
+           "--total-batch-size=512 --eval-tokens=512 --warmup-steps=1")
+    quality_ab.main(["--runs", "2", "--num-iterations", "3", "--gpus", "0,1", "--log-dir", str(tmp_path),
+                     f"--a-args={toy}", f"--b-args={toy} --matrix-lr=0.05"])
+    out = capsys.readouterr().out
+    launches = {(s, i): (gpu, line) for s, i, gpu, line in re.findall(r"== ([AB])(\d) on GPU (\d): (.*)", out)}
+    assert len(launches) == 4 and all(launches["B", i][0] == launches["A", i][0] for i in "01")
+    assert all(f"--seed={42 + int(i)} " in launches[s, i][1] for s, i in launches)
+    assert re.search(r"\| A: .* \| 2 \|", out) and re.search(r"\| B: .* \| 2 \|", out) and "B - A (val bpb)" in out
+    assert "val bpb of other tokens" not in out
+    quality_ab.main(["--runs", "1", "--num-iterations", "2", "--log-dir", str(tmp_path), f"--a-args={toy}",
+                     f"--b-args={toy} --device-batch-size=3"])  # 512 tokens asked for, micro-batches of 192
+    assert "val bpb of other tokens" in capsys.readouterr().out
+
+
 def test_tree_version_names_the_commit_and_the_changes_not_yet_committed(tmp_path):
     """A result's code: the commit, and a hash of the uncommitted changes (untracked files' contents included, an
     untracked link to a folder, such as a linked .venv, passed over) that changes with them."""
