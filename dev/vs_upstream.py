@@ -55,7 +55,7 @@ from nanochat.common import fail
 QUALITY_EVAL = int(runs.flag_value(QUALITY, "--eval-tokens"))  # validation tokens of every quality run
 RECIPE_BATCH = 524288  # both harnesses' d12 batch (2^19), and the batch of the speed runs
 WALL_DEPTH = 12  # the equal-time runs' depth
-SPEED_STEPS = {12: (14, 6), 20: (10, 4)}  # steps run, of which the first are left out (compilation)
+SPEED_STEPS = {12: (22, 11), 20: (17, 11)}  # steps run, of which the first are left out: both harnesses' 11 untimed
 UPSTREAM_DECAY = re.compile(r"Scaling weight decay from [\d.]+ to ([\d.]+)")  # upstream's Muon decay, as it prints it
 
 
@@ -86,6 +86,7 @@ class Comparison:
 
     def record(self, row):
         row.setdefault("call", self.call)
+        row.setdefault("version", runs.tree_version(self.tree(row["side"]), self.work) if "side" in row else "")
         with open(self.results_path, "a") as f:
             f.write(json.dumps(row) + "\n")
 
@@ -176,6 +177,12 @@ def prepare(c):
         fail(f"--data-dir {c.data_dir} needs at least 2 parquet shards (train, then validation last); found {len(shards)}")
     up_data = os.path.join(c.work, "upstream", "base_data_climbmix")
     os.makedirs(up_data, exist_ok=True)
+    marker = os.path.join(c.work, "data_dir")  # the links and both tokenizers below are of one data dir
+    if os.path.exists(marker) and open(marker).read() != c.data_dir:
+        fail(f"--work-dir {c.work} was prepared from --data-dir {open(marker).read()}: give that one, or another "
+             f"--work-dir for {c.data_dir}")
+    with open(marker, "w") as f:
+        f.write(c.data_dir)
     for f in shards:
         link = os.path.join(up_data, f)
         if not os.path.lexists(link):
@@ -202,7 +209,7 @@ def speed(c):
                (item.partition("=") for item in args.device_batches.split(",") if item)}
     sides = ["upstream", "ours"] + (["ours+FA4"] if c.fa4_path else [])
     for depth in [int(d) for d in args.depths.split(",") if d]:
-        n_steps, warmup = SPEED_STEPS.get(depth, (10, 4))
+        n_steps, warmup = SPEED_STEPS.get(depth, SPEED_STEPS[20])
         ours_rows = []  # this depth's runs of ours without FA4: the fastest batch is the one FA4 and fp8 use
         for side in sides + (["ours+FA4 fp8" if c.fa4_path else "ours fp8"] if depth >= 20 else []):
             tried = batches.get(depth, [32]) if side in ("upstream", "ours") else \
@@ -231,6 +238,15 @@ def run_queue(c, jobs, keep=lambda row: False):
     """jobs: (side, flags or a function giving them at start, tag, part, extra fields); --parallel at a time.
     keep(row): whether the run's checkpoint stays."""
     running = []
+    try:
+        _run_queue(c, jobs, keep, running)
+    except BaseException:  # a run left behind would share its GPU with the next call's
+        for job, *_ in running:
+            job.stop()
+        raise
+
+
+def _run_queue(c, jobs, keep, running):
     while jobs or running:
         while jobs and len(running) < c.args.parallel:
             side, flags, tag, part, extra = jobs.pop(0)
@@ -330,7 +346,12 @@ def bpb_part(c):
                    "--root", c.tree(side), "--checkpoint-dir", os.path.join(ckpts, run["tag"]), "--val", val] + flags + \
                 (["--tokenizer-dir", os.path.join(c.work, "ours", "tokenizer")] if harness(side) == "ours" else [])
             print(f"== scoring {run['tag']}: {' '.join(cmd[1:])}", flush=True)
-            p = subprocess.run(cmd, cwd=c.tree(side), env=c.env(side), capture_output=True, text=True, timeout=c.args.timeout)
+            try:
+                p = subprocess.run(cmd, cwd=c.tree(side), env=c.env(side), capture_output=True, text=True,
+                                   timeout=c.args.timeout)
+            except subprocess.TimeoutExpired:
+                print(f"   failed: not done in {c.args.timeout} s", flush=True)
+                continue
             m = re.search(r"SCORE bpb=([\d.]+) bytes=(\d+) tokens=(\d+) docs=(\d+) fitted=(\d+)", p.stdout)
             if p.returncode != 0 or not m:
                 print(f"   failed: {(p.stdout + p.stderr).strip().splitlines()[-3:]}", flush=True)
@@ -383,14 +404,15 @@ def report(rows):
         print("\n| setting | side | val bpb: median (min - max, n) | each run | Muon decay | steps |")
         print("| --- | --- | --- | --- | --- | --- |")
         keys = []
+        key = lambda r: (r["part"], r.get("setting"), harness(r["side"]), r.get("version", ""))  # runs of one code
         for r in quality:
-            key = (r["part"], r.get("setting"), harness(r["side"]))
-            if key not in keys:
-                keys.append(key)
-        for part, setting, side in keys:
-            same = [r for r in quality if (r["part"], r.get("setting"), harness(r["side"])) == (part, setting, side)]
+            if key(r) not in keys:
+                keys.append(key(r))
+        for part, setting, side, version in keys:
+            same = [r for r in quality if key(r) == (part, setting, side, version)]
             vals = [r["val_bpb"] for r in same if r["val_bpb"] is not None]
             label = ("equal steps, " + setting) if part == "steps" else f"equal time ({setting} training)"
+            side += f" ({version[:12]})" if version else ""
             print(f"| {label} | {side} | {spread(vals)} | {', '.join(f'{v:.4f}' for v in vals)} | "
                   f"{same[0]['muon_decay']} | {', '.join(str(r['steps']) for r in same)} |")
     for r in [r for r in rows if r["part"] == "bpb"]:

@@ -256,6 +256,22 @@ def test_a_job_past_its_timeout_ends_torchrun_s_workers_too(tmp_path):
             os.kill(int(f.read_text()), 0)
 
 
+def test_vs_upstream_refuses_a_work_dir_prepared_from_other_data(tmp_path, capsys):
+    """Its links to the shards and both tokenizers are of the data it was prepared from: another --data-dir would
+    have mixed the two sets' shards in upstream's runs."""
+    from types import SimpleNamespace
+    from dev.vs_upstream import prepare
+    data, work = tmp_path / "data", tmp_path / "work"
+    data.mkdir()
+    for name in ("shard_00000.parquet", "shard_00001.parquet"):
+        (data / name).write_bytes(b"")
+    work.mkdir()
+    (work / "data_dir").write_text("/elsewhere")
+    with pytest.raises(SystemExit):
+        prepare(SimpleNamespace(data_dir=str(data), work=str(work)))
+    assert "was prepared from --data-dir /elsewhere" in capsys.readouterr().out
+
+
 def test_vs_upstream_takes_each_ratio_within_one_call(capsys):
     """Two calls on two machines: each call's ours over its own upstream, never the best of one over the other's."""
     from dev.vs_upstream import report
