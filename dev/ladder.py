@@ -34,16 +34,13 @@ its runs came from several kinds of GPU). Needs data and a tokenizer as base_tra
 import os
 import json
 import math
-import zlib
 import shlex
 import time
 import statistics
 
 from dev import runs
-from nanochat.recipe import DEFAULT_SEQ_LEN
 
 EVAL_TOKENS = 2 ** 21  # the final val bpb of every run: the same 2M validation tokens
-TIMED_FROM = 11  # base_train's untimed steps (UNTIMED_STEPS + 1): they include compilation
 
 
 def main(argv=None):
@@ -72,11 +69,9 @@ def main(argv=None):
     if seq["A"] != seq["B"]:
         raise SystemExit(f"--max-seq-len {seq['A']} (A) and {seq['B']} (B): the sides must score the same bytes")
     for s, spec in sides.items():  # base_train scores whole micro-batches: the same tokens only if both divide
-        batch = int(runs.flag_value(common + spec["extra"], "--device-batch-size", 32))
-        micro = batch * int(seq[s] or DEFAULT_SEQ_LEN)
-        if args.eval_tokens % micro:
-            raise SystemExit(f"--eval-tokens {args.eval_tokens} is not a multiple of side {s}'s micro-batch ({micro} "
-                             f"tokens): the sides must score the same bytes; give a multiple of both sides'")
+        if (scored := runs.scored_tokens(common + spec["extra"], args.eval_tokens)) != args.eval_tokens:
+            raise SystemExit(f"--eval-tokens {args.eval_tokens}: side {s} scores {scored} (whole micro-batches): the "
+                             f"sides must score the same bytes; give a multiple of both sides' micro-batches")
     shell = {k: v for k, v in sorted(os.environ.items()) if k.startswith("NANOCHAT_")}
     for s, spec in sides.items():  # what a run's result depends on: its code, data, settings and flags
         spec["config"] = json.dumps([spec["tree"], runs.tree_version(spec["tree"], args.out),
@@ -104,8 +99,7 @@ def main(argv=None):
         spec = sides[s]
         flags = [f"--depth={depth}", f"--target-param-data-ratio={args.ratio}", f"--seed={seed}", "--eval-every=-1",
                  f"--eval-tokens={args.eval_tokens}", "--save-every=0"] + runs.QUIET + common + spec["extra"]
-        tag = f"ladder_{zlib.crc32(os.path.abspath(args.out).encode()):08x}_{s}_d{depth}_s{seed}"  # ladders apart
-        job = runs.start(flags, tag, tree=spec["tree"], gpus=gpus, timeout=args.timeout,
+        job = runs.start(flags, runs.call_tag(args.out, f"ladder_{s}_d{depth}_s{seed}"), tree=spec["tree"], gpus=gpus, timeout=args.timeout,
                          env={**runs.data_env(args), **spec["env"]},
                          log=os.path.join(args.out, f"{s}_d{depth}_s{seed}.log"))
         print(f"== {s} d{depth} seed {seed} on GPU {gpus[0]}: {' '.join(job.cmd[1:])} (log {job.log_path})", flush=True)
@@ -126,7 +120,7 @@ def main(argv=None):
         if "flops_per_token" not in h:  # a tree from before the run record prints no FLOPs
             print(f"   {s} d{depth} seed {seed}: failed: its tree records no FLOPs per token (too old for a ladder)")
             return
-        summary = runs.summary(run, min(TIMED_FROM, steps // 2))
+        summary = runs.summary(run, min(runs.FIRST_TIMED_STEP, steps // 2))
         if summary["val_bpb"] is None:
             print(f"   {s} d{depth} seed {seed}: failed: no val bpb recorded (see {job.log_path})", flush=True)
             return

@@ -50,18 +50,15 @@ import sys
 import shlex
 import shutil
 import statistics
-import zlib
 import subprocess
 import concurrent.futures
 
 from dev import runs
 from nanochat.common import fail
-from nanochat.recipe import DEFAULT_SEQ_LEN
 
 # the equal-steps configuration (dev/vs_upstream.py's steps part runs it too)
 TRAIN = ["--depth=12", "--window-pattern=L", "--device-batch-size=32", "--total-batch-size=65536",
          "--num-iterations=200", "--eval-tokens=2097152"]
-TOK_FROM_STEP = 11  # tok/s from here on: base_train's untimed steps (UNTIMED_STEPS + 1) include compilation
 
 
 def main(argv=None):
@@ -91,16 +88,14 @@ def main(argv=None):
     saves = f"--save-every={fork}" if fork > 0 else "--save-every=" + ("-1" if args.score else "0")
     flags = [f for f in TRAIN if not f.startswith("--num-iterations=")] + \
         [f"--num-iterations={args.num_iterations}", "--eval-every=-1", saves] + runs.QUIET
-    tok_from = {"A": TOK_FROM_STEP, "B": TOK_FROM_STEP + max(fork, 0)}
+    tok_from = {"A": runs.FIRST_TIMED_STEP, "B": runs.FIRST_TIMED_STEP + max(fork, 0)}
 
     # B run i after A run i on the same GPU (a forked one from A's step N)
     queue = [("A", i) for i in range(args.runs)]
     seq = {s: runs.flag_value(flags + spec["extra"], "--max-seq-len") for s, spec in sides.items()}
-    micro = {s: int(runs.flag_value(flags + spec["extra"], "--device-batch-size")) * int(seq[s] or DEFAULT_SEQ_LEN)
-             for s, spec in sides.items()}
-    evaluated = {s: int(runs.flag_value(flags + spec["extra"], "--eval-tokens")) for s, spec in sides.items()}
-    other_bytes = seq["A"] != seq["B"] or evaluated["A"] != evaluated["B"] or any(evaluated[s] % micro[s] for s in sides)
-    tag = lambda s, i: f"quality_ab_{zlib.crc32(os.path.abspath(args.log_dir).encode()):08x}_{s}{i}"  # calls apart
+    scored = {s: runs.scored_tokens(flags + spec["extra"]) for s, spec in sides.items()}
+    other_bytes = seq["A"] != seq["B"] or scored["A"] != scored["B"]
+    tag = lambda s, i: runs.call_tag(args.log_dir, f"quality_ab_{s}{i}")
     results = {"A": [], "B": []}  # [val bpb, median tok/s, run index, scored bpbs (None where failed)]
     scoring = concurrent.futures.ThreadPoolExecutor(max_workers=len(gpus))  # beside the runs: each is one process
 
@@ -147,8 +142,8 @@ def main(argv=None):
     measures = [(lambda r: r[0], "val bpb")] + [(lambda r, k=k: r[3][k], f"score_bpb bpb ({flags})")
                                                   for k, flags in enumerate(args.score)]
     if other_bytes:
-        print(f"\n(val bpb of other tokens: --max-seq-len {seq['A']} and {seq['B']}, whole micro-batches of {micro['A']} "
-              f"and {micro['B']} tokens of {evaluated['A']} and {evaluated['B']} asked for; compare with --score)")
+        print(f"\n(val bpb of other tokens: --max-seq-len {seq['A']} and {seq['B']}, {scored['A']} and {scored['B']} "
+              f"tokens scored; compare with --score)")
     for column, what in measures:
         print(f"\n| side | runs | {what} (each run) | median | spread (min - max) | mean +- stdev | tok/s (median of runs) |")
         print("| --- | --- | --- | --- | --- | --- | --- |")

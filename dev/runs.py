@@ -103,6 +103,24 @@ def flag_value(flags, name, default=None):
     return values[-1] if values else default
 
 
+FIRST_TIMED_STEP = 11  # base_train leaves its first UNTIMED_STEPS + 1 steps (compilation) out of its time
+
+
+def scored_tokens(flags, eval_tokens=None):
+    """The validation tokens base_train scores with these flags: whole micro-batches (device batch x --max-seq-len)
+    of --eval-tokens (or `eval_tokens`), at least one."""
+    from nanochat.recipe import DEFAULT_SEQ_LEN
+    micro = int(flag_value(flags, "--device-batch-size", 32)) * int(flag_value(flags, "--max-seq-len", DEFAULT_SEQ_LEN))
+    asked = int(eval_tokens if eval_tokens is not None else flag_value(flags, "--eval-tokens"))
+    return max(1, asked // micro) * micro
+
+
+def call_tag(folder, name):
+    """A model tag for a run of a tool's call whose results go to `folder`: two calls on one base dir keep apart
+    (start() empties the tag's folder)."""
+    return f"{name}_{zlib.crc32(os.path.abspath(folder).encode()):08x}"
+
+
 def tree_version(tree, outputs=None):
     """A checkout's commit and a hash of its uncommitted changes ("" outside git): which code a result came from.
     outputs: a folder of the tool's own results, left out where it lies inside the checkout (they are not code)."""

@@ -55,7 +55,8 @@ from nanochat.common import fail
 QUALITY_EVAL = int(runs.flag_value(QUALITY, "--eval-tokens"))  # validation tokens of every quality run
 RECIPE_BATCH = 524288  # both harnesses' d12 batch (2^19), and the batch of the speed runs
 WALL_DEPTH = 12  # the equal-time runs' depth
-SPEED_STEPS = {12: (22, 11), 20: (17, 11)}  # steps run, of which the first are left out: both harnesses' 11 untimed
+# steps run, of which the first are left out: the 11 both harnesses leave out of their own timing (compilation)
+SPEED_STEPS = {12: (22, runs.FIRST_TIMED_STEP), 20: (17, runs.FIRST_TIMED_STEP)}
 UPSTREAM_DECAY = re.compile(r"Scaling weight decay from [\d.]+ to ([\d.]+)")  # upstream's Muon decay, as it prints it
 
 
