@@ -20,7 +20,7 @@ The configurations, one set per call:
                         ideal step = one-GPU step / p x (m + (p - 1) / V) / m (the bubble of p stages over m
                         micro-batches, V chunks a rank);
                         simulated step = dev.pipeline_sim's (messages queued as NCCL runs them) from block times
-                        it measures on a free GPU meanwhile (compiled, 100 GB/s a message; compute stretched as
+                        it measures on a free GPU meanwhile (compiled, 240 GB/s a message; compute stretched as
                         in training, pipeline_sim's defaults)
                 CP      32,768-token sequences, SSSL: d12 (device batch 4, 262,144-token steps) at CP 2 and n, d20
                         (2, 131,072) at CP n, against one GPU
@@ -196,12 +196,12 @@ def read_blocks(job):
 def simulated(pipelined, trees, blocks):
     """{(label, tree): the step dev.pipeline_sim prices for a pipelined configuration with its tree's block times,
     messages queued as NCCL runs them (ms)}."""
-    from dev.pipeline_sim import price
+    from dev.pipeline_sim import P2P_GBPS, price
     out = {}
     for c in pipelined:
         for tree in trees:
             if blocks.get(tree):
-                out[(c.label, tree)] = price(blocks[tree], c.schedule, c.stages, c.microbatches, c.virtual, 100.0)[-1]
+                out[(c.label, tree)] = price(blocks[tree], c.schedule, c.stages, c.microbatches, c.virtual, P2P_GBPS)[-1]
     return out
 
 

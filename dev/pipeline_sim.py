@@ -39,6 +39,9 @@ from nanochat.pipeline_schedules import (SCHEDULES, idle_formula, peak_in_flight
 # short bursts), and ~1.21x that while an NCCL kernel is resident beside them (one posted before its peer's spins on
 # SMs until the peer posts)
 SUSTAINED, CONTENTION = 1.09, 0.21
+# NCCL point to point between two H200s (batch_isend_irecv, 55-82 MB, as a d26 chunk's messages; dev/LOG.md,
+# 2026-11-28): 273-295 GB/s one way, 239-241 GB/s both ways at once (activations and gradients crossing)
+P2P_GBPS = 240.0
 CONTENTION_ROUNDS, SETTLED = 100, 1e-5  # replays until the step moves less than SETTLED of itself (d26: 10-30)
 
 
@@ -355,7 +358,7 @@ def main(argv=None):
     parser.add_argument("--microbatches", type=int, default=8, help="m")
     parser.add_argument("--virtual", type=int, default=0, help="chunks per rank (0: 2 for interleaved, else 1)")
     parser.add_argument("--p2p-ms", type=float, default=0.0, help="unit times: one message between ranks")
-    parser.add_argument("--p2p-gbps", type=float, default=100.0, help="with --times: GB/s a message moves at")
+    parser.add_argument("--p2p-gbps", type=float, default=P2P_GBPS, help="with --times: GB/s a message moves at")
     parser.add_argument("--measure", type=int, default=0, help="depth whose blocks to time on this GPU")
     parser.add_argument("--batch", type=int, default=8, help="--measure: sequences per micro-batch")
     parser.add_argument("--seq", type=int, default=2048, help="--measure: tokens per sequence")
