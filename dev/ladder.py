@@ -132,7 +132,8 @@ def main(argv=None):
         results.append(record)
         with open(results_path, "a") as f:
             f.write(json.dumps(record) + "\n")
-        print(f"   {s} d{depth} seed {seed}: val bpb {record['val_bpb']:.4f}, {record['spikes']} spikes, "
+        print(f"   {s} d{depth} seed {seed}: " + ("diverged, " if not math.isfinite(record["val_bpb"]) else "") +
+              f"val bpb {record['val_bpb']:.4f}, {record['spikes']} spikes, "
               f"{record['tok_per_sec']:,.0f} tok/s, "
               f"{record['flops']:.3e} FLOPs, {record['seconds']:.1f} s", flush=True)
 
@@ -152,8 +153,10 @@ def main(argv=None):
 
 
 def per_depth(results, side, depths):
-    """{depth: the side's runs there} for the depths where it has any."""
-    return {d: rs for d in depths if (rs := [r for r in results if r["side"] == side and r["depth"] == d])}
+    """{depth: the side's runs there that did not diverge} for the depths where it has any (a diverged run's bpb,
+    NaN or infinite, is shown in the table and never enters a median, a spread, a ladder or the plot)."""
+    return {d: rs for d in depths if (rs := [r for r in results if r["side"] == side and r["depth"] == d
+                                             and math.isfinite(r["val_bpb"])])}
 
 
 def med(rs, key):
@@ -184,8 +187,10 @@ def table(sides, depths, results):
              "compute x | wall-clock x |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for d in depths:
         for s, rs in (("A", a.get(d)), ("B", b.get(d))):
+            diverged = sum(r["side"] == s and r["depth"] == d and not math.isfinite(r["val_bpb"]) for r in results)
+            runs_cell = f"{len(rs or [])}" + (f" (+{diverged} diverged)" if diverged else "")
             if not rs:
-                lines.append(f"| d{d} | {s} | 0 | | | | | | | | |")
+                lines.append(f"| d{d} | {s} | {runs_cell} | | | | | | | | |")
                 continue
             rs = sorted(rs, key=lambda r: r["seed"])
             bpbs = [r["val_bpb"] for r in rs]
@@ -196,7 +201,7 @@ def table(sides, depths, results):
                     x, mark = equivalent(ladders[key], statistics.median(bpbs))
                     m = math.exp(x) / med(rs, key) if not math.isnan(x) else math.nan
                     mult[key] = "n/a" if math.isnan(m) else f"{mark}{m:.2f}" if m >= 0.1 else f"{mark}{m:.1e}"
-            lines.append(f"| d{d} | {s} | {len(rs)} | {', '.join(each)} | "
+            lines.append(f"| d{d} | {s} | {runs_cell} | {', '.join(each)} | "
                          f"{statistics.median(bpbs):.4f} | {max(bpbs) - min(bpbs):.4f} | "
                          f"{med(rs, 'tok_per_sec'):,.0f} | "
                          f"{med(rs, 'flops'):.3e} | {med(rs, 'seconds'):.1f} | {mult.get('flops', '')} | "

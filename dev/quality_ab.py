@@ -44,6 +44,7 @@ run i of B against run i of A differs only after N), e.g. a context extension fo
         --max-seq-len=8192 --device-batch-size=8" --score "--min-chars=5000 --chars=5000" --gpus 0,0
 """
 
+import math
 import os
 import re
 import sys
@@ -129,7 +130,8 @@ def main(argv=None):
         tok = summary["tok_per_sec"]
         scored = scoring.submit(score, args, sides[s], job, gpus[0]) if args.score else None
         results[s].append([summary["val_bpb"], tok, i, scored])
-        print(f"   {s}{i}: val bpb {summary['val_bpb']:.6f} (epoch {summary['epoch']}), "
+        print(f"   {s}{i}: " + ("diverged, " if not math.isfinite(summary["val_bpb"]) else "") +
+              f"val bpb {summary['val_bpb']:.6f} (epoch {summary['epoch']}), "
               f"{f'{tok:,.0f}' if tok else '?'} tok/s", flush=True)
 
     runs.run_queue(queue, gpus, launch, finished)
@@ -144,28 +146,31 @@ def main(argv=None):
     if other_bytes:
         print(f"\n(val bpb of other tokens: --max-seq-len {seq['A']} and {seq['B']}, {scored['A']} and {scored['B']} "
               f"tokens scored; compare with --score)")
+    kept = lambda v: v is not None and math.isfinite(v)  # a diverged run's NaN is counted, never averaged
     for column, what in measures:
         print(f"\n| side | runs | {what} (each run) | median | spread (min - max) | mean +- stdev | tok/s (median of runs) |")
         print("| --- | --- | --- | --- | --- | --- | --- |")
         for s, spec in sides.items():
-            vals = [column(r) for r in sorted(results[s], key=lambda r: r[2]) if column(r) is not None]
+            vals = [column(r) for r in sorted(results[s], key=lambda r: r[2]) if kept(column(r))]
+            diverged = sum(column(r) is not None and not kept(column(r)) for r in results[s])
+            count = f"{len(vals)}" + (f" (+{diverged} diverged)" if diverged else "")
             if not vals:
-                print(f"| {s}: {spec['name']} | 0 | all failed | | | | |")
+                print(f"| {s}: {spec['name']} | {count} | all failed or diverged | | | | |")
                 continue
             toks = [r[1] for r in results[s] if r[1]]
             sd = statistics.stdev(vals) if len(vals) > 1 else 0.0
-            print(f"| {s}: {spec['name']} | {len(vals)} | {', '.join(f'{v:.4f}' for v in vals)} | "
+            print(f"| {s}: {spec['name']} | {count} | {', '.join(f'{v:.4f}' for v in vals)} | "
                   f"{statistics.median(vals):.4f} | {min(vals):.4f} - {max(vals):.4f} | {statistics.mean(vals):.4f} +- "
                   f"{sd:.4f} | {f'{statistics.median(toks):,.0f}' if toks else ''} |")
-        a = [column(r) for r in results["A"] if column(r) is not None]
-        b = [column(r) for r in results["B"] if column(r) is not None]
+        a = [column(r) for r in results["A"] if kept(column(r))]
+        b = [column(r) for r in results["B"] if kept(column(r))]
         if a and b:
             # how often a B run is below an A run, over all pairs (0.5 = no difference; ties count half)
             wins = sum((y < x) + 0.5 * (y == x) for x in a for y in b) / (len(a) * len(b))
             print(f"\nB - A ({what}): median {statistics.median(b) - statistics.median(a):+.4f}; "
                   f"a B run is lower than an A run in {wins:.0%} of the {len(a) * len(b)} pairs")
         if fork > 0:  # B's run i continues A's run i: their difference is the effect, without the run-to-run spread
-            by_run = {s: {r[2]: column(r) for r in results[s] if column(r) is not None} for s in ("A", "B")}
+            by_run = {s: {r[2]: column(r) for r in results[s] if kept(column(r))} for s in ("A", "B")}
             pairs = [by_run["B"][i] - by_run["A"][i] for i in sorted(by_run["B"]) if i in by_run["A"]]
             if pairs:
                 print(f"B run i - A run i ({what}): {', '.join(f'{d:+.4f}' for d in pairs)}; median "

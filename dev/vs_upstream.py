@@ -24,7 +24,7 @@ Parts (--parts, comma-separated; all by default):
   steps that takes --wall-seconds at its step time from the speed part (the same attention as this run).
   That time excludes compilation (the warm-up steps) and evaluation; each side's own schedule and decay.
 - bpb: an independent check of both sides' val bpb (dev/score_bpb.py: the same validation bytes, each model's
-  logits only) on the final checkpoint of each side's first equal-steps run, four ways: each of the first
+  logits only) on the final checkpoint of each side's first equal-steps run by the code at hand, four ways: each of the first
   1,000 documents' head as far as the context holds it, one document per row (what packed rows of whole
   documents hold); the same over every document; the first selection packed several documents to a row;
   and the first 5,000 characters of documents that have them.
@@ -337,10 +337,11 @@ def bpb_part(c):
     rows = c.load_results()
     for side in (quality_side(c), "upstream"):
         ckpts = os.path.join(c.work, harness(side), "base_checkpoints")
+        version = runs.tree_version(c.tree(side), c.work)  # a run of this code, not of an earlier version
         saved = [r for r in rows if r["part"] == "steps" and r["side"] == side and r.get("setting") == "own rule"
-                 and os.path.isdir(os.path.join(ckpts, r["tag"]))]
+                 and r.get("version") == version and os.path.isdir(os.path.join(ckpts, r["tag"]))]
         if not saved:
-            fail(f"bpb needs a saved equal-steps run of {side!r} in {c.work}: run --parts steps first")
+            fail(f"bpb needs a saved equal-steps run of {side!r} by this code in {c.work}: run --parts steps first")
         run = saved[0]
         for selection, flags in SCORER_SELECTIONS.items():
             cmd = [sys.executable, os.path.join(c.ours, "dev", "score_bpb.py"), "--harness", harness(side),

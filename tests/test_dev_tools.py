@@ -131,6 +131,8 @@ def test_tree_version_names_the_commit_and_the_changes_not_yet_committed(tmp_pat
     (tmp_path / "ladder_out" / "results.jsonl").write_text("{}\n")
     assert runs.tree_version(str(tmp_path), str(tmp_path / "ladder_out")) == clean != runs.tree_version(str(tmp_path))
     assert runs.tree_version(str(tmp_path), str(tmp_path.parent / "elsewhere")) != clean  # outside: nothing left out
+    (tmp_path / "ladder_out" / "upstream").mkdir()  # another project's copy inside this checkout: not our commit
+    assert runs.tree_version(str(tmp_path / "ladder_out" / "upstream")) == ""
 
 
 def test_ladder_reads_b_off_a_s_ladder():
@@ -159,6 +161,11 @@ def test_ladder_table_prices_b_on_a_s_ladder():
     assert rows["d3B"].endswith("| ~3.16 | ~1.41 |") and rows["d1B"].endswith("| 0 | | | | | | | | |")
     results.append(run("B", 1, 42, 6.0, 1e10, 10.0))  # far above A's ladder: a multiplier of 1e-3
     assert table({s: {"name": s} for s in "AB"}, [1, 2, 3], results).count("| ~1.0e-03 |") == 1
+    # diverged runs (a NaN bpb) are counted beside the others and change no median, spread or multiplier
+    results += [run("B", 2, 45, float("nan"), 1e11, 40.0), run("A", 2, 43, float("nan"), 1e11, 20.0)]
+    out = table({s: {"name": s} for s in "AB"}, [1, 2, 3], results)
+    assert "| 3 (+1 diverged) | 1.9000, 1.4000, 1.5000 | 1.5000 | 0.5000 | 1 | 1.000e+11 | 40.0 | 3.16 | 0.71 |" in out
+    assert "| d2 | A | 1 (+1 diverged) | 2.0000 |" in out and "nan" not in out
 
 
 def test_ladder_table_names_the_runs_that_spiked():
@@ -270,6 +277,24 @@ def test_vs_upstream_refuses_a_work_dir_prepared_from_other_data(tmp_path, capsy
     with pytest.raises(SystemExit):
         prepare(SimpleNamespace(data_dir=str(data), work=str(work)))
     assert "was prepared from --data-dir /elsewhere" in capsys.readouterr().out
+
+
+def test_vs_upstream_scores_only_a_run_of_the_code_at_hand(tmp_path, capsys):
+    """The bpb check scores an equal-steps run's checkpoint only where that run was made by the tree as it is now."""
+    from types import SimpleNamespace
+    from dev import runs
+    from dev.vs_upstream import bpb_part
+    data, work = tmp_path / "data", tmp_path / "work"
+    data.mkdir()
+    (data / "shard_00000.parquet").write_bytes(b"")
+    (work / "ours" / "base_checkpoints" / "steps_ours_0").mkdir(parents=True)
+    row = dict(part="steps", side="ours", setting="own rule", tag="steps_ours_0", val_bpb=1.5,
+               version=runs.tree_version(runs.REPO, str(work)) + "-another")
+    c = SimpleNamespace(data_dir=str(data), work=str(work), fa4_path=None, load_results=lambda: [row],
+                        tree=lambda side: runs.REPO)
+    with pytest.raises(SystemExit):
+        bpb_part(c)
+    assert "needs a saved equal-steps run of 'ours' by this code" in capsys.readouterr().out
 
 
 def test_vs_upstream_takes_each_ratio_within_one_call(capsys):
