@@ -161,11 +161,13 @@ def upstream_row(text, warmup):
         raise runs.RunFailed(f"no step from {warmup} on printed: " + " / ".join(text.strip().splitlines()[-3:]))
     bpb = re.findall(r"Validation bpb: ([\d.]+)", text)
     decay = UPSTREAM_DECAY.findall(text)
-    peak = re.search(r"peak memory: ([\d.]+) GiB", text)
+    peak = re.search(r"^Peak memory usage: ([\d.]+) ?MiB", text, re.M)  # its max_memory_allocated, as ours
+    attention = "FlashAttention-3" if re.search(r"Using Flash Attention 3", text) else \
+        "PyTorch SDPA" if re.search(r"using PyTorch SDPA", text) else ""
     return dict(steps=steps[-1][0] + 1, step_ms=statistics.median(timed), steps_timed=len(timed),
-                peak_gib=float(peak.group(1)) if peak else None, val_bpb=float(bpb[-1]) if bpb else None,
-                muon_decay=float(decay[0]) if decay else None,
-                attention=(re.findall(r"^attention: (.*)$", text, re.M) or [""])[0])
+                peak_gib=round(float(peak.group(1)) / 1024, 2) if peak else None,
+                val_bpb=float(bpb[-1]) if bpb else None, muon_decay=float(decay[0]) if decay else None,
+                attention=attention)
 
 
 # -----------------------------------------------------------------------------

@@ -297,6 +297,19 @@ def test_vs_upstream_scores_only_a_run_of_the_code_at_hand(tmp_path, capsys):
     assert "needs a saved equal-steps run of 'ours' by this code" in capsys.readouterr().out
 
 
+def test_vs_upstream_reads_upstream_s_printout():
+    """Upstream writes no run record: its steps from the warm-up on, its peak (printed in MiB) and its attention."""
+    from dev.vs_upstream import upstream_row
+    text = ("WARNING: Flash Attention 3 not available, using PyTorch SDPA fallback\n"
+            "step 00000/00003 (0.00%) | loss: 10.0 | dt: 9000.00ms | tok/sec: 1\n"
+            "step 00001/00003 (33.33%) | loss: 9.0 | dt: 930.00ms | tok/sec: 2\n"
+            "step 00002/00003 (66.67%) | loss: 8.0 | dt: 926.00ms | tok/sec: 2\n"
+            "Peak memory usage: 94248.96MiB\nValidation bpb: 1.6240\n")
+    row = upstream_row(text, warmup=1)
+    assert (row["steps"], row["step_ms"], row["steps_timed"], row["peak_gib"], row["val_bpb"], row["attention"]) == \
+        (3, 928.0, 2, 92.04, 1.624, "PyTorch SDPA")
+
+
 def test_vs_upstream_takes_each_ratio_within_one_call(capsys):
     """Two calls on two machines: each call's ours over its own upstream, never the best of one over the other's."""
     from dev.vs_upstream import report
