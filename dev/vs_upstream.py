@@ -238,34 +238,23 @@ def speed(c):
 
 
 def run_queue(c, jobs, keep=lambda row: False):
-    """jobs: (side, flags or a function giving them at start, tag, part, extra fields); --parallel at a time.
-    keep(row): whether the run's checkpoint stays."""
-    running = []
-    try:
-        _run_queue(c, jobs, keep, running)
-    except BaseException:  # a run left behind would share its GPU with the next call's
-        for job, *_ in running:
-            job.stop()
-        raise
+    """jobs: (side, flags or a function giving them at start, tag, part, extra fields), --parallel at a time on this
+    GPU (runs.run_queue, which ends the runs left going if it fails). keep(row): whether the run's checkpoint stays."""
+    def launch(spec, _):
+        side, flags, tag, _, _ = spec
+        return c.start(side, flags() if callable(flags) else flags, tag)
 
+    def finished(spec, job, _):
+        side, _, _, part, extra = spec
+        row = c.finish(job, side)
+        if row is not None:
+            row.update(part=part, **extra)
+            print(f"   {row['tag']}: val bpb {row['val_bpb']}, Muon decay {row['muon_decay']}, {row['steps']} steps", flush=True)
+            c.record(row)
+            if not keep(row):
+                c.drop_checkpoint(row)
 
-def _run_queue(c, jobs, keep, running):
-    while jobs or running:
-        while jobs and len(running) < c.args.parallel:
-            side, flags, tag, part, extra = jobs.pop(0)
-            flags = flags() if callable(flags) else flags
-            running.append((c.start(side, flags, tag), side, part, extra))
-        time.sleep(2)
-        for item in [r for r in running if r[0].done()]:
-            running.remove(item)
-            job, side, part, extra = item
-            row = c.finish(job, side)
-            if row is not None:
-                row.update(part=part, **extra)
-                print(f"   {row['tag']}: val bpb {row['val_bpb']}, Muon decay {row['muon_decay']}, {row['steps']} steps", flush=True)
-                c.record(row)
-                if not keep(row):
-                    c.drop_checkpoint(row)
+    runs.run_queue(list(jobs), [None] * c.args.parallel, launch, finished)
 
 
 def quality_side(c):

@@ -310,6 +310,37 @@ def test_vs_upstream_reads_upstream_s_printout():
         (3, 928.0, 2, 92.04, 1.624, "PyTorch SDPA")
 
 
+def test_vs_upstream_runs_its_quality_runs_parallel_at_a_time(monkeypatch):
+    """Its queue: at most --parallel runs at once, flags made at start, each run's row recorded with its part, only
+    the checkpoints asked for kept."""
+    from types import SimpleNamespace
+    from dev import runs, vs_upstream
+    monkeypatch.setattr(runs.time, "sleep", lambda s: None)
+    live, recorded, dropped, most = [], [], [], [0]
+
+    class Job:
+        def __init__(self, tag):
+            self.tag, self.polls = tag, 0
+            live.append(tag)
+            most[0] = max(most[0], len(live))
+
+        def done(self):
+            self.polls += 1
+            if self.polls == 3:
+                live.remove(self.tag)
+            return self.polls >= 3
+
+    c = SimpleNamespace(args=SimpleNamespace(parallel=2), start=lambda side, flags, tag: Job(tag),
+                        finish=lambda job, side: dict(tag=job.tag, side=side, val_bpb=1.0, muon_decay=0.1, steps=3),
+                        record=recorded.append, drop_checkpoint=lambda row: dropped.append(row["tag"]))
+    jobs = [("ours", ["--x"], f"t{i}", "steps", dict(setting="own rule")) for i in range(4)]
+    jobs.append(("upstream", lambda: ["--made-now"], "t4", "walltime", {}))
+    vs_upstream.run_queue(c, jobs, keep=lambda row: row["tag"] == "t0")
+    assert most[0] == 2 and [r["tag"] for r in recorded] == ["t0", "t1", "t2", "t3", "t4"]
+    assert recorded[0]["setting"] == "own rule" and recorded[4]["part"] == "walltime"
+    assert dropped == ["t1", "t2", "t3", "t4"]
+
+
 def test_vs_upstream_takes_each_ratio_within_one_call(capsys):
     """Two calls on two machines: each call's ours over its own upstream, never the best of one over the other's."""
     from dev.vs_upstream import report
