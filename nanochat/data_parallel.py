@@ -1,6 +1,7 @@
 """
 Data parallelism, written out (no DDP wrapper): gradients are summed over the DP group and the optimizer's work is
-shared out, no two ranks computing the same update (ZeRO-2; ZeRO-3, sharding.py, builds on the same ownership).
+shared out, no two ranks computing the same update (ZeRO-1: gradients stay whole until the step; ZeRO-3,
+sharding.py, builds on the same ownership).
 
 Collectives, all over the DP group (gloo has no AVG everywhere: gradients are summed, then divided by W):
   reduce_scatter_tensor   per Muon round: its W gradients -> this rank's matrix, summed

@@ -109,9 +109,7 @@ def allocate_rows(credits, n_emb, k_max):
 
 
 def uniform_rows(vocab_size, n_emb):
-    d = np.full(vocab_size, n_emb // vocab_size, dtype=np.int64)
-    d[:n_emb % vocab_size] += 1
-    return d
+    return n_emb // vocab_size + (np.arange(vocab_size) < n_emb % vocab_size).astype(np.int64)
 
 
 def sample_training_tokens(tokenizer, data_dir, n_tokens):
@@ -183,6 +181,7 @@ class _Plan:
     def __init__(self, ids, bounds, block, window, pin=False):
         n = ids.size
         self.n, self.block = n, block
+        self.fingerprint = int(ids.astype(np.int64) @ np.arange(1, n + 1))  # which ids: lookup checks it
         # a stable sort of 16-bit keys is a radix sort in numpy (~10x a 64-bit one's speed at 64K positions)
         order = np.argsort(ids.astype(np.uint16) if len(bounds) <= 1 << 16 else ids, kind="stable")
         sid = ids[order]
@@ -267,11 +266,9 @@ class _BlockedLookup(torch.autograd.Function):
         xs, tc, order, *flat = ctx.saved_tensors
         chunks = [flat[i:i + 4] for i in range(0, len(flat), 4)]  # (slot, target, rows, mask) each
         acc = torch.promote_types(xs.dtype, torch.float32)
-        gs = grad_h.to(xs.dtype).index_select(0, order)
-        gs = torch.cat([gs, gs.new_zeros(L3_SPARE_ROWS, gs.size(1))])  # padding slots read zeros: no gradient
+        gs = F.pad(grad_h.to(xs.dtype).index_select(0, order), (0, 0, 0, L3_SPARE_ROWS))  # padding slots read zeros
         dxs = xs.new_empty(xs.size(0) + L3_SPARE_ROWS, xs.size(1))  # + the padding slots' rows
-        # fp32 table gradient by an accumulating index_put: sorts the rows, sums duplicates in order (atomic index_add_
-        # contends on a frequent token's rows: slower), unchecked (the forward clamped the rows)
+        # fp32 table gradient: an unchecked (rows clamped) index_put summing duplicates in order (index_add_: slower)
         de = l3_lookup.table_gradient(ctx.param, tc, acc)
         for slot, target, rows, mask in chunks:
             xb, eb, gb = xs[slot], tc[rows], gs[target].view(*slot.shape, -1)
@@ -291,7 +288,7 @@ class _BlockedLookup(torch.autograd.Function):
 
 def choose_path(x, ids, bounds):
     """"blocked" on CUDA; on CPU "padded" while its gather is <= L3_PADDED_MAX_BYTES and <= 1.5x the useful rows."""
-    if x.is_cuda:
+    if x.is_cuda or ids.numel() == 0:  # (an empty batch has no widest token to pad to)
         return "blocked"
     count = bounds[ids + 1] - bounds[ids]
     padded_slots = ids.numel() * int(count.max())
@@ -392,6 +389,9 @@ class L3Layer(nn.Module):
         if plan is not None and plan.n != ids.numel():
             raise RuntimeError(f"L3: the lookup planned ahead ({plan.n} ids) is not this lookup's ({ids.numel()}): "
                                f"forwards ran out of the order their plans were queued in")
+        if plan is not None:  # as many ids, but the same ones? Checked on the device: no wait for it
+            torch._assert_async((ids * torch.arange(1, ids.numel() + 1, device=ids.device)).sum() == plan.fingerprint,
+                                "L3: the lookup planned ahead is of other ids: forwards ran out of their plans' order")
         path = choose_path(x, ids, self.bounds) if self.path == "auto" else self.path
         if path == "padded":
             return lookup_padded(x, ids, self.key_table, self.bounds)

@@ -252,7 +252,8 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def held_bytes(self):
         """Bytes this rank holds: the weights, the last step's gradients (before clearing), the optimizer state."""
-        size = lambda ts: sum(t.numel() * t.element_size() for t in ts)
+        # each storage once and whole: a shard kept as a view of its whole tensor holds all of it
+        size = lambda ts: sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in ts}.values())
         weights = size(p.data for g in self.param_groups for p in g["params"])
         state = [t for _, _, stack in self.muon_stacks for t in (stack.momentum, stack.second)] + \
             [t for s in self.state.values() for t in s.values() if torch.is_tensor(t)]

@@ -288,8 +288,9 @@ class ShardedWeights:
         for p, landing, g in params:
             if landing is not None:
                 p.grad = landing.float() if p.grad is None else p.grad.add_(landing)
-            if g is not p.grad:  # sent: freed now (an NCCL group holds its reduce-scatters' inputs until its
-                g.untyped_storage().resize_(0)  # watchdog reaps them: 3.4 GiB more at d32 DP 4)
+            for t in (landing, g):  # sent, or landed and summed: freed now (an NCCL group holds its buffers until
+                if t is not None and t is not p.grad:  # its watchdog reaps them: 3.4 GiB more at d32 DP 4)
+                    t.untyped_storage().resize_(0)
 
     def finish(self):
         """Before the step: every gradient landed, gatherings posted ahead dropped (the step changes their weights)."""

@@ -131,6 +131,8 @@ def _worker(rank, world, tp, pp, sequence_parallel, schedule, steps, port, out_d
         leave_identity_init(model)
         if resume_from is None:
             allocate_l3(model)
+        for layer in model.l3.values():  # the path GPUs take (CPU would mostly pick padded): its gradient summed in place
+            layer.path = "blocked"
 
     resume, first_step = None, 0
     if resume_from is not None:

@@ -422,7 +422,13 @@ def test_a_steps_lookups_are_planned_ahead_and_taken_in_order(monkeypatch):
     with pytest.raises(RuntimeError, match="out of the order"):
         with plans_made_ahead(model, [a, b]):
             model(b, b)
+    c = torch.randint(0, 256, (2, 32))  # as many ids as a: only which ids tells the plans apart
+    with pytest.raises(RuntimeError, match="of other ids"):
+        with plans_made_ahead(model, [a, c]):
+            model(c, c)
     assert not any(layer.plans_ahead for layer in layers)
+    d, layers[0].path = model.config.n_embd, "auto"  # an empty batch: no widest token to pad to, an empty output
+    assert layers[0](torch.zeros(0, 5, d), torch.zeros(0, 5, dtype=torch.long)).shape == (0, 5, d)
 
 
 def test_compiled_forward_and_backward_cpu():

@@ -47,7 +47,7 @@ if triton is not None:
 
     @triton.jit
     def _dots(x_ptr, e_ptr, pos, ok, rows, D: tl.constexpr, BK: tl.constexpr):
-        """x[pos] . e[rows] over all D channels, fp32 (rows past the table read zeros: `end` masks them)."""
+        """x[pos] . e[rows] over all D channels, fp32 (rows past the table: the callers clamp them, `own` masks them)."""
         s = tl.zeros([pos.shape[0], rows.shape[0]], dtype=tl.float32)
         for k in range(0, D, BK):
             ch = k + tl.arange(0, BK)
