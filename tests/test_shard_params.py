@@ -114,10 +114,10 @@ def test_sharded_l3():  # the tables by rows over DP, gathered around their laye
     assert_same_l3_run(run_layout(dp=2, shard_params=True, config_overrides=L3), run_layout(config_overrides=L3))
 
 
-def test_sharded_dp4_resumes_at_dp1_and_at_unsharded_dp2():
+def test_sharded_dp4_resumes_at_dp1_and_at_sharded_dp2():
     saved = run_layout(dp=4, steps=6, shard_params=True)
     _resume_matches(saved, dp=1)
-    _resume_matches(saved, dp=2)
+    _resume_matches(saved, dp=2, shard_params=True)  # into shards of another size
 
 
 def test_base_train_shard_params_over_two_ranks(env):
