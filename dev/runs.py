@@ -122,13 +122,12 @@ def call_tag(folder, name):
 
 
 def tree_version(tree, outputs=None):
-    """A checkout's commit and a hash of its uncommitted changes ("" outside git, or below another checkout's root):
-    which code a result came from.
+    """A checkout's commit and a hash of its uncommitted changes ("" outside git, or where git tracks nothing): which
+    code a result came from.
     outputs: a folder of the tool's own results, left out where it lies inside the checkout (they are not code)."""
     git = lambda *a: subprocess.run(["git", "-C", tree, *a], capture_output=True).stdout
-    top = git("rev-parse", "--show-toplevel").decode().strip()
-    if not top or os.path.realpath(top) != os.path.realpath(tree):  # not a checkout's root: e.g. a copy of
-        return ""  # another project unpacked inside this one, whose commit would be ours
+    if not git("ls-files", "--", "."):  # nothing tracked here (e.g. another project's copy inside this checkout,
+        return ""  # ignored): the enclosing checkout's commit is not its version
     inside = os.path.relpath(os.path.abspath(outputs), os.path.abspath(tree)) if outputs else os.pardir
     paths = ["--", ".", f":(exclude){inside}"] if not inside.startswith(os.pardir) else []
     untracked = git("ls-files", "--others", "--exclude-standard", "-z", *paths).split(b"\0")

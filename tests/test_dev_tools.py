@@ -133,6 +133,10 @@ def test_tree_version_names_the_commit_and_the_changes_not_yet_committed(tmp_pat
     assert runs.tree_version(str(tmp_path), str(tmp_path.parent / "elsewhere")) != clean  # outside: nothing left out
     (tmp_path / "ladder_out" / "upstream").mkdir()  # another project's copy inside this checkout: not our commit
     assert runs.tree_version(str(tmp_path / "ladder_out" / "upstream")) == ""
+    (tmp_path / "sub").mkdir()  # a tracked folder (a harness kept inside a larger repository): that repository's
+    (tmp_path / "sub" / "b.py").write_text("z = 1\n")
+    git("add", "sub")
+    assert runs.tree_version(str(tmp_path / "sub")).startswith(clean + "+")
 
 
 def test_ladder_reads_b_off_a_s_ladder():
