@@ -8,6 +8,8 @@ fp8 -> resumed weights -> TP -> CP -> pipeline stage -> experts placed -> attent
 
 import os
 import copy
+import json
+import zlib
 import math
 import time
 import itertools
@@ -137,15 +139,23 @@ def compile_for_training(model, pipeline, per_block, backend):
     return model
 
 
-def check_ranks_agree(layout, data_dir, data_listing, ckpt_dir, saves):
-    """Several nodes: every rank must see the same shards, else DP ranks would stride over different lists
-    (ConfigError naming the ranks). Checkpoints are written by one rank per stage and read by all on resume, so
-    ckpt_dir must be one file system: prints a warning naming the hosts that cannot see it."""
-    listings = gather_objects((os.uname().nodename, data_dir, data_listing), layout.cpu_group)
-    differ = [f"rank {r} ({host}: {d})" for r, (host, d, lst) in enumerate(listings) if lst != listings[0][2]]
+def check_ranks_agree(layout, data_dir, data_listing, ckpt_dir, saves, resume):
+    """Several nodes: every rank must see the same shards, else DP ranks would stride over different lists, and
+    resume the same checkpoint (resume: its step and meta; node-local folders may hold other steps) (ConfigError
+    naming the ranks). Checkpoints are written by one rank per stage and read by all on resume, so ckpt_dir must be
+    one file system: prints a warning naming the hosts that cannot see it."""
+    step, meta = resume
+    digest = zlib.crc32(json.dumps(meta, sort_keys=True, default=str).encode()) if meta is not None else None
+    listings = gather_objects((os.uname().nodename, data_dir, data_listing, (step, digest)), layout.cpu_group)
+    differ = [f"rank {r} ({host}: {d})" for r, (host, d, lst, _) in enumerate(listings) if lst != listings[0][2]]
     if differ:
         raise ConfigError(f"the data differs between ranks: {', '.join(differ)} do not see the shards of rank 0 "
                           f"({listings[0][0]}: {listings[0][1]}); give every node the same shards (a copy or a shared folder)")
+    theirs = listings[0][3]
+    if differ := [f"rank {r} ({host}: step {res[0]})" for r, (host, _, _, res) in enumerate(listings) if res != theirs]:
+        raise ConfigError(f"the ranks would resume different checkpoints: {', '.join(differ)} against rank 0's step "
+                          f"{theirs[0]} ({listings[0][0]}: {ckpt_dir}); give every node the same checkpoint folder (a "
+                          f"shared file system, or a copy of the newest step)")
     if not saves:
         return
     probe = os.path.join(ckpt_dir, f".shared_probe_{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}")

@@ -58,19 +58,21 @@ class Plan:
                f"{get_compute_dtype(device.type)}; compile {self.compile}")
         if layout.world_size > 1:
             print_rank(layout, f"global rank {layout.rank}")
-        self.tokenizer = get_tokenizer()
-        self.data_dir = data_dir = check_data(args.data_dir, layout.dp_size)
-        self.data_listing = shard_listing(data_dir)
         self.ckpt_dir = ckpt_dir = ckpt.checkpoint_dir(args.model_tag or f"d{args.depth}")
-        if layout.world_size > 1:  # several nodes: the same shards on every rank, one checkpoint folder for all
-            training.check_ranks_agree(layout, data_dir, self.data_listing, ckpt_dir, saves=args.save_every != 0)
-        self.resume_meta = resume_meta = None
-        self.new_data = False
-        if args.resume_from_step == "latest":
-            args.resume_from_step = ckpt.find_last_step(ckpt_dir)
-        if args.resume_from_step >= 0:
-            self.resume_meta = resume_meta = ckpt.load_meta(ckpt_dir, args.resume_from_step,
-                                                            needs=("model_config", "loop_state", "dataloader_states"))
+
+        def read_here():  # what each rank reads for itself: an error on any rank stops all, its message printed
+            step = ckpt.find_last_step(ckpt_dir) if args.resume_from_step == "latest" else args.resume_from_step
+            meta = ckpt.load_meta(ckpt_dir, step, needs=("model_config", "loop_state", "dataloader_states")) \
+                if step >= 0 else None
+            return get_tokenizer(), check_data(args.data_dir, layout.dp_size), step, meta
+        self.tokenizer, self.data_dir, args.resume_from_step, self.resume_meta = \
+            agreed(read_here, UserError, device if layout.world_size > 1 else None)
+        data_dir, resume_meta, self.new_data = self.data_dir, self.resume_meta, False
+        self.data_listing = shard_listing(data_dir)
+        if layout.world_size > 1:  # several nodes: the same shards, checkpoint folder and resume point everywhere
+            training.check_ranks_agree(layout, data_dir, self.data_listing, ckpt_dir, args.save_every != 0,
+                                       (args.resume_from_step, resume_meta))
+        if resume_meta is not None:
             if args.max_seq_len is None:  # not given: the checkpoint's context
                 args.max_seq_len = GPTConfig.from_dict(resume_meta["model_config"]).sequence_len
             ckpt.check_tokenizer(resume_meta, self.tokenizer, ckpt_dir)

@@ -66,11 +66,23 @@ def test_two_nodes_dp2_with_node_local_data_match_one_node(env, tmp_path):
     run_script("scripts.base_train", TRAIN + ["--model-tag", "one_node"], env, nproc=2)
     one = run_losses(env, "one_node")
     envs = node_local_envs(env, tmp_path)
-    out, _ = run_two_nodes(1, TRAIN + ["--save-every", "-1", "--model-tag", "two_nodes"], envs, str(tmp_path))
+    out, _ = run_two_nodes(1, TRAIN + ["--save-every", "2", "--model-tag", "two_nodes"], envs, str(tmp_path))
     assert len(one) == 3 and run_losses(envs[0], "two_nodes") == one
     assert "world 2 = dp 2 x tp 1 x pp 1" in out
     # node-local base dirs: rank 0 warns that the other node cannot see the checkpoint folder
     assert "is not visible from" in out
+    # a resume there: rank 1's own error (no checkpoint on its node) is the one printed; then a node holding an
+    # older step than rank 0's newest is refused, the ranks named, not resumed at two steps
+    from nanochat.checkpoint_manager import checkpoint_dir
+    resume = TRAIN + ["--model-tag", "two_nodes", "--resume-from-step", "latest"]
+    p = run_on_pool("scripts.base_train", resume, envs, nproc=2, per_node=1)
+    assert p.returncode != 0 and "ERROR: no checkpoint in " + checkpoint_dir("two_nodes", envs[1]["NANOCHAT_BASE_DIR"]) \
+        in p.stdout, p.stdout[-3000:]
+    mine, theirs = (checkpoint_dir("two_nodes", e["NANOCHAT_BASE_DIR"]) for e in envs)
+    shutil.copytree(mine, theirs)
+    os.remove(os.path.join(theirs, "meta_000003.json"))
+    p = run_on_pool("scripts.base_train", resume, envs, nproc=2, per_node=1)
+    assert p.returncode != 0 and "the ranks would resume different checkpoints: rank 1" in p.stdout, p.stdout[-3000:]
     # a node whose copy of the data differs (one more shard) is refused at the start, naming the ranks
     first = sorted(f for f in os.listdir(SAMPLE) if f.endswith(".parquet"))[0]
     shutil.copy(os.path.join(SAMPLE, first), os.path.join(envs[1]["NANOCHAT_DATA_DIR"], "0_extra.parquet"))
