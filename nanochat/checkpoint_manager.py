@@ -3,8 +3,8 @@ Checkpoints in $NANOCHAT_BASE_DIR/base_checkpoints/<model_tag>/, per step: model
 optim_<step>.pt (layout-free optimizer state), meta_<step>.json (config, loop and dataloader states, flags, checksums).
 Under PP or EP one file per stage and EP rank (_stage<k>, k = stage x EP + EP rank; later EP ranks hold their experts
 only), merged on load: whole tensors, so any (DP, TP, PP, EP) layout loads any checkpoint. Files are written to a
-temporary name and renamed, meta last: a step is saved once its meta exists; a failed save leaves no part of it, a
-killed one at most its tensor files without a meta (no saved step: a resume sets them aside). Loading unpickles
+temporary name and renamed, meta last: a step is saved once its meta exists; a failed or killed save leaves at
+most some of its tensor files without a meta (no saved step: a resume sets them aside). Loading unpickles
 nothing and refuses a file failing its checksum, non-finite weights and another tokenizer, naming the newest intact
 step. A run locks its folder (run_lock.py); a new run refuses a folder holding another run's files.
 """
@@ -88,9 +88,13 @@ def _no_space(ckpt_dir, step, need, free):
                            f"to a disk with room")
 
 
-def intact_hint(ckpt_dir, before=None):
-    """For error lines: the newest step (before `before`) whose files are all there and match their checksums."""
+def intact_hint(ckpt_dir, before=None, quick=False):
+    """For error lines: the newest step (before `before`) whose files are all there and match their checksums; quick:
+    whose meta is there (written after its files), nothing read, where the other ranks will not wait for a checksum
+    of every file (a resume checks them, and names the newest intact step if one is damaged)."""
     for step in reversed(saved_steps(ckpt_dir)):
+        if quick and (before is None or step < before):
+            return f"step {step} is the newest saved there (resume with --resume-from-step {step})"
         if before is None or step < before:
             with contextlib.suppress(CheckpointError):
                 verify(ckpt_dir, step)

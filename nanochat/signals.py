@@ -1,6 +1,7 @@
 """
-Ctrl-C, SIGTERM and a STOP file as a stop request, which the training loop and the evaluations poll: a run stops
-within seconds at any time (an evaluation included) and saves its checkpoint instead of dying mid-step. The file
+Ctrl-C, SIGTERM and a STOP file as a stop request, which the training loop and the evaluations poll: once its start-up
+is done a run stops within seconds at any time (an evaluation included) and saves its checkpoint instead of dying
+mid-step (during the start-up a signal ends it at once: nothing was trained yet, nothing saved is touched). The file
 serves where a signal cannot end the run cleanly: torchrun, once signalled itself, exits 1 whatever its workers did.
 """
 

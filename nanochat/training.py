@@ -378,5 +378,8 @@ class Trainer:
         meta["checksums"] = {name: crc for part in gather_objects(written or {}) for name, crc in part.items()}
         agreed(lambda: ckpt.save_meta(ckpt_dir, step, meta, parts), ckpt.CheckpointError, device, mine=L.rank == 0)
         if L.rank == 0 and keep_last > 0:
-            ckpt.prune_checkpoints(ckpt_dir, keep_last)
+            try:  # this step is saved: an older one left behind costs disk, not the run
+                ckpt.prune_checkpoints(ckpt_dir, keep_last)
+            except OSError as e:
+                print0(f"WARNING: could not delete an older checkpoint in {ckpt_dir} ({e}); delete it by hand")
         print0(f"saved checkpoint for step {step} to {ckpt_dir} ({time.time() - t0:.1f}s)")

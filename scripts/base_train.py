@@ -287,7 +287,8 @@ class Run:
         loss = loss.item()  # also synchronizes the device, so dt is honest
         dt = time.time() - t0
         if not math.isfinite(loss):  # the checkpoints stay: one step's NaN says nothing against weights saved finite
-            saved = f"; {ckpt.intact_hint(self.ckpt_dir)}" if self.args.save_every and self.layout.rank == 0 else ""
+            saved = f"; {ckpt.intact_hint(self.ckpt_dir, quick=True)}" if self.args.save_every and not self.layout.rank \
+                else ""
             raise UserError(f"loss is {loss} at step {self.step}; stopping{saved}; if it comes back there, resume from "
                             f"an earlier step or lower the learning rates")
         norms = self.trainer.optimizer.grad_norms.tolist()  # [global, then each of PARAM_GROUPS]
@@ -432,7 +433,7 @@ def main(argv=None):
     except Exception as e:  # several ranks: one short line from the first to fail, the traceback in a file
         if watch is None or watch.timeout_s is None:
             raise
-        watch.fail(e, lambda: ckpt.intact_hint(plan.ckpt_dir) if plan and args.save_every else "")
+        watch.fail(e, lambda: ckpt.intact_hint(plan.ckpt_dir, quick=True) if plan and args.save_every else "")
     finally:
         run_lock.release_lock(lock)
         if watch is not None:

@@ -54,6 +54,7 @@ def test_a_damaged_optimizer_file_is_named_and_a_temporary_meta_is_no_step(tmp_p
     sums = ckpt.save_stage_files(str(tmp_path), 0, {"w": torch.ones(4)}, {"adamw_step": 0, "params": {}})
     ckpt.save_meta(str(tmp_path), 0, {"model_config": {}, "checksums": sums})
     assert ckpt.intact_hint(str(tmp_path)).startswith("step 0 is intact")  # step 1's optimizer file is damaged
+    assert ckpt.intact_hint(str(tmp_path), quick=True).startswith("step 1 is the newest saved")  # no file read
 
 
 def test_a_save_that_fails_part_way_leaves_no_part_of_its_step(tmp_path, monkeypatch):

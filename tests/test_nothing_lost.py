@@ -88,11 +88,12 @@ def test_a_resume_sets_its_records_and_the_later_steps_aside_into_one_folder(env
 
 def test_a_nan_on_one_rank_after_a_save_keeps_that_checkpoint(env):
     """Step 2 is saved, then rank 1's step-2 loss is NaN (the tests' fault hook): both ranks stop; the checkpoint of
-    step 2 stays, named as the newest intact step, and resumes."""
+    step 2 stays, named as the newest saved step (no checksums read: the other rank does not wait for them), and
+    resumes."""
     args = RUN + ["--num-iterations", "6", "--save-every", "2", "--model-tag", "nan_rank", "--device-batch-size", "2"]
     p = run_script("scripts.base_train", args, dict(env, NANOCHAT_TEST_NAN_AT="2:1"), nproc=2, check=False)
     assert p.returncode == 1 and errors(p) == [
-        "ERROR: loss is nan at step 2; stopping; step 2 is intact there (resume with --resume-from-step 2); if it comes "
+        "ERROR: loss is nan at step 2; stopping; step 2 is the newest saved there (resume with --resume-from-step 2); if it comes "
         "back there, resume from an earlier step or lower the learning rates"], p.stdout[-2000:]
     assert ckpt.saved_steps(ckpt_dir(env, "nan_rank")) == [2]
     run_script("scripts.base_train", args + ["--resume-from-step", "2"], env, nproc=2)

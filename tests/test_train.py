@@ -108,7 +108,7 @@ def test_diverged_weights_are_never_saved(env):
                                                   "--eval-every", "-1", "--save-every", "1"], env, check=False)
     assert p.returncode == 1 and "Traceback" not in p.stderr and "nanobind" not in p.stderr
     assert ("the optimizer's state are not finite at step" in p.stdout or
-            re.search(r"loss is nan at step (\d+); stopping; step \1 is intact there \(resume with --resume-from-step \1\)",
+            re.search(r"loss is nan at step (\d+); stopping; step \1 is the newest saved there \(resume with --resume-from-step \1\)",
                       p.stdout)), p.stdout[-1500:]
     from nanochat import checkpoint_manager as ckpt
     d = ckpt_dir(env, "diverge")

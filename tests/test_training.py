@@ -161,6 +161,26 @@ def test_a_checkpoint_with_muons_state_not_finite_is_refused(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+def test_a_prune_that_fails_after_a_save_is_a_warning(tmp_path, monkeypatch, capsys):
+    """The new step is saved when the older ones are pruned: a prune that fails leaves a warning, not a stopped run."""
+    from nanochat import checkpoint_manager as ckpt
+    from nanochat.distributed import compute_init
+    from nanochat.gpt import GPTConfig
+    from nanochat.recipe import LearningRates, Setting
+    from nanochat import training
+    layout, device = compute_init("cpu")
+    config = GPTConfig(sequence_len=32, vocab_size=64, n_layer=2, n_head=2, n_kv_head=2, n_embd=32)
+    trainer = training.setup(config, Setting(device_batch=2, total_batch=64), layout, device, torch.float32,
+                             LearningRates())
+    trainer.save_checkpoint(str(tmp_path), 1, None, {})
+
+    def refuse(*_):
+        raise PermissionError("read-only")
+    monkeypatch.setattr(ckpt, "prune_checkpoints", refuse)
+    trainer.save_checkpoint(str(tmp_path), 2, None, {}, keep_last=1)
+    assert ckpt.saved_steps(str(tmp_path)) == [1, 2] and "could not delete an older checkpoint" in capsys.readouterr().out
+
+
 def reference_muon(w, g, momentum_buf, second_buf, lr, mu, wd):
     """optim.py's docstring, steps 1-6, on one matrix, written out here (fp32): returns the new weight."""
     from nanochat.optim import POLAR_EXPRESS_COEFFS, NORMUON_BETA2, NORMUON_EPS
