@@ -236,7 +236,7 @@ class Pipeline:
                     posted, peer, works, buffers = received.pop(dep)
                     inputs = wait_for(works, buffers)
                     # the sends to that peer posted before this receive ran before it on the pair's stream (and the
-                    # peer has taken them): their tensors are freed now, not at the step's end
+                    # peer has taken them): their tensors are freed now (those after a peer's last message: at the end)
                     for n in [n for n, (to, _) in sends.items() if n < posted and to == peer]:
                         wait_for(sends.pop(n)[1])
                 if action in self.last_backward and before_last_backward is not None:
@@ -266,7 +266,11 @@ class Pipeline:
 
     @torch.no_grad()
     def forward_loss(self, x, y):
-        """Per-token losses of one batch through all chunks (forward only); None except on the last rank."""
+        """Per-token losses of one batch through all chunks (forward only); None except on the last rank. The batch
+        has the training micro-batch's shape: the receives are sized by it."""
+        if x is not None and tuple(x.shape) != (self.micro_batch_size, self.model.config.sequence_len):
+            raise ValueError(f"pipeline evaluation takes batches of the training micro-batch's shape "
+                             f"{(self.micro_batch_size, self.model.config.sequence_len)}, not {tuple(x.shape)}")
         self.device = next(self.model.parameters()).device
         sends, losses = [], None
         for c, chunk in self.chunks.items():

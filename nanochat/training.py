@@ -121,11 +121,14 @@ def setup(config, setting, layout, device, dtype, lrs, l3_data=None, after_init=
 
 def compile_for_training(model, pipeline, per_block, backend):
     """torch.compile for the training step: the whole model as one graph (returned; the uncompiled module serves
-    checkpoints, sampling, CORE); under a pipeline, this stage's blocks and the loss as two graphs, the schedule eager;
-    per_block (gradients wanted as each block's backward ends; gathers between blocks): each block compiled in place."""
-    # each L3 layer's eager lookup resumes the graph in a frame of its own (gpt.GPT._blocks), in training and again in
-    # evaluation: past torch's limit of copies of one frame the rest would run uncompiled
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * (len(model.l3) + 1))
+    checkpoints, sampling, CORE); under a pipeline, a graph for each of this stage's chunks of blocks and one for the
+    loss, the schedule eager; per_block (gradients wanted as each block's backward ends; gathers between blocks): each
+    block compiled in place."""
+    # each chunk (its blocks' range) and each L3 layer's eager lookup (it resumes the graph in a frame of its own,
+    # gpt.GPT._blocks) get copies of one frame, in training and again in evaluation: past torch's limit of copies the
+    # rest would run uncompiled
+    chunks = pipeline.virtual if pipeline is not None else 1
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * chunks * (len(model.l3) + 1))
     if pipeline is None and not per_block:
         return torch.compile(model, dynamic=False, backend=backend)
     if per_block:
@@ -134,7 +137,8 @@ def compile_for_training(model, pipeline, per_block, backend):
         print0("note: each block and the loss are compiled separately (overlapped gradient reduction or sharded weights)")
     else:
         model.run_blocks = torch.compile(model.run_blocks, dynamic=False, backend=backend)
-        print0("note: this stage's blocks and the loss are compiled as two graphs (the schedule stays eager)")
+        print0("note: each of this stage's chunks of blocks and the loss are compiled as graphs of their own (the "
+               "schedule stays eager)")
     model.criterion.compile(dynamic=False, backend=backend)
     return model
 

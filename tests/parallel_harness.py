@@ -170,6 +170,11 @@ def _worker(rank, world, tp, pp, sequence_parallel, schedule, steps, port, out_d
             graphs.append(counters["stats"]["unique_graphs"])
         if step + 1 == steps // 2 and out_dir is not None:  # a mid-run checkpoint, saved as base_train saves
             trainer.save_checkpoint(os.path.join(out_dir, "ckpt"), step + 1, None, {})
+    # val bpb's per-token losses (Trainer.eval_loss: through the pipeline under PP) of one micro-batch, mean
+    rows = batches[0][layout.dp_rank * per_rank:][:micro_batch]
+    with torch.no_grad(), trainer.evaluating():
+        per_token = trainer.eval_loss(*((rows[:, :-1], rows[:, 1:]) if training.reads_data(layout) else (None, None)))
+    val_loss = None if per_token is None else per_token.float().mean().item()
     # the loss of whole sequences, as CORE and sampling see the model: pipeline and sequence-parallel
     # layouts evaluate the gathered whole copy base_train builds for them; with fp8, in bf16 as base_train does
     with torch.no_grad(), trainer.whole_model() as eval_model:
@@ -178,7 +183,8 @@ def _worker(rank, world, tp, pp, sequence_parallel, schedule, steps, port, out_d
     gathered_peak = trainer.dp.weights.gathered_peak if trainer.dp.weights is not None else 0
     torch.save({**trainer.optimizer.held_bytes(), "gathered_peak": gathered_peak}, os.path.join(out_dir, f"held{rank}.pt"))
     if layout.dp_rank == 0 and layout.cp_rank == 0 and layout.tp_rank == 0:
-        torch.save({"losses": losses, "params": model_state, "eval_loss": eval_loss, "overlapped": overlapped,
+        torch.save({"losses": losses, "params": model_state, "eval_loss": eval_loss, "val_loss": val_loss,
+                    "overlapped": overlapped,
                     "graphs": graphs, "grad_norms": grad_norms, "l3_lookups": l3_lookups.counts, "reductions": reductions,
                     "exchange": getattr(trainer.model.sequence, "exchange", None)},  # CP's, as the attention calls it
                    os.path.join(out_dir, f"stage{layout.pp_rank}.pt"))
@@ -319,8 +325,8 @@ def run_layout(dp=1, tp=1, pp=1, sequence_parallel=False, schedule="1f1b", steps
         _worker(0, *args)
     else:
         spawn(_worker, args, world)
-    params, losses, eval_losses, overlapped, graphs, grad_norms, exchange, l3_lookups, reductions = \
-        {}, None, [], [], [], None, None, [], []
+    params, losses, eval_losses, overlapped, graphs, grad_norms, exchange, l3_lookups, reductions, stage_losses = \
+        {}, None, [], [], [], None, None, [], [], []
     for s in range(pp):
         part = torch.load(os.path.join(out_dir, f"stage{s}.pt"), weights_only=True)
         params.update(part["params"])
@@ -330,7 +336,9 @@ def run_layout(dp=1, tp=1, pp=1, sequence_parallel=False, schedule="1f1b", steps
         l3_lookups.append(part["l3_lookups"])
         reductions.append(part["reductions"])
         if s == pp - 1:
-            losses, grad_norms, exchange = part["losses"], part["grad_norms"], part["exchange"]
+            losses, grad_norms, exchange, val_loss = part["losses"], part["grad_norms"], part["exchange"], part["val_loss"]
+        stage_losses.append(part["losses"])
+    assert all(s == losses for s in stage_losses), stage_losses  # the last stage's loss, broadcast to every stage
     held = [torch.load(os.path.join(out_dir, f"held{r}.pt"), weights_only=True) for r in range(world)]
-    return {"losses": losses, "params": params, "eval_losses": eval_losses, "overlapped": overlapped, "graphs": graphs,
+    return {"losses": losses, "params": params, "eval_losses": eval_losses, "val_loss": val_loss, "overlapped": overlapped, "graphs": graphs,
             "grad_norms": grad_norms, "exchange": exchange, "l3_lookups": l3_lookups, "reductions": reductions, "held": held, "gathered_peak": max(h["gathered_peak"] for h in held), "dir": out_dir}

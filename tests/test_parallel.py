@@ -94,6 +94,7 @@ def test_pp2(reference, pp2_1f1b, schedule, virtual):
     the same micro-batch order."""
     run = pp2_1f1b if schedule == "1f1b" else run_layout(pp=2, schedule=schedule, virtual=virtual)
     assert_same_run(run, reference)
+    assert abs(run["val_loss"] - reference["val_loss"]) <= 1e-5 * reference["val_loss"]  # val bpb's, through the stages
     if schedule == "1f1b":
         return
     assert run["losses"] == pp2_1f1b["losses"]
