@@ -305,5 +305,5 @@ def test_a_stage_frees_each_send_once_a_later_message_from_its_peer_is_in():
     for rank, tensors in ((0, 3), (1, 2)):  # x, x0 and the ids; the gradients of x and x0
         with open(os.path.join(out_dir, f"sent{rank}.json")) as f:
             counts = json.load(f)
-        assert counts["sent"] == steps * 4 * tensors, counts
+        assert counts["sent"] == steps * 4 * tensors + (tensors if rank == 0 else 0), counts  # + an evaluation's forward
         assert counts["most_alive"] <= 2 * tensors, (rank, counts)
