@@ -245,7 +245,7 @@ def test_vocab_parallel_loss_reduces_like_the_single_device_loss():
         tp_loss = VocabParallelSoftcapCrossEntropy(64, SimpleNamespace(tp_group=dist.group.WORLD, tp_rank=0, tp_size=1))
         lm_head = Linear(16, 64)
         torch.nn.init.normal_(lm_head.weight)
-        x = torch.randn(2, 5, 16)
+        x = torch.randn(2, 5, 16, requires_grad=True)
         targets = torch.randint(0, 64, (2, 5))
         targets[0, :2] = -1
         for t in (targets, torch.full_like(targets, -1)):
@@ -254,6 +254,10 @@ def test_vocab_parallel_loss_reduces_like_the_single_device_loss():
                 ref = SoftcapCrossEntropy()(x, lm_head, t, reduction)
                 assert mine.shape == ref.shape
                 assert torch.allclose(mine, ref, atol=1e-5, equal_nan=True), (reduction, mine, ref)
+        # and the gradients: the ignored targets' positions get none (their loss is masked out of the sum)
+        grads = [torch.autograd.grad(loss(x, lm_head, targets, "sum"), (x, lm_head.weight))
+                 for loss in (tp_loss, SoftcapCrossEntropy())]
+        assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(*grads)) and not grads[0][0][0, :2].any()
         assert tp_loss(x, lm_head, torch.full_like(targets, -1)).isnan()
     finally:
         dist.destroy_process_group()
