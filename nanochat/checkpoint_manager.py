@@ -29,6 +29,8 @@ class CheckpointError(UserError):
 
 
 def checkpoint_dir(model_tag, base_dir=None):
+    if model_tag in ("", ".", "..") or "/" in model_tag or os.sep in model_tag:  # a path would leave the folder
+        raise CheckpointError(f"--model-tag {model_tag!r}: give a folder name (not empty, '.' or '..'; no '/')")
     return os.path.join(base_dir or get_base_dir(), "base_checkpoints", model_tag)
 
 
@@ -311,9 +313,10 @@ def check_tokenizer(meta, tokenizer, ckpt_dir):
 
 
 def latest_model_tag(base_dir=None):
-    """The most recently written tag folder under base_checkpoints/."""
+    """The most recently written tag folder under base_checkpoints/ that holds a checkpoint (a run that saved none
+    leaves its metrics only)."""
     root = os.path.join(base_dir or get_base_dir(), "base_checkpoints")
-    tags = [d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d))] if os.path.isdir(root) else []
+    tags = [d for d in os.listdir(root) if saved_steps(os.path.join(root, d))] if os.path.isdir(root) else []
     if not tags:
         raise CheckpointError(f"no checkpoints in {root}: train a model with `python -m scripts.base_train` first"
                               + base_dir_hint())

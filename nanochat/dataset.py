@@ -154,7 +154,7 @@ def read_row_group(path, index):
 def iter_documents(files, start=0, step=1):  # documents of row groups start, start+step, ... (one pass)
     row_groups = list_row_groups(files)
     for i in range(start, len(row_groups), step):
-        yield from read_row_group(*row_groups[i])
+        yield from filter(None, read_row_group(*row_groups[i]))  # a null or empty text is no document
 
 
 def download_shards(num_shards, data_dir=None, repo_id=REMOTE_REPO, workers=8, retries=5):

@@ -91,8 +91,7 @@ def parse_args(argv=None):
     add("--sample-every", type=int, default=2000, help="print completions every N steps (-1 = never)")
     add("--save-every", type=int, default=-1, help="checkpoint every N steps (-1 = only at the end, 0 = never)")
     add("--keep-last", type=int, default=-1, help="keep only the newest N checkpoints of the model tag (-1 = all)")
-    add("--resume-from-step", type=lambda v: v if v == "latest" else int(v), default=-1,
-        help="resume from this checkpoint step, or `latest` (-1 = start fresh)")
+    add("--resume-from-step", type=lambda v: v if v == "latest" else int(v), default=-1, help="step, or `latest` (-1 = fresh)")
     add("--start-over", action="store_true", help="start fresh although the model tag's folder holds a run: its files "
                                                   "are moved into replaced_<date>-<time>/ there")
     add("--stop-at-step", type=int, default=-1, help="save at this step and stop, the schedule unchanged (-1 = run to "
@@ -142,12 +141,13 @@ def parse_args(argv=None):
     add("--moe-shared", type=int, default=1, help="always-on experts per MoE layer")
     add("--moe-expert-dim", type=int, default=0, help="expert width (0 = iso-FLOP: 4 x model_dim / (topk + shared))")
     add("--moe-layers", default="", help="blocks with a mixture-of-experts MLP, e.g. 1,3 (empty: all but the first)")
+    parser.error = lambda message: parser.exit(2, f"base_train: error: {message}; see --help\n")  # one line, no usage
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # one line, with the nearest flag (argparse prints its whole usage and no suggestion)
         flags = [f for action in parser._actions for f in action.option_strings]
         hints = [f"{u} (did you mean {' or '.join(near)}?)" if (near := difflib.get_close_matches(u.split("=")[0], flags, 2))
                  else u for u in unknown]
-        parser.exit(2, f"base_train: error: unrecognized arguments: {', '.join(hints)}; see --help\n")
+        parser.error(f"unrecognized arguments: {', '.join(hints)}")
     step = args.resume_from_step
     ranges = [(step != "latest" and step < -1, "--resume-from-step: a step >= 0, latest, or -1 to start fresh"),
               *[(getattr(args, k) == 0 or getattr(args, k) < -1, f"--{k.replace('_', '-')}: positive, or -1")
@@ -159,9 +159,9 @@ def parse_args(argv=None):
               (not 0 <= args.warmdown_ratio <= 1 or not 0 <= args.final_lr_frac <= 1,
                "--warmdown-ratio and --final-lr-frac: in [0, 1]")]
     if bad := [need for wrong, need in ranges if wrong]:
-        parser.exit(2, f"base_train: error: {'; '.join(bad)}\n")
-    if args.max_seq_len is None and args.resume_from_step == -1:
-        args.max_seq_len = DEFAULT_SEQ_LEN  # a resume takes the checkpoint's (base_train)
+        parser.error('; '.join(bad))
+    if args.max_seq_len is None and args.resume_from_step == -1:  # a resume takes the checkpoint's (base_train)
+        args.max_seq_len = DEFAULT_SEQ_LEN
     for action in parser._actions:  # which flags the command line gave: a resume compares those with the checkpoint
         action.default = argparse.SUPPRESS
     args.given = sorted(vars(parser.parse_known_args(argv)[0]))
@@ -240,8 +240,8 @@ def model_config(args, vocab_size, resume_meta=None):
     if min(args.moe_shared, args.moe_expert_dim) < 0:
         raise ConfigError(f"--moe-shared {args.moe_shared} and --moe-expert-dim {args.moe_expert_dim} must be >= 0")
     if args.moe_expert_dim % 8 or (moe_blocks and not args.moe_experts):
-        raise ConfigError(f"--moe-expert-dim {args.moe_expert_dim} must be a multiple of 8 (the grouped matmuls' row "
-                          f"strides: 16 bytes), and --moe-layers needs --moe-experts")
+        raise ConfigError("--moe-layers needs --moe-experts" if not args.moe_expert_dim % 8 else f"--moe-expert-dim "
+                          f"{args.moe_expert_dim} must be a multiple of 8 (the grouped matmuls' row strides: 16 bytes)")
     config = config_for_depth(args.depth, args.aspect_ratio, args.head_dim, vocab_size, args.max_seq_len,
                               args.window_pattern, n_kv_head=args.n_kv_head, l3_after_layers=l3_layers,
                               l3_n_emb=args.l3_n_emb, l3_d_up=args.l3_d_up, l3_k_max=args.l3_k_max,
@@ -380,8 +380,8 @@ class Setting:
         T, tp, pp, cp = config.sequence_len, self.tp, self.pp, self.cp
         if self.device_batch < 1:
             raise ConfigError(f"--device-batch-size must be at least 1 (got {self.device_batch})")
-        if min(tp, pp, cp, self.dp, self.pp_virtual) < 1:
-            raise ConfigError(f"--tp {tp}, --pp {pp}, --cp {cp}, --pp-virtual {self.pp_virtual} must be at least 1")
+        if min(tp, pp, cp, self.dp, self.pp_virtual, self.ep) < 1:
+            raise ConfigError(f"--tp {tp}, --pp {pp}, --cp {cp}, --pp-virtual {self.pp_virtual}, --ep {self.ep}: each >= 1")
         tokens_per_micro = self.device_batch * T * self.dp
         if self.total_batch % tokens_per_micro != 0:
             raise ConfigError(f"the batch, {self.total_batch:,} tokens (--total-batch-size, or the recipe's where it is "
@@ -416,7 +416,7 @@ class Setting:
                               f"products; choose another --tp or --head-dim")
         if self.sequence_parallel and T % tp != 0:
             raise ConfigError(f"--sequence-parallel needs --max-seq-len ({T}) divisible by --tp {tp}")
-        if T % (2 * cp):
+        if cp > 1 and T % (2 * cp):
             raise ConfigError(f"--cp {cp} cuts each sequence into 2 x {cp} = {2 * cp} chunks: --max-seq-len ({T}) "
                               f"must divide by {2 * cp}")
         if self.sequence_parallel and (T // cp) % tp:

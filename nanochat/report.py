@@ -18,7 +18,7 @@ import platform
 import subprocess
 from pathlib import Path
 
-from nanochat.common import get_base_dir, get_rank, read_json
+from nanochat.common import UserError, get_base_dir, get_rank, read_json
 
 # Sections in the order the pipeline produces them; anything else is appended after.
 SECTION_ORDER = ["Environment", "Tokenizer training", "Tokenizer evaluation", "Base model training",
@@ -167,12 +167,15 @@ def generate():
 
 if __name__ == "__main__":
     cmd = sys.argv[1] if len(sys.argv) > 1 else "generate"
-    if cmd == "reset":
-        reset()
-        print(f"new report started in {report_dir()}")
-    elif cmd == "generate":
-        print(f"wrote {generate()}")
-    elif cmd == "stage" and len(sys.argv) == 4:
-        log_stage_time(sys.argv[2], sys.argv[3])
-    else:
-        raise SystemExit("usage: python -m nanochat.report [reset | generate | stage NAME SECONDS]")
+    try:
+        if cmd == "reset":
+            reset()
+            print(f"new report started in {report_dir()}")
+        elif cmd == "generate":
+            print(f"wrote {generate()}")
+        elif cmd == "stage" and len(sys.argv) == 4:
+            log_stage_time(sys.argv[2], sys.argv[3])
+        else:
+            raise SystemExit("usage: python -m nanochat.report [reset | generate | stage NAME SECONDS]")
+    except UserError as e:  # e.g. a base dir that cannot be made
+        raise SystemExit(f"ERROR: {e}") from None

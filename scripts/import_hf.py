@@ -33,7 +33,10 @@ if meta.get("tokenizer_hash") not in (None, tokenizer.hash):  # the export's fil
     fail(f"{args.dir}'s tokenizer is {tokenizer.hash}, but its model was trained with {meta['tokenizer_hash']}: export "
          f"the checkpoint again with the tokenizer it was trained with")
 step = args.step if args.step is not None else meta.get("step", 0)
-ckpt_dir = ckpt.checkpoint_dir(args.model_tag)
+try:
+    ckpt_dir = ckpt.checkpoint_dir(args.model_tag)  # a tag that is no folder name, a base dir that cannot be made
+except UserError as e:
+    fail(str(e))
 if os.path.exists(os.path.join(ckpt_dir, f"meta_{step:06d}.json")):
     fail(f"{ckpt_dir} already has a checkpoint for step {step}: choose another --model-tag or --step")
 

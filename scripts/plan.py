@@ -55,7 +55,7 @@ def print_candidates(config, gpus, total_batch, fp8, capacity, top):
             rows.append((relative_speed(s, m), -s.tp * s.pp * s.cp, not s.shard_params, b, s, peak))
     rows.sort(key=lambda r: r[:4], reverse=True)
     if not rows:
-        print(f"no layout of {gpus} GPUs fits d{config.n_layer} in {gib(capacity)} GiB a GPU")
+        print(f"no layout of {gpus} GPUs in powers of two fits d{config.n_layer} in {gib(capacity)} GiB a GPU")
         return
     print(f"\nlayouts of {gpus} GPUs that fit, fastest first (tok/s per GPU against one GPU without savers, from "
           f"measured factors: an ordering, not a prediction); the first is the suggestion:")

@@ -32,8 +32,10 @@ parser.add_argument("--kernels", type=str, default=None, choices=kernels.MODES, 
 args = parser.parse_args()
 kernels.set_mode(args.kernels)
 
-if args.num_samples < 1 or args.max_tokens < 1 or args.temperature < 0 or args.top_k < 0:
-    sys.exit("ERROR: --num-samples and --max-tokens must be positive, --temperature and --top-k at least 0")
+if args.num_samples < 1 or args.max_tokens < 1 or not 0 <= args.temperature < float("inf") or args.top_k < 0 or \
+        not -2 ** 63 <= args.seed < 2 ** 64:
+    sys.exit("ERROR: --num-samples and --max-tokens must be positive, --temperature (finite) and --top-k at least 0, "
+             "--seed a 64-bit integer")
 try:
     _, device = compute_init(args.device_type)
     tokenizer = get_tokenizer()

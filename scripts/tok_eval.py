@@ -6,9 +6,9 @@ load them (offline and not cached: skipped). Usage: `python -m scripts.tok_eval 
 import os
 import argparse
 
-from nanochat.common import HelpWithDefaults, fail
-from nanochat.dataset import resolve_data_dir, split_files, iter_documents, DataError
-from nanochat.tokenizer import get_tokenizer, TokenizerError
+from nanochat.common import HelpWithDefaults, UserError, fail
+from nanochat.dataset import resolve_data_dir, split_files, iter_documents
+from nanochat.tokenizer import get_tokenizer
 from nanochat import report
 
 parser = argparse.ArgumentParser(description="Evaluate tokenizer compression", formatter_class=HelpWithDefaults)
@@ -33,8 +33,10 @@ try:
     tokenizer = get_tokenizer()
     data_dir = resolve_data_dir(args.data_dir)
     texts = {split: take_text(split_files(data_dir, split), args.max_chars) for split in ("train", "val")}
-except (DataError, TokenizerError) as e:
+except UserError as e:  # the data's, the tokenizer's, or a base dir that cannot be made
     raise SystemExit(f"ERROR: {e}")
+if empty := [split for split, docs in texts.items() if not docs]:
+    raise SystemExit(f"ERROR: no text in the {' and '.join(empty)} split of {data_dir}: nothing to measure")
 
 
 def reference_encoder(name):

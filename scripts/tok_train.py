@@ -8,8 +8,8 @@ import os
 import time
 import argparse
 
-from nanochat.common import HelpWithDefaults, atomic_write
-from nanochat.dataset import resolve_data_dir, split_files, iter_documents, DataError
+from nanochat.common import HelpWithDefaults, UserError, atomic_write
+from nanochat.dataset import resolve_data_dir, split_files, iter_documents
 from nanochat.tokenizer import Tokenizer, TokenizerError, default_tokenizer_dir, get_tokenizer
 from nanochat import report
 
@@ -21,14 +21,14 @@ parser.add_argument("--vocab-size", type=int, default=32768, help="vocabulary si
 parser.add_argument("--data-dir", type=str, default=None, help="folder of parquet shards (default: NANOCHAT_DATA_DIR or base_data)")
 args = parser.parse_args()
 
-out_dir = default_tokenizer_dir()
 try:
+    out_dir = default_tokenizer_dir()  # a base dir that cannot be made: one line
     data_dir = resolve_data_dir(args.data_dir)
     train_files = split_files(data_dir, "train")
     os.makedirs(out_dir, exist_ok=True)  # where the tokenizer goes must take files before anything is trained
     atomic_write(os.path.join(out_dir, ".write_probe"), b"")
     os.remove(os.path.join(out_dir, ".write_probe"))
-except DataError as e:
+except UserError as e:
     raise SystemExit(f"ERROR: {e}")
 except OSError as e:
     raise SystemExit(f"ERROR: cannot write {e.filename or out_dir} ({e.strerror}): set NANOCHAT_BASE_DIR to a folder "
@@ -55,7 +55,7 @@ def text_iterator():
 
 try:
     tokenizer = Tokenizer.train_from_iterator(text_iterator(), args.vocab_size)
-except TokenizerError as e:
+except UserError as e:  # the tokenizer's, or the data's (a shard read on the way)
     raise SystemExit(f"ERROR: {e}")
 train_time = time.time() - t0
 try:

@@ -40,6 +40,13 @@ def test_striding_is_disjoint_and_complete(tmp_path):
     assert all(set(a).isdisjoint(b) for i, a in enumerate(parts) for b in parts[i + 1:])
 
 
+def test_null_and_empty_texts_are_no_documents(tmp_path):  # the tokenizer's scripts read documents, not None
+    for s in range(2):
+        pq.write_table(pa.table({"text": ["a", None, "", "b"]}), os.path.join(tmp_path, f"s{s}.parquet"))
+    dataset._open.cache_clear()
+    assert list(iter_documents(split_files(str(tmp_path), "train"))) == ["a", "b"]
+
+
 def test_corrupt_file_error_names_file(tmp_path):
     d = make_shards(str(tmp_path))
     bad = os.path.join(d, "shard_00001.parquet")

@@ -274,16 +274,43 @@ def test_a_model_flag_given_at_its_default_is_compared_on_resume():
     (["--num-iterations", "0"], "--num-iterations: positive"),
     (["--target-param-data-ratio", "0"], "--target-param-data-ratio: positive"),
     (["--warmdown-ratio", "1.5", "--target-param-data-ratio", "0"], "ratio: positive; --warmdown-ratio and --final"),
-    (["--seed", "99999999999999999999"], r"^base_train: error: --seed: a 64-bit integer\n"),  # torch's overflow, traced
-    (["--dist-timeout", "0"], r"^base_train: error: --dist-timeout: seconds, positive \(below 1e9\)\n"),
+    (["--seed", "99999999999999999999"], r"^base_train: error: --seed: a 64-bit integer; see --help\n"),  # torch's, traced
+    (["--dist-timeout", "0"], r"^base_train: error: --dist-timeout: seconds, positive \(below 1e9\); see --help\n"),
     (["--device-type", "foo"], r"argument --device-type: invalid choice: 'foo'"),  # torch.device's error, traced
+    (["--depth", "x"], r"^base_train: error: argument --depth: invalid int value: 'x'; see --help\n"),  # not the usage
 ])
 def test_flags_out_of_range_end_in_one_line(flags, message, capsys):
     from nanochat.recipe import parse_args
     with pytest.raises(SystemExit):
         parse_args(flags)
     err = capsys.readouterr().err
-    assert re.search(message, err) and (err.count("\n") == 1 or "invalid choice" in message), err  # choices: + usage
+    assert re.search(message, err) and err.count("\n") == 1, err
+
+
+def test_model_tags_are_folder_names_and_the_default_tag_holds_a_checkpoint(tmp_path):
+    """A tag with a path in it would write outside base_checkpoints/; the scripts' default tag is the newest folder
+    that holds a checkpoint (a run that saved none leaves only its metrics)."""
+    import time
+    from nanochat import checkpoint_manager as ckpt
+    for tag in ("../escape", "a/b", ".", ".."):
+        with pytest.raises(ckpt.CheckpointError, match="give a folder name"):
+            ckpt.checkpoint_dir(tag, str(tmp_path))
+    saved = ckpt.checkpoint_dir("saved", str(tmp_path))
+    sums = ckpt.save_stage_files(saved, 1, {"w": torch.ones(2)}, {"adamw_step": 0, "params": {}})
+    ckpt.save_meta(saved, 1, {"model_config": {}, "checksums": sums})
+    time.sleep(0.01)
+    os.makedirs(ckpt.checkpoint_dir("metrics_only", str(tmp_path)))
+    assert ckpt.latest_model_tag(str(tmp_path)) == "saved"
+
+
+def test_parallel_degrees_and_an_odd_context():
+    """--ep below 1 is refused like the other degrees; an odd --max-seq-len is fine without context parallelism."""
+    from nanochat.common import ConfigError
+    from nanochat.recipe import Setting, config_for_depth
+    config = config_for_depth(2, 32, 32, vocab_size=64, sequence_len=63)
+    with pytest.raises(ConfigError, match="--ep 0: each >= 1"):
+        Setting(device_batch=1, total_batch=63, ep=0).check(config)
+    assert Setting(device_batch=1, total_batch=63).check(config) == 1
 
 
 def test_start_over_and_resume_together_are_refused():

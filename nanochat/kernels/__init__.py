@@ -59,7 +59,10 @@ def set_mode(name, source="--kernels "):
     return KERNELS.mode
 
 
-set_mode(os.environ.get("NANOCHAT_KERNELS", "auto"), "NANOCHAT_KERNELS=")
+try:
+    set_mode(os.environ.get("NANOCHAT_KERNELS", "auto"), "NANOCHAT_KERNELS=")
+except ConfigError as e:  # at import, before any script's handler: one line, not a traceback
+    raise SystemExit(f"ERROR: {e}") from None
 
 
 # ---- Linear (split-K weight gradient) ----
