@@ -82,7 +82,8 @@ def test_base_eval_unknown_tag(base_dir, checkpoint):
     ("scripts.base_eval", ["--eval-tokens", "0"], "--eval-tokens 0 positive or -1"),
     ("scripts.base_eval", ["--device-type", "gpu"], "--device-type=gpu: cuda, cpu or mps"),
     ("scripts.base_eval", ["--tp", "2"], "launch with torchrun --nproc_per_node=2 -m scripts.base_eval ..."),
-    ("scripts.sample", ["--top-k", "-3"], "--temperature and --top-k at least 0"),
+    ("scripts.sample", ["--top-k", "-3"], "--temperature (finite) and --top-k at least 0"),
+    ("scripts.sample", ["--temperature", "nan"], "--temperature (finite)"),
     ("scripts.sample", ["--device-type", "gpu"], "--device-type=gpu: cuda, cpu or mps"),
 ])
 def test_bad_flags_are_one_line(base_dir, checkpoint, script, flags, message):

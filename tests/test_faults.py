@@ -120,6 +120,7 @@ def test_a_checkpoint_that_does_not_fit_the_model_is_one_line(tmp_path):
 def test_the_latest_tag_is_the_newest(tmp_path):
     for i, tag in enumerate(("old", "new", "older")):
         (tmp_path / "base_checkpoints" / tag).mkdir(parents=True)
+        (tmp_path / "base_checkpoints" / tag / "meta_000001.json").write_text("{}")  # a saved step
         os.utime(tmp_path / "base_checkpoints" / tag, (1000 + 10 * i * (tag != "older"),) * 2)
     assert ckpt.latest_model_tag(str(tmp_path)) == "new"
 
