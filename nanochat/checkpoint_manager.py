@@ -95,7 +95,7 @@ def intact_hint(ckpt_dir, before=None, quick=False):
     whose meta is there (written after its files), nothing read, where the other ranks will not wait for a checksum
     of every file (a resume checks them, and names the newest intact step if one is damaged)."""
     for step in reversed(saved_steps(ckpt_dir)):
-        if quick and (before is None or step < before):
+        if (before is None or step < before) and quick:
             return f"step {step} is the newest saved there (resume with --resume-from-step {step})"
         if before is None or step < before:
             with contextlib.suppress(CheckpointError):
