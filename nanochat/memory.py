@@ -44,8 +44,9 @@ def cpu_memory_error(num_params, config, batch_size, seq_len, training=True):
     """None if batch_size x seq_len tokens fit the memory this machine's processes have (or it is unknown), else why."""
     processes = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     have = available_memory()
-    need = lambda b: processes * estimate_memory(num_params, config.n_layer, config.n_embd, config.vocab_size,
-                                                 b * seq_len, training)
+    # + the attention's (T, T) band mask and its int64 distances, built whole on the CPU (kernels/sdpa.py)
+    need = lambda b: processes * (estimate_memory(num_params, config.n_layer, config.n_embd, config.vocab_size,
+                                                  b * seq_len, training) + 9 * seq_len ** 2)
     if have is None or need(batch_size) <= have:
         return None
     fits = [b for b in (2 ** i for i in range(12)) if b < batch_size and need(b) <= have]

@@ -279,6 +279,17 @@ def test_cpu_batch_that_cannot_fit_is_refused_with_the_flags_to_change(env):
     assert "lower --device-batch-size" in p.stdout
 
 
+def test_cpu_memory_counts_the_attention_mask(monkeypatch):
+    """On the CPU the attention's (T, T) band mask is built whole: a long enough sequence is refused for it before the
+    run starts, whatever else fits (it failed allocating the mask)."""
+    from types import SimpleNamespace
+    from nanochat import memory
+    monkeypatch.setattr(memory, "available_memory", lambda: 100 * 2 ** 30)
+    config = SimpleNamespace(n_layer=1, n_embd=32, vocab_size=64)
+    assert memory.cpu_memory_error(10 ** 5, config, 1, 2 ** 14) is None  # 2.4 GB of mask
+    assert "micro-batches of 1 x 131072 tokens needs about" in memory.cpu_memory_error(10 ** 5, config, 1, 2 ** 17)
+
+
 def corrupt_last_row_group(tmp_path):
     """A data folder whose first shard (a.parquet) has a sound footer but damaged pages in its last row group:
     it passes the start-of-run check and fails when that row group is read."""
