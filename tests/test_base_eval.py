@@ -62,6 +62,10 @@ def test_base_eval_data_parallel_matches_one_process(base_dir, checkpoint, singl
     assert CORE_LINE.search(p.stdout).group(0) == CORE_LINE.search(single_run[0]).group(0)
     table = [l for l in p.stdout.splitlines() if l.startswith("| ")]
     assert table == [l for l in single_run[0].splitlines() if l.startswith("| ")]
+    # tensor parallel: the checkpoint cut over two ranks, the same bits per byte (sums in another order)
+    p = run_script("scripts.base_eval", EVAL + ["--skip-core", "--tp", "2"], script_env(base_dir), nproc=2)
+    bpb = lambda out: [float(v) for v in re.findall(r"^(?:train|val) bpb: (\d+\.\d{6})$", out, re.M)]
+    assert len(bpb(p.stdout)) == 2 and bpb(p.stdout) == pytest.approx(bpb(single_run[0]), rel=1e-5), p.stdout[-1500:]
 
 
 def test_base_eval_offline_without_bundle_says_what_to_do(tmp_path):
