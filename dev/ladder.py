@@ -188,7 +188,7 @@ def table(sides, depths, results):
     for d in depths:
         for s, rs in (("A", a.get(d)), ("B", b.get(d))):
             diverged = sum(r["side"] == s and r["depth"] == d and not math.isfinite(r["val_bpb"]) for r in results)
-            runs_cell = f"{len(rs or [])}" + (f" (+{diverged} diverged)" if diverged else "")
+            runs_cell = runs.counted(len(rs or []), diverged)
             if not rs:
                 lines.append(f"| d{d} | {s} | {runs_cell} | | | | | | | | |")
                 continue

@@ -153,7 +153,7 @@ def main(argv=None):
         for s, spec in sides.items():
             vals = [column(r) for r in sorted(results[s], key=lambda r: r[2]) if kept(column(r))]
             diverged = sum(column(r) is not None and not kept(column(r)) for r in results[s])
-            count = f"{len(vals)}" + (f" (+{diverged} diverged)" if diverged else "")
+            count = runs.counted(len(vals), diverged)
             if not vals:
                 print(f"| {s}: {spec['name']} | {count} | all failed or diverged | | | | |")
                 continue

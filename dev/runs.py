@@ -115,6 +115,11 @@ def scored_tokens(flags, eval_tokens=None):
     return max(1, asked // micro) * micro
 
 
+def counted(kept, diverged):
+    """A table's runs cell: the runs counted, and the diverged ones (a NaN or infinite bpb: shown, never averaged)."""
+    return f"{kept}" + (f" (+{diverged} diverged)" if diverged else "")
+
+
 def call_tag(folder, name):
     """A model tag for a run of a tool's call whose results go to `folder`: two calls on one base dir keep apart
     (start() empties the tag's folder)."""

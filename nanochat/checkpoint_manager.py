@@ -95,12 +95,13 @@ def intact_hint(ckpt_dir, before=None, quick=False):
     whose meta is there (written after its files), nothing read, where the other ranks will not wait for a checksum
     of every file (a resume checks them, and names the newest intact step if one is damaged)."""
     for step in reversed(saved_steps(ckpt_dir)):
-        if (before is None or step < before) and quick:
+        if before is not None and step >= before:
+            continue
+        if quick:
             return f"step {step} is the newest saved there (resume with --resume-from-step {step})"
-        if before is None or step < before:
-            with contextlib.suppress(CheckpointError):
-                verify(ckpt_dir, step)
-                return f"step {step} is intact there (resume with --resume-from-step {step})"
+        with contextlib.suppress(CheckpointError):
+            verify(ckpt_dir, step)
+            return f"step {step} is intact there (resume with --resume-from-step {step})"
     return "no earlier step was saved there" if before is None else "no earlier step there is intact"
 
 
