@@ -237,11 +237,13 @@ def model_config(args, vocab_size, resume_meta=None):
     if args.moe_experts and not 2 <= args.moe_topk <= args.moe_experts:
         raise ConfigError(f"--moe-experts {args.moe_experts} --moe-topk {args.moe_topk}: each token goes to K experts, "
                           f"2 <= K <= E (with 1 the router gets no gradient)")
-    if min(args.moe_shared, args.moe_expert_dim) < 0:
-        raise ConfigError(f"--moe-shared {args.moe_shared} and --moe-expert-dim {args.moe_expert_dim} must be >= 0")
-    if args.moe_expert_dim % 8 or (moe_blocks and not args.moe_experts):
-        raise ConfigError("--moe-layers needs --moe-experts" if not args.moe_expert_dim % 8 else f"--moe-expert-dim "
-                          f"{args.moe_expert_dim} must be a multiple of 8 (the grouped matmuls' row strides: 16 bytes)")
+    if min(args.moe_shared, args.moe_expert_dim) < 0 or args.moe_expert_dim % 8:
+        raise ConfigError(f"--moe-shared {args.moe_shared} and --moe-expert-dim {args.moe_expert_dim} must be >= 0, "
+                          f"the width a multiple of 8 (the grouped matmuls' rows: 16 bytes)")
+    for feature, on, flags in (("--l3-after-layers", l3_layers, ("l3_n_emb", "l3_d_up", "l3_k_max", "l3_table_lr")),
+                               ("--moe-experts", args.moe_experts, ("moe_topk", "moe_shared", "moe_expert_dim", "moe_layers"))):
+        if not on and (idle := [f"--{k.replace('_', '-')}" for k in flags if k in getattr(args, "given", ())]):
+            raise ConfigError(f"{', '.join(idle)} shape what {feature} adds, which is off: give {feature} or leave them out")
     config = config_for_depth(args.depth, args.aspect_ratio, args.head_dim, vocab_size, args.max_seq_len,
                               args.window_pattern, n_kv_head=args.n_kv_head, l3_after_layers=l3_layers,
                               l3_n_emb=args.l3_n_emb, l3_d_up=args.l3_d_up, l3_k_max=args.l3_k_max,
@@ -369,8 +371,7 @@ class Setting:
 
     def describe(self):
         parts = [f"dp {self.dp}"] + [f"{d} {n}" for d in ("cp", "tp", "pp", "ep") if (n := getattr(self, d)) > 1]
-        if self.pp > 1:
-            parts.append(self.pp_schedule + (f" V={self.pp_virtual}" if self.pp_virtual > 1 else ""))
+        parts += [self.pp_schedule + (f" V={self.pp_virtual}" if self.pp_virtual > 1 else "")] if self.pp > 1 else []
         parts += [f for f, on in (("sp", self.sequence_parallel), ("sharded", self.shard_params),
                                   ("kept", self.keep_gathered), ("fp8", self.fp8)) if on]
         return ", ".join(parts) + f"; batch {self.device_batch}; recompute {self.recompute}"
@@ -378,10 +379,9 @@ class Setting:
     def check(self, config):
         """Refuses what cannot run with this model, with one line naming the flags; returns micro-batches per step."""
         T, tp, pp, cp = config.sequence_len, self.tp, self.pp, self.cp
-        if self.device_batch < 1:
-            raise ConfigError(f"--device-batch-size must be at least 1 (got {self.device_batch})")
-        if min(tp, pp, cp, self.dp, self.pp_virtual, self.ep) < 1:
-            raise ConfigError(f"--tp {tp}, --pp {pp}, --cp {cp}, --pp-virtual {self.pp_virtual}, --ep {self.ep}: each >= 1")
+        if min(tp, pp, cp, self.dp, self.pp_virtual, self.ep, self.device_batch) < 1:
+            raise ConfigError(f"--device-batch-size {self.device_batch}, --tp {tp}, --pp {pp}, --cp {cp}, --pp-virtual "
+                              f"{self.pp_virtual}, --ep {self.ep}: each >= 1")
         tokens_per_micro = self.device_batch * T * self.dp
         if self.total_batch % tokens_per_micro != 0:
             raise ConfigError(f"the batch, {self.total_batch:,} tokens (--total-batch-size, or the recipe's where it is "
@@ -427,17 +427,17 @@ class Setting:
             self.check_pipeline(config, m, tokens_per_micro)
         elif (self.pp_schedule, self.pp_virtual) != ("1f1b", 1):  # they shape a pipeline
             raise ConfigError("--pp-schedule and --pp-virtual need --pp > 1")
+        if cp == 1 and self.cp_exchange:
+            raise ConfigError(f"--cp-exchange {self.cp_exchange} is how --cp ranks share K/V: it needs --cp > 1")
         return m
 
     def check_pipeline(self, config, m, tokens_per_micro):
         p, schedule, virtual = self.pp, self.pp_schedule, self.pp_virtual
         if schedule not in SCHEDULES:
             raise ConfigError(f"unknown --pp-schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
-        if p > config.n_layer:
-            raise ConfigError(f"--pp {p} is more stages than blocks ({config.n_layer}); each stage needs a block")
         if p * virtual > config.n_layer:
-            raise ConfigError(f"--pp x --pp-virtual = {p * virtual} chunks is more than the {config.n_layer} blocks; "
-                              f"each chunk needs one")
+            raise ConfigError(f"--pp {p} x --pp-virtual {virtual} = {p * virtual} chunks is more than the "
+                              f"{config.n_layer} blocks; each chunk needs one")
         if m < p:
             raise ConfigError(f"pipeline parallelism needs at least pp={p} micro-batches per step, got {m} "
                               f"(= {self.total_batch:,} / {tokens_per_micro:,}); lower --device-batch-size or "

@@ -325,6 +325,7 @@ def test_start_over_and_resume_together_are_refused():
     (dict(tp=2, fp8=True), r"--fp8 with --tp 2: a rank's query heads' width 72, key/value heads' width 72 must be"),
     (dict(pp_virtual=2), r"--pp-schedule and --pp-virtual need --pp > 1"),
     (dict(pp_schedule="interleaved"), r"need --pp > 1"),
+    (dict(cp_exchange="ring"), r"--cp-exchange ring is how --cp ranks share K/V: it needs --cp > 1"),
 ])
 def test_layouts_that_cannot_run_are_refused_before_they_start(flags, message):
     from nanochat.common import ConfigError

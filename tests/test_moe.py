@@ -86,8 +86,9 @@ def test_counts_use_the_active_experts():
     (["--moe-experts", "4", "--moe-topk", "1"], "with 1 the router gets no gradient"),
     (["--moe-experts", "1"], "--moe-experts 1 --moe-topk 2: each token goes to K experts, 2 <= K <= E"),
     (["--moe-experts", "4", "--moe-layers", "9"], "--moe-layers '9': block indices must be in 0..3"),
-    (["--moe-experts", "4", "--moe-expert-dim", "100"], "--moe-expert-dim 100 must be a multiple of 8"),
-    (["--moe-layers", "1"], "--moe-layers needs --moe-experts"),
+    (["--moe-experts", "4", "--moe-expert-dim", "100"], "--moe-expert-dim 100 must be >= 0, the width a multiple of 8"),
+    (["--moe-layers", "1"], "--moe-layers shape what --moe-experts adds, which is off"),
+    (["--l3-d-up", "64", "--l3-table-lr", "0.1"], "--l3-d-up, --l3-table-lr shape what --l3-after-layers adds, which is off"),
     (["--moe-experts", "4", "--moe-shared", "-1"], "--moe-shared -1 and --moe-expert-dim 0 must be >= 0"),
 ])
 def test_bad_moe_flags_are_one_line_errors(flags, message):

@@ -215,7 +215,7 @@ def test_bad_flags_are_clear_errors(env):
              (["--l3-after-layers", "7"], "block indices must be in 0..1"),
              (["--l3-after-layers", "0", "--l3-d-up", "-8"], "--l3-d-up -8 must be positive"),
              (["--tp", "2"], "need 2 processes"),
-             (["--device-batch-size", "0"], "--device-batch-size must be at least 1"),
+             (["--device-batch-size", "0"], "--device-batch-size 0, --tp 1, --pp 1"),
              (["--head-dim", "0"], "--head-dim (0) positive"),
              (["--stop-at-step", "0", "--keep-last", "-2"], "--stop-at-step: positive, or -1; --keep-last: positive, or -1"),
              (["--stop-at-step", "2"], "--stop-at-step 2 is past the run's last step (1)"),
