@@ -65,11 +65,13 @@ GIB = 2 ** 30
 ACTIVATION_BYTES = {"none": 33.0, "selective": 13.2, "block": 11.2}
 FP8_SAVING = 3.0
 FP8_BLOCK_EXTRA = 8.0
-HEAD_BYTES = 1.6  # per token, times the vocabulary (the lm_head and loss's kept tensors; vocab-parallel under TP)
-# of a layer's activations, the share TP leaves whole without SP: fitted to the peaks of d32 TP 2, d32 and d20
-# TP 2 x DP 2 (H200, 2026-11-27: planned 1.00, 1.00, 0.93 of them; Megatron-LM's 10 of 34 bytes x width planned 0.95,
-# 0.94, 0.85: this block also keeps whole its residual and x0 mixes and each region's reduced output)
-TP_WHOLE = 0.43
+HEAD_BYTES = 1.6  # per token, times the vocabulary: the lm_head and the fused loss's kept tensors (one GPU)
+# under TP the vocab-parallel loss keeps two fp32 tensors a token and vocabulary entry of its shard (the soft cap's tanh,
+# the softmax): 8 bytes; with it, the share of a layer's activations TP leaves whole without SP fitted to the peaks
+# of d32 TP 2, d32 and d20 TP 2 x DP 2 (H200, 2026-11-27; planned 0.997, 0.997, 1.006 of them, and d32 TP 2 + SP
+# 0.987; near Megatron-LM's 10 of 34 bytes x width, this block also keeping its residual and x0 mixes whole)
+HEAD_BYTES_TP = 8.0
+TP_WHOLE = 0.32
 TP_WHOLE_SP = 4 / 34  # under SP, the share still whole: two all-gathered matmul inputs, kept for the weight gradients
 # relative tok/s per GPU, measured on H200s (dev/BENCHMARKS.md): recompute at d20/d26, TP=2 at d32 (2026-11-28, device
 # batch 8), CP=2 at d12 and 32K, sharding at d32 DP 4 (against plain DP 4); each further TP or CP doubling is charged
@@ -129,7 +131,7 @@ def rank_memory(config, s):
     # split as the run splits: by the whole model's costs (before TP cuts it)
     chunks = split_stages(*block_costs(_meta_model(config, replace(s, tp=1, sequence_parallel=False))),
                           s.pp * s.pp_virtual)
-    head = HEAD_BYTES * config.vocab_size / s.tp  # on the last chunk
+    head = (HEAD_BYTES_TP if s.tp > 1 else HEAD_BYTES) * config.vocab_size / s.tp  # on the last chunk
     # per MoE layer, beyond a dense one (under TP, with SP: on this rank's tokens)
     moe = extra_activation_bytes(config, tokens / s.tp, s.recompute, s.ep)
     kept = [tokens * ((b - a) * config.n_embd * per_layer * tp_share + (head if c == len(chunks) - 1 else 0)) +
