@@ -21,7 +21,7 @@ A plot of bpb against FLOPs and against seconds goes to <out>/ladder.png.
 
 The defaults (d8, d10, d12, one seed a side) are the short ladder. Its runs are short: most of a run is start-up,
 compilation and the final evaluation (at --ratio 0.25 on one H100, 80-100 s a run of which 10-60 s trained: 12
-minutes for the six), and a run of fewer steps than --warmup-steps (40) never reaches its peak learning rate (at
+minutes for the six; on one H200 two at a time, --gpus 0,0, with 131,072-token steps: 7.6 minutes), and a run of fewer steps than --warmup-steps (40) never reaches its peak learning rate (at
 0.25, d8-d12 train 33-53 steps): take --ratio 1 or more to judge a change. A long ladder runs in parts: each
 finished run is kept in <out>/results.jsonl, --stop-after MINUTES starts no run after that many minutes, and the
 same command again runs only what is missing (a run of another configuration, data or commit, or of
