@@ -22,7 +22,8 @@ fractions are of the step before the optimizer's. Each priced layout also gets t
 training runs (messages ordered by the chunks' FLOP costs, as Pipeline orders them) with each message waiting its turn
 on its pair of ranks' stream, as NCCL runs them, instead of a fixed delay; there compute also runs as it does in
 training: --sustained x its time alone, and --contention slower again while an NCCL kernel is resident on its rank
-(defaults measured on four H200s at d26; 1 and 0 price the blocks as timed).
+(defaults measured on four H200s at d26; 1 and 0 price the blocks as timed), and each chunk call costs --call-ms more
+(fitted on two H200s at d26; 0: none).
 """
 
 import argparse
@@ -39,6 +40,11 @@ from nanochat.pipeline_schedules import (SCHEDULES, idle_formula, peak_in_flight
 # short bursts), and ~1.21x that while an NCCL kernel is resident beside them (one posted before its peer's spins on
 # SMs until the peer posts)
 SUSTAINED, CONTENTION = 1.09, 0.21
+# What a chunk call costs in training beyond its blocks' work, fitted to d26 PP 2 (m = 16) on two H200s with the
+# block times measured in the same call (2026-11-29): 1F1B and interleaved both within 0.3% of their steps, from 3.1%
+# and 5.2% under. Where from is not settled: a message cannot start while the persistent matmul kernel beside it
+# holds every SM (NCCL on high-priority streams no different), and each call's graph launch and autograd set-up
+CALL_MS = 1.4
 # NCCL point to point between two H200s (batch_isend_irecv, 55-82 MB, as a d26 chunk's messages; dev/LOG.md,
 # 2026-11-28): 273-295 GB/s one way, 239-241 GB/s both ways at once (activations and gradients crossing)
 P2P_GBPS = 240.0
@@ -312,13 +318,13 @@ def _replay(actions, programs, duration, message, tail, contention, shares):
     return max(max(free), max(stream.values(), default=0.0)) + tail, spans, resident
 
 
-def price(measured, schedule, p, m, virtual, gbps, sustained=SUSTAINED, contention=CONTENTION):
+def price(measured, schedule, p, m, virtual, gbps, sustained=SUSTAINED, contention=CONTENTION, call_ms=CALL_MS):
     """Simulated step (ms), its ideal, each rank's idle fraction and peak activation GiB, and the step with the
     messages queued as NCCL runs them (replay_queued, with `contention`); each message its bytes over gbps GB/s,
-    every forward and backward `sustained` x its measured time (the optimizer's step as measured: the fit that gave
-    SUSTAINED left it out)."""
+    every forward and backward `sustained` x its measured time + call_ms (the optimizer's step as measured: the fit
+    that gave SUSTAINED left it out)."""
     times, kept, flops, sizes = chunk_layout(measured, p, virtual)
-    times = {key: t * (sustained if key[0] != "step" else 1) for key, t in times.items()}
+    times = {key: t * sustained + call_ms if key[0] != "step" else t for key, t in times.items()}
     actions = [stage_actions(schedule, p, m, r, virtual) for r in range(p)]
     duration = lambda a: times[a[0], a[2]]
     message = lambda a: sizes[a[0], a[2]] / (gbps * 1e9) * 1e3
@@ -334,7 +340,7 @@ def price(measured, schedule, p, m, virtual, gbps, sustained=SUSTAINED, contenti
     return step, ideal, idle, peak, queued
 
 
-def table(measured, gbps, sustained=SUSTAINED, contention=CONTENTION):
+def table(measured, gbps, sustained=SUSTAINED, contention=CONTENTION, call_ms=CALL_MS):
     rows = ["| p | m | schedule | step ms | queued messages: step ms | step / ideal | idle (mean over ranks) | "
             "idle at equal times | peak activations per rank (GiB, max) |", "| --- " * 9 + "|"]
     for p in (4, 8):
@@ -343,7 +349,7 @@ def table(measured, gbps, sustained=SUSTAINED, contention=CONTENTION):
                 if p * virtual > measured["depth"] or (schedule == "interleaved" and m % p):
                     continue
                 step, ideal, idle, peak, queued = price(measured, schedule, p, m, virtual, gbps, sustained,
-                                                        contention)
+                                                        contention, call_ms)
                 name = f"interleaved V={virtual}" if schedule == "interleaved" else schedule
                 rows.append(f"| {p} | {m} | {name} | {step:,.1f} | {queued:,.1f} | {step / ideal:.3f} | "
                             f"{statistics.mean(idle):.3f} | "
@@ -371,6 +377,8 @@ def main(argv=None):
                         "over the blocks' times alone (default: %(default)s, four H200s at d26; 1: as timed)")
     parser.add_argument("--contention", type=float, default=CONTENTION, help="with --times: how much slower compute "
                         "runs beside a resident NCCL kernel (default: %(default)s, four H200s at d26; 0: none)")
+    parser.add_argument("--call-ms", type=float, default=CALL_MS, help="with --times: ms a chunk call costs in "
+                        "training beyond its blocks' times (default: %(default)s, two H200s at d26; 0: none)")
     args = parser.parse_args(argv)
     if args.measure:
         results = measure(args.measure, args.batch, args.seq, args.reps, args.compile or None)
@@ -386,10 +394,10 @@ def main(argv=None):
         print(f"d{measured['depth']}, micro-batches of {measured['batch']} x {measured['seq']} tokens, "
               f"messages at {args.p2p_gbps:g} GB/s")
         if args.table:
-            print(table(measured, args.p2p_gbps, args.sustained, args.contention))
+            print(table(measured, args.p2p_gbps, args.sustained, args.contention, args.call_ms))
             return
         step, ideal, idle, peak, queued = price(measured, args.schedule, p, m, virtual, args.p2p_gbps,
-                                                args.sustained, args.contention)
+                                                args.sustained, args.contention, args.call_ms)
         print(f"{args.schedule}, p={p}, m={m}, V={virtual}: step {step:.1f} ms ({step / ideal:.3f}x the ideal "
               f"{ideal:.1f}; {queued:.1f} with the messages queued per pair of ranks); idle per rank: {', '.join(f'{x:.3f}' for x in idle)}; peak activations per rank (GiB): "
               f"{', '.join(f'{x:.1f}' for x in peak)}")

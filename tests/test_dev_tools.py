@@ -485,17 +485,18 @@ def test_pipeline_sim_prices_messages_by_what_they_carry_and_blocks_by_their_kin
 
 
 def test_pipeline_sim_stretches_compute_under_load_and_beside_resident_nccl_kernels():
-    """--sustained scales every forward and backward (with free messages, the step but the optimizer's); --contention
-    slows only the
-    compute that runs while an NCCL kernel is resident on its rank: a rank waiting idle for a message is not slowed
+    """--sustained scales every forward and backward (with free messages, the step but the optimizer's), --call-ms
+    adds to each; --contention slows only the compute that runs while an NCCL kernel is resident on its rank: a rank waiting idle for a message is not slowed
     (p=2, m=1: each rank's receive spans only its idle time), interleaving's messages posted beside compute are."""
     from dev.pipeline_sim import _covered, price
     blocks = [{"F": 1.0, "backward": 2.0, "bytes": 100} for _ in range(26)]
     measured = {"depth": 26, "batch": 2, "seq": 64, "n_embd": 1664, "blocks": blocks,
                 "embed": {"F": 0.1, "backward": 0.2, "bytes": 5}, "head": {"F": 1.5, "backward": 3.0, "bytes": 7}}
-    queued = lambda *layout, gbps=100.0, sustained=1.0, contention=0.0: price(measured, *layout, gbps, sustained,
-                                                                            contention)[-1]
+    queued = lambda *layout, gbps=100.0, sustained=1.0, contention=0.0, call_ms=0.0: price(
+        measured, *layout, gbps, sustained, contention, call_ms)[-1]
     bare = queued("1f1b", 4, 8, 1, gbps=1e12)
+    # --call-ms: each forward and backward costs that much more; p=2, m=1 runs four calls one after another
+    assert queued("1f1b", 2, 1, 1, gbps=1e12, call_ms=0.5) == pytest.approx(queued("1f1b", 2, 1, 1, gbps=1e12) + 2.0)
     assert queued("1f1b", 4, 8, 1, gbps=1e12, sustained=1.5) == pytest.approx(1.5 * bare)
     measured["optimizer"] = {"all": 30.0, "embed": 2.0, "head": 2.0}  # 1 ms a block: rank 0's 7 and the embedding's 2
     assert queued("1f1b", 4, 8, 1, gbps=1e12, sustained=1.5) == pytest.approx(1.5 * bare + 9.0)  # the step as timed
