@@ -42,6 +42,8 @@ def test_runs_launches_base_train_and_reads_its_metrics(env, tmp_path):
     assert run.end["training_time_s"] is None  # 3 steps: none timed (the first 11 compile), not a time of 0
     from dev.bench_train import planned_peak  # what scripts.plan predicts for the run, from its header's flags
     assert 0 < planned_peak(run.header) < 1
+    older = dict(run.header, flags={k: v for k, v in run.header["flags"].items() if k != "cp_exchange"})
+    assert planned_peak(older) == planned_peak(run.header)  # a tree from before --cp-exchange: no CP, no exchange
     # a run that asked for fp8 and trained in bf16 (no GPU here) is a failure, not a bf16 figure
     job = runs.start(flags + ["--fp8", "--eval-tokens", "0"], "dev_runs_fp8", env=env, log=str(tmp_path / "fp8.log"))
     try:
