@@ -66,6 +66,8 @@ def sample_next(logits, temperature, top_k, generator):
 @torch.no_grad()
 def generate(model, prompt, max_tokens, num_samples=1, temperature=1.0, top_k=None, seed=42, stop_tokens=()):
     """num_samples lists of new ids after `prompt`, each ending at its first stop token (kept) or max_tokens."""
+    if not len(prompt):
+        raise ValueError("the prompt is empty: give at least one token (documents start with <|bos|>)")
     device = model.cos.device
     generator = torch.Generator(device=device).manual_seed(seed)
     cache = KVCache(1, len(prompt) + max_tokens)

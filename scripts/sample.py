@@ -32,10 +32,12 @@ parser.add_argument("--kernels", type=str, default=None, choices=kernels.MODES, 
 args = parser.parse_args()
 kernels.set_mode(args.kernels)
 
-if args.num_samples < 1 or args.max_tokens < 1 or not 0 <= args.temperature < float("inf") or args.top_k < 0 or \
-        not -2 ** 63 <= args.seed < 2 ** 64:
-    sys.exit("ERROR: --num-samples and --max-tokens must be positive, --temperature (finite) and --top-k at least 0, "
-             "--seed a 64-bit integer")
+checks = [(args.num_samples < 1, f"--num-samples {args.num_samples}: 1 or more"),
+          (args.max_tokens < 1, f"--max-tokens {args.max_tokens}: 1 or more"),
+          (not 0 <= args.temperature < float("inf"), f"--temperature {args.temperature}: finite, 0 or more"),
+          (args.top_k < 0, f"--top-k {args.top_k}: 0 or more"), (not -2 ** 63 <= args.seed < 2 ** 64, "--seed: 64 bits")]
+if bad := [message for wrong, message in checks if wrong]:
+    sys.exit("ERROR: " + "; ".join(bad))
 try:
     _, device = compute_init(args.device_type)
     tokenizer = get_tokenizer()

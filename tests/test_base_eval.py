@@ -86,8 +86,8 @@ def test_base_eval_unknown_tag(base_dir, checkpoint):
     ("scripts.base_eval", ["--eval-tokens", "0"], "--eval-tokens 0 positive or -1"),
     ("scripts.base_eval", ["--device-type", "gpu"], "--device-type=gpu: cuda, cpu or mps"),
     ("scripts.base_eval", ["--tp", "2"], "launch with torchrun --nproc_per_node=2 -m scripts.base_eval ..."),
-    ("scripts.sample", ["--top-k", "-3"], "--temperature (finite) and --top-k at least 0"),
-    ("scripts.sample", ["--temperature", "nan"], "--temperature (finite)"),
+    ("scripts.sample", ["--top-k", "-3", "--max-tokens", "0"], "ERROR: --max-tokens 0: 1 or more; --top-k -3: 0 or more"),
+    ("scripts.sample", ["--temperature", "nan"], "--temperature nan: finite, 0 or more"),
     ("scripts.sample", ["--device-type", "gpu"], "--device-type=gpu: cuda, cpu or mps"),
 ])
 def test_bad_flags_are_one_line(base_dir, checkpoint, script, flags, message):
@@ -102,16 +102,22 @@ def test_sample_prompts_and_report(base_dir, checkpoint):
     p = run_script("scripts.sample", args, script_env(base_dir))
     lines = [l for l in p.stdout.splitlines() if l.startswith("--- [")]
     assert len(lines) == 4 and lines[0].startswith("--- [1/2] The") and lines[2].startswith("--- [1/2] A city")
+    p = run_script("scripts.sample", [a if a != "1" else "2" for a in args[:-1]], script_env(base_dir))
+    assert [l for l in p.stdout.splitlines() if l.startswith("--- [")] != lines  # --seed reaches the sampler
     with open(os.path.join(base_dir, "report", "base-model-samples.md")) as f:
         assert len(re.findall(r"^\d\. `'(The|A city)", f.read(), re.M)) == 4
 
 
 def test_sample_reads_prompts_from_stdin(base_dir, checkpoint):
-    p = run_script("scripts.sample", ["--model-tag", TAG, "--max-tokens", "4", "--temperature", "0"], script_env(base_dir),
-                   check=False, input="Hello\n\nWorld\n")
-    assert p.returncode == 0, p.stderr
-    lines = [l for l in p.stdout.splitlines() if l.startswith("--- [")]
+    samples = []
+    for flags in (["--temperature", "0"], ["--temperature", "2", "--top-k", "1"]):  # top-k 1 is greedy at any temperature
+        p = run_script("scripts.sample", ["--model-tag", TAG, "--max-tokens", "4"] + flags, script_env(base_dir),
+                       check=False, input="Hello\n\nWorld\n")
+        assert p.returncode == 0, p.stderr
+        samples.append([l for l in p.stdout.splitlines() if l.startswith("--- [")])
+    lines = samples[0]
     assert len(lines) == 2 and lines[0].startswith("--- [1/1] Hello") and lines[1].startswith("--- [1/1] World")
+    assert samples[1] == lines  # --top-k reaches the sampler
 
 
 def test_checkpoint_with_another_tokenizer_is_refused(base_dir, checkpoint, tmp_path):

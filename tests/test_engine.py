@@ -79,6 +79,9 @@ def test_sampling_is_reproducible_with_a_seed():
     a = generate(model, prompt, 20, num_samples=4, temperature=1.0, top_k=10, seed=7)
     assert a == generate(model, prompt, 20, num_samples=4, temperature=1.0, top_k=10, seed=7)
     assert len(a) == 4 and all(len(row) == 20 for row in a)
+    assert generate(model, prompt, 20, num_samples=4, temperature=1.0, top_k=10, seed=8) != a  # the seed is used
+    with pytest.raises(ValueError, match="the prompt is empty: give at least one token"):
+        generate(model, [], 3)
     # top-k 1 leaves only the most likely token: greedy, whatever the temperature
     greedy = generate(model, prompt, 20, temperature=0.0)[0]
     assert generate(model, prompt, 20, num_samples=2, temperature=2.0, top_k=1, seed=3) == [greedy] * 2

@@ -114,6 +114,47 @@ def test_greedy_generate_equals_engine(tiny):
         assert theirs == ours
     with pytest.raises(ValueError, match="nanochat decodes with transformers' DynamicCache, not StaticCache"):
         hf.generate(torch.tensor([prompts[0]]), max_new_tokens=4, do_sample=False, cache_implementation="static")
+    with pytest.raises(ValueError, match="input_ids is empty"):
+        hf.generate(torch.zeros(1, 0, dtype=torch.long), max_new_tokens=2)
+    # another stop token (or none) and no attention mask: the prompt's <|bos|> is a token, not padding
+    ours = generate(model, prompts[0], 16, temperature=0.0)[0]
+    for eos in (None, 10):
+        theirs = hf.generate(torch.tensor([prompts[0]]), max_new_tokens=16, do_sample=False, eos_token_id=eos)
+        assert theirs[0, len(prompts[0]):].tolist()[:len(ours)] == ours[:theirs.size(1) - len(prompts[0])], eos
+
+
+def test_batched_generate_with_the_shipped_tokenizer(tiny):
+    """Prompts of several lengths padded by the exported tokenizer (to the left, as it says) decode as each alone."""
+    model, hf, tokenizer, hf_tok, _ = tiny
+    texts = ["The capital of France is", "A", "Once upon a time, in a land far away, there"]
+    batch = hf_tok(texts, return_tensors="pt", padding=True)
+    out = hf.generate(**batch, max_new_tokens=8, do_sample=False, eos_token_id=None)[:, batch["input_ids"].size(1):]
+    for text, row in zip(texts, out.tolist()):
+        assert row == generate(model, tokenizer.encode(text, prepend=tokenizer.get_bos_token_id()), 8, temperature=0.0)[0]
+
+
+def test_even_depth_logits_equal_ours(tiny, tmp_path):
+    """At an even depth the backout's middle block and the value embeddings' layers are told apart (at 3 they are
+    the same blocks under either parity)."""
+    torch.manual_seed(0)
+    model = random_weights(build_model(GPTConfig(**dict(CONFIG, n_layer=4, window_pattern="SSSL")), "cpu"))
+    hf = export_and_load(model, tiny[2], tmp_path)
+    ids = torch.randint(0, CONFIG["vocab_size"], (2, 200), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert (model(ids) - hf(ids).logits).abs().max().item() <= ATOL
+
+
+def test_import_checks_the_files_but_the_model_card(tiny, tmp_path):
+    import shutil
+    folder = tmp_path / "export"
+    shutil.copytree(tiny[4], folder)
+    with open(folder / "README.md", "a") as f:
+        f.write("\nEdited on the Hub.\n")
+    convert.load_export(str(folder))  # a model card edited after the export still imports
+    with open(folder / "config.json", "a") as f:
+        f.write(" ")
+    with pytest.raises(convert.ConvertError, match=r"config.json is missing or no longer matches the checksum"):
+        convert.load_export(str(folder))
 
 
 def tokenizer_cases():

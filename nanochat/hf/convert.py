@@ -83,11 +83,13 @@ def tokenizer_from_hf(directory):
 
 
 def verify_export(directory):
-    """Every file checksums.json lists matches it (an export from before checksums: nothing to check)."""
+    """Every file checksums.json lists matches it, but the model card (edited on the Hub as a matter of course; an
+    export from before checksums: nothing to check)."""
     for name, saved in read_json(os.path.join(directory, "checksums.json"), {}).items():
-        if not os.path.exists(file := os.path.join(directory, name)) or file_checksum(file) != saved:
-            raise ConvertError(f"{file} is missing or no longer matches the checksum the export saved: "
-                               f"export the checkpoint again")
+        if name != "README.md" and (not os.path.exists(file := os.path.join(directory, name)) or
+                                    file_checksum(file) != saved):
+            raise ConvertError(f"{file} is missing or no longer matches the checksum the export saved: download it "
+                               f"again, or export the checkpoint again")
 
 
 def check_state(state, config, source):
@@ -173,7 +175,7 @@ def export(model_state, meta, tok: Tokenizer, out_dir, dtype=torch.float32, core
               l3_n_emb=config.l3_n_emb or default_n_emb(config.vocab_size, config.l3_k_max),
               l3_k_max=config.l3_k_max) if config.l3_after_layers else {}
     hf = NanochatConfig(**{k: getattr(config, k) for k in SHAPE_FIELDS}, **l3, window_sizes=window_sizes(config),
-                        rotary_base=ROTARY_BASE, softcap=SOFTCAP, bos_token_id=bos, eos_token_id=bos, pad_token_id=bos)
+                        rotary_base=ROTARY_BASE, softcap=SOFTCAP, bos_token_id=bos, eos_token_id=bos)
     hf.architectures = ["NanochatForCausalLM"]
     hf.auto_map = {"AutoConfig": "configuration_nanochat.NanochatConfig",
                    "AutoModelForCausalLM": "modeling_nanochat.NanochatForCausalLM"}
@@ -181,10 +183,12 @@ def export(model_state, meta, tok: Tokenizer, out_dir, dtype=torch.float32, core
     hf.save_pretrained(out_dir)
     for name in MODEL_FILES:
         shutil.copyfile(os.path.join(HERE, name), os.path.join(out_dir, name))
-    GenerationConfig(bos_token_id=bos, eos_token_id=bos, pad_token_id=bos).save_pretrained(out_dir)
+    # no pad id in the model's configs: generate would take every <|bos|> (each prompt's first token) for padding
+    # where it builds the attention mask itself; batches padded by the tokenizer carry their own mask
+    GenerationConfig(bos_token_id=bos, eos_token_id=bos).save_pretrained(out_dir)
     hf_tokenizer(tok).save(os.path.join(out_dir, "tokenizer.json"))
     tok_config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|bos|>", "eos_token": "<|bos|>",
-                  "pad_token": "<|bos|>", "add_bos_token": True, "split_special_tokens": True,
+                  "pad_token": "<|bos|>", "padding_side": "left", "add_bos_token": True, "split_special_tokens": True,
                   "clean_up_tokenization_spaces": False, "model_max_length": config.sequence_len}
     # safetensors, sharded above max_shard_size; floating tensors in `dtype`, integer ones (L3's allocation) as is
     state = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in model_state.items()}

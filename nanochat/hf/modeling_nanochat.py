@@ -195,6 +195,8 @@ class NanochatForCausalLM(PreTrainedModel, GenerationMixin):
         cfg = self.config
         cache = cache if cache is not None else past_key_values  # either name (see CACHE_FIELD)
         T = input_ids.size(1)
+        if T == 0:
+            raise ValueError("input_ids is empty: give at least one token (documents start with <|bos|>)")
         use_cache = cfg.use_cache if use_cache is None else use_cache
         if use_cache and cache is None:
             cache = DynamicCache()
