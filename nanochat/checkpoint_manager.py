@@ -184,22 +184,28 @@ def move_aside(ckpt_dir, files, into=None):
 
 
 def check_data_unchanged(resume_meta, data_dir, data_listing, resume_on_new_data=False):
-    """A data position holds only for the shards it was saved with: others stop the run, unless --resume-on-new-data
-    (then they are read from the start). Returns whether the run goes on with new data."""
+    """A data position holds only for the shards it was saved with: others stop the run, unless --resume-on-new-data.
+    Then, where the saved training shards are the first of the new ones as they were, and the run had not begun a
+    second epoch, the position goes on into the added shards ("continue"); else all are read from the start
+    ("restart"). None: the same shards."""
     from nanochat.dataset import listing_changes
     if "data_listing" not in resume_meta:  # saved without a listing (imported weights)
-        return False
-    changes = listing_changes(resume_meta["data_listing"], data_listing)
+        return None
+    saved = resume_meta["data_listing"]
+    changes = listing_changes(saved, data_listing)
     step = resume_meta["loop_state"]["step"]
     if changes and not resume_on_new_data:
         shown = "; ".join(changes[:4]) + (f"; and {len(changes) - 4} more" if len(changes) > 4 else "")
         raise CheckpointError(f"the shards in {data_dir} differ from those step {step} was trained on: {shown}. "
-                              f"Put the saved shards back, or pass --resume-on-new-data to read the new data from its "
-                              f"start")
-    if changes:
-        print0(f"note: the shards in {data_dir} differ from step {step}'s ({len(changes)} changes); "
-               f"--resume-on-new-data: reading them from the start")
-    return bool(changes)
+                              f"Put the saved shards back, or pass --resume-on-new-data to read the new data")
+    if not changes:
+        return None
+    first_epoch = all(s.get("epoch", 1) == 1 for s in resume_meta.get("dataloader_states", [{}]))
+    mode = "continue" if first_epoch and data_listing[:len(saved) - 1] == saved[:-1] else "restart"
+    print0(f"note: the shards in {data_dir} differ from step {step}'s ({len(changes)} changes); --resume-on-new-data: " +
+           ("the saved training shards lead the new ones: the data position goes on into the added shards"
+            if mode == "continue" else "reading them from the start"))
+    return mode
 
 
 def save_meta(ckpt_dir, step, meta, num_stages=1):

@@ -96,8 +96,8 @@ def parse_args(argv=None):
                                                   "are moved into replaced_<date>-<time>/ there")
     add("--stop-at-step", type=int, default=-1, help="save at this step and stop, the schedule unchanged (-1 = run to "
                                                      "the end); e.g. to resume from it with a longer --max-seq-len")
-    add("--resume-on-new-data", action="store_true", help="resume although the data folder's shards differ from "
-                                                          "those the checkpoint was trained on, reading them from the start")
+    add("--resume-on-new-data", action="store_true", help="resume although the shards differ from the checkpoint's: "
+                                                          "on into shards added after them, else from the start")
     add("--model-tag", type=str, default=None, help="checkpoint folder name (default: d<depth>)")
     add("--seed", type=int, default=42, help="random seed: the initial weights differ with it, the data order does not")
     add("--compile", type=int, default=-1, help="torch.compile the model and optimizer (-1 = on CUDA only)")

@@ -49,7 +49,8 @@ UNTIMED_STEPS = 10  # each launch's steps up to its first + this one (11, as ups
 
 
 class Plan:
-    """Tokenizer, data, checkpoint to resume (resume_meta or None; new_data: other shards), config, contexts, recipe,
+    """Tokenizer, data, checkpoint to resume (resume_meta or None; new_data: None, or other shards whose reading goes
+    on ("continue") or starts over ("restart")), config, contexts, recipe,
     setting, micro-batches per step, compile; flags that cannot run are refused here, before any work; printed."""
 
     def __init__(self, args, layout, device):
@@ -67,7 +68,7 @@ class Plan:
             return get_tokenizer(), check_data(args.data_dir, layout.dp_size), step, meta
         self.tokenizer, self.data_dir, args.resume_from_step, self.resume_meta = \
             agreed(read_here, UserError, device if layout.world_size > 1 else None)
-        data_dir, resume_meta, self.new_data = self.data_dir, self.resume_meta, False
+        data_dir, resume_meta, self.new_data = self.data_dir, self.resume_meta, None
         self.data_listing = shard_listing(data_dir)
         if layout.world_size > 1:  # several nodes: the same shards, checkpoint folder and resume point everywhere
             training.check_ranks_agree(layout, data_dir, self.data_listing, ckpt_dir, args.save_every != 0,
@@ -133,7 +134,7 @@ class Run:
         self.spike_count = loop.get("spike_count", 0)
         self.new_data_at = loop.get("new_data_at", []) + ([self.step] if plan.new_data else [])  # --resume-on-new-data
         loader_state = None
-        if meta is not None and not plan.new_data:
+        if meta is not None and plan.new_data != "restart":
             saved_states = meta["dataloader_states"]
             loader_state = reshard_states(saved_states, layout.dp_size)[layout.dp_rank]
             if len(saved_states) != layout.dp_size:

@@ -1,5 +1,6 @@
 """Watching a run: the spike rule (nanochat.run_log.SpikeWatch), and base_train end to end on a data change: a
-resume that finds other shards is refused naming them; --resume-on-new-data goes on (the report says so), and
+resume that finds other shards is refused naming them; --resume-on-new-data goes on (the report says so: into
+shards added after the saved ones, else from the start), and
 the jump in loss on the new text is warned about and counted; TensorBoard gets the numbers metrics.jsonl holds.
 The gradient norms themselves: tests/test_training.py and tests/test_parallel.py."""
 
@@ -78,9 +79,10 @@ def test_new_data_is_refused_then_continued_with_the_flag_and_its_loss_spike_is_
     assert [line for line in p.stdout.splitlines() if line.startswith("ERROR")] == [
         f"ERROR: the shards in {prose} differ from those step 24 was trained on: shard_0.parquet changed "
         f"(8 -> 15 row groups); shard_1.parquet changed (1 -> 3 row groups). Put the saved shards back, or pass "
-        f"--resume-on-new-data to read the new data from its start"], p.stdout[-1500:]
+        f"--resume-on-new-data to read the new data"], p.stdout[-1500:]
     p = run_script("scripts.base_train", resume + ["--resume-on-new-data"], env)
-    assert f"note: the shards in {prose} differ from step 24's (2 changes); --resume-on-new-data" in p.stdout
+    assert f"note: the shards in {prose} differ from step 24's (2 changes); --resume-on-new-data: reading them from " \
+           f"the start" in p.stdout
     spike = re.search(r"^step 00024 \| WARNING: loss spike: ([\d.]+) is ([\d.]+)x the median of the previous 24 steps "
                       r"\(([\d.]+)\)$", p.stdout, re.M)
     assert spike and float(spike.group(2)) > 10, p.stdout[-3000:]  # from about 0.4 to above 4
@@ -106,6 +108,26 @@ def test_new_data_is_refused_then_continued_with_the_flag_and_its_loss_spike_is_
     assert sorted(grad_norm) == list(range(26))
     assert all(abs(grad_norm[s] - run.steps[s]["grad_norm"]) <= 1e-6 * run.steps[s]["grad_norm"] for s in range(24))
 
+
+
+def test_added_shards_continue_the_data_position(env, tmp_path):
+    """More shards downloaded after the saved ones (the old validation shard now trains, a new one validates): with
+    --resume-on-new-data the position goes on into them, where other shards start the data over (test above)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(2):
+        os.symlink(os.path.join(SAMPLE_DATA, f"sample_0000{i}.parquet"), data / f"shard_{i}.parquet")
+    flags = TINY + ["--num-iterations", "4", "--save-every", "2", "--model-tag", "added", "--data-dir", str(data)]
+    run_script("scripts.base_train", flags, env)
+    os.symlink(os.path.join(SAMPLE_DATA, "sample_00000.parquet"), data / "shard_2.parquet")
+    p = run_script("scripts.base_train", flags + ["--resume-from-step", "2", "--resume-on-new-data"], env)
+    assert "the saved training shards lead the new ones: the data position goes on into the added shards" in p.stdout
+    first = json.load(open(os.path.join(ckpt_dir(env, "added"), "meta_000002.json")))["dataloader_states"][0]
+    later = json.load(open(os.path.join(ckpt_dir(env, "added"), "meta_000004.json")))["dataloader_states"][0]
+    # not started over: the documents of the row groups read by step 2 that step 4 still holds are ones step 2 held
+    # (read again from the start, the buffer would hold some that steps 1-2 packed)
+    held, old = set(map(tuple, first["buffer"])), [tuple(r) for r in later["buffer"] if r[0] < first["g"]]
+    assert old and set(old) <= held and later["g"] >= first["g"], (first, later)
 
 def test_an_unknown_flag_names_the_nearest(capsys):
     from nanochat.recipe import parse_args
