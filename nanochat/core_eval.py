@@ -160,6 +160,10 @@ def load_records(task):
             if any(k not in record for k in keys):
                 raise EvalBundleError(f"{task.path} line {line_no}: a {task.task_type} record needs keys {keys}, "
                                       f"found {sorted(record)}")
+            options, gold = item_options(task.task_type, record, task.delimiter)  # also read as a few-shot example
+            if not (type(gold) is int and 0 <= gold < len(options)):
+                raise EvalBundleError(f"{task.path} line {line_no}: gold {gold!r} is not the index of one of its "
+                                      f"{len(options)} options")
             records.append(record)
     if not records:
         raise EvalBundleError(f"{task.path} holds no records")
@@ -190,8 +194,6 @@ def render_item(task, records, idx):
         options, gold = item_options(task.task_type, records[j], task.delimiter)
         prefix += "".join(options[gold]) + "\n\n"
     options, gold = item_options(task.task_type, records[idx], task.delimiter)
-    if not 0 <= gold < len(options):
-        raise EvalBundleError(f"{task.path} item {idx}: gold {gold} is not the index of one of its {len(options)} options")
     return [prefix + context + continuation for context, continuation in options], (prefix + options[0][0]).rstrip(), gold
 
 

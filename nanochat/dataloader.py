@@ -1,7 +1,9 @@
 """
 Best-fit BOS packing into (B, T) batches: each row of a (B, T+1) block starts with <|bos|> and holds whole documents,
 no padding. From a length-sorted buffer of tokenized documents, a row takes the LARGEST that fits; when none fits, the
-SHORTEST is cropped to fill it (the rest dropped, or with keep_remainder kept as a new <|bos|> piece).
+SHORTEST is cropped to fill it (the rest dropped, or with keep_remainder kept as a new <|bos|> piece). A document
+longer than a row never fits, so it is read only when the buffer holds nothing shorter: such documents gather in the
+buffer, and over many epochs of small data some are never read (upstream nanochat's packing does the same).
 Data order: DP rank r of n (TP and PP peers share one) reads row group g % N of the global (shard, row group) list,
 epoch g // N + 1, for g = r, r+n, ... A small state per batch (the next g; (g, row, offset) per buffered document)
 rebuilds the buffer exactly: a resume is bit-exact at the same DP size; reshard_states continues at another.

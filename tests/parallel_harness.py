@@ -8,6 +8,7 @@ and runs one layout after another, each in a process group of its own (gloo, a n
 world per run cost seconds of imports per rank, most of the suite's time."""
 
 import os
+import math
 import sys
 import atexit
 import shutil
@@ -170,11 +171,16 @@ def _worker(rank, world, tp, pp, sequence_parallel, schedule, steps, port, out_d
             graphs.append(counters["stats"]["unique_graphs"])
         if step + 1 == steps // 2 and out_dir is not None:  # a mid-run checkpoint, saved as base_train saves
             trainer.save_checkpoint(os.path.join(out_dir, "ckpt"), step + 1, None, {})
-    # val bpb's per-token losses (Trainer.eval_loss: through the pipeline under PP) of one micro-batch, mean
-    rows = batches[0][layout.dp_rank * per_rank:][:micro_batch]
+    # val bpb as base_train computes it (loss_eval.evaluate_bpb: Trainer.eval_loss through the pipeline under PP, the
+    # sums over DP and from the last stage), every token one byte, over all of the first batch's rows: this rank's
+    # share in micro-batches; times ln 2, the mean loss per token, the same for every layout
+    from nanochat.loss_eval import evaluate_bpb
+    rows = batches[0][layout.dp_rank * per_rank:(layout.dp_rank + 1) * per_rank]
+    micro = [(rows[i:i + micro_batch, :-1], rows[i:i + micro_batch, 1:]) if training.reads_data(layout) else (None, None)
+             for i in range(0, per_rank, micro_batch)]
     with torch.no_grad(), trainer.evaluating():
-        per_token = trainer.eval_loss(*((rows[:, :-1], rows[:, 1:]) if training.reads_data(layout) else (None, None)))
-    val_loss = None if per_token is None else per_token.float().mean().item()
+        val_loss = evaluate_bpb(trainer.eval_loss, iter(micro), len(micro), torch.ones(config.vocab_size), layout) * \
+            math.log(2)
     # the loss of whole sequences, as CORE and sampling see the model: pipeline and sequence-parallel
     # layouts evaluate the gathered whole copy base_train builds for them; with fp8, in bf16 as base_train does
     with torch.no_grad(), trainer.whole_model() as eval_model:
@@ -337,8 +343,9 @@ def run_layout(dp=1, tp=1, pp=1, sequence_parallel=False, schedule="1f1b", steps
         reductions.append(part["reductions"])
         if s == pp - 1:
             losses, grad_norms, exchange, val_loss = part["losses"], part["grad_norms"], part["exchange"], part["val_loss"]
-        stage_losses.append(part["losses"])
-    assert all(s == losses for s in stage_losses), stage_losses  # the last stage's loss, broadcast to every stage
+        stage_losses.append((part["losses"], part["val_loss"]))
+    # the last stage's training and validation losses, broadcast to every stage
+    assert all(s == (losses, val_loss) for s in stage_losses), stage_losses
     held = [torch.load(os.path.join(out_dir, f"held{r}.pt"), weights_only=True) for r in range(world)]
     return {"losses": losses, "params": params, "eval_losses": eval_losses, "val_loss": val_loss, "overlapped": overlapped, "graphs": graphs,
             "grad_norms": grad_norms, "exchange": exchange, "l3_lookups": l3_lookups, "reductions": reductions, "held": held, "gathered_peak": max(h["gathered_peak"] for h in held), "dir": out_dir}

@@ -171,6 +171,8 @@ def test_left_truncation_keeps_the_continuation():
     lm = task("language_modeling")
     tok = CharTokenizer()
     records = [{"context": "abcdefghijklmnop", "continuation": "qr"}]
+    [item] = prepare_items(lm, [{"context": "ab", "continuation": "c"}], [0], tok, max_len=8)
+    assert item.rows[0].tolist() == [tok.get_bos_token_id()] + [ord(c) for c in "abc"]  # rows start as documents do
     [item] = prepare_items(lm, records, [0], tok, max_len=8)
     assert "".join(map(chr, item.rows[0])) == "klmnopqr" and item.starts == [6]
     assert accuracy(lm, records, NextCharModel(sequence_len=8)) == 1.0
@@ -296,6 +298,11 @@ def test_bad_bundles_fail_clearly(tmp_path):
         evaluate_core(NextCharModel(), CharTokenizer(), "cpu", bundle)
     bundle = make_bundle(tmp_path / "b", [("lm", "language_modeling", 0, 0, None, None)])
     with pytest.raises(EvalBundleError, match="none of the tasks"):
+        evaluate_core(NextCharModel(), CharTokenizer(), "cpu", bundle)
+    # a wrong gold anywhere in a task (any record may be another's few-shot example), named with its line
+    records = [{"query": "a", "choices": ["b", "c"], "gold": g} for g in (0, 5)]
+    bundle = make_bundle(tmp_path / "c", [("mc", "multiple_choice", 2, 0, records, None)])
+    with pytest.raises(EvalBundleError, match=r"line 2: gold 5 is not the index of one of its 2 options"):
         evaluate_core(NextCharModel(), CharTokenizer(), "cpu", bundle)
 
 
