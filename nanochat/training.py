@@ -81,8 +81,8 @@ def setup(config, setting, layout, device, dtype, lrs, l3_data=None, after_init=
                    f"ring everywhere); choose --max-seq-len and --cp so that the S window (a quarter of the context) "
                    f"is a multiple of the chunk")
     wgrad_splits = {}
-    if device.type == "cuda":  # rank 0's choice, so that every rank computes alike
-        splits = [kernels.tune_wgrad_splits(model, setting.device_batch * config.sequence_len, dtype)]
+    if device.type == "cuda":  # rank 0's choice, so that every rank computes alike; a rank's tokens (1/cp under CP)
+        splits = [kernels.tune_wgrad_splits(model, setting.device_batch * config.sequence_len // layout.cp_size, dtype)]
         if layout.world_size > 1:
             dist.broadcast_object_list(splits, src=0)
         wgrad_splits = splits[0]

@@ -95,11 +95,22 @@ def test_state_resumes_at_another_row_length(tokenizer):
     assert q.next_block().shape == (1, 4 * T + 1)
 
 
-def test_keep_remainder_crops_nothing(tokenizer):
+def test_keep_remainder_crops_nothing(tokenizer, tmp_path):
     p = packer(tokenizer, keep_remainder=True)
     for _ in range(5):
         p.next_block()
     assert p.tokens_cropped == 0
+    # one document many rows long: its pieces, each led by a new <|bos|>, put back together are the document
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    text = " ".join(f"word{i} of a long document" for i in range(60))
+    for name in ("a", "b"):  # the last shard is the validation split
+        pq.write_table(pa.table({"text": [text]}), tmp_path / f"{name}.parquet")
+    p = BestFitPacker(tokenizer, 1, 31, "train", str(tmp_path), keep_remainder=True)
+    doc, bos = tokenizer.encode(text), tokenizer.get_bos_token_id()
+    rows = [p.next_block()[0] for _ in range(len(doc) // 31 + 2)]
+    stream = [t for row in rows for t in row.tolist() if t != bos]
+    assert len(doc) > 3 * 32 and stream[:len(doc)] == doc
 
 
 def test_dp_ranks_read_disjoint_row_groups(tokenizer):

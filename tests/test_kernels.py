@@ -115,6 +115,25 @@ def test_reference_mode_runs_no_kernel_where_all_would_apply(monkeypatch):
     assert set(calls) == {"ReLU^2 keeping its output", "split-K tuning", "split-K"}
 
 
+def test_the_switch_covers_l3s_lookup(monkeypatch):
+    """L3's lookup kernels (faked as available, recorded, computing the blocked path's math): never in reference mode."""
+    import dataclasses
+    from nanochat import l3
+    from nanochat.kernels import l3_lookup
+    calls = []
+    monkeypatch.setattr(l3_lookup, "supported", lambda x: True)
+    monkeypatch.setattr(l3_lookup.Lookup, "apply", lambda x, keys, table, plan, into: calls.append("L3") or
+                        l3._BlockedLookup.apply(x, keys, table, plan, l3.L3_CHUNK_BYTES, into))
+    torch.manual_seed(0)
+    model = build_model(dataclasses.replace(CONFIG, l3_after_layers=(0,), l3_n_emb=512, l3_k_max=8), "cpu")
+    model.l3["0"].path = "blocked"  # the path GPUs take (CPU would pick padded at this size)
+    for mode, expected in (("reference", []), ("auto", ["L3"])):
+        monkeypatch.setattr(kernels.KERNELS, "mode", mode)
+        calls.clear()
+        train_step(model)
+        assert calls == expected, mode
+
+
 def test_auto_mode_picks_every_kernel_where_it_applies(monkeypatch):
     monkeypatch.setattr(kernels.KERNELS, "mode", "auto")
     n_layer = CONFIG.n_layer
@@ -135,6 +154,14 @@ def test_auto_mode_picks_every_kernel_where_it_applies(monkeypatch):
     fake_kernels(monkeypatch, calls, fa4=False)
     train_step(tiny_model())
     assert calls.count("cuDNN") == 1 and calls.count("Flex") == 1 and "FA4" not in calls
+    # decoding with a KV cache (more keys than queries) takes the reference: cuDNN's and FA4's causal masks align
+    # the queries with the first keys, not the last
+    calls.clear()
+    for fa4 in (True, False):
+        fake_kernels(monkeypatch, calls, fa4=fa4)
+        q, kv = torch.randn(1, 4, 1, 16), torch.randn(1, 4, 9, 16)
+        assert torch.equal(kernels.attention(q, kv, kv, 256), sdpa.reference_attention(q, kv, kv, 256))
+    assert calls == []
     # fp8's MLP uses its Triton products
     fp8.make_fp8(MLP(CONFIG))(torch.randn(16, CONFIG.n_embd))
     assert calls[-1] == "fp8 kernels=True"

@@ -52,6 +52,10 @@ def check_kernels():
         for config in ((32, 64, 16, 2, 2, 4), (32, 32, 32, 3, 2, 4)):
             assert rel_err(rsm._launch(x16.detach(), w_fc.detach(), rsm.RELU_SQUARE, config=config), y) < 1e-3
             assert rel_err(rsm._launch(dout.half(), w_proj_t, rsm.RELU_SQUARE_GRAD, y=y, config=config), grad_h) < 1e-3
+    # one row (a decoding step) whose stride a transpose left at 1: a TMA descriptor needs 16-byte row strides
+    row = torch.randn(16, 1, generator=g).t().half()
+    assert row.stride() == (1, 1) and rel_err(rsm.fc_relu_square(row, w_fc.detach()[:, :16]),
+                                               torch.relu(row.float() @ w_fc.detach()[:, :16].float().t()).square()) < 1e-3
     # the ops' registrations (schema, fake tensors for torch.compile)
     x, w_fc, w_proj = torch.randn(64, 16).half(), torch.randn(64, 16).half(), torch.randn(16, 64).half()
     torch.library.opcheck(rsm.fc_relu_square, (x, w_fc))

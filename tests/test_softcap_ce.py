@@ -74,6 +74,26 @@ def check_kernels():
             for reduction in ("mean", "sum", "none"):  # a scalar spread over the rows, and a weight per row
                 loss_err, gx_err, gw_err = compare(kernel_loss, dtype, V, reduction)
                 assert loss_err < 1e-4 and gx_err < tol and gw_err < tol, (dtype, V, reduction, loss_err, gx_err, gw_err)
+    # small logits (|raw| << the cap) over a ragged block: a padded column counted would show (exp(0) each)
+    from nanochat.kernels.softcap_ce import kernel_head_losses
+    x, w, targets = make_inputs(torch.float32, 33)
+    x, w = x.requires_grad_(), (w / 50).requires_grad_()
+    ref, _ = truth(x.detach(), w.detach(), targets, "none")
+    losses = kernel_head_losses(x, w, targets, 15.0)
+    assert (losses.double() - ref).abs().max() < 1e-5
+    weights = torch.rand(x.size(0))  # a weight per row, backward twice through a kept graph (as the reference allows)
+    (losses * weights).sum().backward(retain_graph=True)
+    first = x.grad.clone()
+    (losses * weights).sum().backward()
+    assert torch.allclose(x.grad, 2 * first, rtol=1e-5, atol=1e-7)
+    for bad in (-100, 33):  # refused, as F.cross_entropy refuses them: not a loss of 0, or another row's logit
+        wrong = targets.clone()
+        wrong[0] = bad
+        try:
+            kernel_head_losses(x, w, wrong, 15.0)
+            raise AssertionError(f"target {bad} taken")
+        except RuntimeError as e:
+            assert "targets: -1 or token ids" in str(e), e
     print("kernels ok")
 
 

@@ -101,9 +101,11 @@ def supported(x):
 
 
 def _tma_ready(t):
-    """t contiguous and 16-byte aligned, as a TMA descriptor needs (a copy only if it is not)."""
+    """t contiguous and 16-byte aligned, its row stride too, as a TMA descriptor needs (a copy only if it is not: a
+    single row may count as contiguous with any stride)."""
     t = t.contiguous()
-    return t if t.data_ptr() % 16 == 0 else t.clone()
+    aligned = t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
+    return t if aligned else t.clone(memory_format=torch.contiguous_format)
 
 
 @torch.library.custom_op("nanochat::fc_relu_square", mutates_args=())

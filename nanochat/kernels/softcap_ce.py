@@ -88,8 +88,8 @@ class _HeadLoss(torch.autograd.Function):
         x, weight, grad_raw = ctx.saved_tensors
         # almost always one scalar for every row: it scales the two small products, not the (N, V) gradient
         scale = grad_loss[:1].float() if grad_loss.stride(0) == 0 else None
-        if scale is None:  # a weight per row (rare): one more pass over the gradient
-            grad_raw.mul_(grad_loss.unsqueeze(1))
+        if scale is None:  # a weight per row (rare): one more pass over the gradient (not in place: kept for a 2nd)
+            grad_raw = (grad_raw * grad_loss.unsqueeze(1)).to(grad_raw.dtype)
         grad_x = grad_raw @ weight if ctx.needs_input_grad[0] else None
         grad_w = grad_raw.t() @ x if ctx.needs_input_grad[1] else None
         for grad in (grad_x, grad_w):
@@ -107,6 +107,9 @@ def kernel_head_losses(x, weight, targets, cap):  # AOTAutograd copy the logits 
     """Per-token losses (N,) of x (..., d) and weight (V, d) in the compute dtype, targets (...) (-1: ignored); on
     CUDA, and in tests on CPU tensors under TRITON_INTERPRET=1."""
     flat_x, flat_targets = x.reshape(-1, x.size(-1)), targets.reshape(-1).contiguous()
+    # as F.cross_entropy refuses them (no host sync): another negative would be a loss of 0 that the mean still counts,
+    # an id past the vocabulary a read of another row
+    torch._assert_async(((flat_targets >= -1) & (flat_targets < weight.size(0))).all(), "targets: -1 or token ids")
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return _HeadLoss.apply(flat_x, weight, flat_targets, cap)
     return _row_losses(flat_x @ weight.t(), flat_targets, False, cap)  # evaluation: the loss only
