@@ -136,6 +136,7 @@ ends = [r for r in map(json.loads, open(sys.argv[1])) if r.get("kind") == "end"]
 sys.exit(0 if ends and ends[-1].get("completed") else 1)
 EOF
         echo "=== training stopped before its last step; run this script again to resume it"
+        "$PYTHON" -m nanochat.report stage train "$(( $(date +%s) - t0 ))"  # stage's t0: this launch's time counts too
         exit 0
     fi
 }

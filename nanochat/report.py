@@ -18,7 +18,7 @@ import platform
 import subprocess
 from pathlib import Path
 
-from nanochat.common import UserError, get_base_dir, get_rank, read_json
+from nanochat.common import UserError, atomic_write, get_base_dir, get_rank, read_json
 
 # Sections in the order the pipeline produces them; anything else is appended after.
 SECTION_ORDER = ["Environment", "Tokenizer training", "Tokenizer evaluation", "Base model training",
@@ -101,7 +101,7 @@ def log_stage_time(name, seconds):
     path = os.path.join(report_dir(), "stages.json")
     stages = read_json(path, {})
     stages[name] = stages.get(name, 0) + float(seconds)  # a resumed stage adds up
-    Path(path).write_text(json.dumps(stages))
+    atomic_write(path, json.dumps(stages).encode())  # a stage cut off mid-write leaves the earlier times
     rows = ["| stage | wall time |", "| --- | --- |"] + [f"| {k} | {v / 60:.2f} min |" for k, v in stages.items()]
     log_section("Stage wall times", [{"total of stages (min)": round(sum(stages.values()) / 60, 2)}, "\n".join(rows)])
 
@@ -173,7 +173,7 @@ if __name__ == "__main__":
             print(f"new report started in {report_dir()}")
         elif cmd == "generate":
             print(f"wrote {generate()}")
-        elif cmd == "stage" and len(sys.argv) == 4:
+        elif cmd == "stage" and len(sys.argv) == 4 and sys.argv[3].replace(".", "", 1).isdigit():
             log_stage_time(sys.argv[2], sys.argv[3])
         else:
             raise SystemExit("usage: python -m nanochat.report [reset | generate | stage NAME SECONDS]")

@@ -38,7 +38,11 @@ class RunLog:
         if wandb_run:
             try:
                 import wandb
-                self.wandb = wandb.init(project="nanochat", name=wandb_run, config=header.get("flags", {}))
+                # a resumed run goes on in the wandb run its first launch started (its id in that launch's header)
+                earlier = next((r["wandb_id"] for r in records if r.get("kind") == "header" and "wandb_id" in r), None)
+                self.wandb = wandb.init(project="nanochat", name=wandb_run, config=header.get("flags", {}), id=earlier,
+                                        resume="allow" if earlier else None)
+                header = dict(header, wandb_id=self.wandb.id)
             except Exception as e:  # no package, no API key, no network: its own error types
                 raise UserError(f"--wandb-run {wandb_run}: wandb did not start ({type(e).__name__}: "
                                 f"{str(e).strip().splitlines()[0] if str(e).strip() else 'no message'}); log in "
@@ -84,7 +88,7 @@ class RunLog:
         record = {"step": step, **{k: v for k, v in fields.items() if v is not None}}
         self.write(record)
         if self.wandb is not None:
-            self.wandb.log(record)
+            self.wandb.log(record, step=step)  # the run's step, not wandb's count of this launch's calls
         if self.tensorboard is not None:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)):

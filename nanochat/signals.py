@@ -22,9 +22,16 @@ _stop_signal, _stop_file, _announced = None, None, False
 def install_stop_handlers(stop_file=None):
     """Ctrl-C and SIGTERM request a stop; so does creating stop_file, which the first poll that finds it removes."""
     global _stop_file
-    def request_stop(signum, frame):  # said when the run sees it (a rank killed in a collective says nothing)
-        global _stop_signal
+    def request_stop(signum, frame):  # SIGTERM is said when the run sees it (torchrun's, to a rank whose peer died: no)
+        global _stop_signal, _announced
+        if signum == signal.SIGINT and _stop_signal is not None:  # Ctrl-C again: now (saved checkpoints are whole)
+            os.write(2, b"Ctrl-C again: stopping now, without saving\n")
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
         _stop_signal = _stop_signal or signum
+        if signum == signal.SIGINT and not _announced:  # at once: a step (the first compiles) may take minutes
+            os.write(2, b"received Ctrl-C: stopping after this step or evaluation batch, with a save (Ctrl-C again: now)\n")
+            _announced = True
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
     _stop_file = stop_file

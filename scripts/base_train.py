@@ -116,7 +116,10 @@ class Run:
         if meta is not None:  # the weights go into the whole model, before it is cut up
             watch.phase("start-up: loading the checkpoint (every rank reads and checksums its files)")
             weights_only = meta.get("weights_only", False)  # e.g. imported by scripts.import_hf
-            resume = ckpt.load_checkpoint(self.ckpt_dir, args.resume_from_step, "cpu", load_optimizer=not weights_only)[:2]
+            # a rank's damaged copy (one folder a node) named by every rank, not lost with the rank that found it
+            resume = agreed(lambda: ckpt.load_checkpoint(self.ckpt_dir, args.resume_from_step, "cpu",
+                                                          load_optimizer=not weights_only)[:2],
+                            UserError, device if layout.world_size > 1 else None)
             if weights_only:
                 print0("the checkpoint holds weights only (no optimizer state): the optimizer starts fresh")
         watch.phase("start-up: the model (L3's allocation from the data), its layout's groups, the optimizer")

@@ -264,3 +264,26 @@ assert signals.stop_requested() and not os.path.exists({str(tmp_path / 'STOP')!r
 """
     p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert p.returncode == 0 and "found " in p.stdout, p.stderr
+
+
+def test_ctrl_c_is_acknowledged_at_once_and_a_second_stops_now():
+    """The first Ctrl-C says at once that the run will stop after its step, with a save (a first step compiles for
+    minutes); a second ends the process there (what was saved is whole); SIGTERM waits to be said by the run."""
+    code = """
+import os, signal
+from nanochat import signals
+signals.install_stop_handlers()
+os.kill(os.getpid(), signal.SIGTERM)
+assert signals.stop_requested()
+signals._stop_signal = signals._announced = None
+os.kill(os.getpid(), signal.SIGINT)
+assert signals.stop_requested()
+print("still running", flush=True)
+os.kill(os.getpid(), signal.SIGINT)
+print("not reached", flush=True)
+"""
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert p.returncode == -signal.SIGINT and "still running" in p.stdout and "not reached" not in p.stdout, p.stderr
+    assert p.stdout.splitlines()[0] == "received signal 15: stopping at the next step or evaluation batch", p.stdout
+    assert p.stderr.splitlines() == ["received Ctrl-C: stopping after this step or evaluation batch, with a save "
+                                     "(Ctrl-C again: now)", "Ctrl-C again: stopping now, without saving"], p.stderr

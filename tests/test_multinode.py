@@ -83,6 +83,16 @@ def test_two_nodes_dp2_with_node_local_data_match_one_node(env, tmp_path):
     os.remove(os.path.join(theirs, "meta_000003.json"))
     p = run_on_pool("scripts.base_train", resume, envs, nproc=2, per_node=1)
     assert p.returncode != 0 and "the ranks would resume different checkpoints: rank 1" in p.stdout, p.stdout[-3000:]
+    # the same step everywhere, but rank 1's copy damaged: its error is the one printed, not "another rank failed"
+    shutil.copy(os.path.join(mine, "meta_000003.json"), theirs)
+    model = next(os.path.join(theirs, f) for f in sorted(os.listdir(theirs)) if f.startswith("model_000003"))
+    with open(model, "r+b") as f:
+        f.seek(-100, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-100, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    p = run_on_pool("scripts.base_train", resume, envs, nproc=2, per_node=1)
+    assert p.returncode != 0 and "no longer matches the checksum saved with it" in p.stdout, p.stdout[-3000:]
     # a node whose copy of the data differs (one more shard) is refused at the start, naming the ranks
     first = sorted(f for f in os.listdir(SAMPLE) if f.endswith(".parquet"))[0]
     shutil.copy(os.path.join(SAMPLE, first), os.path.join(envs[1]["NANOCHAT_DATA_DIR"], "0_extra.parquet"))

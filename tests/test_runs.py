@@ -28,6 +28,8 @@ def test_speedrun_cpu_scale_report(tmp_path, env):
              EVAL_ARGS="--max-per-task 4 --eval-tokens 8192")
     stopped = bash("speedrun.sh", dict(e, TRAIN_ARGS=e["TRAIN_ARGS"] + " --stop-at-step 6"))  # a stop is no finish
     assert "training stopped before its last step" in stopped and "--- eval" not in stopped
+    import json  # the stopped launch's time is in the report's stage times too (the resumed launch's adds to it)
+    assert "train" in json.load(open(tmp_path / "report" / "stages.json"))
     out = bash("speedrun.sh", e)  # the training's settings changed: it runs again (resumes), and the stages after it
     assert "--- tokenizer: done before" in out and "training from step 6 to 12" in out and "--- eval\n" in out
     report = open(tmp_path / "report" / "report.md").read()

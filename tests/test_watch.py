@@ -40,6 +40,27 @@ def test_spike_rule():
     assert resumed.check(3.0, 5.0) == watch.check(3.0, 5.0) == []  # the same spike: not reported again
 
 
+def test_wandb_gets_the_runs_steps_and_a_resume_goes_on_in_its_run(tmp_path, monkeypatch):
+    import sys
+    import types
+    from nanochat.run_log import RunLog
+    calls = []
+
+    class FakeRun:
+        id = "run42"
+        log = staticmethod(lambda record, step=None: calls.append(("log", step)))
+        finish = staticmethod(lambda: None)
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(
+        init=lambda **kw: calls.append(("init", kw["id"], kw["resume"])) or FakeRun()))
+    path = str(tmp_path / "metrics.jsonl")
+    log = RunLog(path, {"flags": {}}, 0, wandb_run="x")
+    for step in range(3):
+        log.log(step, loss=1.0)
+    log.finish()
+    RunLog(path, {"flags": {}}, 2, wandb_run="x").log(2, loss=1.0)  # resumed from step 2
+    assert calls == [("init", None, None), ("log", 0), ("log", 1), ("log", 2), ("init", "run42", "allow"), ("log", 2)]
+
+
 def test_listing_changes_say_what_changed():
     saved = [["a.parquet", 100, [[8, 3], [5, 1]]], ["b.parquet", 50, [[8, 1]]], ["c.parquet", 10, [[1, 1]]]]
     assert listing_changes(saved, saved) == []
