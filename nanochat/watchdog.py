@@ -46,8 +46,10 @@ class Watchdog:
         global _current
         _current = self
         # the first rank of this run to fail creates it and prints the run's one line; one left by an earlier run
-        # under the same id (torchrun's default --rdzv-id is "none") is removed at start, once per node
-        self.failed_marker = os.path.join(report_dir, f"failed_{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}")
+        # under the same id is removed at start, once per node. torchrun's default --rdzv-id is "none": the store's
+        # address tells apart runs at the same time
+        run = "_".join(os.environ.get(k, "") for k in ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT"))
+        self.failed_marker = os.path.join(report_dir, f"failed_{run}")
         if timeout_s is not None:
             if os.environ.get("LOCAL_RANK", "0") == "0":
                 with contextlib.suppress(OSError):

@@ -189,10 +189,12 @@ def test_one_failure_line_per_run_though_an_earlier_run_left_its_marker(tmp_path
     """Under one torchrun id the first rank to fail prints the run's line, the next prints none; a marker an
     earlier run left under the same id (torchrun's default --rdzv-id is "none") is cleared when a run starts."""
     from nanochat.watchdog import Watchdog
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
-    monkeypatch.setenv("LOCAL_RANK", "0")
-    (tmp_path / "failed_none").write_text("")  # left by the last run under this id
+    for k, v in dict(TORCHELASTIC_RUN_ID="none", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500", LOCAL_RANK="0").items():
+        monkeypatch.setenv(k, v)
+    (tmp_path / "failed_none_127.0.0.1_29500").write_text("")  # left by the last run under this id
     watches = [Watchdog(rank, timeout_s=60, report_dir=str(tmp_path)) for rank in (0, 1)]
+    monkeypatch.setenv("MASTER_PORT", "29501")  # another run at the same time, on the same base dir
+    other = Watchdog(0, timeout_s=60, report_dir=str(tmp_path))
     try:
         watches[1].phase("optimizer step", step=5)
         line = watches[1].failure(RuntimeError("boom"), lambda: "step 4 is intact there")
@@ -200,6 +202,7 @@ def test_one_failure_line_per_run_though_an_earlier_run_left_its_marker(tmp_path
                         f"{tmp_path}/rank1.txt; step 4 is intact there")
         assert watches[0].failure(RuntimeError("Connection reset by peer"), lambda: "") is None
         assert "FAILED rank 0" in (tmp_path / "rank0.txt").read_text()
+        assert other.failure(RuntimeError("boom"), lambda: "").startswith("rank 0 stopped at step None")  # its own line
     finally:
-        for w in watches:
+        for w in watches + [other]:
             w.stop()
