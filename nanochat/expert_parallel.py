@@ -53,7 +53,7 @@ class ExpertParallel:
         counts = counts.view(N, local)
         received = torch.empty_like(counts)  # received[s, e]: rows from rank s for my expert e
         dist.all_to_all_single(received, counts, group=self.group)
-        send, recv = counts.sum(1).tolist(), received.sum(1).tolist()
+        send, recv = torch.stack([counts.sum(1), received.sum(1)]).tolist()  # one host sync
         inbound = _AllToAll.apply(rows, send, recv, self.group)  # by source rank, then expert
         # reorder by expert, then source: where each (expert, source) run of rows sits in `inbound`
         runs = received.t().reshape(-1)

@@ -396,7 +396,7 @@ class Setting:
                               "every TP rank would run every token's experts")
         if self.ep > 1 and not (config.moe_experts and config.moe_experts % self.ep == 0 and self.dp % self.ep == 0):
             raise ConfigError(f"--ep {self.ep} spreads each MoE layer's experts over DP ranks: it needs --moe-experts "
-                              f"({config.moe_experts}) and the DP size ({self.dp}) divisible by it")
+                              f"({config.moe_experts or 'off: a dense model'}) and the DP size ({self.dp}) divisible by it")
         if self.ep > 1 and (cp > 1 or self.shard_params):
             raise ConfigError(f"--ep {self.ep} with --cp or --shard-params: not built; use one of them")
         if self.keep_gathered and not self.shard_params:

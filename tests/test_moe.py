@@ -53,6 +53,17 @@ def test_every_token_goes_to_k_distinct_experts_with_weights_summing_to_one():
     assert chosen.shape == (300, 2) and (chosen[:, 0] != chosen[:, 1]).all()
     torch.testing.assert_close(weights.sum(-1), torch.ones(300))
     assert layer.load.sum() == 600  # pairs counted: none dropped
+    # the bias chooses the experts but never weighs them; forwards without gradients (evaluation) count no load
+    scores = torch.sigmoid(layer.router(x).float()).detach()
+    with torch.no_grad():
+        layer.bias.copy_(torch.linspace(-10, 10, layer.num_experts))
+        chosen, weights, _ = layer.route(x)
+    chosen_scores = scores.gather(1, chosen)
+    torch.testing.assert_close(weights, chosen_scores / chosen_scores.sum(-1, keepdim=True))
+    assert (chosen >= layer.num_experts - 2).all() and layer.load.sum() == 600  # the two most favoured
+    with pytest.raises(ConfigError, match=r"--ep 2 spreads each MoE layer's experts over DP ranks: it needs "
+                                          r"--moe-experts \(off: a dense model\)"):
+        Setting(dp=2, ep=2, device_batch=1, total_batch=2 * CONFIG["sequence_len"]).check(GPTConfig(**CONFIG))
 
 
 def test_the_bias_moves_a_skewed_router_toward_balance():

@@ -248,8 +248,10 @@ def rotary_norm(x, cos, sin, scale):
 
 
 def takes_grouped_mm(x):
-    """MoE's experts as two grouped matmuls (moe.grouped_experts): bf16 on SM90+, where torch.compile takes them."""
-    return KERNELS.on and x.is_cuda and x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    """MoE's experts as two grouped matmuls (moe.grouped_experts): bf16 on Hopper (SM90), where torch.compile takes
+    them; not yet on Blackwell (SM100: reported non-zero weight gradients for experts given no rows, pytorch#172439)."""
+    return (KERNELS.on and x.is_cuda and x.dtype == torch.bfloat16
+            and (9, 0) <= torch.cuda.get_device_capability(x.device) < (10, 0))
 
 
 def head_losses(x, weight, targets, cap):
