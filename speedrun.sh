@@ -61,20 +61,25 @@ echo "=== speedrun $(date '+%Y-%m-%d %H:%M:%S'): depth $DEPTH, ratio $RATIO, $NP
 # stage NAME "SETTINGS" COMMAND...: run COMMAND unless NAME finished before with the same command and the same values
 # of the SETTINGS it reads (variable names) and no stage before it ran again; record its wall time in the report
 RAN_AGAIN=0
+STAGES=" data tokenizer tok_eval train eval sample "
 stage() {
-    local name="$1" settings="$2" v; shift 2
+    local name="$1" settings="$2" v s; shift 2
     local done_as="$*"
     for v in $settings; do done_as+=" $v=${!v:-}"; done
     if [ "$RAN_AGAIN" = 0 ] && [ "$(cat "$MARKS/$name.done" 2>/dev/null)" = "$done_as" ]; then
         echo "--- $name: done before, skipping (FRESH=1 to redo)"
         return 0
     fi
-    [ "$name" = data ] || RAN_AGAIN=1  # what this stage makes, the later ones read (more shards change none of it)
+    if [ "$name" != data ]; then  # what this stage makes, the later ones read (more shards change none of it): they
+        RAN_AGAIN=1               # are not done until they run again, even if this script is cut off before them
+        for s in $name ${STAGES#* $name }; do rm -f "$MARKS/$s.done"; done
+    fi
     echo "--- $name"
-    local t0; t0=$(date +%s)
+    # its wall time in the report: added to the last launch's where that one stopped (training), else replacing it
+    local t0 mode=replace; t0=$(date +%s)
+    if [ -e "$MARKS/$name.stopped" ]; then mode=add; rm "$MARKS/$name.stopped"; fi
     "$@"
-    local dt=$(( $(date +%s) - t0 ))
-    "$PYTHON" -m nanochat.report stage "$name" "$dt"
+    "$PYTHON" -m nanochat.report stage "$name" "$(( $(date +%s) - t0 ))" "$mode"
     echo "$done_as" > "$MARKS/$name.done"
 }
 
@@ -115,9 +120,20 @@ stage tokenizer "NANOCHAT_DATA_DIR" "$PYTHON" -m scripts.tok_train $TOK_ARGS
 stage tok_eval "" "$PYTHON" -m scripts.tok_eval
 
 # --- pretraining (resumes from the last checkpoint of $MODEL_TAG) ---
+finished() {  # whether the run's metrics.jsonl ends with a launch that trained to its last step
+    [ -e "$1" ] && "$PYTHON" - "$1" <<'EOF'
+import json, sys
+ends = [r for r in map(json.loads, open(sys.argv[1])) if r.get("kind") == "end"]
+sys.exit(0 if ends and ends[-1].get("completed") else 1)
+EOF
+}
 train() {
     local resume=()
     local ckpt="$NANOCHAT_BASE_DIR/base_checkpoints/$MODEL_TAG"
+    if finished "$ckpt/metrics.jsonl"; then  # a launch of no steps would only rewrite its report with zeros
+        echo "$MODEL_TAG trained to its last step before: not launched again (another MODEL_TAG trains anew)"
+        return 0
+    fi
     if ls "$ckpt"/meta_*.json >/dev/null 2>&1; then
         resume=(--resume-from-step latest)
     elif [ -e "$ckpt/metrics.jsonl" ]; then  # a run that ended before its first checkpoint: start again
@@ -130,13 +146,10 @@ train() {
     launch scripts.base_train --depth="$DEPTH" --target-param-data-ratio="$RATIO" --device-batch-size="$DEVICE_BATCH_SIZE" \
         --model-tag="$MODEL_TAG" --wandb-run="$RUN" ${fp8[@]+"${fp8[@]}"} ${bundle[@]+"${bundle[@]}"} \
         ${resume[@]+"${resume[@]}"} $TRAIN_ARGS
-    if ! "$PYTHON" - "$ckpt/metrics.jsonl" <<'EOF'; then
-import json, sys  # the run's last record: whether it trained to its last step or was stopped on the way
-ends = [r for r in map(json.loads, open(sys.argv[1])) if r.get("kind") == "end"]
-sys.exit(0 if ends and ends[-1].get("completed") else 1)
-EOF
+    if ! finished "$ckpt/metrics.jsonl"; then
         echo "=== training stopped before its last step; run this script again to resume it"
-        "$PYTHON" -m nanochat.report stage train "$(( $(date +%s) - t0 ))"  # stage's t0: this launch's time counts too
+        "$PYTHON" -m nanochat.report stage train "$(( $(date +%s) - t0 ))" "$mode"  # stage's t0 and mode
+        touch "$MARKS/train.stopped"  # the resuming launch's time adds to this one's
         exit 0
     fi
 }

@@ -96,11 +96,12 @@ def reset():
     log_section("Environment", [environment()])
 
 
-def log_stage_time(name, seconds):
-    """Record how long a pipeline stage took (speedrun.sh calls this after each stage)."""
+def log_stage_time(name, seconds, mode="replace"):
+    """Record how long a pipeline stage took (speedrun.sh calls this after each stage): replacing the time of its last
+    run, or added to it (mode "add": a training resumed after a stop)."""
     path = os.path.join(report_dir(), "stages.json")
     stages = read_json(path, {})
-    stages[name] = stages.get(name, 0) + float(seconds)  # a resumed stage adds up
+    stages[name] = stages.get(name, 0) * (mode == "add") + float(seconds)
     atomic_write(path, json.dumps(stages).encode())  # a stage cut off mid-write leaves the earlier times
     rows = ["| stage | wall time |", "| --- | --- |"] + [f"| {k} | {v / 60:.2f} min |" for k, v in stages.items()]
     log_section("Stage wall times", [{"total of stages (min)": round(sum(stages.values()) / 60, 2)}, "\n".join(rows)])
@@ -173,9 +174,10 @@ if __name__ == "__main__":
             print(f"new report started in {report_dir()}")
         elif cmd == "generate":
             print(f"wrote {generate()}")
-        elif cmd == "stage" and len(sys.argv) == 4 and sys.argv[3].replace(".", "", 1).isdigit():
-            log_stage_time(sys.argv[2], sys.argv[3])
+        elif cmd == "stage" and len(sys.argv) in (4, 5) and sys.argv[3].replace(".", "", 1).isdigit() and \
+                sys.argv[4:] in ([], ["add"], ["replace"]):
+            log_stage_time(*sys.argv[2:])
         else:
-            raise SystemExit("usage: python -m nanochat.report [reset | generate | stage NAME SECONDS]")
+            raise SystemExit("usage: python -m nanochat.report [reset | generate | stage NAME SECONDS [add|replace]]")
     except UserError as e:  # e.g. a base dir that cannot be made
         raise SystemExit(f"ERROR: {e}") from None

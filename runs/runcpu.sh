@@ -17,11 +17,12 @@ export NANOCHAT_BASE_DIR="${NANOCHAT_BASE_DIR:-$HOME/.cache/nanochat/runcpu}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
 STEPS="${STEPS:-60}"
 
-if [ ! -x .venv/bin/python ]; then
+if [ ! -e .venv/installed ]; then  # none yet, or an install cut off: (re)install, then mark it done
     python3 -m venv .venv
     .venv/bin/python -m pip install -q --upgrade pip
     .venv/bin/python -m pip install -q torch==2.13.0 || .venv/bin/python -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
     .venv/bin/python -m pip install -q -e ".[dev]"
+    touch .venv/installed
 fi
 CORE_ARGS="--max-per-task 8"
 if [ -n "${EVAL_BUNDLE:-}" ]; then

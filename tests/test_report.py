@@ -19,7 +19,9 @@ def test_the_total_wall_time_is_the_stages_not_the_time_since_the_start(tmp_path
     report.reset()
     run = tmp_path / "report" / "run.json"
     run.write_text(json.dumps(dict(json.loads(run.read_text()), start_time=0)))  # started in 1970
-    report.log_stage_time("train", 90)
-    report.log_stage_time("eval", 30)
+    report.log_stage_time("train", 50)
+    report.log_stage_time("train", 40, "add")  # a training resumed after a stop adds its time
+    report.log_stage_time("eval", 100)
+    report.log_stage_time("eval", 30)  # a stage run again (other settings) replaces it
     text = open(report.generate()).read()
     assert "| total wall time | 0.03 h (2.0 min, the stages' sum) |" in text, text

@@ -29,8 +29,10 @@ def test_speedrun_cpu_scale_report(tmp_path, env):
     stopped = bash("speedrun.sh", dict(e, TRAIN_ARGS=e["TRAIN_ARGS"] + " --stop-at-step 6"))  # a stop is no finish
     assert "training stopped before its last step" in stopped and "--- eval" not in stopped
     import json  # the stopped launch's time is in the report's stage times too (the resumed launch's adds to it)
-    assert "train" in json.load(open(tmp_path / "report" / "stages.json"))
+    stopped_time = json.load(open(tmp_path / "report" / "stages.json"))["train"]
     out = bash("speedrun.sh", e)  # the training's settings changed: it runs again (resumes), and the stages after it
+    times = json.load(open(tmp_path / "report" / "stages.json"))
+    assert times["train"] >= stopped_time and not os.path.exists(tmp_path / "speedrun" / "train.stopped")
     assert "--- tokenizer: done before" in out and "training from step 6 to 12" in out and "--- eval\n" in out
     report = open(tmp_path / "report" / "report.md").read()
     for section in ("## Summary", "## Environment", "## Tokenizer training", "## Tokenizer evaluation",
@@ -60,6 +62,10 @@ def test_speedrun_cpu_scale_report(tmp_path, env):
     assert "speedrun finished" in again
     other = bash("speedrun.sh", dict(e, EVAL_ARGS="--skip-core --eval-tokens 8192"))  # the stages from eval on again
     assert "--- train: done before" in other and "--- eval\n" in other and "--- sample\n" in other
+    assert json.load(open(tmp_path / "report" / "stages.json"))["train"] == times["train"]  # skipped: as it was
+    # a finished training is not launched again (FRESH=1: every stage runs; a launch of no steps rewrote the report)
+    fresh = bash("speedrun.sh", dict(e, EVAL_ARGS="--skip-core --eval-tokens 8192", FRESH="1"))
+    assert "tiny trained to its last step before: not launched again" in fresh and "training from step" not in fresh
 
 
 def test_scaling_laws_and_miniseries_small(tmp_path, env, base_dir):
