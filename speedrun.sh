@@ -19,8 +19,8 @@
 #   EVAL_BUNDLE           a local CORE bundle folder (default: download it)
 #   TOK_ARGS, TRAIN_ARGS, EVAL_ARGS   extra flags for tok_train / base_train / base_eval
 #   PYTHON=python3        the interpreter (runs/runcpu.sh points it at its .venv)
-#   FRESH=1               run every stage again (training resumes from MODEL_TAG's last checkpoint: a new
-#                         MODEL_TAG trains anew; nothing is deleted)
+#   FRESH=1               run every stage again (training resumes from MODEL_TAG's last checkpoint, and is not
+#                         launched where it reached its last step: a new MODEL_TAG trains anew; nothing is deleted)
 #
 # Re-running skips the stages that finished with the same command and settings (markers in
 # $NANOCHAT_BASE_DIR/speedrun/) and resumes training from the last checkpoint; a stage that runs again (its settings
