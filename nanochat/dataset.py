@@ -158,7 +158,8 @@ def iter_documents(files, start=0, step=1):  # documents of row groups start, st
 
 
 def download_shards(num_shards, data_dir=None, repo_id=REMOTE_REPO, workers=8, retries=5):
-    """The first num_shards-1 shards and the last (validation) from the hub; finished files skipped, partial resumed."""
+    """The first num_shards-1 shards and the last (validation) from the hub; finished files skipped (an interrupted
+    one starts over: huggingface_hub keeps no partial file)."""
     try:
         from huggingface_hub import hf_hub_download, get_hf_file_metadata, hf_hub_url
     except ImportError:
@@ -183,7 +184,7 @@ def download_shards(num_shards, data_dir=None, repo_id=REMOTE_REPO, workers=8, r
         for attempt in range(1, retries + 1):
             try:
                 return hf_hub_download(repo_id, name, repo_type="dataset", local_dir=data_dir)
-            except Exception as e:  # network hiccups: back off and retry, resuming the partial file
+            except Exception as e:  # network hiccups: back off and retry
                 if attempt == retries:
                     raise DataError(f"failed to download {name} after {retries} attempts: {e}") from None
                 print(f"{name}: attempt {attempt} failed ({type(e).__name__}); retrying in {2 ** attempt}s", flush=True)
