@@ -200,7 +200,7 @@ def check_data_unchanged(resume_meta, data_dir, data_listing, resume_on_new_data
                               f"Put the saved shards back, or pass --resume-on-new-data to read the new data")
     if not changes:
         return None
-    first_epoch = all(s.get("epoch", 1) == 1 for s in resume_meta.get("dataloader_states", [{}]))
+    first_epoch = all((s or {}).get("epoch", 1) == 1 for s in resume_meta.get("dataloader_states", []))  # None: step 0
     mode = "continue" if first_epoch and data_listing[:len(saved) - 1] == saved[:-1] else "restart"
     print0(f"note: the shards in {data_dir} differ from step {step}'s ({len(changes)} changes); --resume-on-new-data: " +
            ("the saved training shards lead the new ones: the data position goes on into the added shards"
