@@ -19,8 +19,8 @@
 #   EVAL_BUNDLE           a local CORE bundle folder (default: download it)
 #   TOK_ARGS, TRAIN_ARGS, EVAL_ARGS   extra flags for tok_train / base_train / base_eval
 #   PYTHON=python3        the interpreter (runs/runcpu.sh points it at its .venv)
-#   FRESH=1               run every stage again (training resumes from MODEL_TAG's last checkpoint, and is not
-#                         launched where it reached its last step: a new MODEL_TAG trains anew; nothing is deleted)
+#   FRESH=1               run every stage again (training resumes from MODEL_TAG's last checkpoint: a new
+#                         MODEL_TAG trains anew; nothing is deleted)
 #
 # Re-running skips the stages that finished with the same command and settings (markers in
 # $NANOCHAT_BASE_DIR/speedrun/) and resumes training from the last checkpoint; a stage that runs again (its settings
@@ -130,10 +130,6 @@ EOF
 train() {
     local resume=()
     local ckpt="$NANOCHAT_BASE_DIR/base_checkpoints/$MODEL_TAG"
-    if finished "$ckpt/metrics.jsonl"; then  # a launch of no steps would only rewrite its report with zeros
-        echo "$MODEL_TAG trained to its last step before: not launched again (another MODEL_TAG trains anew)"
-        return 0
-    fi
     if ls "$ckpt"/meta_*.json >/dev/null 2>&1; then
         resume=(--resume-from-step latest)
     elif [ -e "$ckpt/metrics.jsonl" ]; then  # a run that ended before its first checkpoint: start again
@@ -145,7 +141,10 @@ train() {
     [ -n "${EVAL_BUNDLE:-}" ] && bundle=(--eval-bundle "$EVAL_BUNDLE")
     launch scripts.base_train --depth="$DEPTH" --target-param-data-ratio="$RATIO" --device-batch-size="$DEVICE_BATCH_SIZE" \
         --model-tag="$MODEL_TAG" --wandb-run="$RUN" ${fp8[@]+"${fp8[@]}"} ${bundle[@]+"${bundle[@]}"} \
-        ${resume[@]+"${resume[@]}"} $TRAIN_ARGS
+        ${resume[@]+"${resume[@]}"} $TRAIN_ARGS || {
+        [ ${#resume[@]} = 0 ] || echo "=== training failed resuming $MODEL_TAG: if DEPTH, RATIO, TOK_ARGS or the data" \
+            "changed since its checkpoints, give another MODEL_TAG=NAME (or TRAIN_ARGS=--start-over to set them aside)"
+        exit 1; }
     if ! finished "$ckpt/metrics.jsonl"; then
         echo "=== training stopped before its last step; run this script again to resume it"
         "$PYTHON" -m nanochat.report stage train "$(( $(date +%s) - t0 ))" "$mode"  # stage's t0 and mode

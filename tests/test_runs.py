@@ -63,9 +63,10 @@ def test_speedrun_cpu_scale_report(tmp_path, env):
     other = bash("speedrun.sh", dict(e, EVAL_ARGS="--skip-core --eval-tokens 8192"))  # the stages from eval on again
     assert "--- train: done before" in other and "--- eval\n" in other and "--- sample\n" in other
     assert json.load(open(tmp_path / "report" / "stages.json"))["train"] == times["train"]  # skipped: as it was
-    # a finished training is not launched again (FRESH=1: every stage runs; a launch of no steps rewrote the report)
-    fresh = bash("speedrun.sh", dict(e, EVAL_ARGS="--skip-core --eval-tokens 8192", FRESH="1"))
-    assert "tiny trained to its last step before: not launched again" in fresh and "training from step" not in fresh
+    # another horizon on the same tag: the resume is refused, and speedrun says what works within it
+    p = subprocess.run(["bash", "speedrun.sh"], cwd=REPO, env=dict(e, RATIO="13"), capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 1 and "give another MODEL_TAG=NAME (or TRAIN_ARGS=--start-over" in p.stdout, p.stdout[-2000:]
 
 
 def test_scaling_laws_and_miniseries_small(tmp_path, env, base_dir):
