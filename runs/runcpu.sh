@@ -18,7 +18,7 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
 STEPS="${STEPS:-60}"
 
 if [ ! -e .venv/installed ]; then  # none yet, or an install cut off: (re)install, then mark it done
-    python3 -m venv .venv
+    [ -x .venv/bin/python ] || python3 -m venv .venv
     .venv/bin/python -m pip install -q --upgrade pip
     .venv/bin/python -m pip install -q torch==2.13.0 || .venv/bin/python -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
     .venv/bin/python -m pip install -q -e ".[dev]"
