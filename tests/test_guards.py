@@ -77,6 +77,27 @@ def test_a_lock_file_nobody_holds_is_taken_whatever_it_names(tmp_path):
     assert not (tmp_path / "run.lock").exists()
 
 
+def test_a_lock_released_while_the_next_run_opens_it_is_not_held_twice(tmp_path, monkeypatch):
+    """Run B opens run.lock; run A ends (removes the file, drops its lock) before B's flock: B must lock the file now
+    there, not the removed one, or a run C would take the folder too."""
+    import fcntl
+    import types
+    a = run_lock.take_lock(str(tmp_path))
+    released = []
+
+    def flock(f, how):  # A releases between B's open and its flock
+        if not released:
+            released.append(run_lock.release_lock(a))
+        return fcntl.flock(f, how)
+    monkeypatch.setattr(run_lock, "fcntl", types.SimpleNamespace(flock=flock, LOCK_EX=fcntl.LOCK_EX,
+                                                                 LOCK_NB=fcntl.LOCK_NB))
+    b = run_lock.take_lock(str(tmp_path))
+    monkeypatch.setattr(run_lock, "fcntl", fcntl)
+    with pytest.raises(ckpt.CheckpointError, match="in use by another run"):
+        run_lock.take_lock(str(tmp_path))  # C
+    run_lock.release_lock(b)
+
+
 def test_without_file_locks_a_live_pid_of_this_host_holds_the_folder(tmp_path, monkeypatch):
     """A filesystem without flock (ENOSYS): the lock file's PID decides, as before the flock."""
     def no_locks(f, how):
