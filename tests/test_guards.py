@@ -243,6 +243,21 @@ def start_torchrun(env, tag):
     return Started(cmd, env, "step 00003/", start_new_session=True)  # its own process group, as a terminal's job
 
 
+def test_a_stop_that_comes_during_a_save_ends_the_run_after_it(env, monkeypatch):
+    """The STOP file created while step 2 is being saved: the run stops there (step 2 saved, nothing after it)."""
+    from nanochat import checkpoint_manager
+    save_meta, tag = checkpoint_manager.save_meta, "stop_in_save"
+
+    def save_then_stop(ckpt_dir, step, meta, *rest):
+        save_meta(ckpt_dir, step, meta, *rest)
+        if step == 2:
+            open(os.path.join(ckpt_dir, "STOP"), "w").close()
+    monkeypatch.setattr(checkpoint_manager, "save_meta", save_then_stop)
+    p = run_script("scripts.base_train", TINY + ["--num-iterations", "6", "--save-every", "2", "--model-tag", tag], env)
+    assert p.stdout.splitlines()[-1] == "stopped: saved step 2: resume with --resume-from-step 2", p.stdout[-1500:]
+    assert checkpoint_manager.saved_steps(ckpt_dir(env, tag)) == [2]
+
+
 @pytest.mark.parametrize("how", ["STOP file", "Ctrl-C"])
 def test_a_stop_under_torchrun_saves_and_says_how_to_resume(env, how):
     """The STOP file: the workers save and torchrun exits 0. Ctrl-C reaches torchrun too, which then exits 1
