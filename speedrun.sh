@@ -142,7 +142,7 @@ train() {
     launch scripts.base_train --depth="$DEPTH" --target-param-data-ratio="$RATIO" --device-batch-size="$DEVICE_BATCH_SIZE" \
         --model-tag="$MODEL_TAG" --wandb-run="$RUN" ${fp8[@]+"${fp8[@]}"} ${bundle[@]+"${bundle[@]}"} \
         ${resume[@]+"${resume[@]}"} $TRAIN_ARGS || {
-        [ ${#resume[@]} = 0 ] || echo "=== training failed resuming $MODEL_TAG: if DEPTH, RATIO, TOK_ARGS or the data" \
+        [ "${resume[0]:-}" != --resume-from-step ] || echo "=== training failed resuming $MODEL_TAG: if DEPTH, RATIO, TOK_ARGS or the data" \
             "changed since its checkpoints, give another MODEL_TAG=NAME (or TRAIN_ARGS=--start-over to set them aside)"
         exit 1; }
     if ! finished "$ckpt/metrics.jsonl"; then

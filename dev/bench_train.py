@@ -261,8 +261,8 @@ def planned_peak(header):
     f, layout = header["flags"], header["layout"]  # flags a tree did not have yet: their defaults
     cp = layout.get("cp", 1)
     setting = Setting(dp=layout["dp"], tp=layout["tp"], pp=layout["pp"], cp=cp, ep=f.get("ep", 1),
-                      cp_exchange=f.get("cp_exchange", "ring") if cp > 1 else None, pp_schedule=f.get("pp_schedule", "1f1b"),
-                      pp_virtual=f.get("pp_virtual", 1), sequence_parallel=f.get("sequence_parallel", False),
+                      cp_exchange=f.get("cp_exchange", "ring") if cp > 1 else None,
+                      pp_schedule=f.get("pp_schedule", "1f1b"), pp_virtual=f.get("pp_virtual", 1), sequence_parallel=f.get("sequence_parallel", False),
                       shard_params=f.get("shard_params", False), keep_gathered=f.get("keep_gathered", False),
                       device_batch=f["device_batch_size"], total_batch=header["total_batch_size"],
                       recompute=f.get("recompute", "none"), fp8=header.get("fp8", False))
