@@ -301,9 +301,9 @@ def choose_path(x, ids, bounds):
 class L3Layer(nn.Module):
     def __init__(self, vocab_size, d_model, n_emb, d_up=None, k_max=512):
         super().__init__()
-        d_up = d_up or 4 * d_model
+        d_up = d_up or 4 * d_model  # 0: a config saved before --l3-d-up's default became the width (recipe.py)
         if k_max < 1 or d_up < 1:  # ConfigError: one line naming the flag, from base_train too
-            raise ConfigError(f"--l3-k-max {k_max} and --l3-d-up {d_up} must be positive (--l3-d-up 0: 4 x the width)")
+            raise ConfigError(f"--l3-k-max {k_max} and --l3-d-up {d_up} must be positive (--l3-d-up 0: the width)")
         if not vocab_size <= n_emb <= vocab_size * k_max:
             raise ConfigError(f"L3 n_emb={n_emb:,} must lie in [vocab, vocab * k_max] = [{vocab_size:,}, "
                               f"{vocab_size * k_max:,}]; change --l3-n-emb or --l3-k-max")

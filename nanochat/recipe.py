@@ -60,8 +60,7 @@ def parse_args(argv=None):
     add("--aspect-ratio", type=int, default=64, help="model_dim = depth * aspect_ratio (rounded up to head_dim)")
     add("--head-dim", type=int, default=128, help="attention head dimension")
     add("--n-kv-head", type=int, default=0, help="key/value heads for GQA (0 = as many as query heads)")
-    add("--max-seq-len", type=int, default=None, help=f"context length (default {DEFAULT_SEQ_LEN}; a resume: the "
-                                                      f"checkpoint's, and a longer one extends it)")
+    add("--max-seq-len", type=int, default=None, help=f"context length (default {DEFAULT_SEQ_LEN}; a resume: the checkpoint's, and a longer one extends it)")
     add("--window-pattern", type=str, default="SSSL", help="sliding windows tiled over layers: S=quarter context, L=full")
     # horizon
     add("--num-iterations", type=int, default=-1, help="optimizer steps (-1 = from flops or ratio)")
@@ -96,8 +95,7 @@ def parse_args(argv=None):
                                                   "are moved into replaced_<date>-<time>/ there")
     add("--stop-at-step", type=int, default=-1, help="save at this step and stop, the schedule unchanged (-1 = run to "
                                                      "the end); e.g. to resume from it with a longer --max-seq-len")
-    add("--resume-on-new-data", action="store_true", help="resume although the shards differ from the checkpoint's: "
-                                                          "on into shards added after them, else from the start")
+    add("--resume-on-new-data", action="store_true", help="resume although the shards differ from the checkpoint's: on into shards added after them, else from the start")
     add("--model-tag", type=str, default=None, help="checkpoint folder name (default: d<depth>)")
     add("--seed", type=int, default=42, help="random seed: the initial weights differ with it, the data order does not")
     add("--compile", type=int, default=-1, help="torch.compile the model and optimizer (-1 = on CUDA only)")
@@ -134,7 +132,7 @@ def parse_args(argv=None):
     add("--fp8", action="store_true", help="fp8 training linears, torchao's tensorwise recipe (CUDA, SM89+, torchao); any --tp/--pp")
     add("--l3-after-layers", type=str, default="", help="blocks followed by an L3 layer, e.g. 4,8")
     add("--l3-n-emb", type=int, default=0, help="rows of the L3 table (0 = 16 per vocabulary entry)")
-    add("--l3-d-up", type=int, default=0, help="L3 up-projection width (0 = 4 * model_dim)")
+    add("--l3-d-up", type=int, default=0, help="L3 up-projection width (0 = model_dim)")
     add("--l3-k-max", type=int, default=512, help="most table rows one token may own")
     add("--moe-experts", type=int, default=0, help="mixture of experts: routed experts per MoE layer (0 = dense MLPs)")
     add("--moe-topk", type=int, default=2, help="experts each token is routed to")
@@ -212,6 +210,8 @@ def config_for_depth(depth, aspect_ratio=64, head_dim=128, vocab_size=32768, seq
     n_kv_head = n_kv_head or n_head
     if n_head % n_kv_head != 0:
         raise ConfigError(f"--n-kv-head {n_kv_head} must divide the number of heads, {n_head}")
+    if kwargs.get("l3_after_layers") and not kwargs.get("l3_d_up"):  # --l3-d-up 0: the width (as good on the ladder, faster)
+        kwargs["l3_d_up"] = model_dim
     return GPTConfig(sequence_len=sequence_len, vocab_size=vocab_size, n_layer=depth, n_head=n_head,
                      n_kv_head=n_kv_head, n_embd=model_dim, window_pattern=window_pattern, **kwargs)
 

@@ -338,6 +338,14 @@ def test_checkpoint_round_trip_keeps_the_allocation():
     assert torch.equal(fresh(x, ids), layer(x, ids))
 
 
+def test_the_up_projection_is_the_width_unless_given():
+    """--l3-d-up 0 gives the model's width (d12: 768); a config saved with 0 before that default keeps 4 x (test_sizes_and_flops)."""
+    from nanochat.recipe import config_for_depth
+    assert config_for_depth(12, l3_after_layers=(5,)).l3_d_up == 768
+    assert config_for_depth(12, l3_after_layers=(5,), l3_d_up=1024).l3_d_up == 1024
+    assert config_for_depth(12).l3_d_up == 0  # dense: the config names no width
+
+
 def test_sizes_and_flops():
     cfg = GPTConfig(vocab_size=32768, n_embd=768, l3_after_layers=(5,))
     with torch.device("meta"):  # d12 sizes; base_train's first estimate has no allocation yet: k_max rows
