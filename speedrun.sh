@@ -135,6 +135,7 @@ train() {
     elif [ -e "$ckpt/metrics.jsonl" ]; then  # a run that ended before its first checkpoint: start again
         resume=(--start-over)
     fi
+    finished "$ckpt/metrics.jsonl" && mode=add  # the stage's: a wrap-up again (evaluations, report) adds its time
     local fp8=()
     [ "$FP8" = "1" ] && fp8=(--fp8)
     local bundle=()

@@ -393,7 +393,7 @@ class Run:
                 "final validation bpb": measured(self.val_bpb), "CORE during training": self.core_status,
                 "minimum validation bpb": measured(self.min_val_bpb),
                 "training time (min)": f"{seconds / 60:.3f}{what}",
-                "tok/sec (last step)": round(self.tok_per_sec),
+                "tok/sec (last step)": round(self.tok_per_sec) if self.step > self.first_step else "n/a (no step this launch)",
                 "spikes (loss or grad norm)": self.spike_count,
                 "context (tokens)": ", then ".join(f"{n:,}" + (f" from step {s}" if s else "") for s, n in self.plan.contexts),
                 "data": "the same shards throughout" if not self.new_data_at else
