@@ -224,12 +224,12 @@ class NanochatForCausalLM(PreTrainedModel, GenerationMixin):
             x = block(x, x0, input_ids, cos, sin, masks[cfg.window_sizes[i]], cache)
             if str(i) in self.l3:
                 x = x + self.l3[str(i)](x, input_ids)
-        x = x - self.backout_lambda.to(x.dtype) * x_mid
+        x = x - self.backout_lambda.to(x) * x_mid.to(x.device)  # device_map="auto": the blocks on several devices
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
         logits = cfg.softcap * torch.tanh(self.lm_head(norm(x)).float() / cfg.softcap)
         loss = None if labels is None else F.cross_entropy(  # labels are the inputs (transformers' convention): shift
-            logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1), ignore_index=-100)
+            logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].to(logits.device).reshape(-1), ignore_index=-100)
         return CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_FIELD: cache if use_cache else None})
 
     def prepare_inputs_for_generation(self, input_ids, **kwargs):
