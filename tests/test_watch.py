@@ -101,7 +101,7 @@ def test_new_data_is_refused_then_continued_with_the_flag_and_its_loss_spike_is_
         f"ERROR: the shards in {prose} differ from those step 24 was trained on: shard_0.parquet changed "
         f"(8 -> 15 row groups); shard_1.parquet changed (1 -> 3 row groups). Put the saved shards back, or pass "
         f"--resume-on-new-data to read the new data"], p.stdout[-1500:]
-    p = run_script("scripts.base_train", resume + ["--resume-on-new-data"], env)
+    p = run_script("scripts.base_train", resume + ["--resume-on-new-data", "--tensorboard", str(tb)], env)
     assert f"note: the shards in {prose} differ from step 24's (2 changes); --resume-on-new-data: reading them from " \
            f"the start" in p.stdout
     spike = re.search(r"^step 00024 \| WARNING: loss spike: ([\d.]+) is ([\d.]+)x the median of the previous 24 steps "
@@ -120,14 +120,20 @@ def test_new_data_is_refused_then_continued_with_the_flag_and_its_loss_spike_is_
                  for s in (24, 26)]  # the new data read from its start, not from step 24's place in the old
     assert positions[1]["g"] < positions[0]["g"] and positions[1]["epoch"] == 1, positions
     assert f"- spikes (loss or grad norm): {count}\n" in report
-    # TensorBoard holds the first launch's numbers, as metrics.jsonl does
+    # TensorBoard holds what metrics.jsonl does: the first launch's steps up to 24, the resumed launch's from there
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     events = EventAccumulator(str(tb))
     events.Reload()
     assert {"loss", "grad_norm", "grad_norm_matrices", "lrm", "val_bpb"} <= set(events.Tags()["scalars"])
     grad_norm = {e.step: e.value for e in events.Scalars("grad_norm")}
     assert sorted(grad_norm) == list(range(26))
-    assert all(abs(grad_norm[s] - run.steps[s]["grad_norm"]) <= 1e-6 * run.steps[s]["grad_norm"] for s in range(24))
+    assert all(abs(grad_norm[s] - run.steps[s]["grad_norm"]) <= 1e-6 * run.steps[s]["grad_norm"] for s in range(26))
+    # through a restart mark at step 24, where every reader drops the first launch's 24 and 25 (EventAccumulator
+    # also drops them unmarked, seeing the steps go back)
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    starts = [e.step for f in sorted(tb.iterdir()) for e in EventFileLoader(str(f)).Load()
+              if e.HasField("session_log") and e.session_log.status == e.session_log.START]
+    assert starts == [24], starts
 
 
 
