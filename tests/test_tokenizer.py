@@ -94,3 +94,19 @@ def test_numbers_split_in_pairs(tokenizer):
     digits = lambda i: sum(c.isdigit() for c in tokenizer.id_to_token(i).decode(errors="replace"))
     assert max(digits(i) for i in range(tokenizer.get_vocab_size()) if i not in tokenizer.special_tokens.values()) == 2
     assert all(digits(i) <= 2 for i in tokenizer.encode("1234567 and 9876543210"))
+
+
+def test_tok_train_reads_the_training_shards_only(env, tmp_path):
+    """The last shard is validation: the tokenizer must not learn its text (bits per byte would be judged on text the
+    vocabulary was fitted to). The validation shard alone holds "q", repeated: had it been read, "qq" would merge."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from conftest import run_script
+    from nanochat.tokenizer import get_tokenizer
+    data = tmp_path / "data"
+    data.mkdir()
+    pq.write_table(pa.table({"text": ["the cat sat on the mat, and the dog ran. " * 20] * 50}), data / "shard_0.parquet")
+    pq.write_table(pa.table({"text": ["qqqqqqqqqqqqqqqq " * 200] * 50}), data / "shard_1.parquet")
+    run_script("scripts.tok_train", ["--vocab-size", "272", "--data-dir", str(data)], dict(env, NANOCHAT_BASE_DIR=str(tmp_path)))
+    tokenizer = get_tokenizer(str(tmp_path / "tokenizer"))
+    assert len(tokenizer.encode("qqqqqqqq")) == 8 and len(tokenizer.encode(" the cat")) < 8
