@@ -274,6 +274,9 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.window_sizes = window_sizes(config)
+        if config.n_embd < VE_GATE_CHANNELS:  # the gates read the residual's first channels
+            raise ConfigError(f"model_dim {config.n_embd} is under {VE_GATE_CHANNELS}, the channels the value-embedding "
+                              f"gate reads: raise --depth or --aspect-ratio")
         self.backout_layer = config.n_layer // 2  # x_mid = the input of this block
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.smear_gate = Linear(SMEAR_GATE_CHANNELS, 1)

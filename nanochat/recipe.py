@@ -82,8 +82,7 @@ def parse_args(argv=None):
     add("--final-lr-frac", type=float, default=0.05, help="LR multiplier at the end of warmdown")
     # evaluation, sampling, checkpoints
     add("--eval-every", type=int, default=250, help="val bpb every N steps (-1 = only at the end)")
-    add("--eval-tokens", type=int, default=-1, help="tokens of validation data per evaluation (0 = no evaluation; "
-                                                     "-1 = 20 x 2^19 on a GPU, 2^18 elsewhere)")
+    add("--eval-tokens", type=int, default=-1, help="validation tokens per evaluation (0 = none; -1 = 20 x 2^19 on a GPU, 2^18 elsewhere)")
     add("--core-metric-every", type=int, default=2000, help="CORE every N steps (-1 = never)")
     add("--core-metric-max-per-task", type=int, default=500, help="items per CORE task during training")
     add("--eval-bundle", type=str, default=None, help="CORE bundle folder (default: download)")
@@ -91,8 +90,7 @@ def parse_args(argv=None):
     add("--save-every", type=int, default=-1, help="checkpoint every N steps (-1 = only at the end, 0 = never)")
     add("--keep-last", type=int, default=-1, help="keep only the newest N checkpoints of the model tag (-1 = all)")
     add("--resume-from-step", type=lambda v: v if v == "latest" else int(v), default=-1, help="step, or `latest` (-1 = fresh)")
-    add("--start-over", action="store_true", help="start fresh although the model tag's folder holds a run: its files "
-                                                  "are moved into replaced_<date>-<time>/ there")
+    add("--start-over", action="store_true", help="start fresh although the model tag's folder holds a run: its files are moved into replaced_<date>-<time>/ there")
     add("--stop-at-step", type=int, default=-1, help="save at this step and stop, the schedule unchanged (-1 = run to "
                                                      "the end); e.g. to resume from it with a longer --max-seq-len")
     add("--resume-on-new-data", action="store_true", help="resume although the shards differ from the checkpoint's: on into shards added after them, else from the start")
@@ -106,8 +104,7 @@ def parse_args(argv=None):
     add("--tp", type=int, default=1, help="tensor-parallel degree")
     add("--sequence-parallel", action="store_true", help="with --tp: shard norms/residual along the sequence")
     add("--pp", type=int, default=1, help="pipeline-parallel degree")
-    add("--cp", type=int, default=1, help="context-parallel degree: each sequence split over this many ranks "
-                                          "(head-tail chunks; nanochat/context_parallel.py)")
+    add("--cp", type=int, default=1, help="context-parallel degree: each sequence split over this many ranks (head-tail chunks; nanochat/context_parallel.py)")
     add("--cp-exchange", type=str, default=None, choices=("all-gather", "ring"),
         help="how --cp ranks share K/V: one all-gather per layer, or a ring of point-to-point steps that skips ranks "
              "a sliding window never reaches (less memory); default: the faster measured, ring at CP 2, else all-gather")
@@ -150,7 +147,10 @@ def parse_args(argv=None):
     ranges = [(step != "latest" and step < -1, "--resume-from-step: a step >= 0, latest, or -1 to start fresh"),
               *[(getattr(args, k) == 0 or getattr(args, k) < -1, f"--{k.replace('_', '-')}: positive, or -1")
                 for k in ("num_iterations", "total_batch_size", "stop_at_step", "keep_last", "core_metric_max_per_task")],
-              (args.target_param_data_ratio <= 0, "--target-param-data-ratio: positive"),
+              (not 0 < args.target_param_data_ratio < math.inf, "--target-param-data-ratio: positive, finite"),
+              (not (args.target_flops == -1 or 0 < args.target_flops < math.inf), "--target-flops: positive, finite, or -1"),
+              *[(not 0 <= (getattr(args, k) or 0) < math.inf, f"--{k.replace('_', '-')}: 0 or more, finite")
+                for k in ("embedding_lr", "unembedding_lr", "matrix_lr", "scalar_lr", "weight_decay", "l3_table_lr")],
               (args.warmup_steps < 0, "--warmup-steps: 0 or more"),
               (not -2 ** 63 <= args.seed < 2 ** 64, "--seed: a 64-bit integer"),
               (not 0 < args.dist_timeout < 1e9, "--dist-timeout: seconds, positive (below 1e9)"),

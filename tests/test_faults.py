@@ -274,7 +274,11 @@ def test_a_model_flag_given_at_its_default_is_compared_on_resume():
     (["--resume-from-step", "-2"], "--resume-from-step: a step >= 0"),
     (["--num-iterations", "0"], "--num-iterations: positive"),
     (["--target-param-data-ratio", "0"], "--target-param-data-ratio: positive"),
-    (["--warmdown-ratio", "1.5", "--target-param-data-ratio", "0"], "ratio: positive; --warmdown-ratio and --final"),
+    (["--target-param-data-ratio", "nan"], "--target-param-data-ratio: positive, finite"),  # was a traceback
+    (["--target-flops", "0"], "--target-flops: positive, finite, or -1"),  # was the ratio's horizon, silently
+    (["--matrix-lr", "-0.02"], "--matrix-lr: 0 or more, finite"),
+    (["--l3-table-lr", "nan"], "--l3-table-lr: 0 or more, finite"),
+    (["--warmdown-ratio", "1.5", "--target-param-data-ratio", "0"], "ratio: positive, finite; --warmdown-ratio and --final"),
     (["--seed", "99999999999999999999"], r"^base_train: error: --seed: a 64-bit integer; see --help\n"),  # torch's, traced
     (["--dist-timeout", "0"], r"^base_train: error: --dist-timeout: seconds, positive \(below 1e9\); see --help\n"),
     (["--device-type", "foo"], r"argument --device-type: invalid choice: 'foo'"),  # torch.device's error, traced

@@ -81,6 +81,8 @@ def test_window_pattern_and_value_embeddings():
     assert [has_value_embed(i, 4) for i in range(4)] == [False, True, False, True]  # even depths: the last one too
     with pytest.raises(ValueError, match="window-pattern"):
         window_sizes(config_for_depth(2, window_pattern="SXL"))
+    with pytest.raises(ValueError, match="model_dim 16 is under 32"), torch.device("meta"):  # was a shape error
+        GPT(config_for_depth(1, aspect_ratio=16, head_dim=16))
 
 
 def reference_attention(q, k, v, window):
