@@ -222,6 +222,17 @@ class Schedule:
     def muon_weight_decay(self, it):  # cosine to 0
         return self.weight_decay * 0.5 * (1 + math.cos(math.pi * it / self.num_iterations))
 
+    def notes(self, matrix_lr):
+        """What base_train says of this schedule at start (matrix_lr: Muon's peak LR): a warmup that meets the
+        warmdown, and a decay that would flip weights' signs (LR x decay >= 1: a horizon far under the recipe's)."""
+        notes = [f"note: --warmup-steps {self.warmup_steps} runs into the warmdown (from step {self.warmdown_start()}): "
+                 f"the LR never reaches its peak (lower --warmup-steps)"] if self.warmup_steps > self.warmdown_start() else []
+        step = max(range(self.num_iterations), key=lambda i: self.lr_multiplier(i) * self.muon_weight_decay(i))
+        if (shrink := matrix_lr * self.lr_multiplier(step) * self.muon_weight_decay(step)) >= 1:
+            notes.append(f"WARNING: Muon's LR x weight decay reaches {shrink:.2f} at step {step} (the recipe's decay "
+                         f"grows as the horizon shrinks): a decay step can flip weights' signs; lower --weight-decay")
+        return notes
+
 
 def next_batches(loader, n):
     """n micro-batches [(x, y), ...] and the data state after the last; placeholders on stages that read no data."""

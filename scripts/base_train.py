@@ -96,9 +96,8 @@ class Plan:
             raise ConfigError(f"--stop-at-step {args.stop_at_step} is past the run's last step ({recipe.num_iterations})")
         self.schedule = training.Schedule(recipe.num_iterations, recipe.weight_decay, args.warmup_steps,
                                           args.warmdown_ratio, args.final_lr_frac)
-        if args.warmup_steps > (warmdown := self.schedule.warmdown_start()):
-            print0(f"note: --warmup-steps {args.warmup_steps} runs into the warmdown (from step {warmdown}): the LR "
-                   f"never reaches its peak (lower --warmup-steps)")
+        for note in self.schedule.notes(args.matrix_lr * recipe.lr_scale):
+            print0(note)
 
 
 # -----------------------------------------------------------------------------

@@ -28,6 +28,15 @@ def test_a_warmup_that_runs_into_the_warmdown_takes_the_lower_multiplier():
     assert max(lrm) < 1.0
 
 
+def test_a_decay_that_would_flip_weights_is_warned_about():
+    """The recipe's decay grows as D_ref / D: at a tiny horizon LR x decay passes 1 (a decay step overshoots zero)."""
+    assert Schedule(num_iterations=5000, weight_decay=0.28).notes(0.02) == []
+    tiny = Schedule(num_iterations=10, weight_decay=70.0, warmup_steps=0)
+    assert tiny.notes(0.02) == ["WARNING: Muon's LR x weight decay reaches 1.40 at step 0 (the recipe's decay grows as "
+                                "the horizon shrinks): a decay step can flip weights' signs; lower --weight-decay"]
+    assert Schedule(num_iterations=10, weight_decay=70.0, warmup_steps=40).notes(0.02)[1:] == []  # under warmup: 0.2
+
+
 def test_muon_momentum_and_weight_decay():
     s = Schedule(num_iterations=1000, weight_decay=0.2, warmup_steps=10, warmdown_ratio=0.5, final_lr_frac=0.1)
     assert s.muon_momentum(0) == pytest.approx(0.85) and s.muon_momentum(200) == pytest.approx(0.91)
