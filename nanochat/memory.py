@@ -200,8 +200,10 @@ def rank_memory(config, s):
                 max((t for w, t in zip(whole, tables) if w > t), default=0) + (max(whole) if s.pp_virtual > 1 else 0)
             gathered = (max(freed, kept_whole) if s.keep_gathered else freed) * dt
             working = gathered + 2 * max(whole) * 2 * dt
-        alive_grads = weights if (m > 1 or s.pp > 1) else 0  # fp32 as the weights held; at the activation peak only
-        parts = {"weights": weights, "working copies": working, "gradients": alive_grads,  # after earlier micro-batches
+        # fp32 as the weights held: beside the activations after an earlier micro-batch; else whole at the backward's
+        # end, when the activations are gone (counted where they outweigh them)
+        alive_grads = weights if (m > 1 or s.pp > 1) else max(0, weights - act_peaks[r])
+        parts = {"weights": weights, "working copies": working, "gradients": alive_grads,
                  "optimizer state": state, "activations": act_peaks[r]}
         parts["total"] = sum(parts.values())
         parts["gathered"] = gathered  # the whole weights alone, of the working copies

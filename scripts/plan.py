@@ -22,6 +22,8 @@ from nanochat.recipe import Setting, parse_args, model_config, derive_recipe
 def run_setting(argv, gpus, vocab_size):
     """(config, Setting) from base_train's flags, over `gpus` GPUs."""
     args = parse_args(argv)
+    if args.kernels == "reference" or args.compile == 0:  # the activations were fitted to compiled runs, fast kernels
+        raise ConfigError("the plan is of compiled runs with the fast kernels: leave out --kernels reference / --compile 0")
     config = model_config(args, vocab_size)
     model_parallel = args.tp * args.pp * args.cp
     if gpus % model_parallel:
@@ -55,10 +57,12 @@ def print_candidates(config, gpus, total_batch, fp8, capacity, top):
             rows.append((relative_speed(s, m), -s.tp * s.pp * s.cp, not s.shard_params, b, s, peak))
     rows.sort(key=lambda r: r[:4], reverse=True)
     if not rows:
-        print(f"no layout of {gpus} GPUs in powers of two fits d{config.n_layer} in {gib(capacity)} GiB a GPU")
+        print(f"no layout of {gpus} GPUs in powers of two both fits d{config.n_layer} in {gib(capacity)} GiB a GPU and "
+              f"divides its {total_batch:,} tokens a step")
         return
     print(f"\nlayouts of {gpus} GPUs that fit, fastest first (tok/s per GPU against one GPU without savers, from "
-          f"measured factors: an ordering, not a prediction); the first is the suggestion:")
+          f"measured factors: an ordering, not a prediction; DP, TP, PP, CP, sharding and recompute varied, other "
+          f"layout flags at their defaults); the first is the suggestion:")
     print("| layout | device batch | peak GiB (worst rank) | relative speed |\n| --- | --- | --- | --- |")
     for speed, _, _, b, s, peak in rows[:top]:
         print(f"| {s.describe()} | {b} | {gib(peak)} | {speed:.2f} |")
@@ -113,7 +117,7 @@ def main(argv=None):
         fail("scripts.plan plans a run from its flags: leave out --resume-from-step")
     if len(names) > 1 and not args.compare:
         fail(f"--gpu {args.gpu!r}: one GPU a plan (several go with --compare)")
-    if any(g not in GPUS for g in names) and not args.gpu_memory:
+    if (not names or any(g not in GPUS for g in names)) and not args.gpu_memory:
         fail(f"--gpu {args.gpu!r}: use {', '.join(GPUS)}, or give --gpu-memory GiB")
     try:
         if args.compare:
@@ -122,7 +126,13 @@ def main(argv=None):
             return
         capacity = usable_bytes(args.gpu_memory or GPUS[names[0]])
         config, s = run_setting(rest, args.gpus, args.vocab_size)
-        s.check(config)  # a layout base_train would refuse: its one line, before any table
+        if s.fp8 and names and names[0].startswith("a100"):
+            raise ConfigError(f"--fp8 needs an H100-class GPU (compute capability 8.9+); on {names[0]} it trains in bf16")
+        try:
+            s.check(config)
+        except ConfigError as e:  # a layout base_train would refuse: the layouts that would run, then its one line
+            print_candidates(config, args.gpus, s.total_batch, s.fp8, capacity, args.top)
+            raise e
         print_setting(config, s, capacity)
         print_candidates(config, args.gpus, s.total_batch, s.fp8, capacity, args.top)
     except ConfigError as e:

@@ -94,6 +94,13 @@ def test_pipeline_stages_hold_their_schedules_micro_batches():
     assert all(s["weights"] < 0.6 * o["weights"] for s, o in zip(sharded, one_f))
 
 
+def test_one_micro_batch_peaks_with_its_whole_gradients():
+    """Without accumulation the fp32 gradients are whole at the backward's end: where they outweigh the activations,
+    that is the peak (d32, one sequence a GPU: 22.9 GiB, not 16.6)."""
+    one = rank_memory(config_for_depth(32), Setting(dp=8, device_batch=1, total_batch=8 * 2048))[0]
+    assert one["activations"] < one["weights"] and one["total"] >= 2 * one["weights"] + one["optimizer state"]
+
+
 def test_sharding_fits_larger_batches():
     config = config_for_depth(32)
     capacity = usable_bytes(79.6)
@@ -119,8 +126,13 @@ def test_plan_script(env):
     assert p.returncode != 0 and "--gpus 0" in p.stdout and "positive vocabulary and GPU count" in p.stdout
     p = run("--depth", "12", "--gpus", "3", "--tp", "2")
     assert p.returncode != 0 and "ERROR: --gpus 3 is not divisible by tp x pp x cp = 2" in p.stdout
-    p = run("--depth", "12", "--gpus", "3")  # a layout base_train refuses: its line, no table before it
-    assert p.returncode != 0 and p.stdout.startswith("ERROR: the batch") and "| pipeline rank" not in p.stdout
+    p = run("--depth", "12", "--gpus", "16")  # a layout base_train refuses: the layouts that run, then its line
+    assert p.returncode != 0 and p.stdout.splitlines()[-1].startswith("ERROR: the batch") and "| pipeline rank" not in \
+        p.stdout and "| dp 16; batch 16; recompute none | 16 |" in p.stdout, p.stdout
+    for flags, error in ((["--gpu", ","], "ERROR: --gpu ','"), (["--kernels", "reference"], "the plan is of compiled runs"),
+                         (["--fp8", "--gpu", "a100"], "--fp8 needs an H100-class GPU")):
+        p = run("--depth", "12", *flags)
+        assert p.returncode != 0 and error in p.stdout and "Traceback" not in p.stderr, p.stdout + p.stderr
     p = run("--depth", "12", "--gpus", "2", "--gpu", "h100,h200")
     assert p.returncode != 0 and "several go with --compare" in p.stdout
     p = run("--depth", "32", "--gpus", "4", "--gpu", "h200", "--top", "30")  # sharding is charged its measured cost
