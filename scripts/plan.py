@@ -132,7 +132,7 @@ def main(argv=None):
             s.check(config)
         except ConfigError as e:  # a layout base_train would refuse: the layouts that would run, then its one line
             print_candidates(config, args.gpus, s.total_batch, s.fp8, capacity, args.top)
-            raise e
+            raise
         print_setting(config, s, capacity)
         print_candidates(config, args.gpus, s.total_batch, s.fp8, capacity, args.top)
     except ConfigError as e:
