@@ -130,7 +130,7 @@ def main(argv=None):
             raise ConfigError(f"--fp8 needs an H100-class GPU (compute capability 8.9+); on {names[0]} it trains in bf16")
         try:
             s.check(config)
-        except ConfigError as e:  # a layout base_train would refuse: the layouts that would run, then its one line
+        except ConfigError:  # a layout base_train would refuse: the layouts that would run, then its one line
             print_candidates(config, args.gpus, s.total_batch, s.fp8, capacity, args.top)
             raise
         print_setting(config, s, capacity)
