@@ -122,9 +122,10 @@ stage tok_eval "" "$PYTHON" -m scripts.tok_eval
 # --- pretraining (resumes from the last checkpoint of $MODEL_TAG) ---
 finished() {  # whether the run's metrics.jsonl ends with a launch that trained to its last step
     [ -e "$1" ] && "$PYTHON" - "$1" <<'EOF'
-import json, sys
-ends = [r for r in map(json.loads, open(sys.argv[1])) if r.get("kind") == "end"]
-sys.exit(0 if ends and ends[-1].get("completed") else 1)
+import sys
+from nanochat.run_log import Run
+end = Run(sys.argv[1]).end  # a line a crash cut off is skipped (json.loads line by line would fail on it)
+sys.exit(0 if end and end.get("completed") else 1)
 EOF
 }
 train() {
